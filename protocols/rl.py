@@ -16,14 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-try:  # the codec is written by the runtime owner; until it lands, registration is a no-op
-    from protocols import codec as _codec
-
-    register = getattr(_codec, "register", lambda c: c)
-except ImportError:  # pragma: no cover - only while protocols/codec.py does not exist yet
-    def register(c):  # type: ignore[no-redef]
-        return c
-
+from protocols.codec import register
 
 __all__ = ["Batch", "Trajectory", "TrajectoryError", "TrajectoryGroup"]
 

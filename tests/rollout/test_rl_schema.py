@@ -58,3 +58,12 @@ def test_group_and_batch():
         TrajectoryGroup("g1", [traj("g2")]).validate()
     with pytest.raises(TrajectoryError, match="no trajectories"):
         TrajectoryGroup("g3", []).validate()
+
+
+def test_batch_round_trips_through_the_codec():
+    from protocols import codec
+
+    b = Batch([TrajectoryGroup("g1", [traj("g1"), traj("g1", (5,))])], version=5)
+    frames = codec.encode(b)
+    out = codec.decode(frames)
+    assert out == b and isinstance(out.groups[0].trajectories[0], Trajectory)
