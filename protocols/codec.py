@@ -1,0 +1,276 @@
+"""Serialization for everything that crosses a process boundary: msgpack plus raw frames.
+
+A message is a list of frames. Frame 0 is msgpack; tensors and numpy arrays inside it are
+replaced by a small header (dtype, shape, frame index) and their bytes travel as their own
+frames, handed to ZeroMQ without a copy. Dataclasses registered with :func:`register`
+round-trip by name. There is no pickle: an unknown type is an error at the sender.
+
+torch is never imported here at module load; a torch tensor is recognised by its type's
+module, and torch is imported only when one is encoded or decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgpack
+
+__all__ = [
+    "CodecError",
+    "decode",
+    "encode",
+    "register",
+    "register_type",
+    "registered_name",
+]
+
+T = TypeVar("T")
+
+# msgpack ext type codes. Keep stable: they are part of the wire format.
+EXT_DATACLASS = 1
+EXT_ARRAY = 2
+EXT_CUSTOM = 3
+
+# Buffers at or below this size are carried inline in the msgpack body; a separate
+# frame costs more than copying a few hundred bytes.
+INLINE_LIMIT = 1024
+
+_MAIN_ALIASES = ("__main__", "__mp_main__")
+
+
+class CodecError(ValueError):
+    """A value cannot be encoded, or a message cannot be decoded."""
+
+
+_dataclasses: dict[str, type] = {}
+_custom: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
+_custom_by_type: dict[type, str] = {}
+
+
+def _type_name(cls: type) -> str:
+    module = cls.__module__
+    if module in _MAIN_ALIASES:
+        module = "__main__"
+    return f"{module}:{cls.__qualname__}"
+
+
+def register(cls: type[T]) -> type[T]:
+    """Class decorator: let instances of this dataclass travel by value.
+
+    Fields must themselves be wire types (msgpack types, arrays, tensors, registered
+    classes). The receiving process must be able to import the class by module path.
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__qualname__} is not a dataclass; decorate it with @dataclass first")
+    _dataclasses[_type_name(cls)] = cls
+    return cls
+
+
+def register_type(
+    cls: type, name: str, to_wire: Callable[[Any], Any], from_wire: Callable[[Any], Any]
+) -> None:
+    """Register a non-dataclass type with explicit conversion to and from wire types."""
+    _custom[name] = (cls, to_wire, from_wire)
+    _custom_by_type[cls] = name
+
+
+def registered_name(cls: type) -> str | None:
+    """The wire name of a registered class, or None."""
+    name = _type_name(cls)
+    return name if name in _dataclasses else _custom_by_type.get(cls)
+
+
+def _lookup_dataclass(name: str) -> type:
+    cls = _dataclasses.get(name)
+    if cls is not None:
+        return cls
+    module, _, qualname = name.partition(":")
+    candidates = ["__mp_main__", "__main__"] if module == "__main__" else [module]
+    for mod_name in candidates:
+        mod = sys.modules.get(mod_name)
+        if mod is None and mod_name not in _MAIN_ALIASES:
+            try:
+                __import__(mod_name)
+            except ImportError:
+                continue
+            mod = sys.modules.get(mod_name)
+        if mod is None:
+            continue
+        obj: Any = mod
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+            cls = _dataclasses.get(_type_name(obj))
+            if cls is not None:
+                return cls
+    raise CodecError(
+        f"unknown dataclass {name!r}: is it decorated with @protocols.codec.register and importable here?"
+    )
+
+
+# --- arrays -----------------------------------------------------------------------------------
+
+_TORCH_TO_NP = {
+    "float32": "float32",
+    "float64": "float64",
+    "float16": "float16",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint8": "uint8",
+    "bool": "bool",
+}
+
+
+def _array_header(obj: Any, frames: list[Any]) -> list[Any]:
+    """Describe an array and put its bytes in ``frames`` (or inline when small)."""
+    mod = type(obj).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.dtype == torch.bfloat16:
+            buf = memoryview(t.view(torch.int16).numpy()).cast("B")
+        elif t.dtype.is_complex or dtype not in _TORCH_TO_NP:
+            raise CodecError(f"tensor dtype {t.dtype} cannot be sent")
+        else:
+            buf = memoryview(t.numpy()).cast("B") if t.numel() else b""
+        kind, shape = "torch", list(t.shape)
+    else:
+        import numpy as np
+
+        a = np.ascontiguousarray(obj)
+        if a.dtype.hasobject:
+            raise CodecError("numpy arrays of Python objects cannot be sent (no pickle on the wire)")
+        buf = memoryview(a).cast("B") if a.size else b""
+        kind, shape, dtype = "numpy", list(a.shape), a.dtype.str
+    if len(buf) <= INLINE_LIMIT:
+        return [kind, dtype, shape, bytes(buf)]
+    frames.append(buf)
+    return [kind, dtype, shape, len(frames) - 1]
+
+
+def _array_from(header: list[Any], frames: Sequence[Any]) -> Any:
+    kind, dtype, shape, where = header
+    if isinstance(where, int):
+        if not 0 <= where < len(frames):
+            raise CodecError(f"array refers to frame {where}, message has {len(frames)}")
+        buf = frames[where]
+        buf = getattr(buf, "buffer", buf)  # zmq.Frame -> memoryview, without a copy
+    else:
+        buf = where
+    if kind == "numpy":
+        import numpy as np
+
+        return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+    if kind == "torch":
+        import torch
+
+        tdtype = getattr(torch, dtype, None)
+        if not isinstance(tdtype, torch.dtype):
+            raise CodecError(f"unknown tensor dtype {dtype!r}")
+        if len(buf) == 0:
+            return torch.empty(shape, dtype=tdtype)
+        with warnings.catch_warnings():
+            # Received buffers are read-only views of the ZeroMQ frame; we hand them out
+            # without a copy (a copy of 64 MiB costs as much as the transfer).
+            warnings.simplefilter("ignore", UserWarning)
+            if tdtype == torch.bfloat16:
+                return torch.frombuffer(buf, dtype=torch.int16).view(torch.bfloat16).reshape(shape)
+            return torch.frombuffer(buf, dtype=tdtype).reshape(shape)
+    raise CodecError(f"unknown array kind {kind!r}")
+
+
+# --- encode / decode --------------------------------------------------------------------------
+
+
+def _default_for(frames: list[Any]) -> Callable[[Any], Any]:
+    def default(obj: Any) -> Any:
+        cls = type(obj)
+        name = _custom_by_type.get(cls)
+        if name is not None:
+            return msgpack.ExtType(EXT_CUSTOM, _pack([name, _custom[name][1](obj)], default))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            name = _type_name(cls)
+            if name not in _dataclasses:
+                raise CodecError(
+                    f"dataclass {name} is not registered; decorate it with @protocols.codec.register"
+                )
+            fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            return msgpack.ExtType(EXT_DATACLASS, _pack([name, fields], default))
+        mod = cls.__module__
+        if (mod.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")) or (
+            mod == "numpy" and cls.__name__ == "ndarray"
+        ):
+            return msgpack.ExtType(EXT_ARRAY, _pack(_array_header(obj, frames), default))
+        if mod == "numpy" and hasattr(obj, "item"):  # numpy scalars
+            return obj.item()
+        if isinstance(obj, (set, frozenset)):
+            return list(obj)
+        raise CodecError(
+            f"cannot send a value of type {cls.__module__}.{cls.__qualname__} (no pickle on the wire)"
+        )
+
+    return default
+
+
+def _pack(obj: Any, default: Callable[[Any], Any]) -> bytes:
+    return msgpack.packb(obj, default=default, use_bin_type=True, datetime=False)
+
+
+def _ext_hook_for(frames: Sequence[Any]) -> Callable[[int, bytes], Any]:
+    def ext_hook(code: int, data: bytes) -> Any:
+        inner = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+        if code == EXT_ARRAY:
+            return _array_from(inner, frames)
+        if code == EXT_DATACLASS:
+            name, fields = inner
+            cls = _lookup_dataclass(name)
+            try:
+                return cls(**fields)
+            except TypeError as e:
+                raise CodecError(f"cannot rebuild {name}: {e}") from e
+        if code == EXT_CUSTOM:
+            name, value = inner
+            entry = _custom.get(name)
+            if entry is None:
+                raise CodecError(f"unknown registered type {name!r}")
+            return entry[2](value)
+        raise CodecError(f"unknown msgpack ext type {code}")
+
+    return ext_hook
+
+
+def encode(obj: Any) -> list[Any]:
+    """Encode ``obj`` into frames: ``[msgpack body, raw buffer, ...]`` (buffers are not copied)."""
+    frames: list[Any] = [b""]
+    try:
+        frames[0] = _pack(obj, _default_for(frames))
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CodecError(f"cannot encode value: {e}") from e
+    return frames
+
+
+def decode(frames: Sequence[Any]) -> Any:
+    """Decode frames made by :func:`encode`. Raises :class:`CodecError` on malformed input."""
+    if not frames:
+        raise CodecError("empty message")
+    body = frames[0]
+    body = getattr(body, "bytes", body)
+    try:
+        return msgpack.unpackb(body, ext_hook=_ext_hook_for(frames), raw=False, strict_map_key=False)
+    except CodecError:
+        raise
+    except Exception as e:  # msgpack raises a zoo of exception types on garbage
+        raise CodecError(f"malformed message: {type(e).__name__}: {e}") from e

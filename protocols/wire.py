@@ -1,0 +1,141 @@
+"""Runtime wire messages: versioned msgpack envelopes, batched into ZeroMQ multipart messages.
+
+An envelope is a msgpack array ``[version, kind, call_id, ...]``:
+
+========== =============================================================
+CALL        ``[V, CALL, call_id, target, method, args, kwargs, flags]``
+RESULT      ``[V, RESULT, call_id, value]``
+ERROR       ``[V, ERROR, call_id, {type, message, traceback, args}]``
+CANCEL      ``[V, CANCEL, call_id]``
+STREAM_ITEM ``[V, STREAM_ITEM, call_id, value]``
+STREAM_END  ``[V, STREAM_END, call_id]``
+STREAM_ACK  ``[V, STREAM_ACK, call_id, n_items]`` (credit back to the producer)
+PING / PONG ``[V, PING|PONG, call_id]``
+========== =============================================================
+
+Several envelopes queued in the same event-loop turn travel in one ZeroMQ message:
+frame 0 is a msgpack list with the number of frames of each envelope, then the envelopes'
+frames in order (each envelope: its msgpack body, then its raw array buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+from protocols import codec
+
+__all__ = [
+    "MAX_ENVELOPES_PER_MESSAGE",
+    "PROTOCOL_VERSION",
+    "Flags",
+    "Kind",
+    "WireError",
+    "decode_envelope",
+    "encode_envelope",
+    "join_batch",
+    "split_batch",
+]
+
+PROTOCOL_VERSION = 1
+MAX_ENVELOPES_PER_MESSAGE = 4096
+
+# Number of fields (after version and kind) each kind carries.
+_ARITY = {1: 6, 2: 2, 3: 2, 4: 1, 5: 2, 6: 1, 7: 2, 8: 1, 9: 1}
+
+
+class Kind(IntEnum):
+    """Envelope kinds."""
+
+    CALL = 1
+    RESULT = 2
+    ERROR = 3
+    CANCEL = 4
+    STREAM_ITEM = 5
+    STREAM_END = 6
+    STREAM_ACK = 7
+    PING = 8
+    PONG = 9
+
+
+class Flags:
+    """Bits of a CALL's ``flags`` field."""
+
+    NO_REPLY = 1  # tell(): the callee sends nothing back
+    STREAM = 2  # the method is an async generator: expect STREAM_ITEM ... STREAM_END
+
+
+class WireError(ValueError):
+    """A message that does not follow this protocol. The receiver drops it and keeps serving."""
+
+
+def encode_envelope(kind: int, call_id: int, *fields: Any) -> list[Any]:
+    """Frames of one envelope."""
+    return codec.encode([PROTOCOL_VERSION, kind, call_id, *fields])
+
+
+def decode_envelope(frames: Sequence[Any]) -> list[Any]:
+    """Decode and validate one envelope; returns ``[kind, call_id, *fields]``."""
+    try:
+        msg = codec.decode(frames)
+    except codec.CodecError as e:
+        raise WireError(str(e)) from e
+    if not isinstance(msg, list) or len(msg) < 3:
+        raise WireError(f"envelope is not an array of at least 3 items: {type(msg).__name__}")
+    version, kind = msg[0], msg[1]
+    if version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    arity = _ARITY.get(kind) if isinstance(kind, int) else None
+    if arity is None:
+        raise WireError(f"unknown envelope kind {kind!r}")
+    if len(msg) != 2 + arity:
+        raise WireError(f"{Kind(kind).name} envelope has {len(msg) - 2} fields, expected {arity}")
+    if not isinstance(msg[2], int):
+        raise WireError("call id is not an integer")
+    if kind == Kind.CALL:
+        target, method, args, kwargs, flags = msg[3:]
+        if not isinstance(method, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise WireError("CALL needs a method name, an args array and a kwargs map")
+        if not isinstance(flags, int) or not isinstance(target, (str, type(None))):
+            raise WireError("CALL has a bad target or flags")
+    elif kind == Kind.ERROR and not isinstance(msg[3], dict):
+        raise WireError("ERROR payload is not a map")
+    return msg[1:]
+
+
+def join_batch(envelopes: Sequence[Sequence[Any]]) -> list[Any]:
+    """Join the frames of several envelopes into one multipart message."""
+    counts = [len(e) for e in envelopes]
+    out: list[Any] = [msgpack.packb(counts)]
+    for e in envelopes:
+        out.extend(e)
+    return out
+
+
+def split_batch(frames: Sequence[Any]) -> list[Sequence[Any]]:
+    """Split a multipart message made by :func:`join_batch` into per-envelope frame lists."""
+    if not frames:
+        raise WireError("empty message")
+    head = frames[0]
+    head = getattr(head, "bytes", head)
+    try:
+        counts = msgpack.unpackb(head)
+    except Exception as e:
+        raise WireError(f"malformed batch header: {type(e).__name__}") from e
+    if (
+        not isinstance(counts, list)
+        or not counts
+        or len(counts) > MAX_ENVELOPES_PER_MESSAGE
+        or not all(isinstance(c, int) and c >= 1 for c in counts)
+        or sum(counts) != len(frames) - 1
+    ):
+        raise WireError("batch header does not match the frames")
+    out = []
+    i = 1
+    for c in counts:
+        out.append(frames[i : i + c])
+        i += c
+    return out

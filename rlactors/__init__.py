@@ -1,0 +1,43 @@
+"""rlactors: an asyncio-native actor runtime over ZeroMQ and msgpack.
+
+    async with rlactors.init() as cluster:
+        counter = await cluster.spawn(Counter, 5, name="c")
+        assert await counter.add(2) == 7
+
+Importing this package does not import torch.
+"""
+
+from protocols.codec import register
+from rlactors.actor import Actor, ActorContext, get_context
+from rlactors.cluster import Cluster, connect, init
+from rlactors.errors import (
+    ActorDiedError,
+    ActorNotFoundError,
+    ClusterError,
+    PlacementError,
+    RemoteError,
+    RuntimeShutdownError,
+)
+from rlactors.handle import ActorGroup, ActorHandle, ActorMethod
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Actor",
+    "ActorContext",
+    "ActorDiedError",
+    "ActorGroup",
+    "ActorHandle",
+    "ActorMethod",
+    "ActorNotFoundError",
+    "Cluster",
+    "ClusterError",
+    "PlacementError",
+    "RemoteError",
+    "RuntimeShutdownError",
+    "__version__",
+    "connect",
+    "get_context",
+    "init",
+    "register",
+]

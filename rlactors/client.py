@@ -1,0 +1,277 @@
+"""The calling side: one DEALER connection per remote service, and the process's runtime client.
+
+A :class:`Connection` sends CALLs to one address and matches replies to futures by call id.
+Calls are sent when they are made (not when awaited), so calls from one caller to one
+actor arrive in the order they were made. In-flight calls per connection are bounded;
+beyond the window they wait locally, in order.
+
+The :class:`RuntimeClient` owns the connections of this process, the connection to the
+head, and a subscription to the head's actor-state events: when an actor dies, every
+call pending on it fails with :class:`ActorDiedError` at once, and later calls fail
+immediately (or wait for the restarted actor, if it is restarting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+
+from protocols import wire
+from protocols.wire import Flags, Kind
+from rlactors.errors import ActorDiedError, RuntimeShutdownError, exception_from_payload
+from rlactors.security import Security
+from rlactors.transport import AsyncSocket, Outbox, connect_dealer
+
+log = structlog.get_logger("rlactors.client")
+
+MAX_IN_FLIGHT = 65_536
+STREAM_ACK_EVERY = 64
+
+
+class StreamCall(AsyncIterator[Any]):
+    """The caller's end of a streaming method: ``async for item in handle.gen(...)``."""
+
+    def __init__(self, conn: Connection, call_id: int) -> None:
+        self._conn = conn
+        self._call_id = call_id
+        self._items: collections.deque[Any] = collections.deque()
+        self._wake = asyncio.Event()
+        self._done = False
+        self._error: BaseException | None = None
+        self._consumed = 0
+
+    def _push(self, item: Any) -> None:
+        self._items.append(item)
+        self._wake.set()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._done = True
+        self._error = error
+        self._wake.set()
+
+    def __aiter__(self) -> StreamCall:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._items:
+            if self._done:
+                if self._error is not None:
+                    err, self._error = self._error, None
+                    raise err
+                raise StopAsyncIteration
+            self._wake.clear()
+            try:
+                await self._wake.wait()
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+        self._consumed += 1
+        if self._consumed % STREAM_ACK_EVERY == 0 and not self._done:
+            self._conn._put(wire.encode_envelope(Kind.STREAM_ACK, self._call_id, self._consumed))
+        return self._items.popleft()
+
+    async def aclose(self) -> None:
+        """Stop the stream early; the remote generator is cancelled."""
+        if not self._done:
+            self._done = True
+            self._conn._cancel(self._call_id)
+
+
+class Connection:
+    """A DEALER socket to one service address, with its pending calls."""
+
+    def __init__(self, address: str, security: Security | None, *, name: str = "") -> None:
+        self.address = address
+        self.name = name or address
+        self._asock: AsyncSocket = connect_dealer(address, self._on_message, security, name=self.name)
+        self._outbox = Outbox(self._asock, routed=False)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any] | StreamCall] = {}
+        self._waiting: collections.deque[list[Any]] = collections.deque()
+        self._closed_error: BaseException | None = None
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_error is not None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def call(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any],
+        kwargs: dict[str, Any],
+        *,
+        target: str | None = None,
+    ) -> asyncio.Future[Any]:
+        """Send a call now; the future resolves with its result. Cancelling it cancels the remote call."""
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        if self._closed_error is not None:
+            fut.set_exception(self._closed_error)
+            return fut
+        call_id = next(self._ids)
+        env = wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, 0)
+        self._pending[call_id] = fut
+        fut.add_done_callback(lambda f, cid=call_id: self._on_future_done(cid, f))
+        self._put(env)
+        return fut
+
+    def tell(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any],
+        kwargs: dict[str, Any],
+        *,
+        target: str | None = None,
+    ) -> None:
+        """Send a call whose result nobody waits for."""
+        if self._closed_error is not None:
+            raise self._closed_error
+        env = wire.encode_envelope(
+            Kind.CALL, next(self._ids), target, method, list(args), kwargs, Flags.NO_REPLY
+        )
+        self._put(env)
+
+    def stream(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any],
+        kwargs: dict[str, Any],
+        *,
+        target: str | None = None,
+    ) -> StreamCall:
+        call_id = next(self._ids)
+        s = StreamCall(self, call_id)
+        if self._closed_error is not None:
+            s._finish(self._closed_error)
+            return s
+        env = wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, Flags.STREAM)
+        self._pending[call_id] = s
+        self._put(env)
+        return s
+
+    def _put(self, env: list[Any]) -> None:
+        if self._waiting or len(self._pending) > MAX_IN_FLIGHT:
+            self._waiting.append(env)
+        else:
+            self._outbox.put(env)
+
+    def _release_waiting(self) -> None:
+        while self._waiting and len(self._pending) <= MAX_IN_FLIGHT:
+            self._outbox.put(self._waiting.popleft())
+
+    def _on_future_done(self, call_id: int, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() and self._pending.pop(call_id, None) is not None:
+            self._cancel(call_id)
+
+    def _cancel(self, call_id: int) -> None:
+        self._pending.pop(call_id, None)
+        if self._closed_error is None:
+            self._put(wire.encode_envelope(Kind.CANCEL, call_id))
+
+    def _on_message(self, frames: list[Any]) -> None:
+        try:
+            envelopes = wire.split_batch(frames)
+        except wire.WireError as e:
+            log.warning("dropped malformed reply", peer=self.name, reason=str(e))
+            return
+        for env in envelopes:
+            try:
+                msg = wire.decode_envelope(env)
+            except wire.WireError as e:
+                self._undecodable(env, e)
+                continue
+            kind, call_id = msg[0], msg[1]
+            if kind == Kind.RESULT:
+                fut = self._pending.pop(call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg[2])  # type: ignore[union-attr]
+            elif kind == Kind.ERROR:
+                pending = self._pending.pop(call_id, None)
+                if pending is not None:
+                    exc = exception_from_payload(msg[2])
+                    if isinstance(pending, StreamCall):
+                        pending._finish(exc)
+                    elif not pending.done():
+                        pending.set_exception(exc)
+            elif kind == Kind.STREAM_ITEM:
+                s = self._pending.get(call_id)
+                if isinstance(s, StreamCall):
+                    s._push(msg[2])
+            elif kind == Kind.STREAM_END:
+                s = self._pending.pop(call_id, None)
+                if isinstance(s, StreamCall):
+                    s._finish()
+            elif kind == Kind.PONG:
+                fut = self._pending.pop(call_id, None)
+                if isinstance(fut, asyncio.Future) and not fut.done():
+                    fut.set_result(None)
+        if self._waiting:
+            self._release_waiting()
+
+    def _undecodable(self, env: Any, err: Exception) -> None:
+        """A reply we cannot decode (e.g. an unknown dataclass): fail that call, keep serving."""
+        import msgpack
+
+        log.warning("undecodable reply", peer=self.name, reason=str(err))
+        try:
+            raw = msgpack.unpackb(
+                getattr(env[0], "bytes", env[0]), raw=False, ext_hook=lambda c, d: None, strict_map_key=False
+            )
+            pending = self._pending.pop(raw[2], None)
+        except Exception:
+            return
+        if isinstance(pending, StreamCall):
+            pending._finish(err)
+        elif pending is not None and not pending.done():
+            pending.set_exception(err)
+
+    def ping(self) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        call_id = next(self._ids)
+        self._pending[call_id] = fut
+        self._put(wire.encode_envelope(Kind.PING, call_id))
+        return fut
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every pending call (the peer is gone)."""
+        pending, self._pending = self._pending, {}
+        self._waiting.clear()
+        for p in pending.values():
+            if isinstance(p, StreamCall):
+                p._finish(exc)
+            elif not p.done():
+                p.set_exception(exc)
+
+    def close(self, exc: BaseException | None = None) -> None:
+        if self._closed_error is None:
+            self._closed_error = exc or RuntimeShutdownError(f"connection to {self.name} closed")
+        self.fail_all(self._closed_error)
+        self._outbox.flush()
+        self._asock.close()
+
+
+class ActorState:
+    """The client's view of one actor: where it is and whether it is alive."""
+
+    __slots__ = ("actor_id", "address", "alive", "changed", "reason", "state")
+
+    def __init__(self, actor_id: str, address: str, state: str) -> None:
+        self.actor_id = actor_id
+        self.address = address
+        self.state = state
+        self.reason = ""
+        self.alive = asyncio.Event()
+        if state == "ALIVE":
+            self.alive.set()
+        self.changed = asyncio.Event()
+
+    def died_error(self) -> ActorDiedError:
+        return ActorDiedError(f"actor {self.actor_id} died: {self.reason or 'process exited'}", self.actor_id)

@@ -1,0 +1,298 @@
+"""The user-facing cluster API: ``init()`` (embedded local cluster) and ``connect()``.
+
+Both work on the caller's running event loop: no second loop, no threads to manage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Generator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import structlog
+
+from rlactors.actor import class_spec
+from rlactors.handle import ActorGroup, ActorHandle
+from rlactors.head import Head
+from rlactors.node import NodeAgent
+from rlactors.runtime import RuntimeClient, set_current
+from rlactors.security import Security, load_secret, new_secret_file
+from rlactors.service import Service
+
+log = structlog.get_logger("rlactors.cluster")
+
+__all__ = ["Cluster", "connect", "init"]
+
+
+def detect_gpus() -> int:
+    """Number of NVIDIA GPUs visible on this host (0 when there is no driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+class Cluster:
+    """A connection to a cluster: spawn and look up actors, watch them, use the KV store."""
+
+    def __init__(self, client: RuntimeClient, *, local: _Local | None = None) -> None:
+        self._client = client
+        self._local = local
+
+    @property
+    def address(self) -> str:
+        """The head's address; pass it to :func:`connect` from another process."""
+        return self._client.head_address
+
+    async def spawn(
+        self,
+        cls: type,
+        *args: Any,
+        name: str | None = None,
+        resources: dict[str, float] | None = None,
+        max_concurrency: int = 1000,
+        max_restarts: int = 0,
+        env: dict[str, str] | None = None,
+        node_id: str | None = None,
+        strategy: str = "pack",
+        detached: bool = False,
+        get_if_exists: bool = False,
+        **kwargs: Any,
+    ) -> ActorHandle:
+        """Start an actor of class ``cls`` in its own worker process; ``args``/``kwargs`` go to its constructor.
+
+        ``resources`` (cpu, gpu, custom) are reserved on the chosen node; ``max_restarts``
+        restarts the actor (constructor re-run) if its process dies; non-``detached``
+        actors are stopped when this connection closes.
+        """
+        request = {
+            "class": class_spec(cls),
+            "args": list(args),
+            "kwargs": kwargs,
+            "name": name,
+            "resources": resources or {},
+            "max_concurrency": max_concurrency,
+            "max_restarts": max_restarts,
+            "env": env or {},
+            "node_id": node_id,
+            "strategy": strategy,
+            "detached": detached,
+            "get_if_exists": get_if_exists,
+            "owner": self._client.client_id,
+            "sys_path": [p for p in sys.path if p and os.path.isdir(p)],  # noqa: ASYNC240 (quick stat calls)
+            "cwd": os.getcwd(),
+        }
+        info = await self._client.head_call("spawn", request)
+        self._client._update(info["actor_id"], info["state"], info["address"], info.get("reason", ""))
+        return ActorHandle.from_info(info)
+
+    async def spawn_group(
+        self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any
+    ) -> ActorGroup:
+        """Start ``n`` actors of ``cls`` (named ``name-0`` … when ``name`` is given)."""
+        handles = await asyncio.gather(
+            *(self.spawn(cls, *args, name=f"{name}-{i}" if name else None, **options) for i in range(n)),
+            return_exceptions=True,
+        )
+        errors = [h for h in handles if isinstance(h, BaseException)]
+        if errors:
+            await asyncio.gather(
+                *(self.kill(h) for h in handles if isinstance(h, ActorHandle)), return_exceptions=True
+            )
+            raise errors[0]
+        return ActorGroup([h for h in handles if isinstance(h, ActorHandle)])
+
+    async def get_actor(self, name: str) -> ActorHandle:
+        """The live actor with this name (or id); raises ActorNotFoundError."""
+        info = await self._client.head_call("get_actor", name)
+        return ActorHandle.from_info(info)
+
+    async def kill(self, actor: ActorHandle | str, *, no_restart: bool = True) -> bool:
+        """Kill an actor's process (SIGKILL). With ``no_restart=False`` it may be restarted."""
+        actor_id = actor.actor_id if isinstance(actor, ActorHandle) else actor
+        return bool(await self._client.head_call("kill", actor_id, no_restart))
+
+    async def watch(self, actor: ActorHandle | str) -> dict[str, Any]:
+        """Return when the actor (its current incarnation) dies: ``{state, reason, restarting}``."""
+        actor_id = actor.actor_id if isinstance(actor, ActorHandle) else actor
+        return await self._client.head_call("watch", actor_id)
+
+    async def actors(self) -> list[dict[str, Any]]:
+        return await self._client.head_call("list_actors")
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        return await self._client.head_call("list_nodes")
+
+    async def kv_put(self, key: str, value: Any) -> None:
+        await self._client.head_call("kv_put", key, value)
+
+    async def kv_get(self, key: str, wait: float = 0.0) -> Any:
+        return await self._client.head_call("kv_get", key, wait)
+
+    async def reserve_port(self, node_id: str) -> dict[str, Any]:
+        """A free port on ``node_id``'s host: ``{host, port}``."""
+        return await self._client.head_call("reserve_port", node_id)
+
+    async def node_of(self, actor: ActorHandle) -> str:
+        return await self._client.head_call("node_of", actor.actor_id)
+
+    async def close(self) -> None:
+        """Disconnect. Actors this connection spawned (unless detached) are stopped; a local cluster shuts down."""
+        if self._local is not None:
+            await self._local.shutdown(self._client)
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._client.head_call("release_owner", self._client.client_id), 10)
+        await self._client.close()
+
+    shutdown = close
+
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+class _Local:
+    """The head and node agent of an embedded cluster, running on the driver's loop."""
+
+    def __init__(self, service: Service, head: Head, agent: NodeAgent, session_dir: Path) -> None:
+        self.service, self.head, self.agent, self.session_dir = service, head, agent, session_dir
+
+    async def shutdown(self, client: RuntimeClient) -> None:
+        await self.agent.stop()
+        await client.close()
+        await self.head.stop()
+        await self.service.close()
+        if self.head.security is not None:
+            self.head.security.stop()
+        shutil.rmtree(self.session_dir, ignore_errors=True)
+
+
+async def _start_local(
+    resources: dict[str, float] | None,
+    address: str,
+    secret_file: str | None,
+    node_timeout: float,
+    log_sink: Any,
+) -> Cluster:
+    session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
+    os.chmod(session_dir, 0o700)
+    security = None
+    if address.startswith("tcp://"):
+        # Over TCP every peer must authenticate; make a secret for this session if none given.
+        secret_file = secret_file or str(new_secret_file(session_dir / "secret"))
+        security = Security(load_secret(secret_file))
+        bind = address
+        transport, host = "tcp", address.removeprefix("tcp://").rsplit(":", 1)[0]
+    elif address == "ipc":
+        # Over ipc the session directory (mode 700) is the authentication.
+        bind, transport, host = f"ipc://{session_dir}/head", "ipc", "127.0.0.1"
+        secret_file = None
+    else:
+        raise ValueError(f"address must be 'ipc' or 'tcp://HOST:PORT', not {address!r}")
+    total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
+    total.update({k: float(v) for k, v in (resources or {}).items()})
+    service = Service(name="head", security=security)
+    head = Head(security, node_timeout=node_timeout)
+    head_address = service.bind(bind)
+    service.add("head", head)
+    head.start()
+    agent = NodeAgent(
+        "local",
+        head_address,
+        host=host,
+        resources=total,
+        session_dir=session_dir,
+        transport=transport,
+        security=security,
+        secret_file=secret_file,
+        **({"log_sink": log_sink} if log_sink else {}),
+    )
+    service.add("agent", agent)
+    local = _Local(service, head, agent, session_dir)
+    client = RuntimeClient(head_address, security)
+    try:
+        await agent.start(head_address)
+        await client.start()
+    except BaseException:
+        await local.shutdown(client)
+        raise
+    set_current(client)
+    return Cluster(client, local=local)
+
+
+class _Starter:
+    """Both ``await rlactors.init()`` and ``async with rlactors.init() as cluster``."""
+
+    def __init__(self, coro_factory: Any) -> None:
+        self._factory = coro_factory
+        self._cluster: Cluster | None = None
+
+    def __await__(self) -> Generator[Any, None, Cluster]:
+        return self._factory().__await__()
+
+    async def __aenter__(self) -> Cluster:
+        self._cluster = await self._factory()
+        return self._cluster
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._cluster is not None:
+            await self._cluster.close()
+
+
+def init(
+    *,
+    resources: dict[str, float] | None = None,
+    address: str = "ipc",
+    secret_file: str | None = None,
+    node_timeout: float = 5.0,
+    log_sink: Any = None,
+) -> _Starter:
+    """Start an embedded local cluster (head + one node agent) on the running loop.
+
+    ``address="ipc"`` (default) serves over Unix sockets in a private directory;
+    ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
+    processes can :func:`connect` with the secret. Use as ``async with rlactors.init() as c``
+    or ``c = await rlactors.init()`` … ``await c.close()``.
+    """
+    return _Starter(lambda: _start_local(resources, address, secret_file, node_timeout, log_sink))
+
+
+def connect(address: str | None = None, *, secret_file: str | None = None, timeout: float = 30.0) -> _Starter:
+    """Join an existing cluster from this process's running loop.
+
+    ``address`` defaults to ``$RLACTORS_ADDRESS`` or the cluster last started with
+    ``rlactors up``; the secret to ``$RLACTORS_SECRET_FILE`` or that cluster's secret file.
+    """
+
+    async def _connect() -> Cluster:
+        from rlactors.config import resolve_connect
+
+        addr, secret = resolve_connect(address, secret_file)
+        security = Security(load_secret(secret)) if secret and addr.startswith("tcp://") else None
+        client = RuntimeClient(addr, security)
+        await client.start(timeout=timeout)
+        set_current(client)
+        return Cluster(client)
+
+    return _Starter(_connect)

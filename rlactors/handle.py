@@ -1,0 +1,160 @@
+"""Awaitable handles to actors, and groups of them.
+
+``handle.method(*args)`` sends the call at once and returns an awaitable future;
+``handle.method.submit(...)`` is the same, spelled explicitly; ``handle.method.tell(...)``
+sends without waiting for any reply; an async-generator method returns an async iterator.
+Handles are plain values: they can be passed to other actors as call arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from protocols import codec
+from rlactors.client import StreamCall
+from rlactors.runtime import current_client
+from rlactors.service import ASYNCGEN, GEN
+
+__all__ = ["ActorGroup", "ActorHandle", "ActorMethod"]
+
+
+class ActorMethod:
+    """One method of a remote actor."""
+
+    __slots__ = ("_handle", "_kind", "_name")
+
+    def __init__(self, handle: ActorHandle, name: str, kind: str) -> None:
+        self._handle = handle
+        self._name = name
+        self._kind = kind
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kind in (ASYNCGEN, GEN):
+            return self.stream(*args, **kwargs)
+        return self.submit(*args, **kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        """Send the call now; cancelling the returned future cancels the remote coroutine."""
+        h = self._handle
+        return current_client().call_actor(h.actor_id, h.address, self._name, args, kwargs)
+
+    def tell(self, *args: Any, **kwargs: Any) -> None:
+        """Fire and forget: no result, errors are only logged by the actor."""
+        h = self._handle
+        current_client().tell_actor(h.actor_id, h.address, self._name, args, kwargs)
+
+    def stream(self, *args: Any, **kwargs: Any) -> StreamCall:
+        """Call a generator method; iterate the result with ``async for``."""
+        h = self._handle
+        return current_client().stream_actor(h.actor_id, h.address, self._name, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<ActorMethod {self._handle.name or self._handle.actor_id}.{self._name} ({self._kind})>"
+
+
+class ActorHandle:
+    """A reference to a live actor. Attribute access gives its methods."""
+
+    __slots__ = ("_methods", "actor_id", "address", "class_name", "name")
+
+    def __init__(
+        self,
+        actor_id: str,
+        address: str,
+        methods: dict[str, str],
+        *,
+        name: str | None = None,
+        class_name: str = "",
+    ) -> None:
+        self.actor_id = actor_id
+        self.address = address
+        self.name = name
+        self.class_name = class_name
+        self._methods = methods
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> ActorHandle:
+        return cls(
+            info["actor_id"],
+            info["address"],
+            info["methods"],
+            name=info.get("name"),
+            class_name=info.get("class_name", ""),
+        )
+
+    def __getattr__(self, name: str) -> ActorMethod:
+        try:
+            kind = self._methods[name]
+        except KeyError:
+            label = self.class_name or "actor"
+            raise AttributeError(
+                f"{label} {self.name or self.actor_id} has no public method {name!r}"
+            ) from None
+        return ActorMethod(self, name, kind)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActorHandle) and other.actor_id == self.actor_id
+
+    def __hash__(self) -> int:
+        return hash(self.actor_id)
+
+    def __repr__(self) -> str:
+        who = f"{self.name!r} " if self.name else ""
+        return f"<ActorHandle {who}{self.class_name} {self.actor_id}>"
+
+
+def _to_wire(h: ActorHandle) -> list[Any]:
+    return [h.actor_id, h.address, h._methods, h.name, h.class_name]
+
+
+def _from_wire(v: list[Any]) -> ActorHandle:
+    return ActorHandle(v[0], v[1], v[2], name=v[3], class_name=v[4])
+
+
+codec.register_type(ActorHandle, "rlactors:ActorHandle", _to_wire, _from_wire)
+
+
+class ActorGroup(Sequence[ActorHandle]):
+    """Several actors of one class; calling a method calls every member and gathers the results."""
+
+    def __init__(self, handles: Sequence[ActorHandle]) -> None:
+        self.handles = list(handles)
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def __getitem__(self, i: int) -> ActorHandle:  # type: ignore[override]
+        return self.handles[i]
+
+    def __getattr__(self, name: str) -> _GroupMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _GroupMethod([getattr(h, name) for h in self.handles])
+
+    def __repr__(self) -> str:
+        return f"<ActorGroup of {len(self.handles)}>"
+
+
+class _GroupMethod:
+    def __init__(self, methods: list[ActorMethod]) -> None:
+        self._methods = methods
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call every member with the same arguments; results in member order."""
+        return list(await asyncio.gather(*(m.submit(*args, **kwargs) for m in self._methods)))
+
+    async def scatter(self, per_member_args: Sequence[Sequence[Any]]) -> list[Any]:
+        """Call member i with ``per_member_args[i]``."""
+        if len(per_member_args) != len(self._methods):
+            raise ValueError(
+                f"scatter needs {len(self._methods)} argument tuples, got {len(per_member_args)}"
+            )
+        return list(
+            await asyncio.gather(*(m.submit(*a) for m, a in zip(self._methods, per_member_args, strict=True)))
+        )
+
+    def tell(self, *args: Any, **kwargs: Any) -> None:
+        for m in self._methods:
+            m.tell(*args, **kwargs)

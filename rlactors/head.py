@@ -1,0 +1,388 @@
+"""The head: the cluster's control plane, itself served on the runtime.
+
+It keeps the node table (with heartbeats), the actor registry (ids, names, addresses,
+state, restarts), resource accounting, a small key-value store for rendezvous, and it
+publishes actor-state events to every connected client, which is how calls to a dead
+actor fail fast everywhere. It is never on the data path of actor calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from rlactors.client import Connection
+from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
+from rlactors.placement import NodeResources, choose_node, normalise_request
+from rlactors.security import Security
+
+log = structlog.get_logger("rlactors.head")
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    address: str
+    host: str
+    resources: NodeResources
+    conn: Connection
+    alive: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    labels: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ActorRecord:
+    actor_id: str
+    name: str | None
+    class_name: str
+    request: dict[str, Any]
+    resources: dict[str, float]
+    owner: str
+    detached: bool
+    max_restarts: int
+    node_id: str = ""
+    gpus: list[int] = field(default_factory=list)
+    state: str = "PENDING"
+    address: str = ""
+    pid: int = 0
+    methods: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+    reason: str = ""
+    killed: bool = False
+    died: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "actor_id": self.actor_id,
+            "name": self.name,
+            "class_name": self.class_name,
+            "address": self.address,
+            "methods": self.methods,
+            "state": self.state,
+            "node_id": self.node_id,
+            "restarts": self.restarts,
+            "pid": self.pid,
+            "reason": self.reason,
+            "resources": self.resources,
+            "gpus": self.gpus,
+        }
+
+    def event(self) -> dict[str, Any]:
+        return {
+            "type": "actor",
+            "actor_id": self.actor_id,
+            "state": self.state,
+            "address": self.address,
+            "reason": self.reason,
+        }
+
+
+class Head:
+    """Control-plane service. Methods are called remotely with target ``"head"``."""
+
+    def __init__(self, security: Security | None = None, *, node_timeout: float = 5.0) -> None:
+        self.security = security
+        self.node_timeout = node_timeout
+        self.nodes: dict[str, NodeRecord] = {}
+        self.actors: dict[str, ActorRecord] = {}
+        self.names: dict[str, str] = {}
+        self._subs: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._kv: dict[str, Any] = {}
+        self._kv_changed = asyncio.Event()
+        self._monitor: asyncio.Task[None] | None = None
+        self.started = time.time()
+
+    def start(self) -> None:
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="head-node-monitor")
+
+    async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        for n in self.nodes.values():
+            n.conn.close()
+
+    # --- clients ------------------------------------------------------------------------------
+
+    async def hello(self, client_id: str) -> dict[str, Any]:
+        return {"ok": True, "nodes": len(self.nodes)}
+
+    async def subscribe(self, client_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Actor-state events: a snapshot first, then every change."""
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._subs.add(q)
+        try:
+            yield {"type": "snapshot", "actors": [a.event() for a in self.actors.values()]}
+            while True:
+                yield await q.get()
+        finally:
+            self._subs.discard(q)
+
+    def _publish(self, rec: ActorRecord) -> None:
+        changed, rec.changed = rec.changed, asyncio.Event()
+        changed.set()
+        ev = rec.event()
+        for q in self._subs:
+            q.put_nowait(ev)
+
+    # --- nodes --------------------------------------------------------------------------------
+
+    async def register_node(
+        self,
+        node_id: str,
+        address: str,
+        host: str,
+        resources: dict[str, float],
+        labels: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        old = self.nodes.get(node_id)
+        if old is not None:
+            # A node that comes back: its old actors are gone (their processes were on it).
+            self._node_lost(old, "node re-registered")
+            old.conn.close()
+        res = NodeResources(total={k: float(v) for k, v in resources.items()})
+        self.nodes[node_id] = NodeRecord(
+            node_id,
+            address,
+            host,
+            res,
+            Connection(address, self.security, name=f"agent:{node_id}"),
+            labels=labels or {},
+        )
+        log.debug("node registered", node=node_id, host=host, resources=resources)
+        return {"ok": True, "heartbeat_interval": max(0.2, self.node_timeout / 5)}
+
+    async def heartbeat(self, node_id: str) -> bool:
+        """False tells the agent to register again (it was declared dead)."""
+        n = self.nodes.get(node_id)
+        if n is None or not n.alive:
+            return False
+        n.last_seen = time.monotonic()
+        return True
+
+    async def _watch_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.node_timeout / 5))
+            now = time.monotonic()
+            for n in list(self.nodes.values()):
+                if n.alive and now - n.last_seen > self.node_timeout:
+                    log.warning(
+                        "node stopped answering; declaring it dead",
+                        node=n.node_id,
+                        host=n.host,
+                        silent_s=round(now - n.last_seen, 1),
+                    )
+                    self._node_lost(n, f"node {n.node_id} ({n.host}) stopped answering")
+
+    def _node_lost(self, n: NodeRecord, reason: str) -> None:
+        n.alive = False
+        for rec in list(self.actors.values()):
+            if rec.node_id == n.node_id and rec.state in ("ALIVE", "PENDING", "RESTARTING"):
+                self._mark_dead(rec, reason)
+
+    def _alive_nodes(self) -> dict[str, NodeResources]:
+        return {nid: n.resources for nid, n in self.nodes.items() if n.alive}
+
+    # --- actors -------------------------------------------------------------------------------
+
+    async def spawn(self, request: dict[str, Any]) -> dict[str, Any]:
+        name = request.get("name")
+        if name is not None:
+            existing = self.names.get(name)
+            if existing is not None:
+                if request.get("get_if_exists"):
+                    return self.actors[existing].info()
+                raise ValueError(
+                    f"an actor named {name!r} already exists ({existing}); kill it first or pick another name"
+                )
+        res = normalise_request(request.get("resources"))
+        nid = choose_node(
+            self._alive_nodes(), res, strategy=request.get("strategy", "pack"), node_id=request.get("node_id")
+        )
+        rec = ActorRecord(
+            actor_id=uuid.uuid4().hex[:12],
+            name=name,
+            class_name=request["class"]["qualname"],
+            request=request,
+            resources=res,
+            owner=request.get("owner", ""),
+            detached=bool(request.get("detached")),
+            max_restarts=int(request.get("max_restarts", 0)),
+            node_id=nid,
+        )
+        rec.gpus = self.nodes[nid].resources.acquire(res)
+        self.actors[rec.actor_id] = rec
+        if name is not None:
+            self.names[name] = rec.actor_id
+        try:
+            await self._start(rec)
+        except BaseException:
+            self._forget(rec)
+            raise
+        log.debug("actor started", actor=rec.actor_id, name=name, cls=rec.class_name, node=nid)
+        return rec.info()
+
+    async def _start(self, rec: ActorRecord) -> None:
+        node = self.nodes[rec.node_id]
+        spec = dict(
+            rec.request, actor_id=rec.actor_id, gpus=rec.gpus, restarts=rec.restarts, node_id=rec.node_id
+        )
+        started = await node.conn.call("start_worker", (rec.actor_id, spec), {}, target="agent")
+        if rec.state == "DEAD":  # killed while starting
+            raise ActorNotFoundError(f"actor {rec.actor_id} was killed while starting")
+        rec.address, rec.pid, rec.methods = started["address"], started["pid"], started["methods"]
+        rec.state, rec.reason = "ALIVE", ""
+        self._publish(rec)
+
+    def _forget(self, rec: ActorRecord) -> None:
+        self.actors.pop(rec.actor_id, None)
+        if rec.name is not None and self.names.get(rec.name) == rec.actor_id:
+            del self.names[rec.name]
+        node = self.nodes.get(rec.node_id)
+        if node is not None and rec.state != "DEAD":
+            node.resources.release(rec.resources, rec.gpus)
+
+    def _mark_dead(self, rec: ActorRecord, reason: str) -> None:
+        node = self.nodes.get(rec.node_id)
+        if node is not None and rec.state != "DEAD":
+            node.resources.release(rec.resources, rec.gpus)
+        rec.state, rec.reason = "DEAD", reason
+        if rec.name is not None and self.names.get(rec.name) == rec.actor_id:
+            del self.names[rec.name]
+        rec.died.set()
+        self._publish(rec)
+
+    async def actor_exited(self, actor_id: str, reason: str) -> None:
+        """Called by a node agent the moment a worker process exits."""
+        rec = self.actors.get(actor_id)
+        if rec is None or rec.state in ("DEAD", "PENDING"):
+            return
+        log.warning("actor process exited", actor=actor_id, name=rec.name, reason=reason)
+        node = self.nodes.get(rec.node_id)
+        if rec.killed or rec.restarts >= rec.max_restarts or node is None or not node.alive:
+            self._mark_dead(rec, reason)
+            return
+        rec.state, rec.reason = "RESTARTING", reason
+        rec.died.set()
+        rec.died = asyncio.Event()
+        self._publish(rec)
+        rec.restarts += 1
+        try:
+            await self._start(rec)
+            log.info("actor restarted", actor=actor_id, name=rec.name, restarts=rec.restarts)
+        except Exception as e:
+            self._mark_dead(rec, f"restart failed: {e}")
+
+    async def get_actor(self, name: str) -> dict[str, Any]:
+        aid = self.names.get(name) or (name if name in self.actors else None)
+        rec = self.actors.get(aid) if aid else None
+        if rec is None or rec.state == "DEAD":
+            raise ActorNotFoundError(f"no live actor named {name!r}; alive: {sorted(self.names)}")
+        if rec.state != "ALIVE":
+            await asyncio.wait_for(self._until_alive(rec), timeout=300)
+        return rec.info()
+
+    async def _until_alive(self, rec: ActorRecord) -> None:
+        while rec.state not in ("ALIVE", "DEAD"):
+            await rec.changed.wait()
+
+    async def kill(self, actor_id: str, no_restart: bool = True) -> bool:
+        rec = self.actors.get(actor_id)
+        if rec is None or rec.state == "DEAD":
+            return False
+        rec.killed = rec.killed or no_restart
+        node = self.nodes.get(rec.node_id)
+        if node is not None and node.alive:
+            await node.conn.call("kill_worker", (actor_id,), {}, target="agent")
+        else:
+            self._mark_dead(rec, "killed")
+        return True
+
+    async def watch(self, actor_id: str) -> dict[str, Any]:
+        """Return when this incarnation of the actor dies (also when it will be restarted)."""
+        rec = self.actors.get(actor_id)
+        if rec is None:
+            return {"actor_id": actor_id, "state": "DEAD", "reason": "unknown actor"}
+        if rec.state != "DEAD":
+            await rec.died.wait()
+        return {
+            "actor_id": actor_id,
+            "state": rec.state,
+            "reason": rec.reason,
+            "restarting": rec.state == "RESTARTING",
+        }
+
+    async def release_owner(self, owner: str) -> int:
+        """Kill the non-detached actors a departing client spawned."""
+        victims = [
+            r for r in self.actors.values() if r.owner == owner and not r.detached and r.state != "DEAD"
+        ]
+        await asyncio.gather(*(self.kill(r.actor_id) for r in victims), return_exceptions=True)
+        return len(victims)
+
+    # --- views, kv, ports -----------------------------------------------------------------------
+
+    async def list_actors(self) -> list[dict[str, Any]]:
+        return [r.info() for r in self.actors.values()]
+
+    async def list_nodes(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "node_id": n.node_id,
+                "host": n.host,
+                "address": n.address,
+                "alive": n.alive,
+                "total": n.resources.total,
+                "used": n.resources.used,
+                "labels": n.labels,
+            }
+            for n in self.nodes.values()
+        ]
+
+    async def kv_put(self, key: str, value: Any) -> None:
+        self._kv[key] = value
+        self._kv_changed.set()
+        self._kv_changed = asyncio.Event()
+
+    async def kv_get(self, key: str, wait: float = 0.0) -> Any:
+        """The value at ``key``; with ``wait`` > 0, wait up to that long for it to appear."""
+        deadline = time.monotonic() + wait
+        while key not in self._kv:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KeyError(key)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kv_changed.wait(), left)
+        return self._kv[key]
+
+    async def reserve_port(self, node_id: str) -> dict[str, Any]:
+        n = self.nodes.get(node_id)
+        if n is None or not n.alive:
+            raise PlacementError(f"no alive node {node_id!r}")
+        port = await n.conn.call("reserve_port", (), {}, target="agent")
+        return {"host": n.host, "port": port}
+
+    async def node_of(self, actor_id: str) -> str:
+        rec = self.actors.get(actor_id)
+        if rec is None:
+            raise ActorNotFoundError(f"no actor {actor_id}")
+        return rec.node_id
+
+    async def shutdown_nodes(self) -> None:
+        """Ask every agent to stop its workers and exit (used by `rlactors down`)."""
+        for n in self.nodes.values():
+            if n.alive:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(n.conn.call("shutdown", (), {}, target="agent"), 10)
+        if not self.nodes:
+            raise ClusterError("no nodes registered")

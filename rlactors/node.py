@@ -1,0 +1,295 @@
+"""The node agent: one per host. Spawns a worker process per actor and watches it.
+
+It sets each worker's environment (CUDA_VISIBLE_DEVICES from the GPUs placement gave it,
+plus whatever the spawn asked for), forwards the worker's stdout/stderr line by line
+with an actor prefix, notices a worker's exit the moment it happens (the process is our
+child; no heartbeat needed) and tells the head, heartbeats to the head, and reserves free
+ports on its host for rendezvous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from rlactors.client import Connection
+from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
+from rlactors.security import Security
+
+log = structlog.get_logger("rlactors.node")
+
+LogSink = Callable[[str], None]
+
+
+def _stderr_sink(line: str) -> None:
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"worker process killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"worker process killed by signal {-returncode}"
+    return f"worker process exited with code {returncode}"
+
+
+class NodeAgent:
+    """Spawns and supervises worker processes on one host. Served with target ``"agent"``."""
+
+    def __init__(
+        self,
+        node_id: str,
+        head_address: str,
+        *,
+        host: str,
+        resources: dict[str, float],
+        session_dir: Path,
+        transport: str = "ipc",
+        security: Security | None = None,
+        secret_file: str | None = None,
+        log_sink: LogSink = _stderr_sink,
+        log_dir: Path | None = None,
+        python: str = sys.executable,
+        startup_timeout: float = 600.0,
+    ) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+        self.node_id = node_id
+        self.head_address = head_address
+        self.host = host
+        self.resources = resources
+        self.session_dir = session_dir
+        self.transport = transport
+        self.security = security
+        self.secret_file = secret_file
+        self.log_sink = log_sink
+        self.log_dir = log_dir
+        self.python = python
+        self.startup_timeout = startup_timeout
+        self.address = ""
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._starting: dict[str, tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._head: Connection | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._ports_given: dict[int, float] = {}
+        self.stopped = asyncio.Event()
+
+    def _spawn_task(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self, address: str) -> None:
+        """Register with the head (at ``address`` this agent is served) and start heartbeats."""
+        self.address = address
+        self._head = Connection(self.head_address, self.security, name="head")
+        interval = await self._register()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat(interval), name="agent-heartbeat")
+
+    async def _register(self) -> float:
+        assert self._head is not None
+        reply = await asyncio.wait_for(
+            self._head.call(
+                "register_node", (self.node_id, self.address, self.host, self.resources), {}, target="head"
+            ),
+            30,
+        )
+        return float(reply["heartbeat_interval"])
+
+    async def _beat(self, interval: float) -> None:
+        assert self._head is not None
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                known = await asyncio.wait_for(
+                    self._head.call("heartbeat", (self.node_id,), {}, target="head"), interval * 3
+                )
+                if not known:
+                    log.warning("head forgot this node; registering again", node=self.node_id)
+                    await self._kill_all()
+                    await self._register()
+            except (TimeoutError, ClusterError, OSError) as e:
+                log.warning("heartbeat to head failed", node=self.node_id, error=repr(e))
+
+    # --- workers --------------------------------------------------------------------------------
+
+    async def start_worker(self, actor_id: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """Start a worker for ``actor_id`` and wait until its actor is constructed."""
+        loop = asyncio.get_running_loop()
+        bind = (
+            f"ipc://{self.session_dir}/w-{actor_id}-{spec.get('restarts', 0)}"
+            if self.transport == "ipc"
+            else f"tcp://{self.host}:0"
+        )
+        spec = dict(spec, bind=bind, head_address=self.head_address)
+        ready: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._starting[actor_id] = (spec, ready)
+        env = dict(os.environ)
+        env.update(
+            RLACTORS_AGENT=self.address,
+            RLACTORS_ACTOR_ID=actor_id,
+            RLACTORS_NODE_ID=self.node_id,
+            RLACTORS_PARENT_PID=str(os.getpid()),
+            PYTHONUNBUFFERED="1",
+        )
+        if self.secret_file:
+            env["RLACTORS_SECRET_FILE"] = self.secret_file
+        if spec.get("gpus") or self.resources.get("gpu"):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.get("gpus", []))
+        env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
+        label = spec.get("name") or f"{spec['class']['qualname']}:{actor_id[:6]}"
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.python,
+                "-m",
+                "rlactors.worker",
+                env=env,
+                cwd=spec.get("cwd") or None,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as e:
+            self._starting.pop(actor_id, None)
+            raise ClusterError(f"node {self.node_id}: cannot start a worker with {self.python}: {e}") from e
+        self._procs[actor_id] = proc
+        prefix = f"({label} pid={proc.pid}) "
+        logfile = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            logfile = open(self.log_dir / f"{label.replace('/', '_')}-{actor_id}.log", "a", buffering=1)  # noqa: ASYNC230 (a local log file; opening it is quick)
+        pumps = [
+            loop.create_task(self._pump(proc.stdout, prefix, logfile)),
+            loop.create_task(self._pump(proc.stderr, prefix, logfile)),
+        ]
+        self._spawn_task(self._watch(actor_id, proc, ready, pumps, logfile), name=f"watch-{actor_id}")
+        try:
+            return await asyncio.wait_for(asyncio.shield(ready), self.startup_timeout)
+        except TimeoutError:
+            proc.kill()
+            raise ClusterError(
+                f"actor {label} did not finish starting within {self.startup_timeout:.0f}s"
+            ) from None
+        finally:
+            self._starting.pop(actor_id, None)
+
+    async def _pump(self, stream: asyncio.StreamReader | None, prefix: str, logfile: Any) -> None:
+        if stream is None:
+            return
+        while line := await stream.readline():
+            text = line.decode(errors="replace")
+            if logfile is not None:
+                logfile.write(text)
+            self.log_sink(prefix + text if text.endswith("\n") else prefix + text + "\n")
+
+    async def _watch(
+        self,
+        actor_id: str,
+        proc: asyncio.subprocess.Process,
+        ready: asyncio.Future[dict[str, Any]],
+        pumps: list[asyncio.Task[None]],
+        logfile: Any,
+    ) -> None:
+        rc = await proc.wait()
+        reason = exit_reason(rc)
+        if self._procs.get(actor_id) is proc:
+            del self._procs[actor_id]
+        if not ready.done():
+            # Let the traceback reach the log before reporting the failure.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pumps), 2)
+            ready.set_exception(ActorDiedError(f"actor {actor_id} failed to start: {reason}", actor_id))
+        elif self._head is not None and not self.stopped.is_set():
+            try:
+                await asyncio.wait_for(
+                    self._head.call("actor_exited", (actor_id, reason), {}, target="head"), 30
+                )
+            except Exception as e:
+                log.warning("could not report a worker's exit to the head", actor=actor_id, error=repr(e))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*pumps), 2)
+        if logfile is not None:
+            logfile.close()
+
+    async def worker_hello(self, actor_id: str) -> dict[str, Any]:
+        """A new worker asks what to run."""
+        entry = self._starting.get(actor_id)
+        if entry is None:
+            raise ClusterError(f"node {self.node_id} is not starting actor {actor_id}")
+        return entry[0]
+
+    async def worker_ready(self, actor_id: str, address: str, methods: dict[str, str], pid: int) -> None:
+        entry = self._starting.get(actor_id)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result({"address": address, "methods": methods, "pid": pid})
+
+    async def worker_failed(self, actor_id: str, payload: dict[str, Any]) -> None:
+        entry = self._starting.get(actor_id)
+        if entry is not None and not entry[1].done():
+            entry[1].set_exception(exception_from_payload(payload))
+
+    async def kill_worker(self, actor_id: str) -> bool:
+        proc = self._procs.get(actor_id)
+        if proc is None or proc.returncode is not None:
+            return False
+        proc.kill()
+        return True
+
+    async def reserve_port(self) -> int:
+        """A free TCP port on this host, not handed out in the last minute."""
+        now = time.monotonic()
+        self._ports_given = {p: t for p, t in self._ports_given.items() if now - t < 60}
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((self.host if self.transport == "tcp" else "127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in self._ports_given:
+                self._ports_given[port] = now
+                return port
+        raise ClusterError(f"node {self.node_id}: no free port found")
+
+    async def _kill_all(self, grace: float = 0.0) -> None:
+        procs = [p for p in self._procs.values() if p.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate() if grace > 0 else p.kill()
+        if procs:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(p.wait()) for p in procs], timeout=grace or 5
+            )
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            if pending:
+                await asyncio.wait(pending, timeout=5)
+
+    async def shutdown(self) -> None:
+        """Stop every worker and this agent (remote `rlactors down`)."""
+        asyncio.get_running_loop().call_soon(lambda: self._spawn_task(self.stop(grace=2.0), "agent-stop"))
+
+    async def stop(self, grace: float = 0.0) -> None:
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        await self._kill_all(grace)
+        for t in list(self._tasks):
+            if t is not asyncio.current_task():
+                t.cancel()
+        if self._head is not None:
+            self._head.close()

@@ -1,0 +1,99 @@
+"""Resource accounting and node choice for actors (cpus, gpus, custom resources).
+
+Resources are plain numbers per node. GPUs are also tracked by index, so an actor given
+``{"gpu": 2}`` gets two concrete devices, which its worker sees as CUDA_VISIBLE_DEVICES.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlactors.errors import PlacementError
+
+__all__ = ["NodeResources", "choose_node", "normalise_request"]
+
+EPS = 1e-9
+
+
+def normalise_request(resources: dict[str, Any] | None) -> dict[str, float]:
+    """Validate a resource request: names to non-negative numbers; gpu counts are whole."""
+    out: dict[str, float] = {}
+    for k, v in (resources or {}).items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"resource {k!r}: amount must be a non-negative number, got {v!r}")
+        key = {"cpus": "cpu", "gpus": "gpu", "num_cpus": "cpu", "num_gpus": "gpu"}.get(k, k)
+        if key == "gpu" and float(v) != int(v):
+            raise ValueError(f"gpu requests must be whole numbers, got {v}")
+        if v:
+            out[key] = float(v)
+    return out
+
+
+@dataclass
+class NodeResources:
+    """Total and used resources of one node, with GPU indices."""
+
+    total: dict[str, float]
+    used: dict[str, float] = field(default_factory=dict)
+    free_gpus: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.free_gpus:
+            self.free_gpus = list(range(int(self.total.get("gpu", 0))))
+
+    def free(self) -> dict[str, float]:
+        return {k: v - self.used.get(k, 0.0) for k, v in self.total.items()}
+
+    def fits(self, req: dict[str, float]) -> bool:
+        free = self.free()
+        return all(free.get(k, 0.0) + EPS >= v for k, v in req.items())
+
+    def acquire(self, req: dict[str, float]) -> list[int]:
+        """Take ``req``; returns the GPU indices given (empty if none asked)."""
+        if not self.fits(req):
+            raise PlacementError(f"cannot acquire {req}: free {self.free()}")
+        for k, v in req.items():
+            self.used[k] = self.used.get(k, 0.0) + v
+        n = int(req.get("gpu", 0))
+        gpus, self.free_gpus = self.free_gpus[:n], self.free_gpus[n:]
+        return gpus
+
+    def release(self, req: dict[str, float], gpus: list[int]) -> None:
+        for k, v in req.items():
+            self.used[k] = max(0.0, self.used.get(k, 0.0) - v)
+        self.free_gpus = sorted(set(self.free_gpus) | set(gpus))
+
+
+def choose_node(
+    nodes: dict[str, NodeResources],
+    req: dict[str, float],
+    *,
+    strategy: str = "pack",
+    node_id: str | None = None,
+) -> str:
+    """Pick a node for ``req``. ``pack`` fills the busiest fitting node, ``spread`` the idlest."""
+    if strategy not in ("pack", "spread"):
+        raise ValueError(f"unknown placement strategy {strategy!r} (use 'pack' or 'spread')")
+    if node_id is not None:
+        if node_id not in nodes:
+            raise PlacementError(f"no alive node {node_id!r}; nodes: {sorted(nodes)}")
+        if not nodes[node_id].fits(req):
+            raise PlacementError(f"node {node_id} cannot fit {req}: free {_fmt(nodes[node_id].free())}")
+        return node_id
+    fitting = [nid for nid, n in nodes.items() if n.fits(req)]
+    if not fitting:
+        free = "; ".join(f"{nid}: {_fmt(n.free())}" for nid, n in sorted(nodes.items())) or "no alive nodes"
+        raise PlacementError(f"no node can fit {req}. Free resources: {free}")
+
+    def load(nid: str) -> float:
+        n = nodes[nid]
+        return sum(n.used.get(k, 0.0) / v for k, v in n.total.items() if v > 0)
+
+    if strategy == "pack":
+        return max(fitting, key=lambda nid: (load(nid), nid))
+    return min(fitting, key=lambda nid: (load(nid), nid))
+
+
+def _fmt(res: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}={v:g}" for k, v in sorted(res.items())) + "}"

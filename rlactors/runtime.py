@@ -1,0 +1,196 @@
+"""The process's runtime client: connections to actors, the head, and actor-state events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+import structlog
+
+from rlactors.client import ActorState, Connection, StreamCall
+from rlactors.errors import ActorDiedError, ClusterError, RuntimeShutdownError
+from rlactors.security import Security
+
+log = structlog.get_logger("rlactors.runtime")
+
+_current: RuntimeClient | None = None
+
+
+def current_client() -> RuntimeClient:
+    """The runtime client of this process (set by ``init``/``connect`` or in a worker)."""
+    if _current is None or _current.closed:
+        raise ClusterError(
+            "not connected to a cluster: use `async with rlactors.init()` or `await rlactors.connect(address)`"
+        )
+    return _current
+
+
+def set_current(client: RuntimeClient | None) -> None:
+    global _current
+    _current = client
+
+
+class RuntimeClient:
+    """Connections of one process to a cluster, kept consistent with the head's actor events."""
+
+    def __init__(self, head_address: str, security: Security | None = None, *, name: str = "driver") -> None:
+        self.head_address = head_address
+        self.security = security
+        self.client_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.closed = False
+        self._conns: dict[str, Connection] = {}
+        self._actors: dict[str, ActorState] = {}
+        self._events_task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+        self.head: Connection | None = None
+
+    async def start(self, *, timeout: float = 30.0) -> None:
+        """Connect to the head and follow its actor events (returns once the first snapshot is in)."""
+        self.head = Connection(self.head_address, self.security, name="head")
+        try:
+            await asyncio.wait_for(self.head.call("hello", (self.client_id,), {}, target="head"), timeout)
+        except TimeoutError:
+            self.head.close()
+            raise ClusterError(
+                f"no head answered at {self.head_address} within {timeout:.0f}s: is the cluster up, "
+                "and do you have its secret (RLACTORS_SECRET_FILE / the cluster's secret file)?"
+            ) from None
+        self._events_task = asyncio.get_running_loop().create_task(
+            self._follow_events(), name="rlactors-events"
+        )
+        try:
+            await asyncio.wait_for(self._synced.wait(), timeout)
+        except TimeoutError:
+            raise ClusterError(
+                f"head at {self.head_address} did not send actor events within {timeout:.0f}s"
+            ) from None
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._events_task is not None:
+            self._events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._events_task
+        for conn in self._conns.values():
+            conn.close(RuntimeShutdownError("cluster connection closed"))
+        self._conns.clear()
+        if self.head is not None:
+            self.head.close()
+        if _current is self:
+            set_current(None)
+
+    # --- head -----------------------------------------------------------------------------------
+
+    def head_call(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        if self.head is None or self.head.closed:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(RuntimeShutdownError("not connected to the head"))
+            return fut
+        return self.head.call(method, args, kwargs, target="head")
+
+    async def _follow_events(self) -> None:
+        assert self.head is not None
+        stream = self.head.stream("subscribe", (self.client_id,), {}, target="head")
+        try:
+            async for event in stream:
+                if event.get("type") == "snapshot":
+                    for a in event["actors"]:
+                        self._update(a["actor_id"], a["state"], a["address"], a.get("reason", ""))
+                    self._synced.set()
+                elif event.get("type") == "actor":
+                    self._update(event["actor_id"], event["state"], event["address"], event.get("reason", ""))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not self.closed:
+                log.error(
+                    "lost the head's event stream; calls to dead actors may not fail fast", error=repr(e)
+                )
+
+    def _update(self, actor_id: str, state: str, address: str, reason: str) -> None:
+        st = self._actors.get(actor_id)
+        if st is None:
+            st = self._actors[actor_id] = ActorState(actor_id, address, state)
+        old = st.address
+        st.state, st.reason = state, reason
+        if state in ("DEAD", "RESTARTING"):
+            st.alive.clear()
+            conn = self._conns.pop(old, None)
+            if conn is not None:
+                conn.close(st.died_error())
+        elif state == "ALIVE":
+            st.address = address
+            st.alive.set()
+        changed, st.changed = st.changed, asyncio.Event()
+        changed.set()
+
+    # --- actors ---------------------------------------------------------------------------------
+
+    def connection(self, address: str) -> Connection:
+        conn = self._conns.get(address)
+        if conn is None or conn.closed:
+            conn = self._conns[address] = Connection(address, self.security)
+        return conn
+
+    def actor_state(self, actor_id: str, address: str) -> ActorState:
+        st = self._actors.get(actor_id)
+        if st is None:
+            st = self._actors[actor_id] = ActorState(actor_id, address, "ALIVE")
+        return st
+
+    def call_actor(
+        self, actor_id: str, address: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> asyncio.Future[Any]:
+        st = self.actor_state(actor_id, address)
+        if st.state == "ALIVE":
+            return self.connection(st.address).call(method, args, kwargs)
+        if st.state == "DEAD":
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(st.died_error())
+            return fut
+        return asyncio.ensure_future(self._call_when_alive(st, method, args, kwargs))
+
+    async def _call_when_alive(
+        self, st: ActorState, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        await self.wait_alive(st)
+        return await self.connection(st.address).call(method, args, kwargs)
+
+    async def wait_alive(self, st: ActorState, timeout: float = 300.0) -> None:
+        """Wait while an actor restarts; raise ActorDiedError if it ends up dead."""
+        async with asyncio.timeout(timeout):
+            while st.state != "ALIVE":
+                if st.state == "DEAD":
+                    raise st.died_error()
+                await st.changed.wait()
+
+    def tell_actor(
+        self, actor_id: str, address: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        st = self.actor_state(actor_id, address)
+        if st.state == "DEAD":
+            raise st.died_error()
+        if st.state == "ALIVE":
+            self.connection(st.address).tell(method, args, kwargs)
+        else:
+            task = asyncio.ensure_future(self._call_when_alive(st, method, args, kwargs))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def stream_actor(
+        self, actor_id: str, address: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> StreamCall:
+        st = self.actor_state(actor_id, address)
+        if st.state != "ALIVE":
+            conn = self.connection(st.address)
+            s = StreamCall(conn, -1)
+            s._finish(
+                st.died_error()
+                if st.state == "DEAD"
+                else ActorDiedError(f"actor {actor_id} is restarting", actor_id)
+            )
+            return s
+        return self.connection(st.address).stream(method, args, kwargs)

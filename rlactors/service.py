@@ -1,0 +1,303 @@
+"""Serving objects' methods over a ROUTER socket.
+
+One :class:`Service` per process hosts one or more targets (the actor in a worker; the
+head and the node agent in a control process). For each CALL it looks up the public
+method and runs it according to its kind:
+
+* ``async def`` — a task on this loop, at most ``max_concurrency`` at once; started in
+  arrival order, so calls from one caller begin in the order they were made;
+* plain ``def`` — on one worker thread, strictly in order, so long compute never blocks
+  the loop (heartbeats and other calls keep being answered);
+* ``async def`` with ``yield`` (or a plain generator) — streamed item by item, with a
+  credit window so a fast producer cannot flood a slow consumer.
+
+A CANCEL cancels the task running that call. Malformed messages are logged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import structlog
+
+from protocols import codec, wire
+from protocols.wire import Flags, Kind
+from rlactors.errors import exception_payload
+from rlactors.security import Security
+from rlactors.transport import AsyncSocket, Outbox, bind_router
+
+log = structlog.get_logger("rlactors.service")
+
+STREAM_WINDOW = 256  # items a stream may run ahead of the consumer's acknowledgements
+
+ASYNC, SYNC, ASYNCGEN, GEN = "async", "sync", "asyncgen", "gen"
+
+
+def method_kind(fn: Callable[..., Any]) -> str:
+    """How a method is run and called: async, sync, asyncgen or gen."""
+    fn = inspect.unwrap(fn)
+    if inspect.isasyncgenfunction(fn):
+        return ASYNCGEN
+    if inspect.iscoroutinefunction(fn):
+        return ASYNC
+    if inspect.isgeneratorfunction(fn):
+        return GEN
+    return SYNC
+
+
+def method_table(obj: Any) -> dict[str, str]:
+    """Public methods of an object (or class) and their kinds."""
+    table = {}
+    for name in dir(obj):
+        if name.startswith("_"):
+            continue
+        attr = getattr(obj, name, None)
+        if callable(attr) and not isinstance(attr, type):
+            table[name] = method_kind(attr)
+    return table
+
+
+class _Credit:
+    __slots__ = ("acked", "event", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.acked = 0
+        self.event = asyncio.Event()
+
+
+class Service:
+    """Hosts targets (objects) and answers CALLs to their public methods."""
+
+    def __init__(self, *, name: str, max_concurrency: int = 1000, security: Security | None = None) -> None:
+        self.name = name
+        self.security = security
+        self._targets: dict[str | None, dict[str, tuple[Callable[..., Any], str]]] = {}
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"{name}-sync"
+        )
+        self._running: dict[tuple[bytes, int], asyncio.Task[Any] | asyncio.Future[Any]] = {}
+        self._credits: dict[tuple[bytes, int], _Credit] = {}
+        self._asock: AsyncSocket | None = None
+        self._outbox: Outbox | None = None
+        self.address = ""
+        self.dropped = 0  # malformed or unauthenticated messages dropped
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The single thread that runs sync methods (constructors may run here too)."""
+        return self._executor
+
+    def add(self, target: str | None, obj: Any) -> dict[str, str]:
+        """Serve ``obj``'s public methods under ``target`` (None: the default target)."""
+        table: dict[str, tuple[Callable[..., Any], str]] = {}
+        for mname, kind in method_table(obj).items():
+            table[mname] = (getattr(obj, mname), kind)
+        self._targets[target] = table
+        return {k: v[1] for k, v in table.items()}
+
+    def bind(self, address: str) -> str:
+        self._asock, self.address = bind_router(address, self._on_message, self.security, name=self.name)
+        self._outbox = Outbox(self._asock, routed=True)
+        return self.address
+
+    async def close(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+        self._running.clear()
+        if self._outbox is not None:
+            self._outbox.flush()
+        if self._asock is not None:
+            self._asock.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- incoming ------------------------------------------------------------------------------
+
+    def _on_message(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self._drop("message without a body")
+            return
+        ident = frames[0].bytes
+        try:
+            envelopes = wire.split_batch(frames[1:])
+        except wire.WireError as e:
+            self._drop(str(e))
+            return
+        for env in envelopes:
+            try:
+                msg = wire.decode_envelope(env)
+            except wire.WireError as e:
+                self._reject(ident, env, e)
+                continue
+            kind, call_id = msg[0], msg[1]
+            if kind == Kind.CALL:
+                self._on_call(ident, call_id, *msg[2:])
+            elif kind == Kind.CANCEL:
+                task = self._running.get((ident, call_id))
+                if task is not None:
+                    task.cancel()
+            elif kind == Kind.STREAM_ACK:
+                credit = self._credits.get((ident, call_id))
+                if credit is not None and isinstance(msg[2], int):
+                    credit.acked = max(credit.acked, msg[2])
+                    credit.event.set()
+            elif kind == Kind.PING:
+                self._send(ident, wire.encode_envelope(Kind.PONG, call_id))
+            else:
+                self._drop(f"unexpected {Kind(kind).name} envelope")
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        log.warning("dropped malformed message", service=self.name, reason=reason)
+
+    def _reject(self, ident: bytes, env: Any, err: Exception) -> None:
+        """An envelope that failed to decode: answer its call if we can still read its id."""
+        self._drop(str(err))
+        try:
+            body = getattr(env[0], "bytes", env[0])
+            raw = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
+            ok = isinstance(raw, list) and len(raw) >= 3 and raw[0] == wire.PROTOCOL_VERSION
+            if ok and raw[1] == Kind.CALL and isinstance(raw[2], int) and not (raw[-1] or 0) & Flags.NO_REPLY:
+                self._send_error(ident, raw[2], err)
+        except Exception:
+            pass
+
+    def _on_call(
+        self,
+        ident: bytes,
+        call_id: int,
+        target: str | None,
+        method: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        flags: int,
+    ) -> None:
+        methods = self._targets.get(target)
+        entry = methods.get(method) if methods is not None else None
+        if entry is None:
+            what = f"{self.name}" if target is None else f"{self.name}/{target}"
+            err = AttributeError(f"{what} has no public method {method!r}")
+            if not flags & Flags.NO_REPLY:
+                self._send_error(ident, call_id, err)
+            return
+        fn, kind = entry
+        key = (ident, call_id)
+        loop = asyncio.get_running_loop()
+        if kind == ASYNC:
+            self._running[key] = loop.create_task(self._run_async(key, fn, args, kwargs, flags))
+        elif kind == SYNC:
+            fut = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+            self._running[key] = fut
+            fut.add_done_callback(functools.partial(self._sync_done, key, flags))
+        else:
+            self._credits[key] = _Credit()
+            self._running[key] = loop.create_task(self._run_stream(key, fn, kind, args, kwargs))
+
+    # --- running -------------------------------------------------------------------------------
+
+    async def _run_async(
+        self,
+        key: tuple[bytes, int],
+        fn: Callable[..., Any],
+        args: list[Any],
+        kwargs: dict[str, Any],
+        flags: int,
+    ) -> None:
+        ident, call_id = key
+        try:
+            async with self._sem:
+                result = await fn(*args, **kwargs)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:
+            if flags & Flags.NO_REPLY:
+                log.exception("told method failed", service=self.name, method=getattr(fn, "__name__", "?"))
+            else:
+                self._send_error(ident, call_id, e)
+        else:
+            if not flags & Flags.NO_REPLY:
+                self._send_result(ident, call_id, result)
+        finally:
+            self._running.pop(key, None)
+
+    def _sync_done(self, key: tuple[bytes, int], flags: int, fut: asyncio.Future[Any]) -> None:
+        self._running.pop(key, None)
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if flags & Flags.NO_REPLY:
+            if exc is not None:
+                log.error("told method failed", service=self.name, error=repr(exc))
+            return
+        if exc is not None:
+            self._send_error(key[0], key[1], exc)
+        else:
+            self._send_result(key[0], key[1], fut.result())
+
+    async def _run_stream(
+        self,
+        key: tuple[bytes, int],
+        fn: Callable[..., Any],
+        kind: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+    ) -> None:
+        ident, call_id = key
+        credit = self._credits[key]
+        try:
+            async with self._sem:
+                if kind == ASYNCGEN:
+                    agen = fn(*args, **kwargs)
+                    try:
+                        async for item in agen:
+                            await self._stream_item(ident, call_id, credit, item)
+                    finally:
+                        await agen.aclose()
+                else:
+                    loop = asyncio.get_running_loop()
+                    it = await loop.run_in_executor(self._executor, lambda: iter(fn(*args, **kwargs)))
+                    done = object()
+                    while (item := await loop.run_in_executor(self._executor, next, it, done)) is not done:
+                        await self._stream_item(ident, call_id, credit, item)
+            self._send(ident, wire.encode_envelope(Kind.STREAM_END, call_id))
+        except asyncio.CancelledError:
+            return
+        except Exception as e:
+            self._send_error(ident, call_id, e)
+        finally:
+            self._running.pop(key, None)
+            self._credits.pop(key, None)
+
+    async def _stream_item(self, ident: bytes, call_id: int, credit: _Credit, item: Any) -> None:
+        while credit.sent - credit.acked >= STREAM_WINDOW:
+            credit.event.clear()
+            await credit.event.wait()
+        credit.sent += 1
+        self._send(ident, wire.encode_envelope(Kind.STREAM_ITEM, call_id, item))
+
+    # --- outgoing ------------------------------------------------------------------------------
+
+    def _send(self, ident: bytes, envelope: list[Any]) -> None:
+        if self._outbox is not None:
+            self._outbox.put(envelope, ident)
+
+    def _send_result(self, ident: bytes, call_id: int, value: Any) -> None:
+        try:
+            env = wire.encode_envelope(Kind.RESULT, call_id, value)
+        except codec.CodecError as e:
+            self._send_error(ident, call_id, e)
+            return
+        self._send(ident, env)
+
+    def _send_error(self, ident: bytes, call_id: int, exc: BaseException) -> None:
+        payload = exception_payload(exc, where=self.name)
+        if hasattr(exc, "actor_id"):
+            payload["actor_id"] = exc.actor_id
+        self._send(ident, wire.encode_envelope(Kind.ERROR, call_id, payload))

@@ -1,0 +1,135 @@
+"""Entry point of a worker process: runs one actor on its own event loop (uvloop when available).
+
+Started by a node agent as ``python -m rlactors.worker`` with its identity in the
+environment. It asks the agent for its spec, imports the actor class by module path (or
+the driver's script by file, as multiprocessing's spawn does), binds its ROUTER socket,
+constructs the actor and reports ready. It exits when its agent process goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+import structlog
+
+from rlactors import logging as rlog
+from rlactors.actor import ActorContext, _set_context, load_class
+from rlactors.client import Connection
+from rlactors.errors import exception_payload
+from rlactors.runtime import RuntimeClient, set_current
+from rlactors.security import Security, load_secret
+from rlactors.service import Service
+
+log = structlog.get_logger("rlactors.worker")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL us when our agent dies (Linux), so no worker is orphaned."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
+    # No event exists for "parent changed"; a 1 s poll bounds how long an orphan lives.
+    while os.getppid() == parent_pid:  # noqa: ASYNC110
+        await asyncio.sleep(1.0)
+    stop.set()
+
+
+async def main() -> int:
+    actor_id = os.environ["RLACTORS_ACTOR_ID"]
+    parent = int(os.environ.get("RLACTORS_PARENT_PID", os.getppid()))
+    _die_with_parent(parent)
+    secret_file = os.environ.get("RLACTORS_SECRET_FILE")
+    security = Security(load_secret(secret_file)) if secret_file else None
+    agent = Connection(os.environ["RLACTORS_AGENT"], security, name="agent")
+    spec: dict[str, Any] = await asyncio.wait_for(
+        agent.call("worker_hello", (actor_id,), {}, target="agent"), 60
+    )
+    name = spec.get("name")
+    rlog.configure(actor=name or actor_id, node=spec.get("node_id"))
+    for p in reversed(spec.get("sys_path") or []):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    service = Service(
+        name=name or actor_id, max_concurrency=int(spec.get("max_concurrency", 1000)), security=security
+    )
+    client = RuntimeClient(spec["head_address"], security, name=name or actor_id)
+    try:
+        cls = load_class(spec["class"])
+        address = service.bind(spec["bind"])
+        await client.start()
+        set_current(client)
+        from rlactors.cluster import Cluster
+
+        _set_context(
+            ActorContext(
+                actor_id, name, spec.get("node_id", ""), Cluster(client), int(spec.get("restarts", 0))
+            )
+        )
+        instance = cls(*spec.get("args", []), **spec.get("kwargs", {}))
+        on_start = getattr(instance, "on_start", None)
+        if on_start is not None:
+            await on_start()
+        methods = service.add(None, instance)
+        for hook in ("on_start", "on_stop"):
+            methods.pop(hook, None)
+    except BaseException as e:
+        log.error("actor failed to start", error=repr(e))
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                agent.call(
+                    "worker_failed",
+                    (actor_id, exception_payload(e, where=name or actor_id)),
+                    {},
+                    target="agent",
+                ),
+                10,
+            )
+        await service.close()
+        return 1
+    await agent.call("worker_ready", (actor_id, address, methods, os.getpid()), {}, target="agent")
+    watcher = loop.create_task(_watch_parent(parent, stop))
+    await stop.wait()
+    watcher.cancel()
+    on_stop = getattr(instance, "on_stop", None)
+    if on_stop is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(on_stop(), 10)
+    await service.close()
+    await client.close()
+    agent.close()
+    return 0
+
+
+def run() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        code = asyncio.run(main())
+    else:
+        code = uvloop.run(main())
+    # Skip interpreter teardown of half-finished threads (e.g. a sync method still running).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run()
