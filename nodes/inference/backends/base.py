@@ -1,0 +1,80 @@
+"""What the scheduler needs from a model backend, and the per-request state they share.
+
+A backend computes KV and samples tokens; the scheduler owns queues, the prefix cache and
+finishing rules. Invariant after every ``prefill``/``decode``: the backend holds KV for
+``seq.ids[:-1]`` (the newest sampled token has not been fed yet), so ``release`` returns exactly
+the KV SGLang would cache for a finished or aborted request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from nodes.inference.radix import KVOps
+from protocols.sglang import SamplingParams
+
+
+@dataclass(eq=False)
+class Seq:
+    """One generation request as the backend sees it."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_len: int = 0  # tokens of ids served by the prefix cache at the latest prefill
+    cached_kv: Any = None  # their KV (backend format), consumed by prefill
+    slot: Any = None  # backend-private state while the sequence holds KV
+
+    @property
+    def ids(self) -> list[int]:
+        """Prompt plus everything generated so far."""
+        return self.input_ids + self.output_ids
+
+
+@dataclass
+class Sample:
+    """One sampled token and its log-probability (log_softmax(logits / T), as SGLang reports)."""
+
+    token: int
+    logprob: float
+
+
+class Backend(Protocol):
+    """A model (or a simulation of one) that the scheduler drives step by step."""
+
+    kv_ops: KVOps
+    eos_token_ids: set[int]
+    vocab_size: int
+    weights_id: str
+
+    async def prefill(self, seqs: list[Seq]) -> list[Sample]:
+        """Compute KV for ``seq.ids[seq.cached_len:]`` on top of ``seq.cached_kv``; sample one token each."""
+
+    async def decode(self, seqs: list[Seq]) -> list[Sample]:
+        """Feed each sequence's newest token and sample the next, all sequences in one step."""
+
+    def release(self, seq: Seq) -> Any:
+        """Drop the sequence's KV slot and return its KV for ``seq.ids[:-1]`` (for the cache)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text to token ids (no special tokens added)."""
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids to text."""
+
+    async def load_from_disk(self, path: str) -> tuple[bool, str]:
+        """Replace the weights from a safetensors folder; on failure leave them unchanged."""
+
+    def named_tensor(self, name: str) -> Any:
+        """The current tensor called ``name`` (for ``/get_weights_by_name``), or None."""
+
+    def apply_tensors(self, named: list[tuple[str, Any]]) -> None:
+        """Copy received tensors into the live weights."""
+
+    @property
+    def device(self) -> str:
+        """Where tensors for ``apply_tensors`` should live ("cpu", "cuda:0")."""

@@ -1,0 +1,195 @@
+"""The ``sim`` backend: no model, deterministic tokens and a latency model.
+
+Tokens are a hash of (all ids so far, position, weights id[, per-request seed when sampling
+with temperature > 0]), so a greedy request resumed from its partial output continues exactly
+as it would have, and a weight update changes outputs. The weights id is a fingerprint of the
+checkpoint on disk (or of the tensors received over a weight-update group), so loading the same
+weights back restores the same outputs, as with a real model. Latency: ``prefill_s_per_token``
+per uncached prompt token, ``decode_s_base + decode_s_per_seq * batch`` per decode step, both
+spent in ``asyncio.sleep`` so hundreds of requests cost almost nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from nodes.inference.backends.base import Sample, Seq
+from nodes.inference.radix import NoKV
+
+log = structlog.get_logger(__name__)
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass
+class SimConfig:
+    """Latency model and token space of the sim backend."""
+
+    prefill_s_per_token: float = 0.0
+    decode_s_base: float = 0.0
+    decode_s_per_seq: float = 0.0
+    eos_prob: float = 0.0  # chance that a sampled token is EOS
+    vocab_size: int = 32000
+    eos_token_id: int = 2
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a cheap, well-spread, process-independent hash step."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _roll(h: int, token: int) -> int:
+    return _mix(h ^ (token & _MASK))
+
+
+def fingerprint_folder(path: Path) -> str:
+    """A content fingerprint of a checkpoint folder: names, sizes and sampled bytes of its weights."""
+    digest = hashlib.sha256()
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    for f in files:
+        size = f.stat().st_size
+        digest.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            for off in (0, size // 3, (2 * size) // 3, max(0, size - 65536)):
+                fh.seek(off)
+                digest.update(fh.read(65536))
+    return digest.hexdigest()[:16]
+
+
+def _fingerprint_if_checkpoint(folder: Path) -> str | None:
+    if not folder.is_dir() or not (any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
+        return None
+    return fingerprint_folder(folder)
+
+
+class SimBackend:
+    """A stand-in model: see the module docstring."""
+
+    kv_ops = NoKV()
+
+    def __init__(self, model_path: str | None, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self._tokenizer: Any = None
+        self.vocab_size = self.config.vocab_size
+        self.eos_token_ids = {self.config.eos_token_id}
+        self.weights_id = "0"
+        self._tensors: dict[str, Any] = {}
+        folder = Path(model_path) if model_path else None
+        if folder is not None and folder.is_dir():
+            if (folder / "tokenizer.json").exists():
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(str(folder))
+                self.vocab_size = len(self._tokenizer)
+                if self._tokenizer.eos_token_id is not None:
+                    self.eos_token_ids = {int(self._tokenizer.eos_token_id)}
+            self.weights_id = fingerprint_folder(folder)
+
+    @property
+    def device(self) -> str:
+        """Received tensors stay on the CPU."""
+        return "cpu"
+
+    def _seed(self) -> int:
+        return int(zlib.crc32(self.weights_id.encode()))
+
+    def _sample(self, seq: Seq) -> Sample:
+        h = _mix(seq.slot ^ (len(seq.ids) * 0x100000001B3) ^ self._seed())
+        if not seq.params.greedy:
+            h = _mix(h ^ seq.seed ^ (len(seq.output_ids) << 32))
+        eos = min(self.eos_token_ids)
+        if self.config.eos_prob > 0 and (h & 0xFFFF) / 65536.0 < self.config.eos_prob:
+            token = eos
+        else:
+            token = 3 + (h >> 16) % max(1, self.vocab_size - 3)
+            if token in self.eos_token_ids:
+                token += 1
+        logprob = -((h >> 40) % 4000) / 1000.0
+        return Sample(token=token, logprob=logprob)
+
+    async def prefill(self, seqs: list[Seq]) -> list[Sample]:
+        """Hash the prompt (the "KV") and sample; sleeps for the uncached tokens."""
+        out = []
+        new_tokens = 0
+        for seq in seqs:
+            h = 0
+            for t in seq.ids:
+                h = _roll(h, t)
+            seq.slot = h
+            new_tokens += len(seq.ids) - seq.cached_len
+            sample = self._sample(seq)
+            seq.slot = _roll(seq.slot, sample.token)
+            out.append(sample)
+        await self._sleep(self.config.prefill_s_per_token * new_tokens)
+        return out
+
+    async def decode(self, seqs: list[Seq]) -> list[Sample]:
+        """One decode step for the whole batch."""
+        out = []
+        for seq in seqs:
+            sample = self._sample(seq)
+            seq.slot = _roll(seq.slot, sample.token)
+            out.append(sample)
+        await self._sleep(self.config.decode_s_base + self.config.decode_s_per_seq * len(seqs))
+        return out
+
+    @staticmethod
+    async def _sleep(seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
+
+    def release(self, seq: Seq) -> Any:
+        """Nothing to hand back: the sim's KV is the prefix itself."""
+        seq.slot = None
+        return None
+
+    def tokenize(self, text: str) -> list[int]:
+        """The checkpoint's tokenizer when there is one, else UTF-8 bytes shifted past special ids."""
+        if self._tokenizer is not None:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return [b + 3 for b in text.encode()]
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Inverse of :meth:`tokenize` (ids outside the byte range render as nothing)."""
+        if self._tokenizer is not None:
+            return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+
+    async def load_from_disk(self, path: str) -> tuple[bool, str]:
+        """Adopt the fingerprint of the folder's weights; a missing folder fails."""
+        weights_id = await asyncio.to_thread(_fingerprint_if_checkpoint, Path(path))
+        if weights_id is None:
+            return False, f"Failed to load weights from {path}: no safetensors checkpoint there."
+        self.weights_id = weights_id
+        self._tensors.clear()
+        return True, "Succeeded to update model weights."
+
+    def named_tensor(self, name: str) -> Any:
+        """Tensors received over a weight-update group (the sim keeps no others)."""
+        return self._tensors.get(name)
+
+    def apply_tensors(self, named: list[tuple[str, Any]]) -> None:
+        """Keep the tensors and fold their bytes into the weights id."""
+        digest = hashlib.sha256(self.weights_id.encode())
+        for name, tensor in named:
+            self._tensors[name] = tensor.detach().to("cpu").clone()
+            digest.update(name.encode())
+            digest.update(_tensor_bytes(self._tensors[name]))
+        self.weights_id = digest.hexdigest()[:16]
+
+
+def _tensor_bytes(t: Any) -> bytes:
+    """Raw bytes of a CPU tensor (through uint8 view, valid for every dtype incl. bf16)."""
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()

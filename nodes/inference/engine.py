@@ -1,0 +1,204 @@
+"""The reference server's engine: server arguments, backend construction, and weight operations.
+
+The HTTP layer (server.py) only parses and renders; everything that changes model state goes
+through :class:`Engine`, which serialises it against decode steps with the scheduler's
+``step_lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from nodes.inference import weight_sync
+from nodes.inference.backends.base import Backend
+from nodes.inference.radix import RadixCache
+from nodes.inference.scheduler import Scheduler
+from protocols.sglang import (
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+)
+
+log = structlog.get_logger(__name__)
+
+VERSION = "0.5.23-rlactors-reference"
+
+
+@dataclass
+class ServerArgs:
+    """Command-line arguments of the reference server (names follow SGLang's where they exist)."""
+
+    model_path: str = ""
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    backend: str = "sim"  # hf | sim
+    max_running_requests: int = 64
+    cache_tokens: int = 65536  # prefix-cache budget in tokens
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    random_seed: int = 0
+    weight_version: str = "default"
+    strict_weight_update_session: bool = False  # refuse distributed updates outside begin/end (0.5.23)
+    sim_prefill_s_per_token: float = 0.0
+    sim_decode_s_base: float = 0.0
+    sim_decode_s_per_seq: float = 0.0
+    sim_eos_prob: float = 0.0
+    sim_vocab_size: int = 32000
+    num_threads: int = 0  # torch intra-op threads (0: torch's default)
+    log_level: str = "warning"
+
+
+def build_backend(args: ServerArgs) -> Backend:
+    """Construct the backend the arguments name."""
+    if args.backend == "sim":
+        from nodes.inference.backends.sim import SimBackend, SimConfig
+
+        cfg = SimConfig(
+            prefill_s_per_token=args.sim_prefill_s_per_token,
+            decode_s_base=args.sim_decode_s_base,
+            decode_s_per_seq=args.sim_decode_s_per_seq,
+            eos_prob=args.sim_eos_prob,
+            vocab_size=args.sim_vocab_size,
+        )
+        return SimBackend(args.model_path or None, cfg)
+    if args.backend == "hf":
+        from nodes.inference.backends.hf import HFBackend
+
+        return HFBackend(
+            args.model_path,
+            tokenizer_path=args.tokenizer_path,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.random_seed,
+            num_threads=args.num_threads,
+        )
+    raise ValueError(f"unknown backend {args.backend!r}; use hf or sim")
+
+
+class Engine:
+    """Backend + scheduler + prefix cache + weight-update groups of one server."""
+
+    def __init__(self, args: ServerArgs, backend: Backend | None = None) -> None:
+        self.args = args
+        self.backend = backend or build_backend(args)
+        self.cache = RadixCache(args.cache_tokens, self.backend.kv_ops)
+        self.scheduler = Scheduler(
+            self.backend, self.cache, args.max_running_requests, weight_version=args.weight_version
+        )
+        self.rng = random.Random(args.random_seed)
+        self.groups: dict[str, weight_sync.UpdateGroup] = {}
+        self.session_open = False
+
+    @property
+    def weight_version(self) -> str:
+        """The version string reported in responses and ``/get_model_info``."""
+        return self.scheduler.weight_version
+
+    def set_weight_version(self, version: str | None) -> None:
+        """Adopt ``version`` if given."""
+        if version is not None:
+            self.scheduler.weight_version = str(version)
+
+    async def update_from_disk(self, req: UpdateWeightsFromDiskRequest) -> tuple[bool, str]:
+        """Load a safetensors folder between decode steps; failure leaves the model unchanged."""
+        if req.abort_all_requests:
+            self.scheduler.abort(abort_all=True)
+        async with self.scheduler.step_lock:
+            ok, message = await self.backend.load_from_disk(req.model_path)
+            if ok:
+                self.args.model_path = req.model_path
+                if req.flush_cache:
+                    self.cache.flush()
+        if ok and req.weight_version is not None:
+            self.set_weight_version(req.weight_version)
+            message += f" Weight version updated to {req.weight_version}."
+        log.info("weights_from_disk", ok=ok, path=req.model_path, weights_id=self.backend.weights_id)
+        return ok, message
+
+    async def init_group(self, req: InitWeightsUpdateGroupRequest) -> tuple[bool, str]:
+        """Join the trainer's group; blocks (off the loop) until the trainer joins too."""
+        if req.group_name in self.groups:
+            return False, f"Group {req.group_name} already exists."
+        backend = req.backend
+        if backend == "nccl" and not str(self.backend.device).startswith("cuda"):
+            log.warning("nccl_requested_on_cpu_using_gloo", group=req.group_name)
+            backend = "gloo"
+        try:
+            group = await asyncio.to_thread(
+                weight_sync.join_group,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                req.group_name,
+                backend,
+            )
+        except Exception as e:
+            log.warning("weight_group_join_failed", error=str(e))
+            return False, f"Failed to initialize custom process group: {e}."
+        self.groups[req.group_name] = group
+        return True, "Succeeded to initialize custom process group."
+
+    async def update_from_distributed(self, req: UpdateWeightsFromDistributedRequest) -> tuple[bool, str]:
+        """Receive the announced tensors from rank 0 and copy them into the live model."""
+        group = self.groups.get(req.group_name)
+        if group is None:
+            return False, f"Group {req.group_name} not in the weight update groups."
+        if self.args.strict_weight_update_session and not self.session_open:
+            return False, "update_weights_from_distributed must be called within a weight update session."
+        if req.abort_all_requests:
+            self.scheduler.abort(abort_all=True)
+        async with self.scheduler.step_lock:
+            try:
+                named = await asyncio.to_thread(
+                    weight_sync.receive_tensors,
+                    group,
+                    req.names,
+                    req.dtypes,
+                    req.shapes,
+                    self.backend.device,
+                    req.load_format == "flattened_bucket",
+                )
+                await asyncio.to_thread(self.backend.apply_tensors, named)
+            except Exception as e:
+                log.warning("weights_from_distributed_failed", error=str(e))
+                return False, f"Failed to update parameter online: {e}."
+            if req.flush_cache:
+                self.cache.flush()
+        self.set_weight_version(req.weight_version)
+        message = "Succeeded to update parameter online."
+        if req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return True, message
+
+    def destroy_group(self, name: str) -> tuple[bool, str]:
+        """Leave a weight-update group."""
+        group = self.groups.pop(name, None)
+        if group is None:
+            return False, f"Group {name} not in the weight update groups."
+        weight_sync.destroy_group(group)
+        return True, "Succeeded to destroy custom process group."
+
+    def weights_by_name(self, name: str, truncate_size: int) -> Any:
+        """The first ``truncate_size`` rows of a parameter, as nested lists (None if unknown)."""
+        t = self.backend.named_tensor(name)
+        if t is None:
+            return None
+        return t.detach().float().cpu()[:truncate_size].tolist()
+
+    def server_info(self) -> dict[str, Any]:
+        """``/get_server_info``: arguments, limits, scheduler state, version."""
+        return {
+            **dataclasses.asdict(self.args),
+            "max_total_num_tokens": self.args.cache_tokens,
+            "weights_id": self.backend.weights_id,
+            "internal_states": [self.scheduler.stats()],
+            "version": VERSION,
+        }

@@ -1,0 +1,282 @@
+"""Launch and supervise an inference server process: the reference server or real SGLang.
+
+:class:`ServerSupervisor` is a plain asyncio class (usable without the actor runtime): it starts
+the server on a free loopback port (or the given host/port) with the environment placement gave
+it (e.g. ``CUDA_VISIBLE_DEVICES``), waits for ``/health_generate``, restarts it if it dies, and
+stops it (whole process group) cleanly. :class:`InferenceServerActor` is the thin actor around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+
+log = structlog.get_logger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ReferenceServerConfig:
+    """Arguments for ``python -m nodes.inference.server``."""
+
+    model_path: str = ""
+    backend: str = "sim"
+    max_running_requests: int = 64
+    cache_tokens: int = 65536
+    dtype: str = "auto"
+    device: str = "auto"
+    random_seed: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self, host: str, port: int) -> list[str]:
+        """The command line that starts this server."""
+        cmd = [sys.executable, "-m", "nodes.inference.server", "--host", host, "--port", str(port),
+               "--backend", self.backend, "--max-running-requests", str(self.max_running_requests),
+               "--cache-tokens", str(self.cache_tokens), "--dtype", self.dtype, "--device", self.device,
+               "--random-seed", str(self.random_seed)]
+        if self.model_path:
+            cmd += ["--model-path", self.model_path]
+        return cmd + list(self.extra_args)
+
+
+@dataclass
+class SGLangServerConfig:
+    """Arguments for ``python -m sglang.launch_server`` (real SGLang, on GPUs)."""
+
+    model_path: str
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    dtype: str = "auto"
+    random_seed: int | None = None
+    context_length: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    def command(self, host: str, port: int) -> list[str]:
+        """The command line that starts SGLang."""
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+               "--host", host, "--port", str(port), "--tp-size", str(self.tp_size), "--dtype", self.dtype]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.random_seed is not None:
+            cmd += ["--random-seed", str(self.random_seed)]
+        if self.context_length is not None:
+            cmd += ["--context-length", str(self.context_length)]
+        return cmd + list(self.extra_args)
+
+
+ServerConfig = ReferenceServerConfig | SGLangServerConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _child_setup() -> None:
+    """In the child: own process group (so stop() reaches its children) and die with the parent."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or did not become healthy in time."""
+
+
+class ServerSupervisor:
+    """Owns one server process: start, health, restart-on-crash, stop."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+        max_restarts: int = 3,
+        log_path: str | Path | None = None,
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.port = port or free_port(host)
+        self.env = dict(env or {})
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: asyncio.subprocess.Process | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server."""
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        """Launch the process and wait until ``/health_generate`` answers 200; returns the URL."""
+        self._stopping = False
+        await self._spawn()
+        self._monitor = asyncio.create_task(self._watch(), name=f"supervise:{self.port}")
+        return self.url
+
+    async def _spawn(self) -> None:
+        cmd = self.config.command(self.host, self.port)
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        out = self._open_log()
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, cwd=str(REPO_ROOT), stdout=out, stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_child_setup,
+            )
+        finally:
+            if self.log_path:
+                out.close()  # type: ignore[union-attr]
+        log.info("server_spawned", pid=self.proc.pid, url=self.url, cmd=" ".join(cmd))
+        await self._wait_healthy()
+
+    def _open_log(self) -> Any:
+        """The server's stdout/stderr target: the log file (append) or /dev/null."""
+        if self.log_path is None:
+            return asyncio.subprocess.DEVNULL
+        return open(self.log_path, "ab")  # a local file open, not a network wait
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.returncode is not None:
+                    raise ServerStartError(
+                        f"server exited with code {self.proc.returncode} during start-up"
+                        + (f"; see {self.log_path}" if self.log_path else "")
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    r = await client.get(self.url + "/health_generate")
+                    if r.status_code == 200:
+                        return
+                await asyncio.sleep(0.2)  # poll interval while the server loads
+        await self._kill()
+        raise ServerStartError(f"server at {self.url} not healthy after {self.startup_timeout_s:.0f} s")
+
+    async def _watch(self) -> None:
+        """Restart the server when its process exits unexpectedly (up to ``max_restarts``)."""
+        while not self._stopping:
+            assert self.proc is not None
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            if self.restarts >= self.max_restarts:
+                log.error("server_died_no_restarts_left", code=code, url=self.url)
+                return
+            self.restarts += 1
+            log.warning("server_died_restarting", code=code, url=self.url, restart=self.restarts)
+            try:
+                await self._spawn()
+            except ServerStartError as e:
+                log.error("server_restart_failed", error=str(e))
+                return
+
+    async def health(self, timeout_s: float = 30.0) -> bool:
+        """True if ``/health_generate`` answers 200 within ``timeout_s``."""
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                r = await client.get(self.url + "/health_generate")
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def restart(self) -> str:
+        """Stop and start again on the same port."""
+        await self.stop()
+        return await self.start()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Terminate the server's process group; kill it if it does not exit in ``timeout_s``."""
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        await self._kill(timeout_s)
+
+    async def _kill(self, timeout_s: float = 10.0) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        log.info("server_stopped", url=self.url, code=proc.returncode)
+
+
+try:  # the runtime may not be importable in every environment (e.g. a bare inference install)
+    import rlactors as _rlactors
+
+    _ActorBase: type = getattr(_rlactors, "Actor", object)
+except ImportError:
+    _ActorBase = object
+
+
+class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
+    """An actor that runs one inference server on its node and exposes its URL.
+
+    ``kind`` is ``"reference"`` or ``"sglang"``; ``config`` holds that kind's config fields.
+    The actor's environment (``CUDA_VISIBLE_DEVICES`` from placement) is inherited by the server.
+    """
+
+    def __init__(self, kind: str = "reference", config: dict | None = None, host: str = "127.0.0.1",
+                 port: int | None = None, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 600.0, max_restarts: int = 3) -> None:
+        cls = {"reference": ReferenceServerConfig, "sglang": SGLangServerConfig}[kind]
+        self._sup = ServerSupervisor(cls(**(config or {})), host=host, port=port, env=env,
+                                     startup_timeout_s=startup_timeout_s, max_restarts=max_restarts)
+        self._started: asyncio.Task[str] | None = None
+
+    async def _ensure_started(self) -> str:
+        if self._started is None:
+            self._started = asyncio.create_task(self._sup.start())
+        return await asyncio.shield(self._started)
+
+    async def url(self) -> str:
+        """The server's base URL (starts it on first call and waits until healthy)."""
+        return await self._ensure_started()
+
+    async def health(self) -> bool:
+        """Whether ``/health_generate`` answers 200."""
+        await self._ensure_started()
+        return await self._sup.health()
+
+    async def restart(self) -> str:
+        """Restart the server; returns its URL."""
+        await self._ensure_started()
+        return await self._sup.restart()
+
+    async def stop(self) -> None:
+        """Stop the server."""
+        await self._sup.stop()
+        self._started = None

@@ -1,0 +1,331 @@
+"""Continuous batching over a backend, with a prefix cache, abort and pause/continue.
+
+One loop task owns the model. Each iteration either prefills newly admitted requests (they
+join the running batch) or advances every running request by one decode step, so requests
+join and leave between steps. Aborts, pauses and weight updates take ``step_lock``, which a
+step holds, so they act on step boundaries and never race a forward pass. Finished and aborted
+requests put the KV of ``(prompt + output)[:-1]`` into the radix cache, so a resumed request
+(prompt + tokens so far) skips that prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from nodes.inference.backends.base import Backend, Sample, Seq
+from nodes.inference.radix import RadixCache
+from protocols.sglang import (
+    ABORT_RUNNING_MESSAGE,
+    ABORT_WAITING_MESSAGE,
+    GenerateResult,
+    ProtocolError,
+    finish_abort,
+    finish_length,
+    finish_stop,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class Req:
+    """A request in flight: the backend's :class:`Seq` plus what the server must answer."""
+
+    seq: Seq
+    return_logprob: bool
+    future: asyncio.Future[GenerateResult]
+    created: float = field(default_factory=time.monotonic)
+    cached_tokens: int | None = None  # reported: what the first prefill found cached
+    prefilled: bool = False
+    abort_message: str | None = None
+    finish_reason: dict[str, Any] | None = None
+    stop_str_at: int | None = None
+
+    @property
+    def rid(self) -> str:
+        """The request id."""
+        return self.seq.rid
+
+
+class Scheduler:
+    """Queues, batching and the prefix cache for one backend."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        cache: RadixCache,
+        max_running: int = 64,
+        weight_version: str = "default",
+    ) -> None:
+        self.backend = backend
+        self.cache = cache
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self.waiting: collections.deque[Req] = collections.deque()
+        self.running: list[Req] = []
+        self.by_rid: dict[str, Req] = {}
+        self.paused = False
+        self.step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._pending_aborts = False
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.prefill_tokens = 0  # tokens actually computed in prefill (not served by the cache)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop task on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="scheduler")
+
+    async def stop(self) -> None:
+        """Stop the loop and fail everything still in flight."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for req in list(self.by_rid.values()):
+            if not req.future.done():
+                req.future.set_exception(RuntimeError("server shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop task runs."""
+        return self._task is not None and not self._task.done()
+
+    # ---- requests --------------------------------------------------------------------
+
+    def submit(self, seq: Seq, return_logprob: bool) -> asyncio.Future[GenerateResult]:
+        """Queue a request; its future resolves when it finishes or is aborted."""
+        if seq.rid in self.by_rid:
+            raise ProtocolError(f"Duplicate request ID detected: {seq.rid}")
+        fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
+        req = Req(seq=seq, return_logprob=return_logprob, future=fut)
+        self.by_rid[seq.rid] = req
+        if seq.params.max_new_tokens == 0:
+            req.cached_tokens = self.cache.match(seq.input_ids[:-1]).length
+            req.finish_reason = finish_length(0)
+            self._resolve(req)
+            return fut
+        self.waiting.append(req)
+        self._wake.set()
+        return fut
+
+    def abort(self, rid: str = "", abort_all: bool = False, message: str | None = None) -> int:
+        """Abort in-flight requests whose rid starts with ``rid`` (all with ``abort_all``)."""
+        n = 0
+        for req in list(self.by_rid.values()):
+            if abort_all or (rid and req.rid.startswith(rid)):
+                n += 1
+                self._mark_abort(req, message)
+        return n
+
+    def _mark_abort(self, req: Req, message: str | None) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.finish_reason = finish_abort(message or ABORT_WAITING_MESSAGE)
+            self._finish(req)
+        elif req.abort_message is None:
+            req.abort_message = message or ABORT_RUNNING_MESSAGE
+            self._pending_aborts = True
+            self._wake.set()
+
+    async def pause(self, mode: str) -> None:
+        """Pause generation: ``abort`` returns everything, ``retract`` requeues running
+        requests (their KV goes to the cache), ``in_place`` freezes them with their KV."""
+        async with self.step_lock:
+            self.paused = True
+            if mode == "abort":
+                self.abort(abort_all=True)
+                self._reap_aborts()
+            elif mode == "retract":
+                for req in reversed(self.running):
+                    self._cache_kv(req)
+                    self.waiting.appendleft(req)
+                self.running = []
+        log.info("generation_paused", mode=mode, running=len(self.running), waiting=len(self.waiting))
+
+    def resume(self) -> None:
+        """Continue after :meth:`pause`."""
+        self.paused = False
+        self._wake.set()
+        log.info("generation_continued")
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests are running or waiting."""
+        if self.running or self.waiting:
+            return False
+        self.cache.flush()
+        return True
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return self._pending_aborts or (not self.paused and bool(self.waiting or self.running))
+
+    async def _loop(self) -> None:
+        while True:
+            did = False
+            async with self.step_lock:
+                self._reap_aborts()
+                if not self.paused:
+                    did = await self._step()
+                    self._reap_aborts()
+            if not did and not self._has_work():
+                self._wake.clear()
+                await self._wake.wait()  # idle until a request, abort or continue arrives
+            else:
+                await asyncio.sleep(0)  # let HTTP handlers run between steps
+
+    async def _step(self) -> bool:
+        room = self.max_running - len(self.running)
+        admit: list[Req] = []
+        while self.waiting and len(admit) < room:
+            admit.append(self.waiting.popleft())
+        if admit:
+            for req in admit:
+                ids = req.seq.ids
+                match = self.cache.match(ids[:-1])
+                req.seq.cached_len, req.seq.cached_kv = match.length, match.kv
+                if req.cached_tokens is None:
+                    req.cached_tokens = match.length
+                self.prefill_tokens += len(ids) - match.length
+            try:
+                samples = await self.backend.prefill([r.seq for r in admit])
+            except Exception as e:  # a failed forward fails these requests, not the server
+                log.exception("prefill_failed")
+                for req in admit:
+                    self._fail(req, e)
+                return True
+            for req in admit:
+                req.seq.cached_kv = None
+                req.prefilled = True
+            self.running.extend(admit)
+            self._advance(admit, samples)
+        elif self.running:
+            batch = list(self.running)
+            try:
+                samples = await self.backend.decode([r.seq for r in batch])
+            except Exception as e:
+                log.exception("decode_failed")
+                for req in batch:
+                    self._fail(req, e)
+                return True
+            self._advance(batch, samples)
+        else:
+            return False
+        self.steps += 1
+        return True
+
+    def _advance(self, batch: list[Req], samples: list[Sample]) -> None:
+        for req, s in zip(batch, samples, strict=True):
+            req.seq.output_ids.append(s.token)
+            req.seq.logprobs.append(s.logprob)
+            reason = self._check_finish(req, s.token)
+            if reason is not None:
+                req.finish_reason = reason
+                self._cache_kv(req)
+                self.running.remove(req)
+                self._finish(req)
+
+    def _check_finish(self, req: Req, token: int) -> dict[str, Any] | None:
+        p = req.seq.params
+        out = req.seq.output_ids
+        if len(out) >= p.min_new_tokens:
+            if p.stop_token_ids and token in p.stop_token_ids:
+                return finish_stop(token)
+            if not p.ignore_eos and token in self.backend.eos_token_ids:
+                return finish_stop(token)
+            if p.stop_strings:
+                tail = self.backend.detokenize(out[-16:], p.skip_special_tokens)
+                for s in p.stop_strings:
+                    if s in tail:
+                        text = self.backend.detokenize(out, p.skip_special_tokens)
+                        req.stop_str_at = text.find(s)
+                        return finish_stop(s)
+        if len(out) >= p.max_new_tokens:
+            return finish_length(p.max_new_tokens)
+        return None
+
+    def _reap_aborts(self) -> None:
+        """Finish running requests marked for abort (on a step boundary)."""
+        if not self._pending_aborts:
+            return
+        self._pending_aborts = False
+        for req in [r for r in self.running if r.abort_message is not None]:
+            self.running.remove(req)
+            self._cache_kv(req)
+            req.finish_reason = finish_abort(req.abort_message or ABORT_RUNNING_MESSAGE)
+            self._finish(req)
+        for req in [r for r in self.waiting if r.abort_message is not None]:  # retracted, then aborted
+            self.waiting.remove(req)
+            req.finish_reason = finish_abort(req.abort_message or ABORT_WAITING_MESSAGE)
+            self._finish(req)
+
+    def _cache_kv(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache (SGLang caches (prompt + output)[:-1])."""
+        if req.seq.slot is None and not req.prefilled:
+            return
+        kv = self.backend.release(req.seq)
+        req.prefilled = False
+        ids = req.seq.ids[:-1]
+        if ids:
+            self.cache.insert(ids, kv)
+
+    def _fail(self, req: Req, exc: Exception) -> None:
+        with contextlib.suppress(ValueError):
+            self.running.remove(req)
+        with contextlib.suppress(Exception):
+            self.backend.release(req.seq)
+        self.by_rid.pop(req.rid, None)
+        if not req.future.done():
+            req.future.set_exception(exc)
+
+    def _finish(self, req: Req) -> None:
+        self.by_rid.pop(req.rid, None)
+        self._resolve(req)
+
+    def _resolve(self, req: Req) -> None:
+        self.by_rid.pop(req.rid, None)
+        if req.future.done():
+            return
+        seq, p = req.seq, req.seq.params
+        reason = req.finish_reason
+        shown = seq.output_ids
+        if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not p.no_stop_trim:
+            shown = seq.output_ids[:-1]
+        text = self.backend.detokenize(shown, p.skip_special_tokens)
+        if req.stop_str_at is not None and not p.no_stop_trim:
+            text = text[: req.stop_str_at]
+        req.future.set_result(
+            GenerateResult(
+                rid=seq.rid,
+                text=text,
+                output_ids=list(seq.output_ids),
+                finish_reason=reason,
+                prompt_tokens=len(seq.input_ids),
+                cached_tokens=req.cached_tokens or 0,
+                weight_version=self.weight_version,
+                e2e_latency=time.monotonic() - req.created,
+                output_token_logprobs=list(seq.logprobs) if req.return_logprob else None,
+            )
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``/get_server_info``."""
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "paused": self.paused,
+            "steps": self.steps,
+            "prefill_tokens": self.prefill_tokens,
+            "cache_tokens": self.cache.total_tokens,
+            "cache_hit_tokens": self.cache.hits,
+        }

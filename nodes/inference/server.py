@@ -1,0 +1,341 @@
+"""The reference inference server: SGLang 0.5.x's native HTTP protocol over FastAPI.
+
+Run it the way SGLang is run::
+
+    python -m nodes.inference.server --model-path P --host 127.0.0.1 --port 30000 --backend hf|sim
+
+Routes parse bodies with :mod:`protocols.sglang` (unknown fields -> 400
+``{"error": {"message": ...}}``), hand work to :class:`~nodes.inference.engine.Engine`, and render
+SGLang's response shapes and status codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from nodes.inference.backends.base import Seq
+from nodes.inference.engine import Engine, ServerArgs
+from protocols.sglang import (
+    AbortRequest,
+    BeginWeightUpdateRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
+    GenerateRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
+    ProtocolError,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    error_body,
+    success_body,
+)
+
+log = structlog.get_logger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+DISCONNECT_POLL_S = 0.5
+
+
+def _bad(message: str) -> JSONResponse:
+    return JSONResponse(error_body(message), status_code=400)
+
+
+def _ok_or_400(ok: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(success_body(ok, message, **extra), status_code=200 if ok else 400)
+
+
+async def _body(request: Request, allow_empty: bool = False) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ProtocolError("request body is empty; expected a JSON object")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ProtocolError(f"invalid JSON: {e}") from None
+
+
+def _build_seqs(engine: Engine, req: GenerateRequest) -> list[Seq]:
+    """Expand a (possibly batched, possibly n > 1) request into sequences."""
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        prompts = [engine.backend.tokenize(t) for t in texts]
+    else:
+        prompts = req.input_ids if req.is_batch else [req.input_ids]  # type: ignore[list-item]
+    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
+    if len(sps) != len(prompts) or len(rids) != len(prompts):
+        raise ProtocolError("sampling_params and rid lists must match the number of prompts")
+    seqs = []
+    for i, (ids, sp_raw, rid) in enumerate(zip(prompts, sps, rids, strict=True)):
+        if not ids or not all(isinstance(t, int) and 0 <= t < engine.backend.vocab_size for t in ids):
+            raise ProtocolError("input_ids must be a non-empty list of token ids within the vocabulary")
+        sp = SamplingParams.from_json(sp_raw)
+        for j in range(sp.n):
+            if rid is None:
+                this_rid = uuid.uuid4().hex
+            elif sp.n > 1 or (req.is_batch and not isinstance(req.rid, list)):
+                this_rid = f"{rid}_{i}_{j}" if req.is_batch else f"{rid}_{j}"
+            else:
+                this_rid = str(rid)
+            seed = sp.sampling_seed if sp.sampling_seed is not None else engine.rng.getrandbits(63)
+            seqs.append(Seq(rid=this_rid, input_ids=list(ids), params=sp, seed=seed + j))
+    return seqs
+
+
+async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]) -> None:
+    """SGLang aborts a request whose client went away; so do we (frees the rid for a retry)."""
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if await request.is_disconnected():
+            for rid in rids:
+                engine.scheduler.abort(rid=rid)
+            return
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The FastAPI app serving ``engine``; the scheduler starts and stops with the app."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.scheduler.start()
+        try:
+            yield
+        finally:
+            await engine.scheduler.stop()
+
+    app = FastAPI(lifespan=lifespan, openapi_url=None)
+    sched = engine.scheduler
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
+        return _bad(str(exc))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        req = GenerateRequest.from_json(await _body(request))
+        seqs = _build_seqs(engine, req)
+        seen = set()
+        for s in seqs:
+            if s.rid in sched.by_rid or s.rid in seen:
+                raise ProtocolError(f"Duplicate request ID detected: {s.rid}")
+            seen.add(s.rid)
+        logprob_flags = req.return_logprob if isinstance(req.return_logprob, list) else None
+        futs = []
+        for k, s in enumerate(seqs):
+            flag = bool(logprob_flags[k % len(logprob_flags)]) if logprob_flags else bool(req.return_logprob)
+            futs.append(sched.submit(s, flag))
+        watcher = asyncio.create_task(_abort_on_disconnect(engine, request, [s.rid for s in seqs]))
+        try:
+            results = await asyncio.gather(*futs)
+        finally:
+            watcher.cancel()
+        bodies = [r.to_json() for r in results]
+        out: Any = bodies if (req.is_batch or len(bodies) > 1) else bodies[0]
+        if req.stream:
+            async def events() -> AsyncIterator[bytes]:
+                for b in bodies:
+                    yield b"data: " + json.dumps(b).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse(out)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        req = AbortRequest.from_json(await _body(request, allow_empty=True))
+        sched.abort(rid=req.rid, abort_all=req.abort_all, message=req.abort_message)
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> JSONResponse:
+        req = PauseGenerationRequest.from_json(await _body(request, allow_empty=True))
+        await sched.pause(req.mode)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> JSONResponse:
+        await _body(request, allow_empty=True)
+        sched.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        ok = sched.flush_cache()
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n",
+            status_code=200 if ok else 400,
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if sched.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not sched.alive:
+            return Response(status_code=503)
+        if sched.paused or sched.running:
+            return Response(status_code=200)  # the loop is alive and busy: no probe needed
+        seq = Seq(
+            rid=f"HEALTH_CHECK_{time.time()}_{uuid.uuid4().hex[:6]}",
+            input_ids=[0],
+            params=SamplingParams(max_new_tokens=1, temperature=0.0),
+            seed=0,
+        )
+        fut = sched.submit(seq, False)
+        try:
+            await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
+        except Exception:
+            sched.abort(rid=seq.rid)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "model_path": engine.args.model_path,
+                "tokenizer_path": engine.args.tokenizer_path or engine.args.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": engine.weight_version,
+            }
+        )
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> JSONResponse:
+        return JSONResponse({"weight_version": engine.weight_version})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _body(request)
+        if not isinstance(body, dict) or "new_version" not in body:
+            raise ProtocolError("new_version is required")
+        if body.get("abort_all_requests"):
+            sched.abort(abort_all=True)
+        engine.set_weight_version(body["new_version"])
+        return JSONResponse(
+            {"success": True, "message": f"Weight version updated to {body['new_version']}",
+             "new_version": body["new_version"]}
+        )
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> JSONResponse:
+        return JSONResponse(engine.server_info())
+
+    @app.get("/get_load")
+    async def get_load() -> JSONResponse:
+        return JSONResponse(
+            [{
+                "dp_rank": 0,
+                "num_reqs": len(sched.running) + len(sched.waiting),
+                "num_waiting_reqs": len(sched.waiting),
+                "num_tokens": sum(len(r.seq.ids) for r in sched.running),
+            }]
+        )
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        body = await _body(request)
+        if not isinstance(body, dict) or "name" not in body:
+            raise ProtocolError("name is required")
+        ret = engine.weights_by_name(body["name"], int(body.get("truncate_size", 100)))
+        if ret is None:
+            return _bad("Get parameter by name failed")
+        return JSONResponse(ret)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        req = UpdateWeightsFromDiskRequest.from_json(await _body(request))
+        ok, message = await engine.update_from_disk(req)
+        return _ok_or_400(ok, message, num_paused_requests=0)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> JSONResponse:
+        req = InitWeightsUpdateGroupRequest.from_json(await _body(request))
+        return _ok_or_400(*await engine.init_group(req))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+        req = UpdateWeightsFromDistributedRequest.from_json(await _body(request))
+        return _ok_or_400(*await engine.update_from_distributed(req))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+        req = DestroyWeightsUpdateGroupRequest.from_json(await _body(request, allow_empty=True))
+        return _ok_or_400(*engine.destroy_group(req.group_name))
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: Request) -> JSONResponse:
+        req = BeginWeightUpdateRequest.from_json(await _body(request, allow_empty=True))
+        if engine.session_open:
+            return _ok_or_400(False, "A weight update session is already in progress.")
+        if req.selector != "all":
+            return _ok_or_400(False, f"Unsupported selector {req.selector!r}; this server has one model.")
+        engine.session_open = True
+        return _ok_or_400(True, "Weight update session started.")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: Request) -> JSONResponse:
+        EndWeightUpdateRequest.from_json(await _body(request, allow_empty=True))
+        if not engine.session_open:
+            return _ok_or_400(False, "No weight update session is in progress.")
+        engine.session_open = False
+        return _ok_or_400(True, "Weight update session ended.")
+
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """SGLang-style flags (``--model-path``, ``--port``, ...) for every :class:`ServerArgs` field."""
+    parser = argparse.ArgumentParser(prog="python -m nodes.inference.server", description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            typ = {"int": int, "float": float}.get(str(f.type), str)
+            parser.add_argument(flag, type=typ, default=f.default)
+    ns = parser.parse_args(argv)
+    return ServerArgs(**vars(ns))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Load the backend, then serve until interrupted."""
+    import logging
+
+    import uvicorn
+
+    args = parse_args(argv)
+    level = getattr(logging, args.log_level.upper(), logging.WARNING)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)))
+    engine = Engine(args)
+    log.info("server_starting", host=args.host, port=args.port, backend=args.backend, model=args.model_path)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
+                loop=loop, timeout_keep_alive=30)
+
+
+if __name__ == "__main__":
+    main()

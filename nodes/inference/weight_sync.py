@@ -1,0 +1,156 @@
+"""Receiving weights: from a safetensors folder, or by broadcast over a weight-update group.
+
+The group is joined the way SGLang's ``init_custom_process_group`` does it: a ``TCPStore``
+client at the trainer's address wrapped in ``PrefixStore(group_name, ...)``, then a
+``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) built directly on it. The trainer is
+rank 0; this server is ``rank_offset`` (tensor-parallel rank 0). Everything here blocks, so the
+server calls it from a worker thread. torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class UpdateGroup:
+    """A joined weight-update group."""
+
+    name: str
+    pg: Any
+    rank: int
+    world_size: int
+    backend: str
+
+
+def join_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 300.0,
+) -> UpdateGroup:
+    """Connect to the trainer's store (prefixed by ``group_name``) and build the process group."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "nccl":
+        import torch
+
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        torch.cuda.synchronize()
+    else:
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    log.info("weight_group_joined", group=group_name, rank=rank, world_size=world_size, backend=backend)
+    return UpdateGroup(name=group_name, pg=pg, rank=rank, world_size=world_size, backend=backend)
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def receive_tensors(
+    group: UpdateGroup,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    device: str,
+    flattened_bucket: bool = False,
+) -> list[tuple[str, Any]]:
+    """Receive one broadcast per tensor from rank 0 (or one flat bucket) and return them named."""
+    import torch
+
+    if flattened_bucket:
+        dt = _dtype(dtypes[0])
+        if any(_dtype(d) != dt for d in dtypes):
+            raise ValueError("a flattened bucket must hold tensors of one dtype")
+        sizes = [math.prod(s) for s in shapes]
+        flat = torch.empty(sum(sizes), dtype=dt, device=device)
+        group.pg.broadcast([flat], 0).wait()
+        out, off = [], 0
+        for name, shape, n in zip(names, shapes, sizes, strict=True):
+            out.append((name, flat[off : off + n].view(*shape)))
+            off += n
+        return out
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        t = torch.empty(*shape, dtype=_dtype(dtype), device=device)
+        group.pg.broadcast([t], 0).wait()
+        out.append((name, t))
+    return out
+
+
+def destroy_group(group: UpdateGroup) -> None:
+    """Release the group's resources (best effort: gloo has no explicit shutdown)."""
+    shutdown = getattr(group.pg, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:  # already broken; nothing to release
+            log.warning("weight_group_shutdown_failed", group=group.name)
+
+
+def read_safetensors_folder(path: str | Path) -> dict[str, Any]:
+    """All tensors of a safetensors checkpoint folder (single file or shards); raises if none."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a directory")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    state: dict[str, Any] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_into_model(model: Any, named: list[tuple[str, Any]] | dict[str, Any], strict: bool) -> None:
+    """Copy tensors into ``model``'s parameters in place (so tied weights stay tied).
+
+    With ``strict`` every parameter must be covered (a tied ``lm_head.weight`` may be absent) and
+    all names and shapes are checked before anything is written, so a bad checkpoint leaves the
+    model unchanged.
+    """
+    import torch
+
+    items = list(named.items()) if isinstance(named, dict) else list(named)
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    for name, t in items:
+        if name not in params:
+            raise KeyError(f"unknown parameter {name!r}")
+        if tuple(params[name].shape) != tuple(t.shape):
+            raise ValueError(f"shape mismatch for {name}: {tuple(t.shape)} vs {tuple(params[name].shape)}")
+    if strict:
+        given = {n for n, _ in items}
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        missing = [
+            n for n, _ in model.named_parameters()
+            if n not in given and not (tied and n == "lm_head.weight")
+        ]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, t in items:
+            params[name].copy_(t.to(dtype=params[name].dtype, device=params[name].device))

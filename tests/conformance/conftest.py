@@ -1,0 +1,69 @@
+"""Fixtures for the SGLang-protocol conformance suite.
+
+By default the suite starts the reference server (sim backend, the tiny checkpoint as its model
+path) as a subprocess on 127.0.0.1. Set ``RLACTORS_CONFORMANCE_URL`` to run it against any
+server speaking SGLang's protocol (e.g. a real SGLang), with these optional variables:
+``RLACTORS_CONFORMANCE_ALT_MODEL`` / ``RLACTORS_CONFORMANCE_MODEL`` (two checkpoint folders of the
+served architecture, for the disk-update tests).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nodes.inference.models import ensure_tiny_checkpoint
+from nodes.inference.testing import start_reference_server, stop_server
+
+REPO = Path(__file__).resolve().parents[2]
+EXTERNAL_URL = os.environ.get("RLACTORS_CONFORMANCE_URL")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt() -> Path:
+    """The tiny random Llama (seed 0), the reference server's model in this suite."""
+    override = os.environ.get("RLACTORS_CONFORMANCE_MODEL")
+    return Path(override) if override else ensure_tiny_checkpoint(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_alt() -> Path:
+    """Same architecture, other weights (seed 1), for weight updates."""
+    override = os.environ.get("RLACTORS_CONFORMANCE_ALT_MODEL")
+    return Path(override) if override else ensure_tiny_checkpoint(seed=1)
+
+
+@pytest.fixture(scope="session")
+def server_url(tiny_ckpt: Path) -> Iterator[str]:
+    """URL of the server under test (external, or a sim reference server we start)."""
+    if EXTERNAL_URL:
+        yield EXTERNAL_URL.rstrip("/")
+        return
+    proc, url = start_reference_server(
+        ["--backend", "sim", "--model-path", str(tiny_ckpt), "--sim-decode-s-base", "0.002",
+         "--max-running-requests", "32"]
+    )
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture
+def is_reference() -> bool:
+    """True when the server under test is our reference server."""
+    return not EXTERNAL_URL
+
+
+@pytest.fixture
+async def client(server_url: str) -> Any:
+    """An HTTP client bound to the server under test."""
+    async with httpx.AsyncClient(base_url=server_url, timeout=120.0) as c:
+        yield c
+
+
