@@ -85,7 +85,7 @@ def receive_tensors(
             raise ValueError("a flattened bucket must hold tensors of one dtype")
         sizes = [math.prod(s) for s in shapes]
         flat = torch.empty(sum(sizes), dtype=dt, device=device)
-        group.pg.broadcast([flat], 0).wait()
+        group.pg.broadcast(flat, 0).wait()
         out, off = [], 0
         for name, shape, n in zip(names, shapes, sizes, strict=True):
             out.append((name, flat[off : off + n].view(*shape)))
@@ -94,7 +94,7 @@ def receive_tensors(
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         t = torch.empty(*shape, dtype=_dtype(dtype), device=device)
-        group.pg.broadcast([t], 0).wait()
+        group.pg.broadcast(t, 0).wait()
         out.append((name, t))
     return out
 

@@ -1,0 +1,131 @@
+"""Abort (running, waiting, all), pause modes abort/retract/in_place, continue, flush_cache rules."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from nodes.inference.testing import wait_load
+
+PROMPT = list(range(2000, 2040))
+
+
+def long_req(rid: str, prompt: list[int] = PROMPT, max_new_tokens: int = 100000) -> dict:
+    return {"input_ids": prompt, "rid": rid,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+
+
+async def test_abort_running_returns_partial_output(client: httpx.AsyncClient) -> None:
+    task = asyncio.create_task(client.post("/generate", json=long_req("abort-run-1")))
+    await wait_load(client, running=1)
+    r = await client.post("/abort_request", json={"rid": "abort-run-1"})
+    assert r.status_code == 200
+    resp = await task
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["meta_info"]["finish_reason"]["type"] == "abort"
+    assert body["meta_info"]["completion_tokens"] == len(body["output_ids"])
+
+
+async def test_abort_all(client: httpx.AsyncClient) -> None:
+    tasks = [asyncio.create_task(client.post("/generate", json=long_req(f"abort-all-{i}"))) for i in range(3)]
+    await wait_load(client, running=3)
+    await client.post("/abort_request", json={"abort_all": True})
+    for t in tasks:
+        assert (await t).json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_abort_unknown_rid_is_harmless(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/abort_request", json={"rid": "no-such-request"})).status_code == 200
+
+
+async def test_abort_waiting_request(client: httpx.AsyncClient) -> None:
+    await client.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        task = asyncio.create_task(client.post("/generate", json=long_req("abort-wait-1", max_new_tokens=4)))
+        await wait_load(client, waiting=1)
+        await client.post("/abort_request", json={"rid": "abort-wait-1"})
+        body = (await task).json()
+    finally:
+        await client.post("/continue_generation", json={})
+    assert body["meta_info"]["finish_reason"]["type"] == "abort"
+    assert body["output_ids"] == [] and body["meta_info"]["completion_tokens"] == 0
+
+
+async def test_pause_abort_returns_everything_then_blocks_new_requests(client: httpx.AsyncClient) -> None:
+    tasks = [asyncio.create_task(client.post("/generate", json=long_req(f"pause-abort-{i}"))) for i in range(2)]
+    await wait_load(client, running=2)
+    r = await client.post("/pause_generation", json={"mode": "abort"})
+    assert r.status_code == 200
+    try:
+        for t in tasks:
+            assert (await t).json()["meta_info"]["finish_reason"]["type"] == "abort"
+        late = asyncio.create_task(client.post("/generate", json=long_req("pause-abort-late", max_new_tokens=3)))
+        await wait_load(client, running=0, waiting=1)
+        assert not late.done()
+    finally:
+        await client.post("/continue_generation", json={})
+    body = (await late).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+async def _uninterrupted(client: httpx.AsyncClient, prompt: list[int], n: int) -> list[int]:
+    r = await client.post("/generate", json=long_req("ref-" + str(prompt[0]), prompt, n))
+    return r.json()["output_ids"]
+
+
+async def test_pause_retract_requeues_and_continue_finishes(client: httpx.AsyncClient) -> None:
+    prompt, n = list(range(3000, 3030)), 600
+    task = asyncio.create_task(client.post("/generate", json=long_req("retract-1", prompt, n)))
+    await wait_load(client, running=1)
+    await client.post("/pause_generation", json={"mode": "retract"})
+    try:
+        await wait_load(client, running=0, waiting=1)
+        assert not task.done()
+    finally:
+        await client.post("/continue_generation", json={})
+    body = (await task).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    assert body["output_ids"] == await _uninterrupted(client, prompt, n)
+
+
+async def test_pause_in_place_keeps_requests_running(client: httpx.AsyncClient) -> None:
+    prompt, n = list(range(4000, 4030)), 600
+    task = asyncio.create_task(client.post("/generate", json=long_req("inplace-1", prompt, n)))
+    await wait_load(client, running=1)
+    await client.post("/pause_generation", json={"mode": "in_place"})
+    try:
+        await wait_load(client, running=1, waiting=0)
+        assert not task.done()
+        # a flush is refused while a request is held in place
+        assert (await client.post("/flush_cache")).status_code == 400
+    finally:
+        await client.post("/continue_generation", json={})
+    body = (await task).json()
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    assert body["output_ids"] == await _uninterrupted(client, prompt, n)
+
+
+async def test_flush_cache_refused_while_running(client: httpx.AsyncClient) -> None:
+    task = asyncio.create_task(client.post("/generate", json=long_req("flush-1")))
+    await wait_load(client, running=1)
+    try:
+        r = await client.post("/flush_cache")
+        assert r.status_code == 400
+    finally:
+        await client.post("/abort_request", json={"rid": "flush-1"})
+    await task
+    r = await client.get("/flush_cache")
+    assert r.status_code == 200 and "Cache flushed" in r.text
+
+
+async def test_health_and_info(client: httpx.AsyncClient, is_reference: bool) -> None:
+    assert (await client.get("/health")).status_code == 200
+    assert (await client.get("/health_generate")).status_code == 200
+    info = (await client.get("/get_model_info")).json()
+    assert {"model_path", "weight_version", "is_generation"} <= set(info)
+    server = (await client.get("/get_server_info")).json()
+    assert "version" in server
+    if is_reference:
+        assert server["internal_states"][0]["num_running_reqs"] == 0
