@@ -186,6 +186,16 @@ class _Local:
         shutil.rmtree(self.session_dir, ignore_errors=True)
 
 
+def _ensure_logging() -> None:
+    """Give structlog a sane default (INFO, one line per event) unless the application configured it."""
+    import structlog as _structlog
+
+    from rlactors import logging as rlog
+
+    if not _structlog.is_configured():
+        rlog.configure()
+
+
 async def _start_local(
     resources: dict[str, float] | None,
     address: str,
@@ -193,6 +203,7 @@ async def _start_local(
     node_timeout: float,
     log_sink: Any,
 ) -> Cluster:
+    _ensure_logging()
     session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
     os.chmod(session_dir, 0o700)
     security = None
@@ -288,6 +299,7 @@ def connect(address: str | None = None, *, secret_file: str | None = None, timeo
     async def _connect() -> Cluster:
         from rlactors.config import resolve_connect
 
+        _ensure_logging()
         addr, secret = resolve_connect(address, secret_file)
         security = Security(load_secret(secret)) if secret and addr.startswith("tcp://") else None
         client = RuntimeClient(addr, security)

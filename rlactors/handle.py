@@ -31,9 +31,14 @@ class ActorMethod:
         self._kind = kind
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Send the call now and return a coroutine for its result (a stream for generator methods).
+
+        The call leaves when this is called, not when awaited, so calls keep their order;
+        the coroutine works with ``await``, ``asyncio.create_task`` and task groups.
+        """
         if self._kind in (ASYNCGEN, GEN):
             return self.stream(*args, **kwargs)
-        return self.submit(*args, **kwargs)
+        return _result(self.submit(*args, **kwargs))
 
     def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         """Send the call now; cancelling the returned future cancels the remote coroutine."""
@@ -52,6 +57,10 @@ class ActorMethod:
 
     def __repr__(self) -> str:
         return f"<ActorMethod {self._handle.name or self._handle.actor_id}.{self._name} ({self._kind})>"
+
+
+async def _result(fut: asyncio.Future[Any]) -> Any:
+    return await fut
 
 
 class ActorHandle:

@@ -303,7 +303,11 @@ class Head:
         rec.killed = rec.killed or no_restart
         node = self.nodes.get(rec.node_id)
         if node is not None and node.alive:
-            await node.conn.call("kill_worker", (actor_id,), {}, target="agent")
+            died = rec.died
+            if await node.conn.call("kill_worker", (actor_id,), {}, target="agent"):
+                # Return once the agent has seen the exit, so the kill is visible to everyone.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(died.wait(), 10)
         else:
             self._mark_dead(rec, "killed")
         return True

@@ -164,7 +164,8 @@ class Service:
             body = getattr(env[0], "bytes", env[0])
             raw = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
             ok = isinstance(raw, list) and len(raw) >= 3 and raw[0] == wire.PROTOCOL_VERSION
-            if ok and raw[1] == Kind.CALL and isinstance(raw[2], int) and not (raw[-1] or 0) & Flags.NO_REPLY:
+            flags = raw[7] if ok and len(raw) == 8 and isinstance(raw[7], int) else 0
+            if ok and raw[1] == Kind.CALL and isinstance(raw[2], int) and not flags & Flags.NO_REPLY:
                 self._send_error(ident, raw[2], err)
         except Exception:
             pass

@@ -1,0 +1,123 @@
+"""The wire format: msgpack + raw frames, registered dataclasses, and rejection of garbage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocols import codec, wire
+
+
+@codec.register
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: list[float]
+    tag: str = "p"
+
+
+@dataclasses.dataclass
+class NotRegistered:
+    x: int
+
+
+def roundtrip(obj: object) -> object:
+    return codec.decode(codec.encode(obj))
+
+
+def test_primitives_roundtrip() -> None:
+    obj = {"a": 1, "b": [1.5, None, True, "s", b"\x00\x01"], "c": {"nested": [1, 2]}}
+    assert roundtrip(obj) == obj
+
+
+def test_numpy_arrays_travel_as_frames_without_copy() -> None:
+    a = np.arange(100_000, dtype=np.float32).reshape(100, 1000)
+    frames = codec.encode({"a": a})
+    assert len(frames) == 2  # body + one raw frame
+    assert isinstance(frames[1], memoryview) and frames[1].obj is not None
+    assert len(frames[0]) < 200  # the body holds only a header
+    out = codec.decode(frames)["a"]
+    assert out.dtype == np.float32 and out.shape == (100, 1000)
+    np.testing.assert_array_equal(out, a)
+
+
+def test_small_arrays_inline() -> None:
+    a = np.array([1, 2, 3], dtype=np.int64)
+    frames = codec.encode(a)
+    assert len(frames) == 1
+    np.testing.assert_array_equal(codec.decode(frames), a)
+
+
+def test_torch_tensors_including_bf16() -> None:
+    torch = pytest.importorskip("torch")
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16):
+        t = (torch.randn(64, 33) * 10).to(dtype)
+        out = roundtrip({"t": t})["t"]
+        assert out.dtype == dtype and out.shape == t.shape
+        assert torch.equal(out, t)
+    # Non-contiguous views are sent as their contiguous values.
+    t = torch.arange(100.0).reshape(10, 10).t()
+    assert torch.equal(roundtrip(t), t)
+
+
+def test_registered_dataclass_roundtrip_and_nesting() -> None:
+    p = Point(3, [1.0, 2.5])
+    assert roundtrip({"p": p, "ps": [p, Point(1, [], "q")]}) == {"p": p, "ps": [p, Point(1, [], "q")]}
+
+
+def test_unregistered_and_unknown_types_are_refused_at_the_sender() -> None:
+    with pytest.raises(codec.CodecError, match="not registered"):
+        codec.encode(NotRegistered(1))
+    with pytest.raises(codec.CodecError, match="no pickle"):
+        codec.encode(object())
+    with pytest.raises(codec.CodecError, match="no pickle"):
+        codec.encode(np.array([object()]))
+
+
+def test_unknown_dataclass_name_is_a_decode_error() -> None:
+    body = msgpack.packb(msgpack.ExtType(codec.EXT_DATACLASS, msgpack.packb(["nowhere.mod:Thing", {}])))
+    with pytest.raises(codec.CodecError, match="unknown dataclass"):
+        codec.decode([body])
+
+
+def test_array_frame_index_out_of_range_is_rejected() -> None:
+    frames = codec.encode(np.zeros(10_000))
+    with pytest.raises(codec.CodecError, match="frame"):
+        codec.decode(frames[:1])
+
+
+def test_envelope_validation() -> None:
+    good = wire.encode_envelope(wire.Kind.CALL, 7, None, "m", [1], {}, 0)
+    assert wire.decode_envelope(good) == [wire.Kind.CALL, 7, None, "m", [1], {}, 0]
+    bad_version = codec.encode([99, wire.Kind.CALL, 7, None, "m", [], {}, 0])
+    with pytest.raises(wire.WireError, match="version"):
+        wire.decode_envelope(bad_version)
+    with pytest.raises(wire.WireError, match="fields"):
+        wire.decode_envelope(codec.encode([wire.PROTOCOL_VERSION, wire.Kind.CALL, 7, None]))
+    with pytest.raises(wire.WireError, match="kind"):
+        wire.decode_envelope(codec.encode([wire.PROTOCOL_VERSION, 42, 7]))
+    with pytest.raises(wire.WireError):
+        wire.decode_envelope(codec.encode([wire.PROTOCOL_VERSION, wire.Kind.CALL, 7, None, 5, [], {}, 0]))
+
+
+def test_batches_split_back_into_envelopes() -> None:
+    envs = [wire.encode_envelope(wire.Kind.RESULT, i, np.arange(1000 * i)) for i in range(1, 4)]
+    parts = wire.split_batch(wire.join_batch(envs))
+    assert [wire.decode_envelope(p)[1] for p in parts] == [1, 2, 3]
+    with pytest.raises(wire.WireError):
+        wire.split_batch([msgpack.packb([5])] + [b"x"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_garbage_frames_only_ever_raise_wire_errors(frames: list[bytes]) -> None:
+    for attempt in (lambda: wire.split_batch(frames), lambda: wire.decode_envelope(frames)):
+        try:
+            attempt()
+        except wire.WireError:
+            pass

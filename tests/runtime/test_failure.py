@@ -1,0 +1,112 @@
+"""Process death: pending and later calls fail with ActorDiedError (never hang); restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import zmq
+
+import rlactors
+from protocols import codec, wire
+from tests.runtime.actors import Counter
+
+# Generous bound that turns a hang into a failure; the 1 s target is measured in bench/rpc.py.
+NO_HANG = 10
+
+
+async def test_kill_9_fails_pending_and_later_calls(cluster) -> None:
+    c = await cluster.spawn(Counter)
+    pid = await c.pid()
+    pending = [c.sleep(60) for _ in range(5)]
+    os.kill(pid, signal.SIGKILL)
+    for fut in pending:
+        with pytest.raises(rlactors.ActorDiedError, match="SIGKILL"):
+            await asyncio.wait_for(fut, NO_HANG)
+    with pytest.raises(rlactors.ActorDiedError):
+        await asyncio.wait_for(c.add(1), NO_HANG)
+    streams = c.count_to(3)
+    with pytest.raises(rlactors.ActorDiedError):
+        await asyncio.wait_for(streams.__anext__(), NO_HANG)
+
+
+async def test_death_is_seen_by_other_actors_holding_the_handle(cluster) -> None:
+    victim = await cluster.spawn(Counter)
+    caller = await cluster.spawn(Counter)
+    # The caller actor gets a handle and calls through it from its own process.
+    assert await (await caller.echo(victim)).add(1) == 1
+    os.kill(await victim.pid(), signal.SIGKILL)
+    await asyncio.wait_for(cluster.watch(victim), NO_HANG)
+    with pytest.raises(rlactors.ActorDiedError):
+        await asyncio.wait_for(victim.add(1), NO_HANG)
+
+
+async def test_max_restarts_reruns_the_constructor(cluster) -> None:
+    c = await cluster.spawn(Counter, 10, max_restarts=1, name="phoenix")
+    assert await c.add(5) == 15
+    pid = await c.pid()
+    pending = c.sleep(60)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(rlactors.ActorDiedError):
+        await asyncio.wait_for(pending, NO_HANG)  # at-most-once: the in-flight call is lost
+    # Later calls wait for the restarted actor; state is fresh (constructor re-run).
+    assert await asyncio.wait_for(c.value(), 60) == 10
+    assert await c.pid() != pid
+    assert (await cluster.get_actor("phoenix")) == c
+    info = [a for a in await cluster.actors() if a["actor_id"] == c.actor_id][0]
+    assert info["restarts"] == 1
+    # Restarts exhausted: the next death is final.
+    os.kill(await c.pid(), signal.SIGKILL)
+    await asyncio.wait_for(cluster.watch(c), NO_HANG)
+    with pytest.raises(rlactors.ActorDiedError):
+        await asyncio.wait_for(c.value(), NO_HANG)
+
+
+async def test_watch_returns_on_death(cluster) -> None:
+    c = await cluster.spawn(Counter)
+    watcher = asyncio.ensure_future(cluster.watch(c))
+    await asyncio.sleep(0)
+    assert not watcher.done()
+    await cluster.kill(c)
+    info = await asyncio.wait_for(watcher, NO_HANG)
+    assert info["state"] == "DEAD" and not info["restarting"]
+
+
+async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(cluster) -> None:
+    c = await cluster.spawn(Counter, 1)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(c.address)
+    try:
+        garbage = [
+            [b"not msgpack at all \xff\xfe"],
+            [b"\x91\x05", b"too few frames"],
+            wire.join_batch([codec.encode([99, 1, 1, None, "add", [1], {}, 0])]),  # wrong version
+            wire.join_batch([codec.encode([wire.PROTOCOL_VERSION, 1, 2, None, "add"])]),  # truncated
+            wire.join_batch([codec.encode([wire.PROTOCOL_VERSION, 77, 3])]),  # unknown kind
+        ]
+        for frames in garbage:
+            sock.send_multipart(frames)
+        # A well-formed call on the same raw socket still gets its answer.
+        sock.send_multipart(
+            wire.join_batch([wire.encode_envelope(wire.Kind.CALL, 9, None, "add", [1], {}, 0)])
+        )
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        replies = []
+        deadline = asyncio.get_running_loop().time() + NO_HANG
+        while asyncio.get_running_loop().time() < deadline:
+            if poller.poll(50):
+                for env in wire.split_batch(sock.recv_multipart()):
+                    replies.append(wire.decode_envelope(env))
+                if any(r[1] == 9 for r in replies):
+                    break
+            await asyncio.sleep(0)
+        assert [wire.Kind.RESULT, 9, 2] in replies
+        # The truncated call could not be decoded, but its id could: it got an error back, not silence.
+        assert any(r[0] == wire.Kind.ERROR and r[1] == 2 for r in replies)
+    finally:
+        sock.close()
+    assert await c.add(1) == 3
