@@ -110,7 +110,7 @@ def test_batches_split_back_into_envelopes() -> None:
     parts = wire.split_batch(wire.join_batch(envs))
     assert [wire.decode_envelope(p)[1] for p in parts] == [1, 2, 3]
     with pytest.raises(wire.WireError):
-        wire.split_batch([msgpack.packb([5])] + [b"x"])
+        wire.split_batch([msgpack.packb([5]), b"x"])
 
 
 @settings(max_examples=300, deadline=None)

@@ -55,7 +55,7 @@ async def test_max_restarts_reruns_the_constructor(cluster) -> None:
     assert await asyncio.wait_for(c.value(), 60) == 10
     assert await c.pid() != pid
     assert (await cluster.get_actor("phoenix")) == c
-    info = [a for a in await cluster.actors() if a["actor_id"] == c.actor_id][0]
+    info = next(a for a in await cluster.actors() if a["actor_id"] == c.actor_id)
     assert info["restarts"] == 1
     # Restarts exhausted: the next death is final.
     os.kill(await c.pid(), signal.SIGKILL)
