@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -100,3 +103,73 @@ async def wait_load(client: httpx.AsyncClient, running: int | None = None, waiti
         return (running is None or r == running) and (waiting is None or w == waiting)
 
     await wait_until(ok, what=f"running={running} waiting={waiting}")
+
+
+class Trainer:
+    """The trainer side of a weight-update group: rank 0 of SGLang's prefixed TCP store (gloo)."""
+
+    def __init__(self, port: int, group_name: str, world_size: int = 2) -> None:
+        self.port, self.group_name, self.world_size = port, group_name, world_size
+        self.store: Any = None
+        self.pg: Any = None
+
+    def join(self) -> None:
+        """Create the store (as master) and the group; blocks until the server joins."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=60)
+        self.store = dist.TCPStore("127.0.0.1", self.port, self.world_size, is_master=True, timeout=timeout)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, self.store), 0, self.world_size, timeout)
+
+    def broadcast(self, tensors: list[Any]) -> None:
+        """Broadcast each tensor from rank 0."""
+        assert self.pg is not None
+        for t in tensors:
+            self.pg.broadcast(t, 0).wait()
+
+
+async def join_group(client: httpx.AsyncClient) -> tuple[Trainer, str]:
+    """Have the server behind ``client`` join a fresh group with a :class:`Trainer` (rank 0)."""
+    port, name = free_port(), f"wu-{uuid.uuid4().hex[:8]}"
+    trainer = Trainer(port, name)
+    req = asyncio.create_task(client.post("/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": name, "backend": "gloo",
+    }))
+    await asyncio.to_thread(trainer.join)
+    r = await req
+    if r.status_code != 200 or not r.json()["success"]:
+        raise RuntimeError(f"init_weights_update_group failed: {r.text}")
+    return trainer, name
+
+
+async def push(client: httpx.AsyncClient, trainer: Trainer, name: str, named: dict[str, Any],
+               flattened: bool, version: str) -> None:
+    """Send ``named`` tensors inside a begin/end session, per tensor or as one flat bucket."""
+    import torch
+
+    body = {
+        "names": list(named),
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
+        "shapes": [list(t.shape) for t in named.values()],
+        "group_name": name, "weight_version": version, "flush_cache": True,
+    }
+    if flattened:
+        body["load_format"] = "flattened_bucket"
+        tensors = [torch.cat([t.reshape(-1) for t in named.values()])]
+    else:
+        tensors = list(named.values())
+    r = await client.post("/begin_weight_update", json={"selector": "all"})
+    if r.status_code == 404:  # SGLang before 0.5.23 has no sessions
+        r = None
+    elif not r.json()["success"]:
+        raise RuntimeError(f"begin_weight_update failed: {r.text}")
+    try:
+        req = asyncio.create_task(client.post("/update_weights_from_distributed", json=body))
+        await asyncio.to_thread(trainer.broadcast, tensors)
+        resp = await req
+        if resp.status_code != 200 or not resp.json()["success"]:
+            raise RuntimeError(f"update_weights_from_distributed failed: {resp.text}")
+    finally:
+        if r is not None:
+            await client.post("/end_weight_update", json={})

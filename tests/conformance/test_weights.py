@@ -3,16 +3,12 @@ flattened bucket, inside a begin/end session), and weight_version reporting."""
 
 from __future__ import annotations
 
-import asyncio
-import datetime
-import uuid
 from pathlib import Path
 
 import httpx
 import torch
-import torch.distributed as dist
 
-from nodes.inference.launcher import free_port
+from nodes.inference.testing import join_group, push
 
 PROMPT = list(range(500, 540))
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
@@ -55,61 +51,6 @@ async def test_update_from_bad_path_fails_and_keeps_model(client: httpx.AsyncCli
     assert r.json()["success"] is False and r.json()["message"]
     assert (await client.get("/get_model_info")).json()["weight_version"] == version
     assert await outputs(client) == before
-
-
-class Trainer:
-    """The trainer side of a weight-update group: rank 0 of SGLang's prefixed TCP store."""
-
-    def __init__(self, port: int, group_name: str, world_size: int = 2) -> None:
-        self.port, self.group_name, self.world_size = port, group_name, world_size
-        self.store: dist.TCPStore | None = None
-        self.pg: dist.ProcessGroupGloo | None = None
-
-    def join(self) -> None:
-        timeout = datetime.timedelta(seconds=60)
-        self.store = dist.TCPStore("127.0.0.1", self.port, self.world_size, is_master=True, timeout=timeout)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, self.store), 0, self.world_size, timeout)
-
-    def broadcast(self, tensors: list[torch.Tensor]) -> None:
-        assert self.pg is not None
-        for t in tensors:
-            self.pg.broadcast(t, 0).wait()
-
-
-async def join_group(client: httpx.AsyncClient) -> tuple[Trainer, str]:
-    port, name = free_port(), f"wu-{uuid.uuid4().hex[:8]}"
-    trainer = Trainer(port, name)
-    req = asyncio.create_task(client.post("/init_weights_update_group", json={
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": name, "backend": "gloo",
-    }))
-    await asyncio.to_thread(trainer.join)
-    r = await req
-    assert r.status_code == 200 and r.json()["success"] is True, r.text
-    return trainer, name
-
-
-async def push(client: httpx.AsyncClient, trainer: Trainer, name: str, named: dict[str, torch.Tensor],
-               flattened: bool, version: str) -> None:
-    body = {
-        "names": list(named),
-        "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
-        "shapes": [list(t.shape) for t in named.values()],
-        "group_name": name, "weight_version": version, "flush_cache": True,
-    }
-    if flattened:
-        body["load_format"] = "flattened_bucket"
-        tensors = [torch.cat([t.reshape(-1) for t in named.values()])]
-    else:
-        tensors = list(named.values())
-    assert (await client.post("/begin_weight_update", json={"selector": "all"})).json()["success"] is True
-    try:
-        req = asyncio.create_task(client.post("/update_weights_from_distributed", json=body))
-        await asyncio.to_thread(trainer.broadcast, tensors)
-        r = await req
-        assert r.status_code == 200 and r.json()["success"] is True, r.text
-    finally:
-        await client.post("/end_weight_update", json={})
 
 
 async def test_update_from_distributed_per_tensor_and_bucket(client: httpx.AsyncClient, is_reference: bool) -> None:

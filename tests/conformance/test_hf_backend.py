@@ -1,0 +1,130 @@
+"""The reference server's ``hf`` backend on the tiny checkpoint (CPU): outputs equal transformers',
+logprobs equal a trainer's recomputation, resumed requests reuse cached KV, weights update live."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nodes.inference.testing import join_group, push, start_reference_server, stop_server, wait_load
+
+PROMPTS = [list(range(100, 110)), list(range(200, 237)), list(range(300, 304)), list(range(400, 460))]
+
+
+@pytest.fixture(scope="module")
+def hf_url(tiny_ckpt: Path) -> Iterator[str]:
+    proc, url = start_reference_server(["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"])
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
+@pytest.fixture
+async def hf(hf_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=hf_url, timeout=120.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_ckpt: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+
+
+def greedy(n: int) -> dict:
+    return {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+def hf_greedy(model: AutoModelForCausalLM, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+async def test_concurrent_greedy_matches_transformers(hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM) -> None:
+    rs = await asyncio.gather(*[
+        hf.post("/generate", json={"input_ids": p, "sampling_params": greedy(12 + 3 * i)}) for i, p in enumerate(PROMPTS)
+    ])
+    for i, (p, r) in enumerate(zip(PROMPTS, rs, strict=True)):
+        assert r.json()["output_ids"] == hf_greedy(ref_model, p, 12 + 3 * i)
+
+
+async def test_logprobs_match_trainer_recomputation(hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM) -> None:
+    temperature = 0.7
+    prompt = PROMPTS[1]
+    r = await hf.post("/generate", json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 16, "temperature": temperature, "top_p": 0.9, "ignore_eos": True},
+    })
+    body = r.json()
+    out = body["output_ids"]
+    got = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
+    with torch.inference_mode():
+        logits = ref_model(torch.tensor([prompt + out])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    want = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+async def test_sampling_seed_is_reproducible(hf: httpx.AsyncClient) -> None:
+    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 7}}
+    a, b = [(await hf.post("/generate", json=body)).json()["output_ids"] for _ in range(2)]
+    assert a == b
+
+
+async def test_resume_reuses_cached_kv_and_continues_identically(
+    hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM
+) -> None:
+    prompt = list(range(600, 680))
+    full = hf_greedy(ref_model, prompt, 30)
+    task = asyncio.create_task(hf.post("/generate", json={"input_ids": prompt, "rid": "hf-resume", "sampling_params": greedy(100000)}))
+    await wait_load(hf, running=1)
+    await hf.post("/abort_request", json={"rid": "hf-resume"})
+    partial = (await task).json()["output_ids"][:20]
+    assert partial == hf_greedy(ref_model, prompt, len(partial))
+    resumed = prompt + partial
+    r = (await hf.post("/generate", json={"input_ids": resumed, "sampling_params": greedy(30 - len(partial))})).json()
+    assert r["meta_info"]["cached_tokens"] == len(resumed) - 1
+    assert partial + r["output_ids"] == full
+
+
+async def test_disk_update_and_bad_path(hf: httpx.AsyncClient, tiny_ckpt: Path, tiny_ckpt_alt: Path) -> None:
+    async def out() -> list[int]:
+        return (await hf.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": greedy(8)})).json()["output_ids"]
+
+    before = await out()
+    r = await hf.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert await out() == before
+    r = await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt_alt), "weight_version": "alt"})
+    assert r.json()["success"] is True
+    alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()
+    assert await out() == hf_greedy(alt, PROMPTS[0], 8) != before
+    assert (await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt)})).json()["success"]
+    assert await out() == before
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+async def test_distributed_update_into_live_model(
+    hf: httpx.AsyncClient, tiny_ckpt: Path, tiny_ckpt_alt: Path, flattened: bool
+) -> None:
+    alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()
+    named = {n: p.detach().clone() for n, p in alt.named_parameters()}
+    trainer, group = await join_group(hf)
+    try:
+        await push(hf, trainer, group, named, flattened, version=f"dist-{flattened}")
+        for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+            got = torch.tensor((await hf.post("/get_weights_by_name", json={"name": name, "truncate_size": 4})).json())
+            assert torch.equal(got, named[name][:4])
+        r = (await hf.post("/generate", json={"input_ids": PROMPTS[2], "sampling_params": greedy(8)})).json()
+        assert r["output_ids"] == hf_greedy(alt, PROMPTS[2], 8)
+        assert r["meta_info"]["weight_version"] == f"dist-{flattened}"
+    finally:
+        await hf.post("/destroy_weights_update_group", json={"group_name": group})
+        await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt)})
