@@ -257,6 +257,14 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
                                      startup_timeout_s=startup_timeout_s, max_restarts=max_restarts)
         self._started: asyncio.Task[str] | None = None
 
+    async def on_start(self) -> None:
+        """Begin launching as soon as the actor is up (``url()`` waits for readiness)."""
+        self._started = asyncio.create_task(self._sup.start())
+
+    async def on_stop(self) -> None:
+        """Take the server down with the actor."""
+        await self._sup.stop()
+
     async def _ensure_started(self) -> str:
         if self._started is None:
             self._started = asyncio.create_task(self._sup.start())
