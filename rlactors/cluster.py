@@ -58,6 +58,11 @@ class Cluster:
         """The head's address; pass it to :func:`connect` from another process."""
         return self._client.head_address
 
+    @property
+    def secret_file(self) -> str | None:
+        """The secret file another process needs to :func:`connect` over TCP (None over ipc)."""
+        return self._local.secret_file if self._local is not None else None
+
     async def spawn(
         self,
         cls: type,
@@ -173,8 +178,11 @@ class Cluster:
 class _Local:
     """The head and node agent of an embedded cluster, running on the driver's loop."""
 
-    def __init__(self, service: Service, head: Head, agent: NodeAgent, session_dir: Path) -> None:
+    def __init__(
+        self, service: Service, head: Head, agent: NodeAgent, session_dir: Path, secret_file: str | None
+    ) -> None:
         self.service, self.head, self.agent, self.session_dir = service, head, agent, session_dir
+        self.secret_file = secret_file
 
     async def shutdown(self, client: RuntimeClient) -> None:
         await self.agent.stop()
@@ -238,7 +246,7 @@ async def _start_local(
         **({"log_sink": log_sink} if log_sink else {}),
     )
     service.add("agent", agent)
-    local = _Local(service, head, agent, session_dir)
+    local = _Local(service, head, agent, session_dir, secret_file)
     client = RuntimeClient(head_address, security)
     try:
         await agent.start(head_address)

@@ -66,7 +66,9 @@ class Security:
                 return
             auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=_ZapLog())
             auth.start()
-            auth.configure_curve_callback(domain="*", credentials_provider=_Provider(self.client_public))
+            auth.configure_curve_callback(
+                domain="rlactors", credentials_provider=_Provider(self.client_public)
+            )
             self._auth = auth
 
     def stop(self) -> None:

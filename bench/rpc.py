@@ -1,0 +1,324 @@
+"""Actor-call benchmark: rlactors vs raw asyncio pyzmq + msgpack vs Ray, measured in one run.
+
+    python bench/rpc.py                 # everything (Ray only if installed)
+    python bench/rpc.py --quick         # shorter runs
+
+Prints, for each system: one-call-at-a-time round trip p50/p99, calls/s with 64 in flight,
+and 64 MiB tensor GiB/s (actor to actor), each with its ratio to the raw baseline and to Ray;
+and how long a caller waits for ActorDiedError after kill -9 of the actor's process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import rlactors  # noqa: E402
+
+MIB64 = 64 * 1024 * 1024
+
+
+# --- raw baseline: asyncio pyzmq ROUTER/DEALER + msgpack ---------------------------------------
+
+
+async def raw_server(address: str) -> None:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.bind(address)
+    print("ready", flush=True)
+    while True:
+        frames = await sock.recv_multipart(copy=False)
+        ident, body = frames[0], frames[1]
+        call_id, _method, args = msgpack.unpackb(body.bytes)
+        if len(frames) > 2:  # a payload frame: acknowledge its size
+            await sock.send_multipart([ident, msgpack.packb([call_id, len(frames[2].buffer)])], copy=False)
+        else:
+            await sock.send_multipart([ident, msgpack.packb([call_id, args[0]])])
+
+
+class RawClient:
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.pending: dict[int, asyncio.Future[object]] = {}
+        self.next_id = 0
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            call_id, result = msgpack.unpackb(await self.sock.recv())
+            self.pending.pop(call_id).set_result(result)
+
+    async def call(self, arg: object, payload: object = None) -> object:
+        self.next_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = fut
+        frames = [msgpack.packb([self.next_id, "echo", [arg]])]
+        if payload is not None:
+            frames.append(payload)
+        await self.sock.send_multipart(frames, copy=False)
+        return await fut
+
+    def close(self) -> None:
+        self.reader.cancel()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+# --- the measurements, shared by every system ---------------------------------------------------
+
+
+async def measure_latency(call, n: int) -> dict[str, float]:
+    for _ in range(min(200, n)):
+        await call(1)
+    samples = []
+    for i in range(n):
+        t = time.perf_counter()
+        await call(i)
+        samples.append(time.perf_counter() - t)
+    samples.sort()
+    return {"p50_us": samples[len(samples) // 2] * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
+
+
+async def measure_throughput(call, seconds: float, in_flight: int = 64) -> float:
+    count = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal count
+        while time.perf_counter() < stop:
+            await call(1)
+            count += 1
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return count / (time.perf_counter() - t)
+
+
+# --- rlactors ------------------------------------------------------------------------------------
+
+
+class Echo(rlactors.Actor):
+    async def echo(self, x: object) -> object:
+        return x
+
+    async def sink(self, t: object) -> int:
+        return int(t.nbytes)
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def sleep(self, s: float) -> None:
+        await asyncio.sleep(s)
+
+
+class Sender(rlactors.Actor):
+    """Sends a 64 MiB tensor to another actor repeatedly and reports GiB/s (actor to actor)."""
+
+    async def push(self, target: rlactors.ActorHandle, nbytes: int, reps: int) -> float:
+        import torch
+
+        t = torch.ones(nbytes // 4, dtype=torch.float32)
+        await target.sink(t)
+        start = time.perf_counter()
+        for _ in range(reps):
+            assert await target.sink(t) == nbytes
+        return nbytes * reps / (time.perf_counter() - start) / 2**30
+
+
+class RawSender(rlactors.Actor):
+    """The same transfer with raw pyzmq, from a worker process to the raw server (baseline)."""
+
+    async def push(self, address: str, nbytes: int, reps: int) -> float:
+        payload = np.ones(nbytes, dtype=np.uint8)
+        client = RawClient(address)
+        await client.call(0, payload)
+        start = time.perf_counter()
+        for _ in range(reps):
+            assert await client.call(0, payload) == nbytes
+        rate = nbytes * reps / (time.perf_counter() - start) / 2**30
+        client.close()
+        return rate
+
+
+async def bench_rlactors(
+    address: str, seconds: float, n_lat: int, reps: int, raw_address: str
+) -> dict[str, float]:
+    async with rlactors.init(address=address) as cluster:
+        echo = await cluster.spawn(Echo)
+        res = await measure_latency(echo.echo, n_lat)
+        res["calls_per_s"] = await measure_throughput(echo.echo, seconds)
+        sender = await cluster.spawn(Sender)
+        res["tensor_gib_s"] = await sender.push(echo, MIB64, reps)
+        raw_sender = await cluster.spawn(RawSender)
+        res["raw_tensor_gib_s"] = await raw_sender.push(raw_address, MIB64, reps)
+        # Death detection: kill -9 the actor's process while a call is pending.
+        deaths = []
+        for _ in range(5):
+            victim = await cluster.spawn(Echo)
+            pid = await victim.pid()
+            pending = victim.sleep.submit(60)
+            t = time.perf_counter()
+            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(rlactors.ActorDiedError):
+                await pending
+            deaths.append(time.perf_counter() - t)
+        res["death_ms"] = statistics.median(deaths) * 1e3
+    return res
+
+
+async def bench_raw(address: str, seconds: float, n_lat: int) -> dict[str, float]:
+    client = RawClient(address)
+    try:
+        res = await measure_latency(client.call, n_lat)
+        res["calls_per_s"] = await measure_throughput(client.call, seconds)
+    finally:
+        client.close()
+    return res
+
+
+def bench_ray(seconds: float, n_lat: int, reps: int) -> dict[str, float] | None:
+    try:
+        import ray
+    except ImportError:
+        return None
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote
+        class RayEcho:
+            def echo(self, x):
+                return x
+
+            def sink(self, t):
+                return t.nbytes
+
+        @ray.remote
+        class RaySender:
+            def push(self, target, nbytes, reps):
+                a = np.ones(nbytes, dtype=np.uint8)
+                ray.get(target.sink.remote(a))
+                start = time.perf_counter()
+                for _ in range(reps):
+                    ray.get(target.sink.remote(a))
+                return nbytes * reps / (time.perf_counter() - start) / 2**30
+
+        a = RayEcho.remote()
+        ray.get(a.echo.remote(1))
+        samples = []
+        for i in range(n_lat):
+            t = time.perf_counter()
+            ray.get(a.echo.remote(i))
+            samples.append(time.perf_counter() - t)
+        samples.sort()
+        res = {"p50_us": samples[len(samples) // 2] * 1e6, "p99_us": samples[int(len(samples) * 0.99)] * 1e6}
+        count, stop = 0, time.perf_counter() + seconds
+        t = time.perf_counter()
+        refs = [a.echo.remote(1) for _ in range(64)]
+        while time.perf_counter() < stop:  # keep 64 in flight
+            done, refs = ray.wait(refs, num_returns=1)
+            ray.get(done)
+            count += 1
+            refs.append(a.echo.remote(1))
+        res["calls_per_s"] = count / (time.perf_counter() - t)
+        s = RaySender.remote()
+        res["tensor_gib_s"] = ray.get(s.push.remote(a, MIB64, reps))
+        return res
+    finally:
+        ray.shutdown()
+
+
+def start_raw_server(address: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--raw-server", address], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def fmt_ratio(x: float | None, base: float | None, lower_is_better: bool = False) -> str:
+    if x is None or not base:
+        return "-"
+    r = base / x if lower_is_better else x / base
+    return f"{r:.2f}x"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--raw-server", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="shorter runs")
+    ap.add_argument("--no-ray", action="store_true")
+    args = ap.parse_args()
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None  # type: ignore[assignment]
+    run = uvloop.run if uvloop else asyncio.run
+    if args.raw_server:
+        run(raw_server(args.raw_server))
+        return
+    seconds, n_lat, reps = (1.5, 1000, 3) if args.quick else (3.0, 3000, 8)
+    results: dict[str, dict[str, float]] = {}
+    tmp = tempfile.mkdtemp(prefix="rlx-bench-")
+    for transport, raw_addr in (("ipc", f"ipc://{tmp}/raw"), ("tcp", "tcp://127.0.0.1:5799")):
+        server = start_raw_server(raw_addr)
+        try:
+            results[f"raw pyzmq ({transport})"] = run(bench_raw(raw_addr, seconds, n_lat))
+            r = run(
+                bench_rlactors(
+                    "ipc" if transport == "ipc" else "tcp://127.0.0.1:0", seconds, n_lat, reps, raw_addr
+                )
+            )
+            results[f"raw pyzmq ({transport})"]["tensor_gib_s"] = r.pop("raw_tensor_gib_s")
+            results[f"rlactors ({transport}{', CURVE' if transport == 'tcp' else ''})"] = r
+        finally:
+            server.kill()
+    ray_res = None if args.no_ray else bench_ray(seconds, n_lat, reps)
+    if ray_res:
+        results["ray"] = ray_res
+
+    print(
+        f"\nmachine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
+        f"pyzmq {zmq.__version__}, uvloop {'yes' if uvloop else 'no'}"
+    )
+    print(
+        f"{'system':28} {'p50 µs':>8} {'p99 µs':>8} {'calls/s@64':>11} {'64MiB GiB/s':>12}  "
+        f"{'p50 vs raw':>10} {'calls vs raw':>12} {'GiB/s vs raw':>12} {'calls vs Ray':>12}"
+    )
+    for name, r in results.items():
+        base = results["raw pyzmq (tcp)" if "tcp" in name else "raw pyzmq (ipc)"]
+        print(
+            f"{name:28} {r['p50_us']:8.0f} {r['p99_us']:8.0f} {r['calls_per_s']:11.0f} {r.get('tensor_gib_s', 0):12.2f}  "
+            f"{fmt_ratio(r['p50_us'], base['p50_us'], True) if 'raw' not in name else '':>10} "
+            f"{fmt_ratio(r['calls_per_s'], base['calls_per_s']) if 'raw' not in name else '':>12} "
+            f"{fmt_ratio(r.get('tensor_gib_s'), base.get('tensor_gib_s')) if 'raw' not in name else '':>12} "
+            f"{fmt_ratio(r['calls_per_s'], ray_res['calls_per_s']) if ray_res and name != 'ray' else '':>12}"
+        )
+    for name, r in results.items():
+        if "death_ms" in r:
+            print(f"{name}: kill -9 -> ActorDiedError at the caller in {r['death_ms']:.0f} ms (median of 5)")
+    print("(p50 ratio is raw/rlactors: >= 0.8 means within 1.25x of raw)")
+
+
+if __name__ == "__main__":
+    main()
