@@ -1,23 +1,173 @@
-"""Where to find a running cluster, and (later) cluster.toml parsing."""
+"""cluster.toml: what a cluster is made of, and where to find a running one.
+
+Example (see recipes/cluster.example.toml)::
+
+    [head]
+    host = "10.0.0.1"          # address agents and clients use to reach the head
+    port = 6380
+
+    [cluster]
+    secret_file = "~/.rlactors/secret"   # created (mode 600) by `rlactors up` if missing
+    log_dir = "~/.rlactors/logs"
+
+    [[nodes]]
+    host = "10.0.0.2"
+    launch = "ssh"             # local | ssh | slurm
+    python = "/opt/venv/bin/python"
+    resources = { cpu = 32, gpu = 8 }
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from rlactors.errors import ClusterError
+from rlactors.tomlconf import ConfigError, load_toml
 
-STATE_DIR = Path(os.environ.get("RLACTORS_STATE_DIR", "~/.rlactors")).expanduser()
-STATE_FILE = STATE_DIR / "cluster.json"
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "HeadConfig",
+    "NodeConfig",
+    "load_cluster_config",
+    "resolve_connect",
+]
+
+
+def state_file() -> Path:
+    """Where `rlactors up` records the running cluster (``$RLACTORS_STATE_DIR/cluster.json``)."""
+    return Path(os.environ.get("RLACTORS_STATE_DIR", "~/.rlactors")).expanduser() / "cluster.json"
+
+
+@dataclass
+class HeadConfig:
+    """Where the head listens. ``host`` must be reachable from every node."""
+
+    host: str = "127.0.0.1"
+    port: int = 6380
+    bind: str = ""  # interface to bind; defaults to ``host``
+    node_timeout: float = 5.0  # a node silent this long is declared dead
+    python: str = ""  # interpreter for the head; defaults to cluster.python
+
+
+@dataclass
+class NodeConfig:
+    """One host and how to start its agent on it."""
+
+    host: str
+    launch: Literal["local", "ssh", "slurm"] = "local"
+    node_id: str = ""  # defaults to the host (with an index if hosts repeat)
+    python: str = ""  # defaults to cluster.python
+    resources: dict[str, float] = field(default_factory=dict)  # cpu, gpu, custom; cpu/gpu detected if omitted
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = ""  # directory the agent (and its workers) run in; defaults to the current one
+    command_prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "h1"]
+    ssh_options: list[str] = field(default_factory=list)
+    srun_options: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ClusterSection:
+    name: str = "rlactors"
+    secret_file: str = "~/.rlactors/secret"
+    log_dir: str = "~/.rlactors/logs"
+    python: str = "python3"
+    start_timeout: float = 120.0  # seconds `rlactors up` waits for every node to register
+
+
+@dataclass
+class ClusterConfig:
+    """A whole cluster.toml."""
+
+    nodes: list[NodeConfig]
+    head: HeadConfig = field(default_factory=HeadConfig)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ConfigError(f"{self.source or 'cluster config'}: 'nodes' must list at least one node")
+        seen: dict[str, int] = {}
+        for n in self.nodes:
+            if not n.node_id:
+                k = seen.get(n.host, 0)
+                seen[n.host] = k + 1
+                n.node_id = n.host if k == 0 else f"{n.host}-{k}"
+            n.python = n.python or self.cluster.python
+        ids = [n.node_id for n in self.nodes]
+        dup = {x for x in ids if ids.count(x) > 1}
+        if dup:
+            raise ConfigError(
+                f"{self.source}: duplicate node_id {sorted(dup)}; give each node a unique node_id"
+            )
+        self.head.bind = self.head.bind or self.head.host
+        self.head.python = self.head.python or self.cluster.python
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.head.host}:{self.head.port}"
+
+
+def load_cluster_config(path: str | Path, overrides: list[str] | None = None) -> ClusterConfig:
+    cfg = load_toml(ClusterConfig, path, overrides)
+    cfg.source = str(path)
+    return cfg
+
+
+def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_dir: str) -> list[str]:
+    """The command line that starts ``node``'s agent, through ssh or srun when configured."""
+    inner = [
+        node.python,
+        "-m",
+        "rlactors.daemons",
+        "agent",
+        "--head",
+        cfg.address,
+        "--node-id",
+        node.node_id,
+        "--host",
+        node.host,
+        "--secret-file",
+        secret_file,
+        "--log-dir",
+        log_dir,
+        "--resources",
+        json.dumps(node.resources),
+    ]
+    for k, v in sorted(node.env.items()):
+        inner += ["--env", f"{k}={v}"]
+    if node.workdir:
+        inner += ["--workdir", node.workdir]
+    if node.launch == "local":
+        return [*node.command_prefix, *inner]
+    if node.launch == "ssh":
+        remote = " ".join(shlex.quote(x) for x in [*node.command_prefix, *inner])
+        return ["ssh", "-o", "BatchMode=yes", *node.ssh_options, node.host, remote]
+    # slurm: one task on that node, inside the current allocation.
+    return [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node.host}",
+        "--overlap",
+        *node.srun_options,
+        *node.command_prefix,
+        *inner,
+    ]
 
 
 def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, str | None]:
     """The head address and secret file for ``connect()``: arguments, then env, then ``rlactors up``'s state."""
     addr = address or os.environ.get("RLACTORS_ADDRESS")
     secret = secret_file or os.environ.get("RLACTORS_SECRET_FILE")
-    if addr is None and STATE_FILE.exists():
-        state = json.loads(STATE_FILE.read_text())
+    sf = state_file()
+    if addr is None and sf.exists():
+        state = json.loads(sf.read_text())
         addr = state.get("address")
         secret = secret or state.get("secret_file")
     if addr is None:

@@ -12,14 +12,14 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from rlactors.client import Connection
-from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
+from rlactors.errors import ActorNotFoundError, PlacementError
 from rlactors.placement import NodeResources, choose_node, normalise_request
 from rlactors.security import Security
 
@@ -100,6 +100,7 @@ class Head:
         self._kv_changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
         self.started = time.time()
+        self.on_exit: Callable[[], None] | None = None  # set by a standalone head process
 
     def start(self) -> None:
         self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="head-node-monitor")
@@ -382,11 +383,15 @@ class Head:
             raise ActorNotFoundError(f"no actor {actor_id}")
         return rec.node_id
 
-    async def shutdown_nodes(self) -> None:
-        """Ask every agent to stop its workers and exit (used by `rlactors down`)."""
-        for n in self.nodes.values():
-            if n.alive:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(n.conn.call("shutdown", (), {}, target="agent"), 10)
-        if not self.nodes:
-            raise ClusterError("no nodes registered")
+    async def shutdown_cluster(self) -> int:
+        """Stop every agent (and its workers), then the head process itself (`rlactors down`)."""
+        alive = [n for n in self.nodes.values() if n.alive]
+        await asyncio.gather(
+            *(asyncio.wait_for(n.conn.call("shutdown", (), {}, target="agent"), 10) for n in alive),
+            return_exceptions=True,
+        )
+        for n in alive:
+            self._node_lost(n, "cluster shut down")
+        if self.on_exit is not None:
+            asyncio.get_running_loop().call_later(0.2, self.on_exit)
+        return len(alive)

@@ -1,0 +1,290 @@
+"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``down``, ``secret``.
+
+``up`` starts the head and one node agent per host (locally, over ssh, or with srun inside
+a Slurm allocation), waits until every node has registered, and records the cluster in
+``$RLACTORS_STATE_DIR/cluster.json`` (default ``~/.rlactors``) so that ``status``,
+``down`` and ``rlactors.connect()`` find it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from rlactors.config import ClusterConfig, ConfigError, agent_command, load_cluster_config, state_file
+from rlactors.errors import ClusterError
+from rlactors.security import new_secret_file
+
+console = Console(stderr=True)
+out = Console()
+
+
+def _tail(path: Path, n: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _launch(cmd: list[str], log: Path, cwd: str | None = None) -> subprocess.Popen[bytes]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=cwd
+        )
+
+
+async def _nodes(address: str, secret: str) -> list[dict[str, Any]]:
+    from rlactors.cluster import connect
+
+    cluster = await connect(address, secret_file=secret, timeout=5)
+    try:
+        return await cluster.nodes()
+    finally:
+        await cluster._client.close()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg: ClusterConfig = load_cluster_config(args.config, args.set)
+    sf = state_file()
+    if sf.exists():
+        console.print(
+            f"[red]a cluster is already recorded in {sf}[/]: run `rlactors down` first (or delete the file if it is stale)"
+        )
+        return 1
+    secret = Path(cfg.cluster.secret_file).expanduser()
+    if not secret.exists():
+        new_secret_file(secret)
+        console.print(f"created cluster secret {secret} (mode 600); every host needs this file")
+    log_dir = Path(cfg.cluster.log_dir).expanduser()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    head_cmd = [
+        cfg.head.python,
+        "-m",
+        "rlactors.daemons",
+        "head",
+        "--bind",
+        f"tcp://{cfg.head.bind}:{cfg.head.port}",
+        "--secret-file",
+        str(secret),
+        "--node-timeout",
+        str(cfg.head.node_timeout),
+    ]
+    head_log = log_dir / "head.log"
+    head = _launch(head_cmd, head_log)
+    state: dict[str, Any] = {
+        "address": cfg.address,
+        "secret_file": str(secret),
+        "config": str(Path(args.config).resolve()),
+        "head_pid": head.pid,
+        "agents": {},
+        "log_dir": str(log_dir),
+    }
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        with console.status(f"starting head at {cfg.address}") as status:
+            deadline = time.monotonic() + 30
+            while True:
+                if head.poll() is not None:
+                    raise ClusterError(
+                        f"the head exited with code {head.returncode}; its log ({head_log}):\n{_tail(head_log)}"
+                    )
+                try:
+                    asyncio.run(_nodes(cfg.address, str(secret)))
+                    break
+                except ClusterError:
+                    if time.monotonic() > deadline:
+                        raise ClusterError(
+                            f"the head did not answer at {cfg.address} within 30s; log: {head_log}"
+                        ) from None
+            for node in cfg.nodes:
+                cmd = agent_command(cfg, node, str(secret), str(log_dir))
+                try:
+                    procs[node.node_id] = _launch(cmd, log_dir / f"agent-{node.node_id}.log")
+                except OSError as e:
+                    raise ClusterError(
+                        f"cannot start the agent for node {node.node_id} (host {node.host}, "
+                        f"launch {node.launch}): {e}"
+                    ) from e
+                state["agents"][node.node_id] = {
+                    "pid": procs[node.node_id].pid,
+                    "host": node.host,
+                    "launch": node.launch,
+                }
+            sf.parent.mkdir(parents=True, exist_ok=True)
+            sf.write_text(json.dumps(state, indent=2))
+            deadline = time.monotonic() + cfg.cluster.start_timeout
+            want = {n.node_id: n for n in cfg.nodes}
+            while True:
+                registered = {
+                    n["node_id"] for n in asyncio.run(_nodes(cfg.address, str(secret))) if n["alive"]
+                }
+                pending = [nid for nid in want if nid not in registered]
+                status.update(
+                    f"waiting for nodes: {len(registered)}/{len(want)} registered"
+                    + (f" (pending: {', '.join(pending)})" if pending else "")
+                )
+                if not pending:
+                    break
+                for nid in pending:
+                    p = procs[nid]
+                    if p.poll() is not None:
+                        log = log_dir / f"agent-{nid}.log"
+                        raise ClusterError(
+                            f"the agent for node {nid} (host {want[nid].host}, launch {want[nid].launch}) "
+                            f"exited with code {p.returncode}; its log ({log}):\n{_tail(log)}"
+                        )
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"nodes {', '.join(pending)} (hosts {', '.join(want[n].host for n in pending)}) "
+                        f"did not register within {cfg.cluster.start_timeout:.0f}s; logs in {log_dir}"
+                    )
+                time.sleep(0.3)
+    except (ClusterError, ConfigError, OSError) as e:
+        console.print(f"[red]rlactors up failed:[/] {e}")
+        for p in [*procs.values(), head]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        sf.unlink(missing_ok=True)
+        return 1
+    console.print(f"[green]cluster up[/]: head {cfg.address}, {len(cfg.nodes)} node(s); logs in {log_dir}")
+    out.print(
+        f"connect with: rlactors.connect()  (or RLACTORS_ADDRESS={cfg.address} RLACTORS_SECRET_FILE={secret})"
+    )
+    return 0
+
+
+def _load_state() -> dict[str, Any]:
+    sf = state_file()
+    if not sf.exists():
+        raise ClusterError(f"no running cluster recorded in {sf}; start one with `rlactors up cluster.toml`")
+    return json.loads(sf.read_text())
+
+
+async def _status(
+    address: str | None, secret: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from rlactors.cluster import connect
+
+    cluster = await connect(address, secret_file=secret, timeout=5)
+    try:
+        return await cluster.nodes(), await cluster.actors()
+    finally:
+        await cluster._client.close()
+
+
+def _fmt_res(total: dict[str, float], used: dict[str, float]) -> str:
+    return ", ".join(f"{k} {used.get(k, 0):g}/{v:g}" for k, v in sorted(total.items()) if v or used.get(k))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    nodes, actors = asyncio.run(_status(args.address, args.secret_file))
+    t = Table(title="nodes")
+    for col in ("node", "host", "state", "resources used/total"):
+        t.add_column(col)
+    for n in nodes:
+        t.add_row(
+            n["node_id"],
+            n["host"],
+            "[green]alive[/]" if n["alive"] else "[red]dead[/]",
+            _fmt_res(n["total"], n["used"]),
+        )
+    out.print(t)
+    t = Table(title="actors")
+    for col in ("name", "class", "id", "node", "state", "restarts", "pid"):
+        t.add_column(col)
+    for a in actors:
+        t.add_row(
+            a["name"] or "-",
+            a["class_name"],
+            a["actor_id"],
+            a["node_id"],
+            a["state"],
+            str(a["restarts"]),
+            str(a["pid"]),
+        )
+    out.print(t)
+    return 0
+
+
+async def _down(address: str, secret: str) -> int:
+    from rlactors.cluster import connect
+
+    cluster = await connect(address, secret_file=secret, timeout=5)
+    try:
+        return await cluster._client.head_call("shutdown_cluster")
+    finally:
+        await cluster._client.close()
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.1)
+    return False
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    state = _load_state()
+    try:
+        n = asyncio.run(_down(state["address"], state["secret_file"]))
+        console.print(f"stopped {n} node agent(s) and the head")
+    except ClusterError as e:
+        console.print(f"[yellow]head not reachable ({e}); killing recorded processes[/]")
+    pids = [state["head_pid"], *(a["pid"] for a in state["agents"].values())]
+    for pid in pids:
+        if not _wait_gone(pid, 10):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    state_file().unlink(missing_ok=True)
+    console.print("[green]cluster down[/]")
+    return 0
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    p = new_secret_file(args.path)
+    console.print(f"created {p} (mode 600)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="rlactors", description="Run and inspect rlactors clusters.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start a cluster from a cluster.toml")
+    up.add_argument("config")
+    up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    st = sub.add_parser("status", help="show nodes and actors")
+    st.add_argument("--address")
+    st.add_argument("--secret-file")
+    sub.add_parser("down", help="stop the cluster started by `rlactors up`")
+    se = sub.add_parser("secret", help="create a new cluster secret file")
+    se.add_argument("path")
+    args = ap.parse_args(argv)
+    handler = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "secret": cmd_secret}[args.cmd]
+    try:
+        sys.exit(handler(args))
+    except (ClusterError, ConfigError, FileExistsError, FileNotFoundError, PermissionError) as e:
+        console.print(f"[red]error:[/] {e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Standalone head and node-agent processes, as started by ``rlactors up``.
+
+    python -m rlactors.daemons head  --bind tcp://0.0.0.0:6380 --secret-file S
+    python -m rlactors.daemons agent --head tcp://H:6380 --node-id n1 --host 10.0.0.2 --secret-file S
+
+Both serve until told to stop (``rlactors down``) or sent SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from rlactors import logging as rlog
+from rlactors.cluster import detect_gpus
+from rlactors.head import Head
+from rlactors.node import NodeAgent
+from rlactors.security import Security, load_secret
+from rlactors.service import Service
+
+log = structlog.get_logger("rlactors.daemons")
+
+
+async def run_head(args: argparse.Namespace) -> int:
+    rlog.configure(role="head")
+    security = Security(load_secret(args.secret_file))
+    service = Service(name="head", security=security)
+    head = Head(security, node_timeout=args.node_timeout)
+    address = service.bind(args.bind)
+    service.add("head", head)
+    head.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    head.on_exit = stop.set
+    log.info("head serving", address=address)
+    print(f"head ready at {address}", flush=True)
+    await stop.wait()
+    await head.stop()
+    await service.close()
+    security.stop()
+    return 0
+
+
+async def run_agent(args: argparse.Namespace) -> int:
+    rlog.configure(role="agent", node=args.node_id)
+    security = Security(load_secret(args.secret_file))
+    resources = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
+    resources.update({k: float(v) for k, v in json.loads(args.resources or "{}").items()})
+    session_dir = Path(tempfile.mkdtemp(prefix=f"rlx-{args.node_id}-", dir="/tmp"))
+    service = Service(name=f"agent-{args.node_id}", security=security)
+    agent = NodeAgent(
+        args.node_id,
+        args.head,
+        host=args.host,
+        resources=resources,
+        session_dir=session_dir,
+        transport="tcp",
+        security=security,
+        secret_file=args.secret_file,
+        log_dir=args.log_dir,
+    )
+    address = service.bind(f"tcp://{args.host}:0")
+    service.add("agent", agent)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: loop.create_task(agent.stop(grace=2.0)))
+    deadline = loop.time() + args.connect_timeout
+    while True:
+        try:
+            await agent.start(address)
+            break
+        except (TimeoutError, OSError) as e:
+            if loop.time() > deadline:
+                log.error("could not register with the head", head=args.head, error=repr(e))
+                print(
+                    f"agent {args.node_id}: no head answered at {args.head} (wrong address or secret?)",
+                    file=sys.stderr,
+                )
+                await service.close()
+                return 2
+    log.info("agent serving", node=args.node_id, address=address, resources=resources)
+    print(f"agent {args.node_id} registered with {args.head}", flush=True)
+    await agent.stopped.wait()
+    await asyncio.sleep(0.1)  # let the last replies leave
+    await service.close()
+    security.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m rlactors.daemons")
+    sub = ap.add_subparsers(dest="role", required=True)
+    h = sub.add_parser("head")
+    h.add_argument("--bind", required=True)
+    h.add_argument("--secret-file", required=True)
+    h.add_argument("--node-timeout", type=float, default=5.0)
+    a = sub.add_parser("agent")
+    a.add_argument("--head", required=True)
+    a.add_argument("--node-id", required=True)
+    a.add_argument("--host", required=True)
+    a.add_argument("--secret-file", required=True)
+    a.add_argument("--resources", default="{}")
+    a.add_argument("--log-dir", default="")
+    a.add_argument("--workdir", default="")
+    a.add_argument("--env", action="append")
+    a.add_argument("--connect-timeout", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    if args.role == "agent":
+        if args.workdir:
+            os.chdir(Path(args.workdir).expanduser())
+        for item in args.env or []:
+            k, _, v = item.partition("=")
+            os.environ[k] = v
+        args.log_dir = Path(args.log_dir).expanduser() if args.log_dir else None
+    runner = run_head if args.role == "head" else run_agent
+    try:
+        import uvloop
+
+        code = uvloop.run(runner(args))
+    except ImportError:
+        code = asyncio.run(runner(args))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""`rlactors up` / `status` / `down` end to end from a cluster.toml with two local hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rlactors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlactors.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "RLACTORS_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "200",
+    }
+
+
+def write_config(tmp_path: Path, body: str) -> Path:
+    p = tmp_path / "cluster.toml"
+    p.write_text(body)
+    return p
+
+
+def test_up_status_down_with_two_local_hosts(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    port = free_port()
+    cfg = write_config(
+        tmp_path,
+        f"""
+[head]
+host = "127.0.0.1"
+port = {port}
+node_timeout = 3.0
+
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+python = "{sys.executable}"
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "hostA"
+resources = {{ cpu = 2, gpu = 0, special = 1 }}
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "hostB"
+resources = {{ cpu = 2 }}
+""",
+    )
+    up = run_cli(["up", str(cfg)], cli_env)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "cluster up" in up.stderr
+        assert (tmp_path / "secret").stat().st_mode & 0o777 == 0o600
+
+        async def use_cluster() -> None:
+            os.environ["RLACTORS_STATE_DIR"] = cli_env["RLACTORS_STATE_DIR"]
+            try:
+                cluster = await rlactors.connect()
+                from tests.runtime.actors import Counter
+
+                a = await cluster.spawn(Counter, 1, name="on-a", resources={"special": 1}, detached=True)
+                b = await cluster.spawn(Counter, 2, name="on-b", node_id="hostB", detached=True)
+                assert await a.add(1) == 2 and await b.add(1) == 3
+                assert await cluster.node_of(a) == "hostA" and await cluster.node_of(b) == "hostB"
+                with pytest.raises(rlactors.PlacementError, match="special"):
+                    await cluster.spawn(Counter, resources={"special": 1})
+                await cluster._client.close()
+            finally:
+                del os.environ["RLACTORS_STATE_DIR"]
+
+        asyncio.run(use_cluster())
+        status = run_cli(["status"], cli_env)
+        assert status.returncode == 0, status.stderr
+        for text in ("hostA", "hostB", "alive", "on-a", "on-b", "Counter", "ALIVE", "special 1/1"):
+            assert text in status.stdout, status.stdout
+        secret = (tmp_path / "secret").read_text().strip()
+        assert secret not in status.stdout + status.stderr + up.stdout + up.stderr
+        for log in (tmp_path / "logs").glob("*.log"):
+            assert secret not in log.read_text()
+    finally:
+        down = run_cli(["down"], cli_env)
+    assert down.returncode == 0, down.stderr
+    assert "cluster down" in down.stderr
+    assert not (Path(cli_env["RLACTORS_STATE_DIR"]) / "cluster.json").exists()
+    again = run_cli(["status"], cli_env)
+    assert again.returncode == 1 and "no cluster address" in again.stderr
+
+
+def test_up_with_a_typo_names_the_key_and_file(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    cfg = write_config(
+        tmp_path,
+        """
+[[nodes]]
+hots = "127.0.0.1"
+""",
+    )
+    res = run_cli(["up", str(cfg)], cli_env)
+    assert res.returncode == 1
+    assert "unknown key 'nodes[0].hots'" in res.stderr and "did you mean 'host'" in res.stderr
+    assert str(cfg) in res.stderr
+
+
+def test_up_names_the_host_whose_agent_failed(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    port = free_port()
+    cfg = write_config(
+        tmp_path,
+        f"""
+[head]
+port = {port}
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+python = "{sys.executable}"
+[[nodes]]
+host = "127.0.0.1"
+node_id = "good"
+[[nodes]]
+host = "127.0.0.1"
+node_id = "broken"
+python = "/nonexistent/python3"
+""",
+    )
+    res = run_cli(["up", str(cfg)], cli_env)
+    assert res.returncode == 1
+    assert "broken" in res.stderr and "127.0.0.1" in res.stderr
+    # Nothing is left running or recorded.
+    assert not (Path(cli_env["RLACTORS_STATE_DIR"]) / "cluster.json").exists()
