@@ -9,7 +9,8 @@ Importing this package does not import torch.
 
 from protocols.codec import register
 from rlactors.actor import Actor, ActorContext, get_context
-from rlactors.cluster import Cluster, connect, init
+from rlactors.cluster import Cluster, PlacementGroup, connect, init
+from rlactors.collective import CollectiveGroup
 from rlactors.errors import (
     ActorDiedError,
     ActorNotFoundError,
@@ -32,7 +33,9 @@ __all__ = [
     "ActorNotFoundError",
     "Cluster",
     "ClusterError",
+    "CollectiveGroup",
     "PlacementError",
+    "PlacementGroup",
     "RemoteError",
     "RuntimeShutdownError",
     "__version__",

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from rlactors.actor import class_spec
+from rlactors.collective import CollectiveGroup, make_group
 from rlactors.handle import ActorGroup, ActorHandle
 from rlactors.head import Head
 from rlactors.node import NodeAgent
@@ -76,6 +77,7 @@ class Cluster:
         strategy: str = "pack",
         detached: bool = False,
         get_if_exists: bool = False,
+        placement: tuple[PlacementGroup, int] | None = None,
         **kwargs: Any,
     ) -> ActorHandle:
         """Start an actor of class ``cls`` in its own worker process; ``args``/``kwargs`` go to its constructor.
@@ -100,6 +102,7 @@ class Cluster:
             "owner": self._client.client_id,
             "sys_path": [p for p in sys.path if p and os.path.isdir(p)],  # noqa: ASYNC240 (quick stat calls)
             "cwd": os.getcwd(),
+            "placement": [placement[0].group_id, placement[1]] if placement is not None else None,
         }
         info = await self._client.head_call("spawn", request)
         self._client._update(info["actor_id"], info["state"], info["address"], info.get("reason", ""))
@@ -153,7 +156,36 @@ class Cluster:
         return await self._client.head_call("reserve_port", node_id)
 
     async def node_of(self, actor: ActorHandle) -> str:
+        """The node an actor runs on."""
         return await self._client.head_call("node_of", actor.actor_id)
+
+    async def collective_group(
+        self, actors: Sequence[ActorHandle], backend: str = "gloo", *, timeout: float = 120.0, name: str = "default"
+    ) -> CollectiveGroup:
+        """Make ``actors`` one torch.distributed world (rank i = actors[i]); ``gloo`` on CPUs, ``nccl`` on GPUs."""
+        return await make_group(self, list(actors), backend, timeout, name)
+
+    async def rendezvous(self, name: str, world_size: int, *, node_id: str | None = None) -> dict[str, Any]:
+        """Reserve a master address for an *external* group (e.g. inference servers joining a trainer).
+
+        Returns ``{group_name, master_address, master_port, world_size}``, also published in
+        the KV store under ``rendezvous/<name>`` for the other members to read.
+        """
+        if node_id is None:
+            from rlactors.actor import _context
+
+            node_id = _context.node_id if _context is not None else (await self.nodes())[0]["node_id"]
+        return await self._client.head_call("rendezvous", name, world_size, node_id)
+
+    async def reserve(self, bundles: list[dict[str, float]], *, strategy: str = "pack") -> PlacementGroup:
+        """Reserve resource bundles atomically (all or nothing), like a placement group.
+
+        Spawn into bundle i with ``spawn(..., placement=(group, i))``. Strategies: ``pack``,
+        ``spread``, ``strict_spread`` (one node per bundle). Fails fast with what was asked
+        and what is free.
+        """
+        info = await self._client.head_call("reserve_bundles", bundles, strategy)
+        return PlacementGroup(info["group_id"], info["nodes"], self)
 
     async def close(self) -> None:
         """Disconnect. Actors this connection spawned (unless detached) are stopped; a local cluster shuts down."""
@@ -173,6 +205,25 @@ class Cluster:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+class PlacementGroup:
+    """Reserved resource bundles; ``nodes[i]`` is where bundle i lives."""
+
+    def __init__(self, group_id: str, nodes: list[str], cluster: Cluster) -> None:
+        self.group_id = group_id
+        self.nodes = nodes
+        self._cluster = cluster
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    async def release(self) -> None:
+        """Kill actors in the group and return its resources."""
+        await self._cluster._client.head_call("release_bundles", self.group_id)
+
+    def __repr__(self) -> str:
+        return f"<PlacementGroup {self.group_id} on {self.nodes}>"
 
 
 class _Local:

@@ -20,7 +20,7 @@ import structlog
 
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, PlacementError
-from rlactors.placement import NodeResources, choose_node, normalise_request
+from rlactors.placement import NodeResources, choose_node, normalise_request, plan_bundles
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.head")
@@ -49,6 +49,7 @@ class ActorRecord:
     detached: bool
     max_restarts: int
     node_id: str = ""
+    bundle: tuple[str, int] | None = None  # (placement group id, bundle index) it runs in
     gpus: list[int] = field(default_factory=list)
     state: str = "PENDING"
     address: str = ""
@@ -97,6 +98,8 @@ class Head:
         self.names: dict[str, str] = {}
         self._subs: set[asyncio.Queue[dict[str, Any]]] = set()
         self._kv: dict[str, Any] = {}
+        # placement group id -> bundles: {node_id, resources, gpus, actor}
+        self.groups: dict[str, list[dict[str, Any]]] = {}
         self._kv_changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
         self.started = time.time()
@@ -207,9 +210,15 @@ class Head:
                     f"an actor named {name!r} already exists ({existing}); kill it first or pick another name"
                 )
         res = normalise_request(request.get("resources"))
-        nid = choose_node(
-            self._alive_nodes(), res, strategy=request.get("strategy", "pack"), node_id=request.get("node_id")
-        )
+        placement = request.get("placement")
+        bundle: dict[str, Any] | None = None
+        if placement is not None:
+            bundle = self._bundle(placement)
+            nid, res = bundle["node_id"], bundle["resources"]
+        else:
+            nid = choose_node(
+                self._alive_nodes(), res, strategy=request.get("strategy", "pack"), node_id=request.get("node_id")
+            )
         rec = ActorRecord(
             actor_id=uuid.uuid4().hex[:12],
             name=name,
@@ -221,7 +230,12 @@ class Head:
             max_restarts=int(request.get("max_restarts", 0)),
             node_id=nid,
         )
-        rec.gpus = self.nodes[nid].resources.acquire(res)
+        if bundle is not None:
+            rec.bundle = (placement[0], int(placement[1]))
+            rec.gpus = list(bundle["gpus"])
+            bundle["actor"] = rec.actor_id
+        else:
+            rec.gpus = self.nodes[nid].resources.acquire(res)
         self.actors[rec.actor_id] = rec
         if name is not None:
             self.names[name] = rec.actor_id
@@ -245,18 +259,26 @@ class Head:
         rec.state, rec.reason = "ALIVE", ""
         self._publish(rec)
 
+    def _release(self, rec: ActorRecord) -> None:
+        if rec.state == "DEAD":
+            return
+        if rec.bundle is not None:
+            bundles = self.groups.get(rec.bundle[0])
+            if bundles is not None and bundles[rec.bundle[1]].get("actor") == rec.actor_id:
+                bundles[rec.bundle[1]]["actor"] = None
+            return
+        node = self.nodes.get(rec.node_id)
+        if node is not None:
+            node.resources.release(rec.resources, rec.gpus)
+
     def _forget(self, rec: ActorRecord) -> None:
         self.actors.pop(rec.actor_id, None)
         if rec.name is not None and self.names.get(rec.name) == rec.actor_id:
             del self.names[rec.name]
-        node = self.nodes.get(rec.node_id)
-        if node is not None and rec.state != "DEAD":
-            node.resources.release(rec.resources, rec.gpus)
+        self._release(rec)
 
     def _mark_dead(self, rec: ActorRecord, reason: str) -> None:
-        node = self.nodes.get(rec.node_id)
-        if node is not None and rec.state != "DEAD":
-            node.resources.release(rec.resources, rec.gpus)
+        self._release(rec)
         rec.state, rec.reason = "DEAD", reason
         if rec.name is not None and self.names.get(rec.name) == rec.actor_id:
             del self.names[rec.name]
@@ -335,6 +357,45 @@ class Head:
         await asyncio.gather(*(self.kill(r.actor_id) for r in victims), return_exceptions=True)
         return len(victims)
 
+    # --- placement groups ----------------------------------------------------------------------
+
+    async def reserve_bundles(self, bundles: list[dict[str, float]], strategy: str = "pack") -> dict[str, Any]:
+        """Reserve resource bundles atomically (all or nothing); actors then spawn into them."""
+        reqs = [normalise_request(b) for b in bundles]
+        if not reqs:
+            raise ValueError("reserve_bundles needs at least one bundle")
+        nodes = plan_bundles(self._alive_nodes(), reqs, strategy)
+        gid = "pg-" + uuid.uuid4().hex[:8]
+        self.groups[gid] = [
+            {"node_id": nid, "resources": req, "gpus": self.nodes[nid].resources.acquire(req), "actor": None}
+            for nid, req in zip(nodes, reqs, strict=True)
+        ]
+        return {"group_id": gid, "nodes": nodes}
+
+    def _bundle(self, placement: list[Any]) -> dict[str, Any]:
+        gid, index = placement[0], int(placement[1])
+        bundles = self.groups.get(gid)
+        if bundles is None:
+            raise PlacementError(f"no placement group {gid!r} (was it released?)")
+        if not 0 <= index < len(bundles):
+            raise PlacementError(f"placement group {gid} has {len(bundles)} bundles, no bundle {index}")
+        b = bundles[index]
+        if b["actor"] is not None:
+            raise PlacementError(f"bundle {index} of {gid} is in use by actor {b['actor']}")
+        return b
+
+    async def release_bundles(self, group_id: str) -> None:
+        """Kill the group's actors and give its resources back to the nodes."""
+        bundles = self.groups.get(group_id)
+        if bundles is None:
+            return
+        await asyncio.gather(*(self.kill(b["actor"]) for b in bundles if b["actor"]), return_exceptions=True)
+        del self.groups[group_id]
+        for b in bundles:
+            node = self.nodes.get(b["node_id"])
+            if node is not None:
+                node.resources.release(b["resources"], b["gpus"])
+
     # --- views, kv, ports -----------------------------------------------------------------------
 
     async def list_actors(self) -> list[dict[str, Any]]:
@@ -376,6 +437,13 @@ class Head:
             raise PlacementError(f"no alive node {node_id!r}")
         port = await n.conn.call("reserve_port", (), {}, target="agent")
         return {"host": n.host, "port": port}
+
+    async def rendezvous(self, name: str, world_size: int, node_id: str) -> dict[str, Any]:
+        """Reserve a master address for an external process group and publish it in the KV store."""
+        where = await self.reserve_port(node_id)
+        info = {"group_name": name, "master_address": where["host"], "master_port": where["port"], "world_size": world_size}
+        await self.kv_put(f"rendezvous/{name}", info)
+        return info
 
     async def node_of(self, actor_id: str) -> str:
         rec = self.actors.get(actor_id)

@@ -97,3 +97,38 @@ def choose_node(
 
 def _fmt(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}={v:g}" for k, v in sorted(res.items())) + "}"
+
+
+def plan_bundles(nodes: dict[str, NodeResources], bundles: list[dict[str, float]], strategy: str = "pack") -> list[str]:
+    """Choose a node for every bundle, all or nothing; raises PlacementError naming what did not fit.
+
+    ``pack`` puts bundles together where they fit, ``spread`` prefers different nodes,
+    ``strict_spread`` requires a different node for each bundle.
+    """
+    if strategy not in ("pack", "spread", "strict_spread"):
+        raise ValueError(f"unknown bundle strategy {strategy!r} (use 'pack', 'spread' or 'strict_spread')")
+    trial = {nid: NodeResources(dict(n.total), dict(n.used), list(n.free_gpus)) for nid, n in nodes.items()}
+    chosen: list[str] = []
+    # Largest bundles first, so big ones are not crowded out by small ones.
+    order = sorted(range(len(bundles)), key=lambda i: -sum(bundles[i].values()))
+    placed: dict[int, str] = {}
+    for i in order:
+        req = bundles[i]
+        used_nodes = set(placed.values())
+        candidates = [nid for nid, n in trial.items() if n.fits(req)]
+        if strategy == "strict_spread":
+            candidates = [nid for nid in candidates if nid not in used_nodes]
+        if not candidates:
+            free = "; ".join(f"{nid}: {_fmt(n.free())}" for nid, n in sorted(nodes.items())) or "no alive nodes"
+            raise PlacementError(
+                f"cannot reserve {len(bundles)} bundles {bundles} with strategy {strategy}: bundle {i} {req} does not fit. "
+                f"Free resources: {free}"
+            )
+        if strategy == "pack":
+            nid = max(candidates, key=lambda c: (c in used_nodes, -len(trial), c))
+        else:
+            nid = min(candidates, key=lambda c: (c in used_nodes, sum(trial[c].used.values()), c))
+        trial[nid].acquire(req)
+        placed[i] = nid
+    chosen = [placed[i] for i in range(len(bundles))]
+    return chosen

@@ -143,22 +143,29 @@ class RuntimeClient:
         return st
 
     def call_actor(
-        self, actor_id: str, address: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        actor_id: str,
+        address: str,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        target: str | None = None,
     ) -> asyncio.Future[Any]:
         st = self.actor_state(actor_id, address)
         if st.state == "ALIVE":
-            return self.connection(st.address).call(method, args, kwargs)
+            return self.connection(st.address).call(method, args, kwargs, target=target)
         if st.state == "DEAD":
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(st.died_error())
             return fut
-        return asyncio.ensure_future(self._call_when_alive(st, method, args, kwargs))
+        return asyncio.ensure_future(self._call_when_alive(st, method, args, kwargs, target))
 
     async def _call_when_alive(
-        self, st: ActorState, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, st: ActorState, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], target: str | None = None
     ) -> Any:
         await self.wait_alive(st)
-        return await self.connection(st.address).call(method, args, kwargs)
+        return await self.connection(st.address).call(method, args, kwargs, target=target)
 
     async def wait_alive(self, st: ActorState, timeout: float = 300.0) -> None:
         """Wait while an actor restarts; raise ActorDiedError if it ends up dead."""

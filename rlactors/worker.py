@@ -21,6 +21,7 @@ import structlog
 from rlactors import logging as rlog
 from rlactors.actor import ActorContext, _set_context, load_class
 from rlactors.client import Connection
+from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret
@@ -88,6 +89,7 @@ async def main() -> int:
         if on_start is not None:
             await on_start()
         methods = service.add(None, instance)
+        service.add(SYSTEM_TARGET, WorkerSystem())
         for hook in ("on_start", "on_stop"):
             methods.pop(hook, None)
     except BaseException as e:

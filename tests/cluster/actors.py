@@ -1,0 +1,42 @@
+"""Actor classes for cluster tests."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import rlactors
+
+
+class Member(rlactors.Actor):
+    """A collective-group member with a sync thread (where torch.distributed runs)."""
+
+    def env(self, keys: list[str]) -> dict[str, str | None]:
+        return {k: os.environ.get(k) for k in keys}
+
+    def broadcast(self, values: list[float]) -> list[float]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values) if dist.get_rank() == 0 else torch.zeros(len(values))
+        dist.broadcast(t, src=0)
+        return t.tolist()
+
+    def all_reduce(self, x: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([x])
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    async def node(self) -> str:
+        return rlactors.get_context().node_id
+
+    async def hostname_ip(self) -> str:
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
