@@ -46,7 +46,6 @@ from protocols.sglang import (
 log = structlog.get_logger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
-DISCONNECT_POLL_S = 0.5
 
 
 def _bad(message: str) -> JSONResponse:
@@ -98,10 +97,14 @@ def _build_seqs(engine: Engine, req: GenerateRequest) -> list[Seq]:
 
 
 async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]) -> None:
-    """SGLang aborts a request whose client went away; so do we (frees the rid for a retry)."""
+    """SGLang aborts a request whose client went away; so do we (frees the rid for a retry).
+
+    After the body is read, the ASGI ``receive`` only returns once the client disconnects, so
+    this waits without polling; it is cancelled when the response is ready.
+    """
     while True:
-        await asyncio.sleep(DISCONNECT_POLL_S)
-        if await request.is_disconnected():
+        message = await request.receive()
+        if message.get("type") == "http.disconnect":
             for rid in rids:
                 engine.scheduler.abort(rid=rid)
             return

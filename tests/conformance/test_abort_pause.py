@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 
@@ -129,3 +130,16 @@ async def test_health_and_info(client: httpx.AsyncClient, is_reference: bool) ->
     assert "version" in server
     if is_reference:
         assert server["internal_states"][0]["num_running_reqs"] == 0
+
+
+async def test_client_disconnect_aborts_request(client: httpx.AsyncClient, server_url: str) -> None:
+    async with httpx.AsyncClient(base_url=server_url, timeout=120.0) as other:
+        task = asyncio.create_task(other.post("/generate", json=long_req("disconnect-1")))
+        await wait_load(client, running=1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await wait_load(client, running=0, waiting=0)
+    # the rid is free again
+    r = await client.post("/generate", json=long_req("disconnect-1", max_new_tokens=1))
+    assert r.status_code == 200
