@@ -1,0 +1,178 @@
+"""Several hosts on one machine (network namespaces): placement, cross-host calls and gloo,
+partition of a host, kill -9 of a node agent, and an agent that comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import rlactors
+from rlactors.security import new_secret_file
+from tests.cluster.actors import Member
+from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
+
+pytestmark = pytest.mark.netns
+ROOT = Path(__file__).resolve().parents[2]
+NODE_TIMEOUT = 2.0
+NO_HANG = 15
+
+_why = netns_unavailable()
+if _why:
+    pytest.skip(f"network namespaces unavailable: {_why}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    h = make_hosts(2)
+    try:
+        yield h
+    finally:
+        h.teardown()
+
+
+class Cluster2:
+    def __init__(self, hosts: Hosts, tmp: Path) -> None:
+        self.hosts = hosts
+        self.secret = str(new_secret_file(tmp / "secret"))
+        self.address = f"tcp://{hosts.gateway}:{_free_port(hosts.gateway)}"
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start_head(self) -> None:
+        self.procs["head"] = self._popen(
+            [
+                sys.executable,
+                "-m",
+                "rlactors.daemons",
+                "head",
+                "--bind",
+                self.address,
+                "--secret-file",
+                self.secret,
+                "--node-timeout",
+                str(NODE_TIMEOUT),
+            ],
+            "head",
+        )
+
+    def start_agent(self, i: int) -> None:
+        cmd = [
+            *self.hosts.exec_prefix(i),
+            sys.executable,
+            "-m",
+            "rlactors.daemons",
+            "agent",
+            "--head",
+            self.address,
+            "--node-id",
+            f"h{i}",
+            "--host",
+            self.hosts.ip(i),
+            "--secret-file",
+            self.secret,
+            "--resources",
+            '{"cpu": 2, "slot": 1}',
+            "--env",
+            "GLOO_SOCKET_IFNAME=eth0",
+        ]
+        self.procs[f"h{i}"] = self._popen(cmd, f"agent-h{i}")
+
+    def _popen(self, cmd: list[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            start_new_session=True,
+        )
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def _wait_nodes(cluster: rlactors.Cluster, alive: set[str], timeout: float = 30) -> None:
+    async with asyncio.timeout(timeout):
+        while {n["node_id"] for n in await cluster.nodes() if n["alive"]} != alive:
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def two_hosts(hosts: Hosts, tmp_path: Path) -> AsyncIterator[tuple[rlactors.Cluster, Cluster2]]:
+    c2 = Cluster2(hosts, tmp_path)
+    try:
+        c2.start_head()
+        c2.start_agent(0)
+        c2.start_agent(1)
+        cluster = await rlactors.connect(c2.address, secret_file=c2.secret, timeout=30)
+        await _wait_nodes(cluster, {"h0", "h1"})
+        yield cluster, c2
+        await cluster.close()
+    finally:
+        c2.stop()
+
+
+async def test_actors_on_two_hosts_call_each_other_and_form_a_gloo_group(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    a = await cluster.spawn(Member, name="a", node_id="h0")
+    b = await cluster.spawn(Member, name="b", node_id="h1")
+    assert a.address.startswith(f"tcp://{c2.hosts.ip(0)}:") and b.address.startswith(
+        f"tcp://{c2.hosts.ip(1)}:"
+    )
+    assert await a.node() == "h0" and await b.node() == "h1"
+    # Custom resources are per host: one "slot" each.
+    with pytest.raises(rlactors.PlacementError):
+        await cluster.spawn(Member, resources={"slot": 2})
+    group = await cluster.collective_group([a, b], backend="gloo", timeout=60)
+    assert group.master_address == c2.hosts.ip(0)
+    assert await asyncio.gather(a.broadcast([3.0, 4.0]), b.broadcast([0.0, 0.0])) == [[3.0, 4.0]] * 2
+
+
+async def test_partition_is_detected_and_the_host_rejoins(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    b = await cluster.spawn(Member, node_id="h1")
+    pending = b.busy.submit(60)
+    c2.hosts.partition(1)
+    try:
+        with pytest.raises(rlactors.ActorDiedError, match="stopped answering"):
+            await asyncio.wait_for(pending, NO_HANG)
+        await _wait_nodes(cluster, {"h0"})
+        with pytest.raises(rlactors.ActorDiedError):
+            await asyncio.wait_for(b.node(), NO_HANG)
+    finally:
+        c2.hosts.heal(1)
+    # The agent comes back: it is told it was declared dead, drops its workers, registers again.
+    await _wait_nodes(cluster, {"h0", "h1"})
+    again = await cluster.spawn(Member, node_id="h1")
+    assert await again.node() == "h1"
+
+
+async def test_kill_9_of_a_node_agent_is_detected(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    a = await cluster.spawn(Member, node_id="h0")
+    pending = a.busy.submit(60)
+    os.kill(c2.procs["h0"].pid, signal.SIGKILL)
+    with pytest.raises(rlactors.ActorDiedError):
+        await asyncio.wait_for(pending, NO_HANG)
+    await _wait_nodes(cluster, {"h1"})
+    b = await cluster.spawn(Member)  # placement skips the dead host
+    assert await b.node() == "h1"

@@ -1,0 +1,106 @@
+"""Authentication: peers without the cluster secret can neither call actors nor join as nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import zmq
+import zmq.asyncio
+
+import rlactors
+from protocols import wire
+from rlactors.security import Security
+from tests.runtime.actors import Counter
+
+NO_REPLY_WINDOW = 1.0  # how long we listen for a reply that must never come
+
+
+async def _send_and_listen(sock: zmq.asyncio.Socket, frames: list[bytes]) -> list[object]:
+    await sock.send_multipart(frames)
+    replies = []
+    try:
+        while True:
+            replies.append(await asyncio.wait_for(sock.recv_multipart(), NO_REPLY_WINDOW))
+    except TimeoutError:
+        return replies
+
+
+def _call(method: str, *args: object) -> list[bytes]:
+    return wire.join_batch([wire.encode_envelope(wire.Kind.CALL, 1, None, method, list(args), {}, 0)])
+
+
+async def test_peer_without_curve_or_with_wrong_keys_cannot_call_actors() -> None:
+    async with rlactors.init(address="tcp://127.0.0.1:0") as cluster:
+        c = await cluster.spawn(Counter, 0)
+        ctx = zmq.asyncio.Context()
+        try:
+            plain = ctx.socket(zmq.DEALER)
+            plain.connect(c.address)
+            intruder = ctx.socket(zmq.DEALER)
+            Security(os.urandom(32)).apply_client(intruder)  # CURVE, but another cluster's keys
+            intruder.connect(c.address)
+            for sock in (plain, intruder):
+                assert await _send_and_listen(sock, _call("add", 100)) == []
+                sock.close(linger=0)
+        finally:
+            ctx.term()
+        # Nothing executed: the counter was never incremented.
+        assert await c.value() == 0
+        assert await c.add(1) == 1
+
+
+async def test_node_without_the_secret_cannot_register() -> None:
+    async with rlactors.init(address="tcp://127.0.0.1:0") as cluster:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        Security(os.urandom(32)).apply_client(sock)
+        sock.connect(cluster.address)
+        try:
+            frames = wire.join_batch(
+                [
+                    wire.encode_envelope(
+                        wire.Kind.CALL,
+                        1,
+                        "head",
+                        "register_node",
+                        ["evil", "tcp://127.0.0.1:1", "127.0.0.1", {"cpu": 64}],
+                        {},
+                        0,
+                    )
+                ]
+            )
+            assert await _send_and_listen(sock, frames) == []
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+        assert [n["node_id"] for n in await cluster.nodes()] == ["local"]
+
+
+async def test_random_frames_at_a_live_worker_never_crash_it(cluster) -> None:
+    c = await cluster.spawn(Counter, 5)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(c.address)
+    rng = random.Random(0)
+    valid = _call("value")
+    try:
+        for _ in range(300):
+            kind = rng.random()
+            if kind < 0.3:
+                frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
+            elif kind < 0.7:  # a valid message with bytes flipped
+                frames = [bytearray(f) for f in valid]
+                f = rng.choice(frames)
+                if f:
+                    f[rng.randrange(len(f))] ^= 1 << rng.randrange(8)
+                frames = [bytes(f) for f in frames]
+            else:  # a valid message cut short
+                frames = [f[: rng.randint(0, len(f))] for f in valid]
+            await sock.send_multipart(frames)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert await c.value() == 5
+    assert await c.add(1) == 6
