@@ -85,7 +85,7 @@ class Cluster2:
         self.procs[f"h{i}"] = self._popen(cmd, f"agent-h{i}")
 
     def _popen(self, cmd: list[str], name: str) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
+        log = open(self.tmp / f"{name}.log", "ab")
         return subprocess.Popen(
             cmd,
             stdout=log,
