@@ -154,3 +154,58 @@ python = "/nonexistent/python3"
     assert "broken" in res.stderr and "127.0.0.1" in res.stderr
     # Nothing is left running or recorded.
     assert not (Path(cli_env["RLACTORS_STATE_DIR"]) / "cluster.json").exists()
+
+
+def test_agent_commands_for_ssh_and_slurm(tmp_path: Path) -> None:
+    from rlactors.config import agent_command, load_cluster_config
+
+    cfg_path = write_config(
+        tmp_path,
+        """
+[head]
+host = "10.0.0.1"
+port = 7000
+[cluster]
+python = "/opt/venv/bin/python"
+[[nodes]]
+host = "gpu-a"
+launch = "ssh"
+ssh_options = ["-p", "2222"]
+resources = { gpu = 8 }
+env = { NCCL_DEBUG = "WARN" }
+[[nodes]]
+host = "gpu-b"
+launch = "slurm"
+workdir = "/scratch/run"
+""",
+    )
+    cfg = load_cluster_config(cfg_path)
+    ssh = agent_command(cfg, cfg.nodes[0], "/s/secret", "/s/logs")
+    assert ssh[:5] == ["ssh", "-o", "BatchMode=yes", "-p", "2222"] and ssh[5] == "gpu-a"
+    assert (
+        "/opt/venv/bin/python -m rlactors.daemons agent --head tcp://10.0.0.1:7000 --node-id gpu-a" in ssh[6]
+    )
+    assert "--env NCCL_DEBUG=WARN" in ssh[6] and "'{\"gpu\": 8.0}'" in ssh[6]
+    srun = agent_command(cfg, cfg.nodes[1], "/s/secret", "/s/logs")
+    assert srun[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu-b", "--overlap"]
+    assert srun[srun.index("--workdir") + 1] == "/scratch/run"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("nodes = []", "at least one node"),
+        ('[[nodes]]\nhost = "a"\nresources = { cpu = "many" }', "'nodes[0].resources.cpu' must be a float"),
+        ('[[nodes]]\nhost = "a"\nlaunch = "telnet"', "'nodes[0].launch' must be 'local' or 'ssh' or 'slurm'"),
+        ("[head]\nport = 1\n", "missing required key 'nodes'"),
+        ('[[nodes]]\nhost = "a"\n[[nodes]]\nhost = "b"\nnode_id = "a"', "duplicate node_id"),
+        ("[[nodes]\nhost=", "not valid TOML"),
+    ],
+)
+def test_bad_cluster_toml_errors_name_the_key_and_file(tmp_path: Path, body: str, message: str) -> None:
+    from rlactors.config import ConfigError, load_cluster_config
+
+    p = write_config(tmp_path, body)
+    with pytest.raises(ConfigError) as info:
+        load_cluster_config(p)
+    assert message in str(info.value) and str(p) in str(info.value)
