@@ -112,7 +112,7 @@ def _free_port(host: str) -> int:
 
 async def _wait_nodes(cluster: rlactors.Cluster, alive: set[str], timeout: float = 30) -> None:
     async with asyncio.timeout(timeout):
-        while {n["node_id"] for n in await cluster.nodes() if n["alive"]} != alive:
+        while {n["node_id"] for n in await cluster.nodes() if n["alive"]} != alive:  # noqa: ASYNC110 (remote state)
             await asyncio.sleep(0.1)
 
 
