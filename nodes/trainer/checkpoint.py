@@ -1,0 +1,108 @@
+"""Trainer checkpoints: sharded model and optimizer through torch.distributed.checkpoint (DCP),
+plus what a resume needs to continue the same run: policy version, optimizer step and LR
+schedule, every rank's RNG state, and the data position.
+
+Layout of a checkpoint folder::
+
+    model+optim shards (DCP: .metadata, __<rank>_0.distcp)
+    trainer_state.json   version, optim_steps, data_position, world_size (rank 0)
+    rank<r>.pt           RNG states and LR-scheduler state of rank r
+
+A checkpoint is written to ``<path>.tmp`` and renamed into place once every rank has finished,
+so a crash mid-save never leaves a checkpoint that looks complete. DCP reshards on load, so a
+run may resume on a different number of ranks (RNG states then come from rank ``r % saved``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["TrainerState", "load", "save"]
+
+log = structlog.get_logger(__name__)
+_STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """The non-tensor part of a checkpoint."""
+
+    version: int
+    optim_steps: int
+    data_position: Any
+    world_size: int
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
+    """Write a checkpoint of ``trainer`` (an FSDPTrainer) to ``path``; collective, all ranks call it.
+
+    ``data_position`` is any JSON value that tells the data source where to continue (an index,
+    a dict of counters).
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict()}, tmp / f"rank{rank}.pt")
+    if rank == 0:
+        state = TrainerState(trainer.version, trainer.optim_steps, data_position, world)
+        (tmp / _STATE_FILE).write_text(json.dumps(state.__dict__))
+    dist.barrier()
+    if rank == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    dist.barrier()
+    log.info("checkpoint_saved", path=str(path), version=trainer.version, rank=rank)
+    return path
+
+
+def load(trainer: Any, path: str | Path) -> TrainerState:
+    """Restore ``trainer`` from a checkpoint written by :func:`save`; collective. Returns its state."""
+    path = Path(path)
+    state_file = path / _STATE_FILE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {_STATE_FILE})")
+    state = TrainerState(**json.loads(state_file.read_text()))
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    rank = dist.get_rank()
+    extra = torch.load(path / f"rank{rank % state.world_size}.pt", weights_only=True)
+    trainer.scheduler.load_state_dict(extra["scheduler"])
+    _set_rng_state(extra["rng"])
+    trainer.version = state.version
+    trainer.optim_steps = state.optim_steps
+    log.info("checkpoint_loaded", path=str(path), version=state.version, rank=rank)
+    return state

@@ -1,0 +1,293 @@
+"""The FSDP2 training engine: one rank's model shard, optimizer, and the GRPO train step.
+
+Every rank receives the whole batch and computes the same balancing plan (nodes/trainer/
+balance.py), so the ranks agree on who trains what, on the global loss-token counts that make
+the loss a token mean over the whole minibatch, and on the micro-batch count, without talking.
+The default process group must exist before :class:`FSDPTrainer` is built (rank.py sets it up).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from nodes.trainer.balance import plan_batch, split_across_ranks
+from nodes.trainer.loss import (
+    AdvantageConfig,
+    LossConfig,
+    LossSums,
+    batch_normalize,
+    decoupled_ppo_loss,
+    gather_logprobs_entropy,
+    group_advantages,
+)
+from nodes.trainer.microbatch import MicroBatch, build_microbatch
+
+__all__ = ["FSDPTrainer", "TrainConfig", "apply_fsdp", "build_optimizer", "lr_lambda"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    """Everything one trainer rank needs; defaults run on CPU."""
+
+    model_path: str = ""
+    ref_model_path: str | None = None      # a reference model for the KL term (loss.kl_coef > 0)
+    device: str = "cpu"                    # "cpu" (gloo) or "cuda" (nccl)
+    bf16: bool = False                     # MixedPrecisionPolicy(param bf16, reduce fp32)
+    activation_checkpointing: bool = False
+    lr: float = 1.7e-5
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0                  # optimizer steps of linear warm-up from 0
+    lr_schedule: str = "constant"          # constant | linear | cosine (after warm-up)
+    total_steps: int = 1000                # optimizer steps, for the decaying schedules
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    max_tokens_per_mb: int = 10240
+    n_minibatches: int = 1                 # optimizer steps per train_step
+    pad_id: int = 0
+    seed: int = 0
+    loss: LossConfig = field(default_factory=LossConfig)
+    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Multiplier of ``cfg.lr`` at an optimizer step: linear warm-up, then the chosen decay."""
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        span = max(1, cfg.total_steps - cfg.warmup_steps)
+        p = min(1.0, (step - cfg.warmup_steps) / span)
+        decay = 1.0 - p if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+    if cfg.lr_schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"lr_schedule must be constant, linear or cosine, got {cfg.lr_schedule!r}")
+    return f
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kw: dict[str, Any] = {"mesh": mesh}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    layers = model.get_decoder().layers
+    for i, layer in enumerate(layers):
+        # the last layer's params are needed again at once by backward: keep them gathered
+        fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+    """AdamW plus a LambdaLR schedule stepped once per optimizer step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                            weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+
+
+def _load_model(path: str, cfg: TrainConfig, mesh: Any, train: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if train and cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return apply_fsdp(model, mesh, cfg.bf16)
+
+
+class FSDPTrainer:
+    """One rank of the FSDP2 trainer. All public methods are collective: call them on every rank."""
+
+    def __init__(self, cfg: TrainConfig, version: int = 0):
+        if not dist.is_initialized():
+            raise RuntimeError("FSDPTrainer needs the default process group: call init_process_group first")
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.device == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(cfg.seed)
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
+        self.model = _load_model(cfg.model_path, cfg, self.mesh, train=True)
+        self.ref_model = None
+        if cfg.ref_model_path and cfg.loss.kl_coef:
+            self.ref_model = _load_model(cfg.ref_model_path, cfg, self.mesh, train=False).eval()
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        self.version = version          # policy version the weights are at; +1 per train_step
+        self.optim_steps = 0
+        self.log = log.bind(rank=self.rank)
+
+    # ---- forward helpers -------------------------------------------------------------------
+    def _logits(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        return out.logits[:, :-1]
+
+    @torch.no_grad()
+    def _recompute(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        logp, _ = gather_logprobs_entropy(self._logits(model, mb), mb.labels, self.cfg.loss.temperature)
+        return logp
+
+    # ---- the step ----------------------------------------------------------------------------
+    def advantages(self, batch: Any) -> list[float]:
+        """One advantage per trajectory of ``batch.trajectories`` (group norm, then batch norm)."""
+        per_group = group_advantages([g.rewards for g in batch.groups], self.cfg.adv)
+        flat = [a for g in per_group for a in g]
+        if self.cfg.adv.batch_norm:
+            n_loss = [max(0, sum(t.loss_mask[1:])) for t in batch.trajectories]
+            flat = batch_normalize(flat, n_loss, self.cfg.adv.eps)
+        return flat
+
+    def plan(self, batch: Any) -> list[list[list[int]]]:
+        """This rank's micro-batches for each minibatch, as flat trajectory indices."""
+        starts, n = [], 0
+        for g in batch.groups:
+            starts.append(n)
+            n += len(g.trajectories)
+        seq_tokens = [[t.num_tokens for t in g.trajectories] for g in batch.groups]
+        n_mini = max(1, min(self.cfg.n_minibatches, len(batch.groups)))
+        minis = split_across_ranks([sum(s) for s in seq_tokens], n_mini)
+        out = []
+        for groups in minis:
+            p = plan_batch([seq_tokens[g] for g in groups], self.world, self.cfg.max_tokens_per_mb)
+            out.append([[starts[groups[gi]] + s for gi, s in mb] for mb in p.ranks[self.rank]])
+        return out
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """Recompute proximal log-probs, then one optimizer step per minibatch; return global stats."""
+        t0 = time.perf_counter()
+        trajs = batch.trajectories
+        adv = self.advantages(batch)
+        plan = self.plan(batch)
+        mbs = [[build_microbatch(seqs, trajs, adv, self.cfg.pad_id).to(self.device) for seqs in mini]
+               for mini in plan]
+        # proximal (and reference) log-probs from the weights before any update of this step
+        self.model.eval()
+        for mini in mbs:
+            for mb in mini:
+                mb.prox_logp = self._recompute(self.model, mb)
+                if self.ref_model is not None:
+                    mb.ref_logp = self._recompute(self.ref_model, mb)
+        self.model.train()
+        t_prox = time.perf_counter() - t0
+
+        sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
+        mins: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        for mi, mini in enumerate(mbs):
+            global_loss_tokens = self._global_loss_tokens(batch, mi)
+            self.optimizer.zero_grad(set_to_none=True)
+            for k, mb in enumerate(mini):
+                if isinstance(self.model, FSDPModule):
+                    self.model.set_requires_gradient_sync(k == len(mini) - 1)
+                out = self._forward_loss(mb)
+                # FSDP averages gradients over ranks; the loss is a token mean over the global minibatch
+                scale = self.world / max(1, global_loss_tokens)
+                (out.loss_sum * scale).backward()
+                for key, v in out.sums.items():
+                    sums[key] = sums[key] + v.double() if key in sums else v.double()
+                for key, v in out.maxes.items():
+                    maxes[key] = torch.maximum(maxes[key], v.double()) if key in maxes else v.double()
+                for key, v in out.mins.items():
+                    mins[key] = torch.minimum(mins[key], v.double()) if key in mins else v.double()
+            grad_norms.append(self._clip_grads())
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optim_steps += 1
+        stats = self._reduce_stats(sums, maxes, mins)
+        loss_tokens = sum(sum(t.loss_mask[1:]) for t in trajs)
+        for key in list(stats):
+            if key in sums:
+                stats[key] /= max(1, loss_tokens)
+        stats.update(self._staleness(trajs))
+        elapsed = time.perf_counter() - t0
+        stats.update({
+            "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "n_seqs": float(len(trajs)),
+            "n_tokens": float(batch.num_tokens),
+            "n_loss_tokens": float(loss_tokens),
+            "n_microbatches": float(sum(len(m) for m in plan)),
+            "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
+            "prox_time_s": t_prox,
+            "step_time_s": elapsed,
+            "version": float(self.version),
+        })
+        self.version += 1
+        self.log.info("train_step", version=self.version, loss=stats.get("loss"), grad_norm=stats["grad_norm"],
+                      tokens_per_s=round(stats["tokens_per_s"], 1))
+        return stats
+
+    def _global_loss_tokens(self, batch: Any, mini_index: int) -> int:
+        n_mini = max(1, min(self.cfg.n_minibatches, len(batch.groups)))
+        groups = split_across_ranks([g.num_tokens for g in batch.groups], n_mini)[mini_index]
+        return sum(sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories)
+
+    def _forward_loss(self, mb: MicroBatch) -> LossSums:
+        logits = self._logits(self.model, mb)
+        if mb.is_dummy:  # keep every rank in the collectives; contributes nothing
+            zero = logits.sum() * 0.0
+            return LossSums(loss_sum=zero, n_tokens=torch.zeros((), dtype=torch.long))
+        logp, entropy = gather_logprobs_entropy(logits, mb.labels, self.cfg.loss.temperature)
+        return decoupled_ppo_loss(logp, mb.prox_logp, mb.behave_logp, mb.advantages, mb.loss_mask,
+                                  self.cfg.loss, entropy=entropy, ref_logp=mb.ref_logp)
+
+    def _clip_grads(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _reduce_stats(self, sums, maxes, mins) -> dict[str, float]:
+        """All-reduce the step's stats once per op: sums by SUM, maxima by MAX, minima by MIN.
+
+        The key lists are fixed, so a rank that only ran dummy micro-batches joins the same
+        collectives with neutral values.
+        """
+        sum_keys = list(_SUM_KEYS) + (["ref_kl"] if self.ref_model is not None else [])
+        out: dict[str, float] = {}
+        for table, keys, op, fill in ((sums, sum_keys, dist.ReduceOp.SUM, 0.0),
+                                      (maxes, _MAX_KEYS, dist.ReduceOp.MAX, -math.inf),
+                                      (mins, _MIN_KEYS, dist.ReduceOp.MIN, math.inf)):
+            vals = [table[k].double().reshape(()).to(self.device) if k in table
+                    else torch.tensor(fill, dtype=torch.float64, device=self.device) for k in keys]
+            vec = torch.stack(vals)
+            dist.all_reduce(vec, op=op)
+            out.update({k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)})
+        return out
+
+    def _staleness(self, trajs: list) -> dict[str, float]:
+        lags = [self.version - v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
+        if not lags:
+            return {"staleness_mean": 0.0, "staleness_max": 0.0}
+        return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+
+    # ---- weights -----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 tensors on rank 0 (CPU), ``{}`` elsewhere; collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+_SUM_KEYS = ("loss", "clip_frac", "dual_clip_frac", "ratio", "approx_kl", "behave_imp_weight",
+             "behave_approx_kl", "behave_masked_frac", "advantage", "entropy")
+_MAX_KEYS = ("ratio_max", "behave_imp_weight_max")
+_MIN_KEYS = ("ratio_min",)

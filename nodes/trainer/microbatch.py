@@ -1,0 +1,88 @@
+"""Turn a rank's share of a batch into padded micro-batch tensors, labels shifted by one.
+
+Each micro-batch is padded only to its own longest sequence (padding stripped between
+micro-batches; right padding, so default position ids stay correct). Everything the loss needs
+per token is aligned with ``labels = input_ids[:, 1:]``: the log-prob at position ``t`` scores
+token ``t + 1``, so the loss mask, behaviour log-probs and versions are the trajectory's lists
+shifted left by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MicroBatch", "build_microbatch", "dummy_microbatch"]
+
+
+@dataclass
+class MicroBatch:
+    """Tensors for one forward/backward. ``seqs`` indexes the batch's flat trajectory list."""
+
+    seqs: list[int]
+    input_ids: torch.Tensor       # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor       # [B, L-1] bool, aligned with labels
+    behave_logp: torch.Tensor     # [B, L-1] float32
+    advantages: torch.Tensor      # [B, L-1] float32
+    n_tokens: int                 # real (unpadded) tokens
+    prox_logp: torch.Tensor | None = None  # [B, L-1], filled before the update
+    ref_logp: torch.Tensor | None = None
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """Next-token targets."""
+        return self.input_ids[:, 1:]
+
+    @property
+    def is_dummy(self) -> bool:
+        """True for the stand-in a rank runs when it has no sequence for this micro-batch slot."""
+        return not self.seqs
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """Move the tensors (non-blocking where the source is pinned)."""
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+        return MicroBatch(self.seqs, mv(self.input_ids), mv(self.attention_mask), mv(self.loss_mask),
+                          mv(self.behave_logp), mv(self.advantages), self.n_tokens, mv(self.prox_logp),
+                          mv(self.ref_logp))
+
+
+def build_microbatch(
+    seqs: Sequence[int], trajectories: Sequence, advantages: Sequence[float], pad_id: int = 0
+) -> MicroBatch:
+    """Pad the trajectories ``seqs`` (objects with input_ids, loss_mask, logprobs) to their max length.
+
+    ``advantages`` holds one scalar per trajectory of the flat list (GRPO puts the sequence's
+    advantage on each of its loss tokens).
+    """
+    if not seqs:
+        return dummy_microbatch(pad_id)
+    trajs = [trajectories[i] for i in seqs]
+    L = max(len(t.input_ids) for t in trajs)
+    B = len(trajs)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.bool)
+    behave = torch.zeros((B, L), dtype=torch.float32)
+    adv = torch.zeros((B, L), dtype=torch.float32)
+    for row, (i, t) in enumerate(zip(seqs, trajs, strict=True)):
+        n = len(t.input_ids)
+        ids[row, :n] = torch.tensor(t.input_ids, dtype=torch.long)
+        attn[row, :n] = 1
+        mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
+        behave[row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+        adv[row, :n] = float(advantages[i])
+    mask[:, 0] = False  # the first token has no prediction
+    return MicroBatch(list(seqs), ids, attn, mask[:, 1:], behave[:, 1:], adv[:, 1:] * mask[:, 1:],
+                      n_tokens=sum(len(t.input_ids) for t in trajs))
+
+
+def dummy_microbatch(pad_id: int = 0) -> MicroBatch:
+    """Two pad tokens with an all-zero loss mask: runs the model (and so FSDP's collectives)
+    on a rank that has nothing to train in this slot, contributing zero gradient."""
+    z = torch.zeros((1, 1))
+    return MicroBatch([], torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
+                      torch.zeros((1, 1), dtype=torch.bool), z, z.clone(), n_tokens=0)
