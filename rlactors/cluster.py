@@ -160,7 +160,12 @@ class Cluster:
         return await self._client.head_call("node_of", actor.actor_id)
 
     async def collective_group(
-        self, actors: Sequence[ActorHandle], backend: str = "gloo", *, timeout: float = 120.0, name: str = "default"
+        self,
+        actors: Sequence[ActorHandle],
+        backend: str = "gloo",
+        *,
+        timeout: float = 120.0,
+        name: str = "default",
     ) -> CollectiveGroup:
         """Make ``actors`` one torch.distributed world (rank i = actors[i]); ``gloo`` on CPUs, ``nccl`` on GPUs."""
         return await make_group(self, list(actors), backend, timeout, name)
@@ -193,7 +198,7 @@ class Cluster:
             await self._local.shutdown(self._client)
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._client.head_call("release_owner", self._client.client_id), 10)
+            await asyncio.wait_for(self._client.head_call("client_closed", self._client.client_id), 10)
         await self._client.close()
 
     shutdown = close
@@ -261,6 +266,7 @@ async def _start_local(
     secret_file: str | None,
     node_timeout: float,
     log_sink: Any,
+    client_timeout: float | None = None,
 ) -> Cluster:
     _ensure_logging()
     session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
@@ -281,7 +287,7 @@ async def _start_local(
     total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
     total.update({k: float(v) for k, v in (resources or {}).items()})
     service = Service(name="head", security=security)
-    head = Head(security, node_timeout=node_timeout)
+    head = Head(security, node_timeout=node_timeout, client_timeout=client_timeout)
     head_address = service.bind(bind)
     service.add("head", head)
     head.start()
@@ -337,15 +343,20 @@ def init(
     secret_file: str | None = None,
     node_timeout: float = 5.0,
     log_sink: Any = None,
+    client_timeout: float | None = None,
 ) -> _Starter:
     """Start an embedded local cluster (head + one node agent) on the running loop.
 
     ``address="ipc"`` (default) serves over Unix sockets in a private directory;
     ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
-    processes can :func:`connect` with the secret. Use as ``async with rlactors.init() as c``
+    processes can :func:`connect` with the secret. Non-detached actors of a client that
+    stops heartbeating for ``client_timeout`` seconds (default max(10, 3 × node_timeout))
+    are stopped. Use as ``async with rlactors.init() as c``
     or ``c = await rlactors.init()`` … ``await c.close()``.
     """
-    return _Starter(lambda: _start_local(resources, address, secret_file, node_timeout, log_sink))
+    return _Starter(
+        lambda: _start_local(resources, address, secret_file, node_timeout, log_sink, client_timeout)
+    )
 
 
 def connect(address: str | None = None, *, secret_file: str | None = None, timeout: float = 30.0) -> _Starter:

@@ -38,23 +38,65 @@ class CollectiveGroup:
         return len(self.members)
 
 
+def interface_for(ip: str) -> str | None:
+    """The name of the network interface that has address ``ip`` (Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(
+                    s.fileno(), 0x8915, struct.pack("256s", name[:15].encode())
+                )  # SIOCGIFADDR
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
 class WorkerSystem:
     """Runtime services inside a worker, served under the reserved target ``__rlactors__``."""
 
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+
     def init_collective(
-        self, rank: int, world_size: int, master_address: str, master_port: int, backend: str, local_rank: int,
+        self,
+        rank: int,
+        world_size: int,
+        master_address: str,
+        master_port: int,
+        backend: str,
+        local_rank: int,
         timeout_s: float,
     ) -> dict[str, Any]:
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_address, MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_address,
+            MASTER_PORT=str(master_port),
             LOCAL_RANK=str(local_rank),
         )
+        # Make gloo/NCCL use the interface this node is reachable on, unless the user chose one.
+        if self.host not in ("127.0.0.1", "localhost") and not (
+            os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("NCCL_SOCKET_IFNAME")
+        ):
+            iface = interface_for(self.host)
+            if iface:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
         import torch.distributed as dist
 
         if dist.is_initialized():
             raise ClusterError("this actor is already in a default process group; destroy it first")
         dist.init_process_group(
-            backend, init_method=f"tcp://{master_address}:{master_port}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"tcp://{master_address}:{master_port}",
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
@@ -68,7 +110,9 @@ class WorkerSystem:
         return False
 
 
-async def make_group(cluster: Any, members: Sequence[Any], backend: str, timeout: float, name: str) -> CollectiveGroup:
+async def make_group(
+    cluster: Any, members: Sequence[Any], backend: str, timeout: float, name: str
+) -> CollectiveGroup:
     """Implementation of :meth:`Cluster.collective_group`."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', not {backend!r}")
@@ -83,7 +127,9 @@ async def make_group(cluster: Any, members: Sequence[Any], backend: str, timeout
         local_rank = seen.get(node, 0)
         seen[node] = local_rank + 1
         args = (rank, len(members), where["host"], where["port"], backend, local_rank, timeout)
-        futs.append(client.call_actor(m.actor_id, m.address, "init_collective", args, {}, target=SYSTEM_TARGET))
+        futs.append(
+            client.call_actor(m.actor_id, m.address, "init_collective", args, {}, target=SYSTEM_TARGET)
+        )
     done, pending = await asyncio.wait(futs, timeout=timeout + 5)
     problems = []
     for rank, (fut, m, node) in enumerate(zip(futs, members, nodes, strict=True)):
@@ -96,10 +142,15 @@ async def make_group(cluster: Any, members: Sequence[Any], backend: str, timeout
     if problems:
         joined = [m for f, m in zip(futs, members, strict=True) if f in done and f.exception() is None]
         await asyncio.gather(
-            *(client.call_actor(m.actor_id, m.address, "destroy_collective", (), {}, target=SYSTEM_TARGET) for m in joined),
+            *(
+                client.call_actor(m.actor_id, m.address, "destroy_collective", (), {}, target=SYSTEM_TARGET)
+                for m in joined
+            ),
             return_exceptions=True,
         )
         # Members that never joined come first: they are usually the cause, the others timed out waiting.
         problems.sort(key=lambda p: "did not join" not in p)
-        raise ClusterError(f"collective group {name!r} ({backend}, {len(members)} members) failed: " + "; ".join(problems))
+        raise ClusterError(
+            f"collective group {name!r} ({backend}, {len(members)} members) failed: " + "; ".join(problems)
+        )
     return CollectiveGroup(name, backend, where["host"], where["port"], list(members))

@@ -90,7 +90,13 @@ class ActorRecord:
 class Head:
     """Control-plane service. Methods are called remotely with target ``"head"``."""
 
-    def __init__(self, security: Security | None = None, *, node_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        security: Security | None = None,
+        *,
+        node_timeout: float = 5.0,
+        client_timeout: float | None = None,
+    ) -> None:
         self.security = security
         self.node_timeout = node_timeout
         self.nodes: dict[str, NodeRecord] = {}
@@ -98,12 +104,20 @@ class Head:
         self.names: dict[str, str] = {}
         self._subs: set[asyncio.Queue[dict[str, Any]]] = set()
         self._kv: dict[str, Any] = {}
+        self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
+        self._clients: dict[str, float] = {}  # client id -> last heartbeat
         # placement group id -> bundles: {node_id, resources, gpus, actor}
         self.groups: dict[str, list[dict[str, Any]]] = {}
         self._kv_changed = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[Any]] = set()
         self.started = time.time()
         self.on_exit: Callable[[], None] | None = None  # set by a standalone head process
+
+    def _spawn_bg(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def start(self) -> None:
         self._monitor = asyncio.get_running_loop().create_task(self._watch_nodes(), name="head-node-monitor")
@@ -119,7 +133,16 @@ class Head:
     # --- clients ------------------------------------------------------------------------------
 
     async def hello(self, client_id: str) -> dict[str, Any]:
-        return {"ok": True, "nodes": len(self.nodes)}
+        self._clients[client_id] = time.monotonic()
+        return {"ok": True, "nodes": len(self.nodes), "client_heartbeat": self.client_timeout / 5}
+
+    async def client_alive(self, client_id: str) -> None:
+        """Heartbeat of a connected client; its non-detached actors outlive it only while it beats."""
+        self._clients[client_id] = time.monotonic()
+
+    async def client_closed(self, client_id: str) -> int:
+        self._clients.pop(client_id, None)
+        return await self.release_owner(client_id)
 
     async def subscribe(self, client_id: str) -> AsyncIterator[dict[str, Any]]:
         """Actor-state events: a snapshot first, then every change."""
@@ -178,6 +201,22 @@ class Head:
         while True:
             await asyncio.sleep(min(1.0, self.node_timeout / 5))
             now = time.monotonic()
+            for cid, seen in list(self._clients.items()):
+                if now - seen > self.client_timeout:
+                    del self._clients[cid]
+                    victims = [
+                        r
+                        for r in self.actors.values()
+                        if r.owner == cid and not r.detached and r.state != "DEAD"
+                    ]
+                    if victims:
+                        log.warning(
+                            "client stopped answering; stopping the actors it owned",
+                            client=cid,
+                            actors=len(victims),
+                        )
+                        for r in victims:
+                            self._spawn_bg(self.kill(r.actor_id))
             for n in list(self.nodes.values()):
                 if n.alive and now - n.last_seen > self.node_timeout:
                     log.warning(
@@ -217,7 +256,10 @@ class Head:
             nid, res = bundle["node_id"], bundle["resources"]
         else:
             nid = choose_node(
-                self._alive_nodes(), res, strategy=request.get("strategy", "pack"), node_id=request.get("node_id")
+                self._alive_nodes(),
+                res,
+                strategy=request.get("strategy", "pack"),
+                node_id=request.get("node_id"),
             )
         rec = ActorRecord(
             actor_id=uuid.uuid4().hex[:12],
@@ -359,7 +401,9 @@ class Head:
 
     # --- placement groups ----------------------------------------------------------------------
 
-    async def reserve_bundles(self, bundles: list[dict[str, float]], strategy: str = "pack") -> dict[str, Any]:
+    async def reserve_bundles(
+        self, bundles: list[dict[str, float]], strategy: str = "pack"
+    ) -> dict[str, Any]:
         """Reserve resource bundles atomically (all or nothing); actors then spawn into them."""
         reqs = [normalise_request(b) for b in bundles]
         if not reqs:
@@ -441,7 +485,12 @@ class Head:
     async def rendezvous(self, name: str, world_size: int, node_id: str) -> dict[str, Any]:
         """Reserve a master address for an external process group and publish it in the KV store."""
         where = await self.reserve_port(node_id)
-        info = {"group_name": name, "master_address": where["host"], "master_port": where["port"], "world_size": world_size}
+        info = {
+            "group_name": name,
+            "master_address": where["host"],
+            "master_port": where["port"],
+            "world_size": world_size,
+        }
         await self.kv_put(f"rendezvous/{name}", info)
         return info
 

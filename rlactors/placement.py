@@ -99,7 +99,9 @@ def _fmt(res: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}={v:g}" for k, v in sorted(res.items())) + "}"
 
 
-def plan_bundles(nodes: dict[str, NodeResources], bundles: list[dict[str, float]], strategy: str = "pack") -> list[str]:
+def plan_bundles(
+    nodes: dict[str, NodeResources], bundles: list[dict[str, float]], strategy: str = "pack"
+) -> list[str]:
     """Choose a node for every bundle, all or nothing; raises PlacementError naming what did not fit.
 
     ``pack`` puts bundles together where they fit, ``spread`` prefers different nodes,
@@ -119,7 +121,9 @@ def plan_bundles(nodes: dict[str, NodeResources], bundles: list[dict[str, float]
         if strategy == "strict_spread":
             candidates = [nid for nid in candidates if nid not in used_nodes]
         if not candidates:
-            free = "; ".join(f"{nid}: {_fmt(n.free())}" for nid, n in sorted(nodes.items())) or "no alive nodes"
+            free = (
+                "; ".join(f"{nid}: {_fmt(n.free())}" for nid, n in sorted(nodes.items())) or "no alive nodes"
+            )
             raise PlacementError(
                 f"cannot reserve {len(bundles)} bundles {bundles} with strategy {strategy}: bundle {i} {req} does not fit. "
                 f"Free resources: {free}"

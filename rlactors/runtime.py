@@ -43,6 +43,7 @@ class RuntimeClient:
         self._conns: dict[str, Connection] = {}
         self._actors: dict[str, ActorState] = {}
         self._events_task: asyncio.Task[None] | None = None
+        self._beat_task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
         self.head: Connection | None = None
 
@@ -50,13 +51,18 @@ class RuntimeClient:
         """Connect to the head and follow its actor events (returns once the first snapshot is in)."""
         self.head = Connection(self.head_address, self.security, name="head")
         try:
-            await asyncio.wait_for(self.head.call("hello", (self.client_id,), {}, target="head"), timeout)
+            hello = await asyncio.wait_for(
+                self.head.call("hello", (self.client_id,), {}, target="head"), timeout
+            )
         except TimeoutError:
             self.head.close()
             raise ClusterError(
                 f"no head answered at {self.head_address} within {timeout:.0f}s: is the cluster up, "
                 "and do you have its secret (RLACTORS_SECRET_FILE / the cluster's secret file)?"
             ) from None
+        self._beat_task = asyncio.get_running_loop().create_task(
+            self._heartbeat(float(hello.get("client_heartbeat", 2.0))), name="rlactors-client-heartbeat"
+        )
         self._events_task = asyncio.get_running_loop().create_task(
             self._follow_events(), name="rlactors-events"
         )
@@ -71,6 +77,8 @@ class RuntimeClient:
         if self.closed:
             return
         self.closed = True
+        if self._beat_task is not None:
+            self._beat_task.cancel()
         if self._events_task is not None:
             self._events_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -84,6 +92,11 @@ class RuntimeClient:
             set_current(None)
 
     # --- head -----------------------------------------------------------------------------------
+
+    async def _heartbeat(self, interval: float) -> None:
+        while self.head is not None and not self.head.closed:
+            self.head.tell("client_alive", (self.client_id,), {}, target="head")
+            await asyncio.sleep(interval)
 
     def head_call(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         if self.head is None or self.head.closed:
@@ -162,7 +175,12 @@ class RuntimeClient:
         return asyncio.ensure_future(self._call_when_alive(st, method, args, kwargs, target))
 
     async def _call_when_alive(
-        self, st: ActorState, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], target: str | None = None
+        self,
+        st: ActorState,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        target: str | None = None,
     ) -> Any:
         await self.wait_alive(st)
         return await self.connection(st.address).call(method, args, kwargs, target=target)

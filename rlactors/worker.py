@@ -89,7 +89,12 @@ async def main() -> int:
         if on_start is not None:
             await on_start()
         methods = service.add(None, instance)
-        service.add(SYSTEM_TARGET, WorkerSystem())
+        bind_host = (
+            spec["bind"].removeprefix("tcp://").rsplit(":", 1)[0]
+            if spec["bind"].startswith("tcp://")
+            else "127.0.0.1"
+        )
+        service.add(SYSTEM_TARGET, WorkerSystem(bind_host))
         for hook in ("on_start", "on_stop"):
             methods.pop(hook, None)
     except BaseException as e:

@@ -79,9 +79,7 @@ class Cluster2:
             self.secret,
             "--resources",
             '{"cpu": 2, "slot": 1}',
-            "--env",
-            "GLOO_SOCKET_IFNAME=eth0",
-        ]
+        ]  # no GLOO_SOCKET_IFNAME: the worker finds eth0 from --host
         self.procs[f"h{i}"] = self._popen(cmd, f"agent-h{i}")
 
     def _popen(self, cmd: list[str], name: str) -> subprocess.Popen[bytes]:

@@ -80,3 +80,40 @@ async def test_connect_without_the_secret_is_refused() -> None:
             await rlactors.connect(cluster.address, secret_file=str(wrong), timeout=2)
         # The cluster keeps serving its rightful clients.
         assert len(await cluster.nodes()) == 1
+
+
+async def test_actors_of_a_client_that_dies_are_stopped_unless_detached(tmp_path: Path) -> None:
+    async with rlactors.init(address="tcp://127.0.0.1:0", client_timeout=2) as cluster:
+        script = tmp_path / "client.py"
+        script.write_text(
+            "import asyncio, rlactors\n"
+            "from tests.runtime.actors import Counter\n"
+            "async def main():\n"
+            "    c = await rlactors.connect()\n"
+            "    owned = await c.spawn(Counter, name='owned')\n"
+            "    kept = await c.spawn(Counter, name='kept', detached=True)\n"
+            "    print('ready', flush=True)\n"
+            "    await asyncio.sleep(3600)\n"
+            "asyncio.run(main())\n"
+        )
+        env = {
+            **os.environ,
+            "RLACTORS_ADDRESS": cluster.address,
+            "RLACTORS_SECRET_FILE": cluster.secret_file,
+            "PYTHONPATH": str(ROOT),
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE
+        )
+        try:
+            assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
+            owned = await cluster.get_actor("owned")
+            proc.kill()
+            await proc.wait()
+            info = await asyncio.wait_for(cluster.watch(owned), 30)
+            assert info["state"] == "DEAD"
+            assert await (await cluster.get_actor("kept")).add(1) == 1
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
