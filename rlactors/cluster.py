@@ -350,7 +350,7 @@ def init(
     ``address="ipc"`` (default) serves over Unix sockets in a private directory;
     ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
     processes can :func:`connect` with the secret. Non-detached actors of a client that
-    stops heartbeating for ``client_timeout`` seconds (default max(10, 3 × node_timeout))
+    stops heartbeating for ``client_timeout`` seconds (default max(10, 3 * node_timeout))
     are stopped. Use as ``async with rlactors.init() as c``
     or ``c = await rlactors.init()`` … ``await c.close()``.
     """
