@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import inspect
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from rlactors.security import Security
 from rlactors.transport import AsyncSocket, Outbox, bind_router
 
 log = structlog.get_logger("rlactors.service")
+_bind = structlog.contextvars.bind_contextvars
 
 STREAM_WINDOW = 256  # items a stream may run ahead of the consumer's acknowledgements
 
@@ -194,7 +196,9 @@ class Service:
         if kind == ASYNC:
             self._running[key] = loop.create_task(self._run_async(key, fn, args, kwargs, flags))
         elif kind == SYNC:
-            fut = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+            ctx = contextvars.copy_context()
+            ctx.run(_bind, method=fn.__name__, call=call_id)
+            fut = loop.run_in_executor(self._executor, functools.partial(ctx.run, fn, *args, **kwargs))
             self._running[key] = fut
             fut.add_done_callback(functools.partial(self._sync_done, key, flags))
         else:
@@ -212,6 +216,8 @@ class Service:
         flags: int,
     ) -> None:
         ident, call_id = key
+        # This task runs in its own copy of the context: bind the call for log lines it emits.
+        _bind(method=fn.__name__, call=call_id)
         try:
             async with self._sem:
                 result = await fn(*args, **kwargs)

@@ -111,3 +111,15 @@ class Boom(rlactors.Actor):
 class Printer(rlactors.Actor):
     async def say(self, text: str) -> None:
         print(text, flush=True)
+
+
+class Logger(rlactors.Actor):
+    async def log_something(self) -> None:
+        import structlog
+
+        structlog.get_logger("test").info("inside a call")
+
+    def log_sync(self) -> None:
+        import structlog
+
+        structlog.get_logger("test").info("inside a sync call")

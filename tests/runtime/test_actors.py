@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rlactors
-from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Printer
+from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, Printer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,6 +167,24 @@ async def test_actor_stdout_reaches_the_driver_with_a_prefix() -> None:
                 break
             await asyncio.sleep(0.05)
     assert f"(printer pid={pid}) hello from the actor\n" in lines
+
+
+async def test_log_lines_carry_node_actor_and_call_context() -> None:
+    lines: list[str] = []
+    async with rlactors.init(log_sink=lines.append) as cluster:
+        lg = await cluster.spawn(Logger, name="chatty")
+        await lg.log_something()
+        await lg.log_sync()
+        for _ in range(100):
+            if sum("inside a" in line for line in lines) == 2:
+                break
+            await asyncio.sleep(0.05)
+    mine = [line for line in lines if "inside a" in line]
+    assert len(mine) == 2
+    for line, method in zip(mine, ("log_something", "log_sync"), strict=True):
+        assert (
+            "actor=chatty" in line and "node=local" in line and f"method={method}" in line and "call=" in line
+        )
 
 
 async def test_unpicklable_argument_fails_at_the_caller(cluster) -> None:
