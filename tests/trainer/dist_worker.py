@@ -37,6 +37,74 @@ def save_full(trainer, path: Path) -> None:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
 
 
+PUSH_CASES = [  # (method, pause mode, flattened buckets)
+    ("distributed", "abort", True),
+    ("distributed", "retract", False),
+    ("distributed", "in_place", True),
+    ("disk", "retract", True),
+]
+LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+
+
+def server_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
+    import httpx
+
+    out = {}
+    with httpx.Client(timeout=60) as c:
+        for n in names:
+            r = c.post(url + "/get_weights_by_name", json={"name": n, "truncate_size": 1 << 30})
+            r.raise_for_status()
+            out[n] = torch.tensor(r.json(), dtype=torch.float32)
+    return out
+
+
+def push_scenario(trainer, model: str, out: Path, url: str) -> None:
+    """Train, then push under each case with requests in flight; rank 0 records what it saw."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from nodes.trainer.weights import PushConfig, WeightPusher
+
+    rank = dist.get_rank()
+    cfg = PushConfig(bucket_bytes=32 << 10, disk_dir=str(out / "pushed"))  # small: several buckets
+    pusher = WeightPusher(trainer.model, cfg, model_config_dir=model)
+    pusher.connect([url])
+    pool = ThreadPoolExecutor(4)
+    client = httpx.Client(timeout=120)
+    results = []
+    for i, (method, mode, flat) in enumerate(PUSH_CASES):
+        trainer.train_step(batch(10 + i))
+        cfg.method, cfg.pause_mode, cfg.flattened_bucket = method, mode, flat
+        futs = []
+        if rank == 0:
+            futs = [pool.submit(client.post, url + "/generate",
+                                json={"input_ids": [5, 6, 7 + j], "sampling_params": LONG}) for j in range(2)]
+            deadline = time.monotonic() + 60
+            while client.get(url + "/get_load").json()[0]["num_reqs"] < 2:  # both admitted and running
+                assert time.monotonic() < deadline, "requests never started"
+                time.sleep(0.005)
+        stats = pusher.push(trainer.version)
+        full = trainer.full_state_dict()
+        if rank == 0:
+            info = client.get(url + "/get_model_info").json()
+            gens = [f.result(timeout=120).json() for f in futs]
+            names = [n for n in full if n != "lm_head.weight"]
+            served = server_weights(url, names)
+            results.append({
+                "method": method, "mode": mode, "flattened": flat, "version": trainer.version,
+                "push_bytes": stats["push_bytes"], "server_version": info["weight_version"],
+                "equal": {n: bool(torch.equal(served[n], full[n])) for n in names},
+                "finish": [g["meta_info"]["finish_reason"]["type"] for g in gens],
+                "completion_tokens": [g["meta_info"]["completion_tokens"] for g in gens],
+                "gen_versions": [g["meta_info"]["weight_version"] for g in gens],
+            })
+    pusher.close()
+    if rank == 0:
+        (out / "push.json").write_text(json.dumps(results))
+
+
 def main() -> None:
     scenario, out, model = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -63,6 +131,8 @@ def main() -> None:
                                                          "optim_steps": trainer.optim_steps}))
         trainer.train_step(batch(2, n_groups=1))
         save_full(trainer, out / "step2_resumed.safetensors")
+    elif scenario == "push":
+        push_scenario(trainer, model, out, sys.argv[4])
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     dist.barrier()

@@ -1,0 +1,346 @@
+"""Weight push from the trainer ranks to inference servers that speak SGLang's protocol.
+
+Two paths:
+
+- **distributed**: rank 0 and every server form a weight-update group (SGLang's external group:
+  rank 0 hosts ``TCPStore`` as master and builds ``ProcessGroupGloo``/``ProcessGroupNCCL`` on
+  ``PrefixStore(group_name, store)``; server ``i`` joins as ranks ``rank_offset + tp_rank``).
+  Every rank gathers full tensors bucket by bucket (``DTensor.full_tensor`` is collective);
+  rank 0 announces each bucket with ``/update_weights_from_distributed`` to every server and
+  broadcasts it, while all ranks already gather the next bucket (one bucket in flight).
+- **disk**: the full state dict is saved as safetensors and every server is asked to
+  ``/update_weights_from_disk``.
+
+Around either: optional ``/pause_generation`` (abort | retract | in_place) and
+``/continue_generation``, optional ``/begin_weight_update`` ... ``/end_weight_update`` (SGLang
+0.5.23 refuses distributed updates outside such a session), and the servers' ``weight_version``
+set to the trainer's version. All methods are collective over the trainer's default group;
+only rank 0 talks HTTP. HTTP calls run in a small thread pool so they overlap the broadcasts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import shutil
+import socket
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["PushConfig", "WeightPushError", "WeightPusher", "plan_buckets"]
+
+log = structlog.get_logger(__name__)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class WeightPushError(RuntimeError):
+    """A server refused or failed a step of the weight push (the message names server and step)."""
+
+
+@dataclass
+class PushConfig:
+    """How weights reach the servers."""
+
+    method: str = "distributed"          # distributed | disk
+    bucket_bytes: int = 256 << 20        # per broadcast (distributed)
+    flattened_bucket: bool = True        # one flat tensor per bucket, else one broadcast per tensor
+    dtype: str | None = None             # cast before sending, e.g. "bfloat16" (None: as trained)
+    pause_mode: str | None = "retract"   # abort | retract | in_place | None (push between decode steps)
+    flush_cache: bool = True
+    weight_update_session: bool = True   # wrap in /begin_weight_update ... /end_weight_update
+    group_name: str = ""                 # "" -> a fresh unique name per connect
+    backend: str = "gloo"                # gloo (CPU) | nccl (GPU)
+    master_address: str = "127.0.0.1"
+    master_port: int = 0                 # 0 -> a free port on this host
+    disk_dir: str = ""                   # where the disk path writes versions (required for disk)
+    keep_disk_versions: int = 2
+    http_timeout_s: float = 600.0
+    group_timeout_s: float = 600.0
+
+
+def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive tensors into buckets of at most ``bucket_bytes`` and one dtype each (a tensor
+    larger than the limit travels alone). Returns index lists into ``specs``."""
+    buckets: list[list[int]] = []
+    size, dtype = 0, None
+    for i, (_, shape, dt) in enumerate(specs):
+        nbytes = math.prod(shape) * dt.itemsize
+        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size, dtype = 0, dt
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class WeightPusher:
+    """One rank's side of the weight push; build it on every rank with the same config."""
+
+    def __init__(self, model: torch.nn.Module, cfg: PushConfig, model_config_dir: str | None = None):
+        if cfg.method not in ("distributed", "disk"):
+            raise ValueError(f"push method must be 'distributed' or 'disk', got {cfg.method!r}")
+        if cfg.pause_mode is not None and cfg.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES} or None, got {cfg.pause_mode!r}")
+        self.model, self.cfg = model, cfg
+        self.model_config_dir = model_config_dir
+        self.rank = dist.get_rank()
+        self.urls: list[str] = []
+        self.group: Any = None
+        self.group_name = ""
+        self._store: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-push-http")
+        self._http = httpx.Client(timeout=cfg.http_timeout_s) if self.rank == 0 else None
+        self.send_dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+
+    # ---- HTTP (rank 0) -----------------------------------------------------------------------
+    def _post(self, url: str, path: str, body: Any) -> Any:
+        assert self._http is not None
+        r = self._http.post(url + path, json=body)
+        try:
+            data = r.json() if r.content else {}
+        except json.JSONDecodeError:
+            data = {"text": r.text}
+        ok = r.status_code == 200 and (not isinstance(data, dict) or data.get("success", True) is not False)
+        if not ok:
+            raise WeightPushError(f"{url}{path} answered {r.status_code}: {r.text[:500]}")
+        return data
+
+    def _post_all(self, path: str, body: Any) -> list[Future]:
+        return [self._pool.submit(self._post, url, path, body) for url in self.urls]
+
+    def _wait(self, futures: list[Future]) -> list[Any]:
+        return [f.result(timeout=self.cfg.http_timeout_s) for f in futures]
+
+    # ---- group -------------------------------------------------------------------------------
+    def connect(self, urls: list[str], master_address: str | None = None, master_port: int | None = None) -> None:
+        """Join the servers into a fresh weight-update group (rank 0 hosts it); collective.
+
+        ``master_address``/``master_port`` come from the runtime's rendezvous reservation when
+        the servers live on other hosts; by default rank 0 picks a free local port.
+        """
+        self.urls = [u.rstrip("/") for u in urls]
+        if self.cfg.method != "distributed" or self.rank != 0:
+            dist.barrier()
+            return
+        if self.group is not None:
+            self.disconnect()
+        addr = master_address or self.cfg.master_address
+        port = master_port or self.cfg.master_port or _free_port()
+        self.group_name = self.cfg.group_name or f"rlactors-weights-{uuid.uuid4().hex[:8]}"
+        tp = [int(self._http.get(u + "/get_server_info").json().get("tp_size", 1)) for u in self.urls]
+        world = 1 + sum(tp)
+        futures, offset = [], 1
+        for url, size in zip(self.urls, tp, strict=True):
+            body = {"master_address": addr, "master_port": port, "rank_offset": offset, "world_size": world,
+                    "group_name": self.group_name, "backend": self.cfg.backend}
+            futures.append(self._pool.submit(self._post, url, "/init_weights_update_group", body))
+            offset += size
+        timeout = datetime.timedelta(seconds=self.cfg.group_timeout_s)
+        try:
+            # both block until every server has joined: the HTTP requests above are in flight
+            self._store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout)
+            prefixed = dist.PrefixStore(self.group_name, self._store)
+            if self.cfg.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self.group = dist.ProcessGroupNCCL(prefixed, 0, world, opts)
+            else:
+                self.group = dist.ProcessGroupGloo(prefixed, 0, world, timeout)
+            self._wait(futures)
+        finally:
+            dist.barrier()
+        log.info("weight_group_ready", group=self.group_name, world_size=world, servers=len(self.urls))
+
+    def disconnect(self) -> None:
+        """Ask the servers to leave the group and drop it (rank 0)."""
+        if self.rank == 0 and self.group is not None:
+            for f in self._post_all("/destroy_weights_update_group", {"group_name": self.group_name}):
+                try:
+                    f.result(timeout=30)
+                except Exception as e:  # a dead server cannot leave; nothing else to do
+                    log.warning("destroy_group_failed", error=str(e))
+            self.group, self._store = None, None
+
+    def close(self) -> None:
+        """Release the group, the HTTP client and the thread pool."""
+        self.disconnect()
+        self._pool.shutdown(wait=False)
+        if self._http is not None:
+            self._http.close()
+
+    # ---- push --------------------------------------------------------------------------------
+    def push(self, version: int) -> dict[str, float]:
+        """Pause, send the current weights, set ``weight_version``, continue; collective."""
+        t0 = time.perf_counter()
+        paused = session = False
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                if self.cfg.pause_mode is not None:
+                    paused = True
+                    self._wait(self._post_all("/pause_generation", {"mode": self.cfg.pause_mode}))
+                if self.cfg.method == "distributed" and self.cfg.weight_update_session:
+                    session = True
+                    self._wait(self._post_all("/begin_weight_update", {"selector": "all"}))
+            except Exception as e:
+                error = e
+        try:
+            self._agree(error)
+            if self.cfg.method == "distributed":
+                nbytes = self._push_distributed(str(version))
+            else:
+                nbytes = self._push_disk(version)
+        finally:
+            if self.rank == 0:  # best effort: never leave a server paused or mid-session
+                for path, body, needed in (("/end_weight_update", {}, session),
+                                           ("/continue_generation", {}, paused)):
+                    if needed:
+                        for f in self._post_all(path, body):
+                            try:
+                                f.result(timeout=self.cfg.http_timeout_s)
+                            except Exception as e:
+                                log.warning("weight_push_cleanup_failed", step=path, error=str(e))
+        elapsed = time.perf_counter() - t0
+        if self.rank == 0:
+            log.info("weights_pushed", version=version, method=self.cfg.method, seconds=round(elapsed, 3),
+                     mib=round(nbytes / 2**20, 1))
+        return {"push_time_s": elapsed, "push_bytes": float(nbytes)}
+
+    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        t = p.full_tensor() if isinstance(p, DTensor) else p.data  # collective for DTensors
+        t = t.detach()
+        return t.to(self.send_dtype) if self.send_dtype is not None else t
+
+    def _gather(self, params: list[tuple[str, torch.Tensor]], bucket: list[int]) -> list[torch.Tensor]:
+        return [self._full(params[i][1]) for i in bucket]
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Every rank learns whether rank 0's side failed, so all raise together (none hangs in a
+        collective the failed rank skipped)."""
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if int(flag.item()):
+            raise WeightPushError("weight push failed on rank 0 (see its log)")
+
+    def _push_distributed(self, version: str) -> int:
+        params = self._named_params()
+        specs = [(n, tuple(p.shape), self.send_dtype or p.dtype) for n, p in params]
+        buckets = plan_buckets(specs, self.cfg.bucket_bytes)
+        error: BaseException | None = None
+        if self.rank == 0 and self.group is None:
+            error = WeightPushError("no weight-update group: call connect(urls) first")
+        total = 0
+        inflight: tuple[Any, list[Future]] | None = None
+        nxt = self._gather(params, buckets[0]) if buckets else []
+        for k, bucket in enumerate(buckets):
+            tensors = nxt
+            if self.rank == 0 and error is None:
+                try:
+                    if inflight is not None:  # at most one bucket on the wire
+                        self._finish(inflight)
+                        inflight = None
+                    inflight = self._send(bucket, specs, tensors, version)
+                    total += sum(t.numel() * t.element_size() for t in tensors)
+                except Exception as e:  # keep gathering with the other ranks, then fail together
+                    error = e
+            # gather the next bucket while this one is broadcast (all ranks take part)
+            nxt = self._gather(params, buckets[k + 1]) if k + 1 < len(buckets) else []
+        if inflight is not None and error is None:
+            try:
+                self._finish(inflight)
+            except Exception as e:
+                error = e
+        self._agree(error)
+        return total
+
+    def _send(self, bucket: list[int], specs: list, tensors: list[torch.Tensor], version: str):
+        """Announce a bucket to every server and start its broadcast; returns what to wait on."""
+        body = {"names": [specs[i][0] for i in bucket],
+                "dtypes": [str(specs[i][2]).removeprefix("torch.") for i in bucket],
+                "shapes": [list(specs[i][1]) for i in bucket],
+                "group_name": self.group_name, "flush_cache": self.cfg.flush_cache,
+                "weight_version": version}
+        if self.cfg.flattened_bucket:
+            body["load_format"] = "flattened_bucket"
+            send = [torch.cat([t.reshape(-1) for t in tensors])]
+        else:
+            send = tensors
+        posts = self._post_all("/update_weights_from_distributed", body)
+        return [self.group.broadcast(t, 0) for t in send], posts
+
+    def _finish(self, inflight: tuple[Any, list[Future]]) -> None:
+        works, posts = inflight
+        for w in works:
+            w.wait(datetime.timedelta(seconds=self.cfg.group_timeout_s))
+        self._wait(posts)
+
+    def _push_disk(self, version: int) -> int:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not self.cfg.disk_dir:
+            raise ValueError("push method 'disk' needs PushConfig.disk_dir")
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        error: BaseException | None = None
+        nbytes = 0
+        if self.rank == 0:
+            try:
+                nbytes = self._save_and_load(sd, version)
+            except Exception as e:
+                error = e
+        self._agree(error)
+        return nbytes
+
+    def _save_and_load(self, sd: dict[str, torch.Tensor], version: int) -> int:
+        from safetensors.torch import save_file
+
+        root = Path(self.cfg.disk_dir)
+        folder = root / f"v{version}"
+        tmp = root / f".v{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tied = bool(getattr(getattr(self.model, "config", None), "tie_word_embeddings", False))
+        tensors = {k: (v.to(self.send_dtype) if self.send_dtype else v).contiguous()
+                   for k, v in sd.items() if not (tied and k == "lm_head.weight")}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if self.model_config_dir:
+            for name in ("config.json", "generation_config.json"):
+                src = Path(self.model_config_dir) / name
+                if src.is_file():
+                    shutil.copy(src, tmp / name)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        body = {"model_path": str(folder), "weight_version": str(version), "flush_cache": self.cfg.flush_cache,
+                "abort_all_requests": False}
+        self._wait(self._post_all("/update_weights_from_disk", body))
+        self._prune(root, version)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _prune(self, root: Path, version: int) -> None:
+        old = sorted((p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < version),
+                     key=lambda p: int(p.name[1:]))
+        for p in old[: max(0, len(old) - (self.cfg.keep_disk_versions - 1))]:
+            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,71 @@
+"""Weight push from 2 FSDP ranks into a live reference server, with requests in flight.
+
+After each push the server's every parameter equals the trainer's (exact, fp32), for the group
+path (gloo, per-tensor and flattened buckets) and the disk path, under each pause mode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nodes.inference.models import ensure_tiny_checkpoint
+from nodes.inference.testing import reference_server
+from nodes.trainer.weights import plan_buckets
+from tests.trainer.dist_worker import PUSH_CASES
+from tests.trainer.launch import run_ranks
+
+HERE = Path(__file__).parent
+
+
+def small_vocab_model(dst: Path) -> Path:
+    """A 2-layer Llama with a 1024-token vocabulary (cheap to read back over HTTP) + a tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(dst))
+    for f in ensure_tiny_checkpoint().iterdir():
+        if f.is_file() and "token" in f.name:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_buckets_respect_size_and_dtype():
+    f32, bf16 = torch.float32, torch.bfloat16
+    specs = [("a", (10,), f32), ("b", (10,), f32), ("c", (30,), f32), ("d", (4,), bf16), ("e", (100,), f32)]
+    assert plan_buckets(specs, bucket_bytes=80) == [[0, 1], [2], [3], [4]]
+    assert plan_buckets(specs, bucket_bytes=1 << 20) == [[0, 1, 2], [3], [4]]
+
+
+@pytest.mark.slow
+def test_push_to_reference_server_under_each_pause_mode(tmp_path):
+    model = small_vocab_model(tmp_path / "model")
+    args = ["--backend", "hf", "--model-path", str(model), "--dtype", "float32", "--num-threads", "1",
+            "--strict-weight-update-session", "--weight-version", "0"]
+    with reference_server(args) as url:
+        run_ranks(HERE / "dist_worker.py", ["push", str(tmp_path), str(model), url], world=2, timeout=280)
+    results = json.loads((tmp_path / "push.json").read_text())
+    assert [(r["method"], r["mode"], r["flattened"]) for r in results] == PUSH_CASES
+    for r in results:
+        case = f"{r['method']}/{r['mode']}"
+        assert r["equal"] and all(r["equal"].values()), (case, [n for n, ok in r["equal"].items() if not ok])
+        assert r["server_version"] == str(r["version"]), case
+        assert r["push_bytes"] > 0
+        if r["mode"] == "abort":
+            # in-flight requests came back early with what they had
+            assert r["finish"] == ["abort", "abort"], case
+            assert all(n < 400 for n in r["completion_tokens"]), case
+        else:
+            # retract / in_place: requests survived the push and finished under the new version
+            assert r["finish"] == ["length", "length"], case
+            assert r["completion_tokens"] == [400, 400], case
+            assert r["gen_versions"] == [str(r["version"])] * 2, case
+    versions = [r["version"] for r in results]
+    assert versions == sorted(set(versions))  # every push carried a new version
