@@ -135,8 +135,7 @@ def load_into_model(model: Any, named: list[tuple[str, Any]] | dict[str, Any], s
     import torch
 
     items = list(named.items()) if isinstance(named, dict) else list(named)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied names too (lm_head.weight)
     for name, t in items:
         if name not in params:
             raise KeyError(f"unknown parameter {name!r}")
