@@ -1,0 +1,284 @@
+"""Trajectory buffer: accepted trajectory groups, handed to the trainer in batches of whole groups.
+
+Guarantees:
+- *Exactly once.* ``put`` is idempotent by group id (a retried or re-run episode cannot
+  duplicate a group, duplicates are counted), and a group handed out is never handed out
+  again.
+- *Never half-recorded.* Episodes in flight are tracked per holder (rollout actor) from
+  ``begin`` to ``put``/``abandon``; a group becomes visible only whole, in one ``put``.
+  When a holder dies, its in-flight episodes are re-queued to be re-run from their prompt
+  (or, configured so, reported as lost).
+- *Bounded staleness.* Groups are handed out oldest admission version first. With
+  ``order="admission"`` a group is held back while an episode admitted at an older version
+  is still in flight: consumption then follows admission-version order, which is what the
+  governor's capacity formula needs to guarantee staleness <= eta without dropping work
+  (see nodes/governor.py). With ``order="arrival"`` ready groups go out at once and
+  stragglers that fell behind are dropped. Either way, when ``max_staleness`` is set, a
+  group whose oldest token is more than ``max_staleness`` versions behind the consuming
+  version is dropped (counted, and reported to the governor) rather than trained on.
+
+The buffer owns the release of every lease whose ``begin`` it saw: it tells the governor
+(through a :class:`GovernorLink`) when an episode is accepted, rejected, or dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import structlog
+
+from protocols.rl import Batch, TrajectoryGroup
+
+__all__ = ["BufferConfig", "GovernorLink", "TrajectoryBuffer"]
+
+log = structlog.get_logger(__name__)
+
+
+class GovernorLink(Protocol):
+    """What the buffer tells the governor (StalenessGovernor itself, or a proxy to its actor)."""
+
+    def finish(self, holder_id: str, k_accepted: int = 0, k_rejected: int = 0) -> Any: ...
+
+    def discard(self, k: int) -> Any: ...
+
+
+@dataclass
+class BufferConfig:
+    """How the buffer orders groups and what it does with stale ones and dead holders' episodes."""
+
+    max_staleness: int | None = None
+    order: Literal["admission", "arrival"] = "admission"
+    on_holder_death: Literal["requeue", "report"] = "requeue"
+
+    def __post_init__(self) -> None:
+        if self.order not in ("admission", "arrival"):
+            raise ValueError(f"BufferConfig.order must be 'admission' or 'arrival', got {self.order!r}")
+        if self.on_holder_death not in ("requeue", "report"):
+            raise ValueError(f"BufferConfig.on_holder_death must be 'requeue' or 'report', got {self.on_holder_death!r}")
+
+
+@dataclass
+class _InFlight:
+    holder_id: str
+    group_id: str
+    item: Any
+    admit_version: int
+
+
+@dataclass
+class _Ready:
+    admit_version: int
+    seq: int
+    group: TrajectoryGroup
+
+    @property
+    def age_version(self) -> int:
+        """The version staleness is measured from: the oldest token, else the admission."""
+        oldest = self.group.oldest_version
+        return oldest if oldest >= 0 else self.admit_version
+
+
+class TrajectoryBuffer:
+    """Plain-logic buffer; the actor wrapper adds death notices and forwards governor messages."""
+
+    def __init__(self, config: BufferConfig | None = None, governor: GovernorLink | None = None) -> None:
+        self.config = config or BufferConfig()
+        self._governor = governor
+        self._ready: list[_Ready] = []  # kept sorted by (admit_version, seq)
+        self._in_flight: dict[tuple[str, str], _InFlight] = {}  # (holder, group_id) -> episode
+        self._flight_versions: Counter[int] = Counter()  # admission versions of episodes in flight
+        self._accepted_ids: set[str] = set()
+        self._requeue: deque[_InFlight] = deque()
+        self._dead: set[str] = set()
+        self._seq = itertools.count()
+        self._changed = asyncio.Event()
+        self._c = dict.fromkeys(
+            ("begun", "accepted", "duplicates", "abandoned", "refused_begin", "requeued", "reported_lost",
+             "late_puts", "dropped_stale", "batches", "groups_out"), 0,
+        )  # fmt: skip
+        self.lost: list[dict[str, Any]] = []  # episodes of dead holders, in "report" mode
+
+    # -- rollout side --------------------------------------------------------------
+
+    def begin(self, holder_id: str, group_id: str, item: Any, admit_version: int) -> bool:
+        """Record an admitted episode as in flight. False (lease released) if the group is already in."""
+        if group_id in self._accepted_ids:
+            self._c["refused_begin"] += 1
+            self._tell_finish(holder_id, 0, 1)
+            return False
+        key = (holder_id, group_id)
+        if key in self._in_flight:
+            raise ValueError(f"buffer: {holder_id!r} began group {group_id!r} twice")
+        self._in_flight[key] = _InFlight(holder_id, group_id, item, admit_version)
+        self._flight_versions[admit_version] += 1
+        self._c["begun"] += 1
+        return True
+
+    def put(self, holder_id: str, group: TrajectoryGroup, admit_version: int | None = None) -> bool:
+        """Accept a finished group (True), or ignore a duplicate (False). The group must be valid."""
+        group.validate()
+        episode = self._pop_in_flight(holder_id, group.group_id)
+        if group.group_id in self._accepted_ids:
+            self._c["duplicates"] += 1
+            if episode is not None:
+                self._tell_finish(holder_id, 0, 1)
+            log.info("buffer.duplicate_put", holder=holder_id, group=group.group_id)
+            self._notify()
+            return False
+        if episode is None and holder_id in self._dead:
+            self._c["late_puts"] += 1
+            self._drop_requeued(group.group_id)
+        if admit_version is None:
+            admit_version = episode.admit_version if episode else max(group.oldest_version, 0)
+        self._accepted_ids.add(group.group_id)
+        self._insert(_Ready(admit_version, next(self._seq), group))
+        self._c["accepted"] += 1
+        self._tell_finish(holder_id, 1, 0)
+        self._notify()
+        return True
+
+    def abandon(self, holder_id: str, group_id: str) -> bool:
+        """The episode ended without a group (rejected or failed): release its lease."""
+        episode = self._pop_in_flight(holder_id, group_id)
+        if episode is None:
+            return False
+        self._c["abandoned"] += 1
+        self._tell_finish(holder_id, 0, 1)
+        self._notify()
+        return True
+
+    def holder_died(self, holder_id: str) -> list[dict[str, Any]]:
+        """Take a dead holder's in-flight episodes off the books: re-queue or report them. Idempotent."""
+        if holder_id in self._dead:
+            return []
+        self._dead.add(holder_id)
+        orphans = [e for k, e in self._in_flight.items() if k[0] == holder_id]
+        for e in orphans:
+            self._pop_in_flight(holder_id, e.group_id)
+        out = [{"group_id": e.group_id, "item": e.item, "admit_version": e.admit_version} for e in orphans]
+        if self.config.on_holder_death == "requeue":
+            self._requeue.extend(orphans)
+            self._c["requeued"] += len(orphans)
+        else:
+            self.lost.extend(out)
+            self._c["reported_lost"] += len(orphans)
+        log.info("buffer.holder_died", holder=holder_id, orphans=len(orphans), action=self.config.on_holder_death)
+        self._notify()
+        return out
+
+    def take_requeued(self, n: int) -> list[dict[str, Any]]:
+        """Up to ``n`` episodes of dead holders to re-run from their prompt, with their group ids."""
+        out = []
+        while self._requeue and len(out) < n:
+            e = self._requeue.popleft()
+            if e.group_id not in self._accepted_ids:
+                out.append({"group_id": e.group_id, "item": e.item})
+        return out
+
+    # -- trainer side --------------------------------------------------------------
+
+    def try_get_batch(self, batch_size: int, version: int) -> Batch | None:
+        """B whole groups for training at ``version`` if that many are eligible, else None."""
+        self._drop_stale(version)
+        eligible = self._eligible_count()
+        if eligible < batch_size:
+            return None
+        taken, self._ready = self._ready[:batch_size], self._ready[batch_size:]
+        self._c["batches"] += 1
+        self._c["groups_out"] += batch_size
+        return Batch([r.group for r in taken], version)
+
+    async def get_batch(self, batch_size: int, version: int, timeout: float | None = 60.0) -> Batch:
+        """Wait (no polling) until ``batch_size`` groups are eligible; TimeoutError after ``timeout`` s."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while (batch := self.try_get_batch(batch_size, version)) is None:
+            changed = self._changed
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"buffer: {self._eligible_count()} of {batch_size} groups ready after {timeout} s "
+                    f"(ready {len(self._ready)}, in flight {len(self._in_flight)}, version {version})"
+                )
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                continue
+        return batch
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def ready(self) -> int:
+        """Groups accepted and not yet handed out."""
+        return len(self._ready)
+
+    @property
+    def in_flight(self) -> int:
+        """Episodes begun and not yet put or abandoned."""
+        return len(self._in_flight)
+
+    def ready_group_ids(self) -> list[str]:
+        """Ids of groups waiting to be handed out, in hand-out order."""
+        return [r.group.group_id for r in self._ready]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes, flat, for logging."""
+        return {**self._c, "ready": len(self._ready), "in_flight": len(self._in_flight),
+                "requeue_pending": len(self._requeue)}  # fmt: skip
+
+    # -- internals -----------------------------------------------------------------
+
+    def _insert(self, r: _Ready) -> None:
+        key = (r.admit_version, r.seq)
+        i = len(self._ready)
+        while i > 0 and (self._ready[i - 1].admit_version, self._ready[i - 1].seq) > key:
+            i -= 1  # arrivals are nearly sorted: scan from the end
+        self._ready.insert(i, r)
+
+    def _eligible_count(self) -> int:
+        if self.config.order == "arrival" or not self._in_flight:
+            return len(self._ready)
+        horizon = min(self._flight_versions)
+        n = 0
+        for r in self._ready:
+            if r.admit_version > horizon:
+                break
+            n += 1
+        return n
+
+    def _drop_stale(self, version: int) -> None:
+        eta = self.config.max_staleness
+        if eta is None:
+            return
+        keep = [r for r in self._ready if r.age_version >= version - eta]
+        dropped = len(self._ready) - len(keep)
+        if dropped:
+            self._ready = keep
+            self._c["dropped_stale"] += dropped
+            log.warning("buffer.dropped_stale", n=dropped, version=version, max_staleness=eta)
+            if self._governor is not None:
+                self._governor.discard(dropped)
+
+    def _pop_in_flight(self, holder_id: str, group_id: str) -> _InFlight | None:
+        episode = self._in_flight.pop((holder_id, group_id), None)
+        if episode is not None:
+            self._flight_versions[episode.admit_version] -= 1
+            if not self._flight_versions[episode.admit_version]:
+                del self._flight_versions[episode.admit_version]
+        return episode
+
+    def _drop_requeued(self, group_id: str) -> None:
+        self._requeue = deque(e for e in self._requeue if e.group_id != group_id)
+
+    def _tell_finish(self, holder_id: str, k_accepted: int, k_rejected: int) -> None:
+        if self._governor is not None:
+            self._governor.finish(holder_id, k_accepted, k_rejected)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
