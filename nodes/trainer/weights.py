@@ -5,7 +5,7 @@ Two paths:
 - **distributed**: rank 0 and every server form a weight-update group (SGLang's external group:
   rank 0 hosts ``TCPStore`` as master and builds ``ProcessGroupGloo``/``ProcessGroupNCCL`` on
   ``PrefixStore(group_name, store)``; server ``i`` joins as ranks ``rank_offset + tp_rank``).
-  Every rank gathers full tensors bucket by bucket (``DTensor.full_tensor`` is collective);
+  Every rank sends its shards of a bucket to rank 0 (collective; see gather.py);
   rank 0 announces each bucket with ``/update_weights_from_distributed`` to every server and
   broadcasts it, while all ranks already gather the next bucket (one bucket in flight).
 - **disk**: the full state dict is saved as safetensors and every server is asked to
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import shutil
 import socket
 import time
@@ -36,9 +35,10 @@ import httpx
 import structlog
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-__all__ = ["PushConfig", "WeightPushError", "WeightPusher", "plan_buckets"]
+from nodes.trainer.gather import ParamGatherer
+
+__all__ = ["PushConfig", "WeightPushError", "WeightPusher"]
 
 log = structlog.get_logger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -69,21 +69,6 @@ class PushConfig:
     group_timeout_s: float = 600.0
 
 
-def plan_buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors into buckets of at most ``bucket_bytes`` and one dtype each (a tensor
-    larger than the limit travels alone). Returns index lists into ``specs``."""
-    buckets: list[list[int]] = []
-    size, dtype = 0, None
-    for i, (_, shape, dt) in enumerate(specs):
-        nbytes = math.prod(shape) * dt.itemsize
-        if not buckets or dt != dtype or size + nbytes > bucket_bytes:
-            buckets.append([])
-            size, dtype = 0, dt
-        buckets[-1].append(i)
-        size += nbytes
-    return buckets
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -108,6 +93,8 @@ class WeightPusher:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-push-http")
         self._http = httpx.Client(timeout=cfg.http_timeout_s) if self.rank == 0 else None
         self.send_dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+        self.gatherer = ParamGatherer(model, cfg.bucket_bytes, self.send_dtype)  # collective
+        self._timing: dict[str, float] = {}
 
     # ---- HTTP (rank 0) -----------------------------------------------------------------------
     def _post(self, url: str, path: str, body: Any) -> Any:
@@ -221,18 +208,8 @@ class WeightPusher:
         if self.rank == 0:
             log.info("weights_pushed", version=version, method=self.cfg.method, seconds=round(elapsed, 3),
                      mib=round(nbytes / 2**20, 1))
-        return {"push_time_s": elapsed, "push_bytes": float(nbytes)}
-
-    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
-        return list(self.model.named_parameters())
-
-    def _full(self, p: torch.Tensor) -> torch.Tensor:
-        t = p.full_tensor() if isinstance(p, DTensor) else p.data  # collective for DTensors
-        t = t.detach()
-        return t.to(self.send_dtype) if self.send_dtype is not None else t
-
-    def _gather(self, params: list[tuple[str, torch.Tensor]], bucket: list[int]) -> list[torch.Tensor]:
-        return [self._full(params[i][1]) for i in bucket]
+        # gather_s: assembling buckets on rank 0; wait_s: waiting for broadcasts + server replies
+        return {"push_time_s": elapsed, "push_bytes": float(nbytes), **self._timing}
 
     def _agree(self, error: BaseException | None) -> None:
         """Every rank learns whether rank 0's side failed, so all raise together (none hangs in a
@@ -247,28 +224,27 @@ class WeightPusher:
             raise WeightPushError("weight push failed on rank 0 (see its log)")
 
     def _push_distributed(self, version: str) -> int:
-        params = self._named_params()
-        specs = [(n, tuple(p.shape), self.send_dtype or p.dtype) for n, p in params]
-        buckets = plan_buckets(specs, self.cfg.bucket_bytes)
+        g = self.gatherer
+        self._timing = {"gather_s": 0.0, "wait_s": 0.0}
         error: BaseException | None = None
         if self.rank == 0 and self.group is None:
             error = WeightPushError("no weight-update group: call connect(urls) first")
         total = 0
-        inflight: tuple[Any, list[Future]] | None = None
-        nxt = self._gather(params, buckets[0]) if buckets else []
-        for k, bucket in enumerate(buckets):
-            tensors = nxt
+        inflight: tuple[list, list[Future]] | None = None
+        nxt = self._timed_gather(0) if g.buckets else []
+        for k in range(len(g.buckets)):
+            named = nxt
             if self.rank == 0 and error is None:
                 try:
                     if inflight is not None:  # at most one bucket on the wire
-                        self._finish(inflight)
-                        inflight = None
-                    inflight = self._send(bucket, specs, tensors, version)
-                    total += sum(t.numel() * t.element_size() for t in tensors)
+                        prev, inflight = inflight, None
+                        self._finish(prev)
+                    inflight = self._send(k, named, version)
+                    total += sum(t.numel() * t.element_size() for _, t in named)
                 except Exception as e:  # keep gathering with the other ranks, then fail together
                     error = e
-            # gather the next bucket while this one is broadcast (all ranks take part)
-            nxt = self._gather(params, buckets[k + 1]) if k + 1 < len(buckets) else []
+            # gather the next bucket (into the other buffer) while this one is broadcast
+            nxt = self._timed_gather(k + 1) if k + 1 < len(g.buckets) else []
         if inflight is not None and error is None:
             try:
                 self._finish(inflight)
@@ -277,26 +253,35 @@ class WeightPusher:
         self._agree(error)
         return total
 
-    def _send(self, bucket: list[int], specs: list, tensors: list[torch.Tensor], version: str):
-        """Announce a bucket to every server and start its broadcast; returns what to wait on."""
-        body = {"names": [specs[i][0] for i in bucket],
-                "dtypes": [str(specs[i][2]).removeprefix("torch.") for i in bucket],
-                "shapes": [list(specs[i][1]) for i in bucket],
+    def _timed_gather(self, k: int) -> list[tuple[str, torch.Tensor]]:
+        t0 = time.perf_counter()
+        try:
+            return self.gatherer.gather(k)
+        finally:
+            self._timing["gather_s"] += time.perf_counter() - t0
+
+    def _send(self, k: int, named: list[tuple[str, torch.Tensor]], version: str) -> tuple[list, list[Future]]:
+        """Announce bucket ``k`` to every server and start its broadcast; returns what to wait on."""
+        body = {"names": [n for n, _ in named],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named],
                 "group_name": self.group_name, "flush_cache": self.cfg.flush_cache,
                 "weight_version": version}
-        if self.cfg.flattened_bucket:
+        if self.cfg.flattened_bucket:  # buckets hold one dtype
             body["load_format"] = "flattened_bucket"
-            send = [torch.cat([t.reshape(-1) for t in tensors])]
+            send = [self.gatherer.flat(k)]
         else:
-            send = tensors
+            send = [t for _, t in named]
         posts = self._post_all("/update_weights_from_distributed", body)
         return [self.group.broadcast(t, 0) for t in send], posts
 
-    def _finish(self, inflight: tuple[Any, list[Future]]) -> None:
+    def _finish(self, inflight: tuple[list, list[Future]]) -> None:
+        t0 = time.perf_counter()
         works, posts = inflight
         for w in works:
             w.wait(datetime.timedelta(seconds=self.cfg.group_timeout_s))
         self._wait(posts)
+        self._timing["wait_s"] += time.perf_counter() - t0
 
     def _push_disk(self, version: int) -> int:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -15,7 +15,6 @@ import torch
 
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.inference.testing import reference_server
-from nodes.trainer.weights import plan_buckets
 from tests.trainer.dist_worker import PUSH_CASES
 from tests.trainer.launch import run_ranks
 
@@ -36,12 +35,6 @@ def small_vocab_model(dst: Path) -> Path:
             shutil.copy(f, dst / f.name)
     return dst
 
-
-def test_buckets_respect_size_and_dtype():
-    f32, bf16 = torch.float32, torch.bfloat16
-    specs = [("a", (10,), f32), ("b", (10,), f32), ("c", (30,), f32), ("d", (4,), bf16), ("e", (100,), f32)]
-    assert plan_buckets(specs, bucket_bytes=80) == [[0, 1], [2], [3], [4]]
-    assert plan_buckets(specs, bucket_bytes=1 << 20) == [[0, 1, 2], [3], [4]]
 
 
 @pytest.mark.slow

@@ -1,0 +1,139 @@
+"""Full parameters of an FSDP2 model, assembled on rank 0 bucket by bucket for the weight push.
+
+Measured on the CPU machine (gloo, 2 ranks, 513 MiB): ``all_gather`` of the shards ≈ 0.8 s and
+FSDP's ``unshard`` ≈ 1-2 s, while point-to-point sends ≈ 0.1 s and a broadcast of the whole model
+≈ 0.2 s. And only rank 0 needs the full tensors. So each rank sends its dim-0 shard rows of every
+parameter straight into their place in rank 0's bucket buffer (FSDP2 shards dim 0 in
+``torch.chunk`` pieces; rows are contiguous in memory). Rank 0 copies only its own rows; the
+bucket buffer is then broadcast as is (flattened bucket) or as per-tensor views.
+
+Two reusable buffers alternate between buckets: one can be on the wire while the next fills.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["ParamGatherer", "Spec"]
+
+
+@dataclass
+class Spec:
+    """One parameter's place in its bucket buffer."""
+
+    name: str
+    param: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int = 0  # bytes into the bucket buffer
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _is_dim0_sharded(p: torch.Tensor, world: int, rank: int) -> bool:
+    if not isinstance(p, DTensor):
+        return False
+    if len(p.placements) != 1 or p.placements[0] != Shard(0):
+        return False
+    d0 = p.shape[0]
+    chunk = math.ceil(d0 / world) if d0 else 0
+    rows = max(0, min(chunk, d0 - rank * chunk))
+    return p.to_local().shape[0] == rows
+
+
+class ParamGatherer:
+    """Plans buckets over a model's parameters and gathers them onto rank 0 (collective)."""
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.specs = [Spec(n, p, tuple(p.shape), dtype or p.dtype) for n, p in model.named_parameters()]
+        sharded = [isinstance(s.param, DTensor) for s in self.specs]
+        ok = all(_is_dim0_sharded(s.param, self.world, self.rank) for s in self.specs if isinstance(s.param, DTensor))
+        if any(sharded) and self.world > 1:
+            flag = torch.tensor([int(ok)], dtype=torch.int32)
+            if dist.get_backend() == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(flag.item())
+        self.p2p = ok  # else fall back to DTensor.full_tensor (an all-gather per parameter)
+        self.buckets: list[list[Spec]] = []
+        size = 0
+        for s in self.specs:
+            if not self.buckets or s.dtype != self.buckets[-1][0].dtype or size + s.nbytes > bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            s.offset = size
+            self.buckets[-1].append(s)
+            size += s.nbytes
+        self._capacity = max((sum(s.nbytes for s in b) for b in self.buckets), default=0)
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def _device(self) -> torch.device:
+        p = self.specs[0].param
+        return p.to_local().device if isinstance(p, DTensor) else p.device
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        buf = self._buffers[k % 2]
+        if buf is None:
+            buf = self._buffers[k % 2] = torch.empty(self._capacity, dtype=torch.uint8, device=self._device())
+        return buf
+
+    @staticmethod
+    def _view(buf: torch.Tensor, s: Spec) -> torch.Tensor:
+        return buf[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+    def flat(self, k: int) -> torch.Tensor:
+        """Bucket ``k``'s buffer as one 1-D tensor of its dtype (rank 0, after :meth:`gather`)."""
+        b = self.buckets[k]
+        end = b[-1].offset + b[-1].nbytes
+        return self._buffer(k)[:end].view(b[0].dtype)
+
+    def gather(self, k: int) -> list[tuple[str, torch.Tensor]]:
+        """Fill bucket ``k`` on rank 0 (every rank must call it); returns ``(name, tensor)`` views
+        on rank 0, ``[]`` elsewhere. The views stay valid until bucket ``k + 2`` is gathered."""
+        bucket = self.buckets[k]
+        if not self.p2p:
+            full = [(s, s.param.full_tensor() if isinstance(s.param, DTensor) else s.param) for s in bucket]
+            if self.rank != 0:
+                return []
+            buf = self._buffer(k)
+            for s, t in full:
+                self._view(buf, s).copy_(t.detach())
+            return [(s.name, self._view(buf, s)) for s in bucket]
+        ops, keep = [], []
+        buf = self._buffer(k) if self.rank == 0 else None
+        for i, s in enumerate(bucket):
+            local = s.param.to_local() if isinstance(s.param, DTensor) else s.param
+            local = local.detach()
+            if local.dtype != s.dtype:
+                local = local.to(s.dtype)
+            if not isinstance(s.param, DTensor):  # replicated: rank 0 has it all
+                if self.rank == 0:
+                    self._view(buf, s).copy_(local)
+                continue
+            d0 = s.shape[0]
+            chunk = math.ceil(d0 / self.world)
+            if self.rank == 0:
+                full = self._view(buf, s)
+                full[: local.shape[0]].copy_(local)
+                for r in range(1, self.world):
+                    lo, hi = r * chunk, min(d0, (r + 1) * chunk)
+                    if hi > lo:
+                        ops.append(dist.P2POp(dist.irecv, full[lo:hi], r, tag=i))
+            elif local.shape[0] > 0:
+                keep.append(local.contiguous())
+                ops.append(dist.P2POp(dist.isend, keep[-1], 0, tag=i))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        if self.rank != 0:
+            return []
+        return [(s.name, self._view(buf, s)) for s in bucket]
