@@ -1,0 +1,347 @@
+"""SGLang HTTP client for rollout: interruptible generation, sticky routing, retries and failover.
+
+``agenerate`` posts ``/generate`` and, while the answer is an abort (the trainer paused the
+servers to push weights) and token budget remains, appends what came back to the input,
+lowers ``max_new_tokens`` and re-posts to the *same* server, so the prefix is served from
+that server's radix cache. Every output token is stamped with the policy version the
+client knew when the token's chunk arrived.
+
+Compared with AReaL's client (see shared/FACTS.md): pooled keep-alive connections per
+server; a resumed request waits on an event set by :meth:`SGLangClient.resume` instead of
+polling a flag; a request id is sent (and a rid reused across an episode's turns keeps the
+episode on one server); new requests go to the least-loaded healthy server; a server that
+keeps failing is marked down and the request moves, with its tokens so far, elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import structlog
+
+__all__ = [
+    "ClientConfig",
+    "GenRequest",
+    "GenResult",
+    "GenerationError",
+    "NoServerAvailableError",
+    "SGLangClient",
+]
+
+log = structlog.get_logger(__name__)
+
+_RETRYABLE = (httpx.TransportError,)  # connect/read/write errors, timeouts, protocol errors
+
+
+class GenerationError(RuntimeError):
+    """The server rejected a request (4xx, or an abort that carries an error status)."""
+
+
+class NoServerAvailableError(GenerationError):
+    """Every server failed this request after retries; the request cannot make progress."""
+
+
+@dataclass
+class ClientConfig:
+    """Timeouts, retry and pool settings of :class:`SGLangClient`."""
+
+    request_timeout_s: float = 3600.0  # one /generate; a hung server is detected by this
+    connect_timeout_s: float = 5.0
+    max_retries: int = 3  # per server per post, on transport errors and 5xx
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 2.0
+    down_cooldown_s: float = 10.0  # a failed server is skipped this long before being tried again
+    max_connections_per_server: int = 1024
+    pause_timeout_s: float = 3600.0  # a resumed request waits at most this long for resume()
+    max_idle_aborts: int = 64  # consecutive aborts that returned no tokens before giving up
+    sticky_entries: int = 65536  # rid -> server entries kept (LRU) for multi-turn episodes
+
+
+@dataclass
+class GenRequest:
+    """One generation: prompt ids, SGLang sampling params, and an optional request id.
+
+    Reusing ``rid`` across the turns of an episode keeps the episode on one server.
+    """
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    rid: str | None = None
+
+
+@dataclass
+class GenResult:
+    """The output of one request, assembled over every abort/resume and failover."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort" (abort only when the budget ran out mid-abort)
+    text: str
+    prompt_tokens: int
+    cached_tokens: list[int]  # per post: prefix tokens the server served from its cache
+    server: str
+    posts: int = 1
+    aborts: int = 0
+    failovers: int = 0
+    weight_version: str | None = None
+    matched_stop: Any = None
+
+
+class _Server:
+    def __init__(self, url: str, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.AsyncClient(
+            base_url=self.url,
+            transport=transport,
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=cfg.max_connections_per_server,
+                max_keepalive_connections=cfg.max_connections_per_server,
+            ),
+        )
+        self.inflight = 0
+        self.down_until = 0.0
+
+    def healthy(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class SGLangClient:
+    """Client for a set of SGLang-protocol servers; one per rollout actor, shared by its episodes."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        config: ClientConfig | None = None,
+        version: int = 0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """``transport`` replaces the network (tests use httpx.MockTransport)."""
+        if not urls:
+            raise ValueError("SGLangClient needs at least one server URL")
+        self.config = config or ClientConfig()
+        self._servers = {u.rstrip("/"): _Server(u, self.config, transport) for u in urls}
+        self._sticky: OrderedDict[str, str] = OrderedDict()
+        self._active: dict[str, str] = {}  # rid -> server, while its request runs
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.version = version
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("requests", "posts", "aborts", "resumes", "retries", "failovers", "errors", "cached_tokens",
+             "prompt_tokens", "output_tokens", "idle_aborts"), 0,
+        )  # fmt: skip
+
+    # -- control from the rollout actor / trainer ----------------------------------
+
+    def set_version(self, version: int) -> None:
+        """The policy version the servers now hold; tokens arriving from now on are stamped with it."""
+        self.version = max(self.version, version)
+
+    def pause(self) -> None:
+        """Hold aborted requests (and new ones) until :meth:`resume`: the servers are being updated."""
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        """Let held requests re-post at once (no polling delay)."""
+        self._resumed.set()
+
+    @property
+    def paused(self) -> bool:
+        """True between :meth:`pause` and :meth:`resume`."""
+        return not self._resumed.is_set()
+
+    @property
+    def urls(self) -> list[str]:
+        """Server URLs this client routes to."""
+        return list(self._servers)
+
+    def server_of(self, rid: str) -> str | None:
+        """The server a running request (by its rid) is on, e.g. to abort it there."""
+        return self._active.get(rid)
+
+    def load(self) -> dict[str, int]:
+        """Requests in flight per server, as this client sees them."""
+        return {u: s.inflight for u, s in self._servers.items()}
+
+    async def aclose(self) -> None:
+        """Close every connection pool."""
+        await asyncio.gather(*(s.http.aclose() for s in self._servers.values()))
+
+    # -- generation ----------------------------------------------------------------
+
+    async def agenerate(self, request: GenRequest) -> GenResult:
+        """Generate to completion across pauses (abort mode), retries and failovers."""
+        rid = request.rid or uuid.uuid4().hex
+        sp = dict(request.sampling_params)
+        if sp.get("n", 1) != 1:
+            raise ValueError("GenRequest: sampling_params.n must be 1; send n requests for n samples")
+        budget = int(sp.get("max_new_tokens", 128))
+        server = self._route(rid)
+        res = GenResult(rid, [], [], [], "length", "", len(request.input_ids), [], server.url, posts=0)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(request.input_ids)
+        try:
+            return await self._generate_loop(request, rid, sp, budget, server, res)
+        finally:
+            self._active.pop(rid, None)
+
+    async def _generate_loop(
+        self, request: GenRequest, rid: str, sp: dict[str, Any], budget: int, server: _Server, res: GenResult
+    ) -> GenResult:
+        cfg = self.config
+        ids, lps, vers, cached = res.output_ids, res.output_logprobs, res.output_versions, res.cached_tokens
+        texts: list[str] = []
+        idle_aborts = 0
+        tried: set[str] = set()
+        while True:
+            if not self._resumed.is_set():
+                await asyncio.wait_for(self._resumed.wait(), cfg.pause_timeout_s)
+            body = {
+                "input_ids": list(request.input_ids) + ids,
+                "sampling_params": {**sp, "max_new_tokens": budget - len(ids)},
+                "return_logprob": True,
+                "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
+            }
+            data, server = await self._post_with_failover(server, body, tried, res)
+            res.posts += 1
+            chunk_ids, chunk_lps, meta = _parse(data)
+            version = self.version  # the version current when this chunk arrived
+            ids += chunk_ids
+            lps += chunk_lps
+            vers += [version] * len(chunk_ids)
+            texts.append(data.get("text") or "")
+            cached.append(int(meta.get("cached_tokens") or 0))
+            self.counters["cached_tokens"] += cached[-1]
+            self.counters["output_tokens"] += len(chunk_ids)
+            res.weight_version = meta.get("weight_version", res.weight_version)
+            finish = meta.get("finish_reason") or {}
+            kind = finish.get("type") if isinstance(finish, dict) else str(finish)
+            if kind != "abort":
+                res.finish_reason = kind or "stop"
+                res.matched_stop = finish.get("matched") if isinstance(finish, dict) else None
+                break
+            status = finish.get("status_code") if isinstance(finish, dict) else None
+            if status is not None and int(status) >= 400:
+                self.counters["errors"] += 1
+                raise GenerationError(f"{server.url} aborted request {rid}: {finish.get('message')} ({status})")
+            res.aborts += 1
+            self.counters["aborts"] += 1
+            if len(ids) >= budget:
+                res.finish_reason = "length"
+                break
+            idle_aborts = 0 if chunk_ids else idle_aborts + 1
+            if idle_aborts > cfg.max_idle_aborts:
+                raise GenerationError(f"{server.url} aborted request {rid} {idle_aborts} times without progress")
+            self.counters["resumes"] += 1
+        res.text = "".join(texts)
+        res.server = server.url
+        return res
+
+    # -- internals -----------------------------------------------------------------
+
+    def _route(self, rid: str) -> _Server:
+        """The sticky server for ``rid`` if it is healthy, else the least-loaded healthy one."""
+        now = time.monotonic()
+        url = self._sticky.get(rid)
+        if url is not None and url in self._servers and self._servers[url].healthy(now):
+            self._sticky.move_to_end(rid)
+            server = self._servers[url]
+        else:
+            server = self._least_loaded(now, exclude=set())
+        self._stick(rid, server)
+        return server
+
+    def _least_loaded(self, now: float, exclude: set[str]) -> _Server:
+        candidates = [s for u, s in self._servers.items() if u not in exclude]
+        if not candidates:
+            raise NoServerAvailableError(f"every server failed: {sorted(exclude)}")
+        healthy = [s for s in candidates if s.healthy(now)] or candidates  # all down: try the soonest back
+        low = min(s.inflight for s in healthy)
+        return random.choice([s for s in healthy if s.inflight == low])
+
+    def _stick(self, rid: str, server: _Server) -> None:
+        self._sticky[rid] = server.url
+        self._sticky.move_to_end(rid)
+        while len(self._sticky) > self.config.sticky_entries:
+            self._sticky.popitem(last=False)
+        self._active[rid] = server.url
+
+    async def _post_with_failover(
+        self, server: _Server, body: dict[str, Any], tried: set[str], res: GenResult
+    ) -> tuple[dict[str, Any], _Server]:
+        """POST to ``server`` with retries; if it stays down, move to another (tokens travel in body)."""
+        while True:
+            try:
+                return await self._post_with_retries(server, body), server
+            except _ServerDown as e:
+                server.down_until = time.monotonic() + self.config.down_cooldown_s
+                tried.add(server.url)
+                nxt = self._least_loaded(time.monotonic(), exclude=tried)  # raises when none left
+                log.warning("rollout.failover", rid=res.rid, frm=server.url, to=nxt.url, tokens=len(res.output_ids),
+                            error=str(e))  # fmt: skip
+                self.counters["failovers"] += 1
+                res.failovers += 1
+                server = nxt
+                self._stick(res.rid, server)
+
+    async def _post_with_retries(self, server: _Server, body: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.config
+        last: str = ""
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                self.counters["retries"] += 1
+                delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                body = {**body, "rid": f"{body['rid']}-t{attempt}"}  # never collide with a lingering attempt
+            server.inflight += 1
+            self.counters["posts"] += 1
+            try:
+                r = await server.http.post("/generate", json=body)
+            except _RETRYABLE as e:
+                last = f"{type(e).__name__}: {e}"
+                if isinstance(e, httpx.TimeoutException):
+                    await self._abort_quietly(server, body["rid"])
+                continue
+            finally:
+                server.inflight -= 1
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            if r.status_code != 200:
+                self.counters["errors"] += 1
+                raise GenerationError(f"{server.url}/generate answered {r.status_code}: {r.text[:500]}")
+            return r.json()
+        raise _ServerDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
+
+    async def _abort_quietly(self, server: _Server, rid: str) -> None:
+        """Best effort: a timed-out request may still run on a hung-but-alive server."""
+        try:
+            await server.http.post("/abort_request", json={"rid": rid}, timeout=self.config.connect_timeout_s)
+        except httpx.HTTPError:
+            pass
+
+
+class _ServerDown(Exception):
+    pass
+
+
+def _parse(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
+    """Output ids and logprobs from an SGLang 0.5.x (``output_ids``) or older response."""
+    meta = data.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs") or []
+    ids = list(data["output_ids"]) if "output_ids" in data else [int(e[1]) for e in entries]
+    lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+    if len(lps) != len(ids):
+        raise GenerationError(
+            f"response has {len(ids)} output ids but {len(lps)} logprobs; was return_logprob honoured?"
+        )
+    return ids, lps, meta

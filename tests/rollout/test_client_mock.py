@@ -1,0 +1,194 @@
+"""SGLangClient against scripted servers (httpx.MockTransport): resume, pause, retries, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from nodes.rollout.client import (
+    ClientConfig,
+    GenerationError,
+    GenRequest,
+    NoServerAvailableError,
+    SGLangClient,
+)
+
+A, B = "http://a:1", "http://b:1"
+FAST = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=2)
+
+
+def reply(ids: list[int], finish: str = "length", cached: int = 0, legacy: bool = False, **fin: Any) -> httpx.Response:
+    meta = {
+        "finish_reason": {"type": finish, **fin},
+        "prompt_tokens": 0,
+        "completion_tokens": len(ids),
+        "cached_tokens": cached,
+        "weight_version": "w",
+        "output_token_logprobs": [[-0.25, t, None] for t in ids],
+    }
+    body: dict[str, Any] = {"text": "".join(chr(97 + t % 26) for t in ids), "meta_info": meta}
+    if not legacy:
+        body["output_ids"] = ids
+    return httpx.Response(200, json=body)
+
+
+class Script:
+    """Records every /generate post and answers from a per-host list of responders."""
+
+    def __init__(self, **per_host: list[Callable[[dict], Any]]) -> None:
+        self.per_host = {h: list(v) for h, v in per_host.items()}
+        self.posts: list[tuple[str, dict]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if request.url.path == "/abort_request":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        self.posts.append((host, body))
+        responder = self.per_host[host].pop(0) if len(self.per_host[host]) > 1 else self.per_host[host][0]
+        out = responder(body)
+        return await out if asyncio.iscoroutine(out) else out
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self)
+
+
+async def test_abort_resume_appends_tokens_lowers_budget_and_stays_on_the_server() -> None:
+    script = Script(a=[lambda b: reply([5, 6, 7], "abort", message="paused"), lambda b: reply([8, 9], "length", cached=5)])
+    client = SGLangClient([A, B], FAST, transport=script.transport())
+    client._servers[B].inflight = 10  # make A the least loaded
+    res = await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 5, "temperature": 1.0}, rid="r1"))
+    assert res.output_ids == [5, 6, 7, 8, 9] and res.output_logprobs == [-0.25] * 5
+    assert res.finish_reason == "length" and res.aborts == 1 and res.posts == 2 and res.server == A
+    (h1, b1), (h2, b2) = script.posts
+    assert h1 == h2 == "a"
+    assert b1["input_ids"] == [1, 2, 3] and b1["sampling_params"]["max_new_tokens"] == 5
+    assert b2["input_ids"] == [1, 2, 3, 5, 6, 7] and b2["sampling_params"]["max_new_tokens"] == 2
+    assert b1["return_logprob"] and b1["rid"] == "r1" and b2["rid"] != "r1" and b2["rid"].startswith("r1")
+    assert res.cached_tokens == [0, 5]
+    assert client.counters["aborts"] == 1 and client.counters["resumes"] == 1 and client.counters["cached_tokens"] == 5
+    await client.aclose()
+
+
+async def test_legacy_response_without_output_ids() -> None:
+    script = Script(a=[lambda b: reply([4, 2], "stop", legacy=True, matched=2)])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": 8}))
+    assert res.output_ids == [4, 2] and res.finish_reason == "stop" and res.matched_stop == 2
+    await client.aclose()
+
+
+async def test_a_paused_client_holds_the_resumed_request_until_resume_and_stamps_versions() -> None:
+    first_done = asyncio.Event()
+
+    def first(body: dict) -> httpx.Response:
+        client.pause()  # the trainer pauses the client, then the servers: the abort arrives while paused
+        first_done.set()
+        return reply([5, 6], "abort", message="paused")
+
+    script = Script(a=[first, lambda b: reply([7], "length")])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    client.pause()  # the trainer pauses the client before /pause_generation
+    assert client.paused
+    task = asyncio.create_task(client.agenerate(GenRequest([1], {"max_new_tokens": 3})))
+    await asyncio.sleep(0)
+    assert not script.posts  # a new request waits too
+    client.resume()
+    await asyncio.wait_for(first_done.wait(), 5)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    # the aborted request has not re-posted: it waits on the event, not on a timer
+    assert len(script.posts) == 1
+    client.set_version(1)
+    client.resume()
+    res = await asyncio.wait_for(task, 5)
+    assert res.output_ids == [5, 6, 7] and res.output_versions == [0, 0, 1]
+    await client.aclose()
+
+
+async def test_5xx_is_retried_with_backoff_then_succeeds() -> None:
+    script = Script(a=[lambda b: httpx.Response(500), lambda b: httpx.Response(503), lambda b: reply([1], "stop")])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    res = await client.agenerate(GenRequest([9], {"max_new_tokens": 4}))
+    assert res.output_ids == [1] and client.counters["retries"] == 2 and client.counters["failovers"] == 0
+    assert len({b["rid"] for _, b in script.posts}) == 3  # each attempt has its own rid
+    await client.aclose()
+
+
+async def test_a_server_that_stays_down_loses_the_request_with_its_tokens_to_another() -> None:
+    calls = {"a": 0}
+
+    def flaky_a(body: dict) -> httpx.Response:
+        calls["a"] += 1
+        if calls["a"] == 1:
+            return reply([5, 6], "abort", message="paused")
+        raise httpx.ConnectError("refused")
+
+    script = Script(a=[flaky_a], b=[lambda b: reply([7, 8], "length")])
+    client = SGLangClient([A, B], FAST, transport=script.transport())
+    client._servers[B].inflight = 5
+    res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4}, rid="x"))
+    assert res.output_ids == [5, 6, 7, 8] and res.server == B and res.failovers == 1
+    host, body = script.posts[-1]
+    assert host == "b" and body["input_ids"] == [1, 2, 5, 6] and body["sampling_params"]["max_new_tokens"] == 2
+    assert client.counters["retries"] == FAST.max_retries and client.counters["failovers"] == 1
+    client._servers[B].inflight = 0
+    # A is marked down: the next request (even one sticky to A) goes to B without touching A
+    n_a = calls["a"]
+    await client.agenerate(GenRequest([3], {"max_new_tokens": 2}, rid="x"))
+    assert calls["a"] == n_a
+    await client.aclose()
+
+
+async def test_all_servers_down_raises_a_clear_error() -> None:
+    script = Script(a=[lambda b: httpx.Response(502)], b=[lambda b: httpx.Response(500)])
+    client = SGLangClient([A, B], FAST, transport=script.transport())
+    with pytest.raises(NoServerAvailableError, match="every server failed"):
+        await client.agenerate(GenRequest([1], {"max_new_tokens": 2}))
+    await client.aclose()
+
+
+async def test_4xx_and_error_aborts_are_not_retried() -> None:
+    script = Script(a=[lambda b: httpx.Response(400, json={"error": "unknown field: foo"})])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    with pytest.raises(GenerationError, match="unknown field"):
+        await client.agenerate(GenRequest([1], {"foo": 1}))
+    assert client.counters["retries"] == 0
+    script = Script(a=[lambda b: reply([], "abort", message="input too long", status_code=400)])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    with pytest.raises(GenerationError, match="input too long"):
+        await client.agenerate(GenRequest([1], {"max_new_tokens": 2}))
+    await client.aclose()
+
+
+async def test_new_requests_go_to_the_least_loaded_server_and_rids_stick() -> None:
+    gate = asyncio.Event()
+
+    all_posted = asyncio.Event()
+
+    async def held(body: dict) -> httpx.Response:
+        if len(script.posts) == 6:
+            all_posted.set()
+        await gate.wait()
+        return reply([1], "stop")
+
+    script = Script(a=[held], b=[held])
+    client = SGLangClient([A, B], FAST, transport=script.transport())
+    tasks = [asyncio.create_task(client.agenerate(GenRequest([i], {"max_new_tokens": 1}))) for i in range(6)]
+    await asyncio.wait_for(all_posted.wait(), 5)
+    assert client.load() == {A: 3, B: 3}
+    gate.set()
+    results = await asyncio.gather(*tasks)
+    assert {r.server for r in results} == {A, B}
+    # a reused rid (the next turn of an episode) goes back to its server even when that is busier
+    first = results[0]
+    other = B if first.server == A else A
+    client._servers[first.server].inflight = 4
+    again = await client.agenerate(GenRequest([0, 1, 2], {"max_new_tokens": 1}, rid=first.rid))
+    assert again.server == first.server != other
+    await client.aclose()
