@@ -134,6 +134,7 @@ class SGLangClient:
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._background: set[asyncio.Task] = set()  # best-effort aborts on timed-out servers
         self.version = version
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "posts", "aborts", "resumes", "retries", "failovers", "errors", "cached_tokens",
@@ -173,7 +174,10 @@ class SGLangClient:
         return {u: s.inflight for u, s in self._servers.items()}
 
     async def aclose(self) -> None:
-        """Close every connection pool."""
+        """Cancel background aborts and close every connection pool."""
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(s.http.aclose() for s in self._servers.values()))
 
     # -- generation ----------------------------------------------------------------
@@ -309,7 +313,7 @@ class SGLangClient:
             except _RETRYABLE as e:
                 last = f"{type(e).__name__}: {e}"
                 if isinstance(e, httpx.TimeoutException):
-                    await self._abort_quietly(server, body["rid"])
+                    self._spawn(self._abort_quietly(server, body["rid"]))
                 continue
             finally:
                 server.inflight -= 1
@@ -321,6 +325,11 @@ class SGLangClient:
                 raise GenerationError(f"{server.url}/generate answered {r.status_code}: {r.text[:500]}")
             return r.json()
         raise _ServerDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort_quietly(self, server: _Server, rid: str) -> None:
         """Best effort: a timed-out request may still run on a hung-but-alive server."""
