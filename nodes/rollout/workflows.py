@@ -1,0 +1,197 @@
+"""Episode workflows: turn a dataset item into a TrajectoryGroup through an SGLang client.
+
+A workflow is an object with ``async arun_episode(client, item, group_id=None) ->
+TrajectoryGroup``. Two are provided, after AReaL's:
+
+- :class:`RLVRWorkflow` — single turn: the prompt (chat template applied) is sampled
+  ``n_samples`` times concurrently; each completion is scored by the reward function.
+- :class:`MultiTurnWorkflow` — "retry until correct": after a wrong answer a feedback user
+  turn is appended and the model answers again, up to ``max_turns``; the reward is
+  discounted by the turn that got it right. Feedback tokens carry loss_mask 0.
+
+Every sample of an episode reuses one request id per sample, so its later turns are routed
+to the server that already holds its prefix in cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from nodes.rollout.client import GenRequest, GenResult
+from nodes.rollout.reward import RewardFn, RewardRunner
+from protocols.rl import Trajectory, TrajectoryGroup
+
+__all__ = ["MultiTurnConfig", "MultiTurnWorkflow", "RLVRConfig", "RLVRWorkflow", "Workflow", "chat_ids"]
+
+log = structlog.get_logger(__name__)
+
+
+class Generator(Protocol):
+    """What a workflow needs from a client (SGLangClient satisfies it)."""
+
+    async def agenerate(self, request: GenRequest) -> GenResult: ...
+
+
+class Workflow(Protocol):
+    """Builds one group of trajectories from one dataset item."""
+
+    async def arun_episode(self, client: Generator, item: Any, group_id: str | None = None) -> TrajectoryGroup: ...
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template (transformers 4 or 5)."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
+    if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+@dataclass
+class RLVRConfig:
+    """Single-turn RL with verifiable rewards."""
+
+    n_samples: int = 4
+    sampling_params: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 256, "temperature": 1.0})
+    prompt_key: str = "question"
+    prompt_suffix: str = ""  # e.g. "\nPlease put your final answer within \\boxed{}."
+    system_prompt: str | None = None
+    reward_timeout_s: float = 10.0
+
+
+class _Sample:
+    """One growing sequence: ids with per-token mask, logprob and version, kept aligned."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.ids = list(prompt_ids)
+        self.mask = [0] * len(prompt_ids)
+        self.logprobs = [0.0] * len(prompt_ids)
+        self.versions = [-1] * len(prompt_ids)
+        self.meta: dict[str, Any] = {"cached_tokens": 0, "aborts": 0, "failovers": 0, "finish_reasons": []}
+
+    def add_output(self, res: GenResult) -> None:
+        self.ids += res.output_ids
+        self.mask += [1] * len(res.output_ids)
+        self.logprobs += res.output_logprobs
+        self.versions += res.output_versions
+        self.meta["cached_tokens"] += sum(res.cached_tokens)
+        self.meta["aborts"] += res.aborts
+        self.meta["failovers"] += res.failovers
+        self.meta["finish_reasons"].append(res.finish_reason)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def trajectory(self, reward: float, group_id: str, prompt_len: int) -> Trajectory:
+        t = Trajectory(self.ids, self.mask, self.logprobs, self.versions, reward, group_id, prompt_len, self.meta)
+        t.validate()
+        return t
+
+
+class RLVRWorkflow:
+    """Single-turn RLVR: ``n_samples`` completions of one prompt form one group."""
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: RLVRConfig | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.config = config or RLVRConfig()
+        self.reward = reward_fn if isinstance(reward_fn, RewardRunner) else RewardRunner(
+            reward_fn, self.config.reward_timeout_s
+        )
+
+    def prompt_messages(self, item: Any) -> list[dict[str, str]]:
+        """The chat messages for ``item``."""
+        c = self.config
+        msgs = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
+        return [*msgs, {"role": "user", "content": str(item[c.prompt_key]) + c.prompt_suffix}]
+
+    async def arun_episode(self, client: Generator, item: Any, group_id: str | None = None) -> TrajectoryGroup:
+        """Sample the prompt ``n_samples`` times concurrently and score each completion."""
+        gid = group_id or uuid.uuid4().hex
+        prompt = chat_ids(self.tokenizer, self.prompt_messages(item))
+        results = await asyncio.gather(*(
+            client.agenerate(GenRequest(prompt, dict(self.config.sampling_params), rid=f"{gid}-{i}"))
+            for i in range(self.config.n_samples)
+        ))  # fmt: skip
+        texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
+        rewards = await asyncio.gather(*(self.reward(t, item) for t in texts))
+        trajs = []
+        for res, reward in zip(results, rewards, strict=True):
+            s = _Sample(prompt)
+            s.add_output(res)
+            s.meta["turns"] = 1
+            trajs.append(s.trajectory(reward, gid, len(prompt)))
+        return TrajectoryGroup(gid, trajs)
+
+
+@dataclass
+class MultiTurnConfig(RLVRConfig):
+    """Retry-until-correct: up to ``max_turns`` answers, reward ``r * turn_discount**turn``."""
+
+    max_turns: int = 3
+    turn_discount: float = 0.9
+    feedback: str = "Your answer is incorrect. Please think again and put your final answer within \\boxed{}."
+
+
+class MultiTurnWorkflow(RLVRWorkflow):
+    """After a wrong answer, append a feedback user turn and generate again (AReaL's multi-turn example)."""
+
+    config: MultiTurnConfig
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: MultiTurnConfig | None = None) -> None:
+        super().__init__(tokenizer, reward_fn, config or MultiTurnConfig())
+
+    async def arun_episode(self, client: Generator, item: Any, group_id: str | None = None) -> TrajectoryGroup:
+        """Run ``n_samples`` independent conversations concurrently; one group."""
+        gid = group_id or uuid.uuid4().hex
+        trajs = await asyncio.gather(*(self._conversation(client, item, gid, i) for i in range(self.config.n_samples)))
+        return TrajectoryGroup(gid, list(trajs))
+
+    async def _conversation(self, client: Generator, item: Any, gid: str, i: int) -> Trajectory:
+        c = self.config
+        messages = self.prompt_messages(item)
+        prompt = chat_ids(self.tokenizer, messages)
+        s = _Sample(prompt)
+        reward = 0.0
+        for turn in range(c.max_turns):
+            res = await client.agenerate(GenRequest(s.ids, dict(c.sampling_params), rid=f"{gid}-{i}"))
+            s.add_output(res)
+            text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            score = await self.reward(text, item)
+            s.meta["turns"] = turn + 1
+            if score > 0:
+                reward = score * c.turn_discount**turn
+                break
+            if turn + 1 < c.max_turns:
+                messages = [*messages, {"role": "assistant", "content": text}]
+                s.add_context(self._feedback_ids(messages, res))
+                messages.append({"role": "user", "content": c.feedback})
+        return s.trajectory(reward, gid, len(prompt))
+
+    def _feedback_ids(self, messages: list[dict[str, str]], res: GenResult) -> list[int]:
+        """Tokens that close the assistant turn as the template would and open the feedback turn.
+
+        The generated ids are kept as sampled (re-tokenising the answer could change them);
+        only the template text *after* the answer is tokenised: the end-of-turn marker (unless
+        the model already emitted it), the feedback user turn and the next assistant header.
+        """
+        tok = self.tokenizer
+        with_answer = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        with_feedback = tok.apply_chat_template(
+            [*messages, {"role": "user", "content": self.config.feedback}], tokenize=False, add_generation_prompt=True
+        )
+        if not with_feedback.startswith(with_answer):
+            raise ValueError("chat template does not extend the conversation by appending; cannot add a feedback turn")
+        answer = messages[-1]["content"]
+        end = with_answer.rfind(answer) + len(answer) if answer else len(with_answer)
+        closing = with_answer[end:]
+        eos = tok.eos_token or ""
+        if res.finish_reason == "stop" and eos and closing.startswith(eos) and res.output_ids[-1:] == [tok.eos_token_id]:
+            closing = closing[len(eos) :]  # the model emitted the end-of-turn token itself
+        return list(tok.encode(closing + with_feedback[len(with_answer) :], add_special_tokens=False))
