@@ -153,6 +153,11 @@ class FSDPTrainer:
             flat = batch_normalize(flat, n_loss, self.cfg.adv.eps)
         return flat
 
+    def minibatches(self, batch: Any) -> list[list[int]]:
+        """Group indices of each minibatch (optimizer step), balanced by tokens."""
+        n_mini = max(1, min(self.cfg.n_minibatches, len(batch.groups)))
+        return split_across_ranks([g.num_tokens for g in batch.groups], n_mini)
+
     def plan(self, batch: Any) -> list[list[list[int]]]:
         """This rank's micro-batches for each minibatch, as flat trajectory indices."""
         starts, n = [], 0
@@ -160,10 +165,8 @@ class FSDPTrainer:
             starts.append(n)
             n += len(g.trajectories)
         seq_tokens = [[t.num_tokens for t in g.trajectories] for g in batch.groups]
-        n_mini = max(1, min(self.cfg.n_minibatches, len(batch.groups)))
-        minis = split_across_ranks([sum(s) for s in seq_tokens], n_mini)
         out = []
-        for groups in minis:
+        for groups in self.minibatches(batch):
             p = plan_batch([seq_tokens[g] for g in groups], self.world, self.cfg.max_tokens_per_mb)
             out.append([[starts[groups[gi]] + s for gi, s in mb] for mb in p.ranks[self.rank]])
         return out
@@ -190,8 +193,8 @@ class FSDPTrainer:
         maxes: dict[str, torch.Tensor] = {}
         mins: dict[str, torch.Tensor] = {}
         grad_norms = []
-        for mi, mini in enumerate(mbs):
-            global_loss_tokens = self._global_loss_tokens(batch, mi)
+        for groups, mini in zip(self.minibatches(batch), mbs, strict=True):
+            global_loss_tokens = sum(sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories)
             self.optimizer.zero_grad(set_to_none=True)
             for k, mb in enumerate(mini):
                 if isinstance(self.model, FSDPModule):
@@ -233,11 +236,6 @@ class FSDPTrainer:
         self.log.info("train_step", version=self.version, loss=stats.get("loss"), grad_norm=stats["grad_norm"],
                       tokens_per_s=round(stats["tokens_per_s"], 1))
         return stats
-
-    def _global_loss_tokens(self, batch: Any, mini_index: int) -> int:
-        n_mini = max(1, min(self.cfg.n_minibatches, len(batch.groups)))
-        groups = split_across_ranks([g.num_tokens for g in batch.groups], n_mini)[mini_index]
-        return sum(sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories)
 
     def _forward_loss(self, mb: MicroBatch) -> LossSums:
         logits = self._logits(self.model, mb)

@@ -54,7 +54,7 @@ class PushConfig:
 
     method: str = "distributed"          # distributed | disk
     bucket_bytes: int = 256 << 20        # per broadcast (distributed)
-    flattened_bucket: bool = True        # one flat tensor per bucket, else one broadcast per tensor
+    flattened_bucket: bool = False       # one flat tensor per bucket (fewer NCCL calls), else per tensor
     dtype: str | None = None             # cast before sending, e.g. "bfloat16" (None: as trained)
     pause_mode: str | None = "retract"   # abort | retract | in_place | None (push between decode steps)
     flush_cache: bool = True

@@ -109,7 +109,7 @@ def test_fresh_samples_give_plain_policy_gradient():
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.125]], requires_grad=True))
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     out = decoupled_ppo_loss(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3), LossConfig())
-    assert math.isclose(float(out.loss_sum) / int(out.n_tokens), 0.0, abs_tol=1e-7)
+    assert math.isclose(float(out.loss_sum.detach()) / int(out.n_tokens), 0.0, abs_tol=1e-7)
     assert int(out.sums["clip_frac"]) == 0 and int(out.sums["behave_masked_frac"]) == 0
 
 
