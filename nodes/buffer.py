@@ -31,9 +31,11 @@ from typing import Any, Literal, Protocol
 
 import structlog
 
+import rlactors
+from nodes.governor import watch_holder
 from protocols.rl import Batch, TrajectoryGroup
 
-__all__ = ["BufferConfig", "GovernorLink", "TrajectoryBuffer"]
+__all__ = ["BufferActor", "BufferConfig", "GovernorLink", "TrajectoryBuffer"]
 
 log = structlog.get_logger(__name__)
 
@@ -282,3 +284,85 @@ class TrajectoryBuffer:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+class _GovernorProxy:
+    """GovernorLink over an actor handle: ordered fire-and-forget messages from this buffer."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def finish(self, holder_id: str, k_accepted: int = 0, k_rejected: int = 0) -> None:
+        self.handle.finish.tell(holder_id, k_accepted, k_rejected)
+
+    def discard(self, k: int) -> None:
+        self.handle.discard.tell(k)
+
+
+class BufferActor(rlactors.Actor):
+    """The buffer as an actor. ``governor`` is the governor's handle or name (or None)."""
+
+    def __init__(
+        self,
+        governor: Any = None,
+        max_staleness: int | None = None,
+        order: str = "admission",
+        on_holder_death: str = "requeue",
+    ) -> None:
+        self._governor_ref = governor
+        self.core = TrajectoryBuffer(BufferConfig(max_staleness, order, on_holder_death))  # type: ignore[arg-type]
+        self._watches: dict[str, asyncio.Task] = {}
+
+    async def on_start(self) -> None:
+        g = self._governor_ref
+        if isinstance(g, str):
+            g = await rlactors.get_context().cluster.get_actor(g)
+        if g is not None:
+            self.core._governor = _GovernorProxy(g)
+
+    async def register(self, holder_id: str, actor_id: str) -> None:
+        """Watch the holder's actor: on its death its in-flight episodes are re-queued or reported."""
+        if holder_id not in self._watches:
+            self._watches[holder_id] = asyncio.get_running_loop().create_task(
+                watch_holder(holder_id, actor_id, self.core.holder_died), name=f"watch-{holder_id}"
+            )
+
+    async def begin(self, holder_id: str, group_id: str, item: Any, admit_version: int) -> bool:
+        """See :meth:`TrajectoryBuffer.begin`."""
+        return self.core.begin(holder_id, group_id, item, admit_version)
+
+    async def put(self, holder_id: str, group: TrajectoryGroup) -> bool:
+        """See :meth:`TrajectoryBuffer.put`."""
+        return self.core.put(holder_id, group)
+
+    async def abandon(self, holder_id: str, group_id: str) -> bool:
+        """See :meth:`TrajectoryBuffer.abandon`."""
+        return self.core.abandon(holder_id, group_id)
+
+    async def take_requeued(self, n: int) -> list[dict[str, Any]]:
+        """See :meth:`TrajectoryBuffer.take_requeued`."""
+        return self.core.take_requeued(n)
+
+    async def get_batch(self, batch_size: int, version: int, timeout: float | None = 60.0) -> Batch:
+        """See :meth:`TrajectoryBuffer.get_batch`."""
+        return await self.core.get_batch(batch_size, version, timeout)
+
+    async def holder_died(self, holder_id: str) -> list[dict[str, Any]]:
+        """Take a holder's episodes off the books now (the death watch does this on its own)."""
+        return self.core.holder_died(holder_id)
+
+    async def ready_group_ids(self) -> list[str]:
+        """Ids of groups waiting to be handed out."""
+        return self.core.ready_group_ids()
+
+    async def lost(self) -> list[dict[str, Any]]:
+        """Episodes of dead holders, in "report" mode."""
+        return list(self.core.lost)
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters for logging."""
+        return self.core.stats()
+
+    async def on_stop(self) -> None:
+        for t in self._watches.values():
+            t.cancel()

@@ -31,7 +31,10 @@ from typing import Any
 
 import structlog
 
-__all__ = ["GovernorConfig", "Grant", "StalenessGovernor"]
+import rlactors
+from protocols.codec import register
+
+__all__ = ["GovernorActor", "GovernorConfig", "Grant", "StalenessGovernor", "watch_holder"]
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +54,7 @@ class GovernorConfig:
             )
 
 
+@register
 @dataclass
 class Grant:
     """``n`` admissions granted at policy ``version``; episodes must stamp tokens with >= version."""
@@ -237,3 +241,65 @@ class StalenessGovernor:
         """Wake every waiter (they re-check capacity): set the current event, start a fresh one."""
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+async def watch_holder(holder_id: str, actor_id: str, on_death: Any) -> None:
+    """Wait for the runtime's death notice of ``actor_id``, then call ``on_death(holder_id)``."""
+    try:
+        info = await rlactors.get_context().cluster.watch(actor_id)
+    except Exception as e:  # the head went away: treat the holder as dead rather than leak leases
+        log.warning("governor.watch_failed", holder=holder_id, error=repr(e))
+        info = {"reason": f"watch failed: {e!r}"}
+    log.info("holder.died", holder=holder_id, reason=info.get("reason"))
+    on_death(holder_id)
+
+
+class GovernorActor(rlactors.Actor):
+    """The governor as an actor: one per job; rollout actors register, then acquire."""
+
+    def __init__(self, batch_size: int, max_staleness: int = 2, max_concurrent: int = 1024, version: int = 0) -> None:
+        self.core = StalenessGovernor(GovernorConfig(batch_size, max_staleness, max_concurrent), version)
+        self._watches: dict[str, asyncio.Task] = {}
+
+    async def register(self, holder_id: str, actor_id: str) -> None:
+        """Watch the holder's actor: its death releases its leases. Idempotent."""
+        if holder_id not in self._watches:
+            self._watches[holder_id] = asyncio.get_running_loop().create_task(
+                watch_holder(holder_id, actor_id, self.core.holder_died), name=f"watch-{holder_id}"
+            )
+
+    async def acquire(self, holder_id: str, n_max: int = 1, timeout: float = 30.0) -> Grant:
+        """Between 1 and ``n_max`` admissions, or ``Grant(0, v)`` after ``timeout`` s without capacity."""
+        return await self.core.acquire(holder_id, n_max, timeout)
+
+    async def finish(self, holder_id: str, k_accepted: int = 0, k_rejected: int = 0) -> None:
+        """Release leases (see :meth:`StalenessGovernor.finish`)."""
+        self.core.finish(holder_id, k_accepted, k_rejected)
+
+    async def discard(self, k: int) -> None:
+        """Accepted episodes the buffer dropped as stale."""
+        self.core.discard(k)
+
+    async def set_version(self, version: int) -> None:
+        """The trainer published ``version``."""
+        self.core.set_version(version)
+
+    async def holder_died(self, holder_id: str) -> int:
+        """Release a holder's leases now (the death watch does this on its own)."""
+        return self.core.holder_died(holder_id)
+
+    async def recover(self, version: int) -> None:
+        """Reset after a resume from a checkpoint at ``version``."""
+        self.core.recover(version)
+
+    async def leases(self, holder_id: str) -> int:
+        """Leases ``holder_id`` holds."""
+        return self.core.leases(holder_id)
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters for logging."""
+        return self.core.stats()
+
+    async def on_stop(self) -> None:
+        for t in self._watches.values():
+            t.cancel()

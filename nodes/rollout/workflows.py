@@ -26,7 +26,17 @@ from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.reward import RewardFn, RewardRunner
 from protocols.rl import Trajectory, TrajectoryGroup
 
-__all__ = ["MultiTurnConfig", "MultiTurnWorkflow", "RLVRConfig", "RLVRWorkflow", "Workflow", "chat_ids"]
+__all__ = [
+    "ByteChatTokenizer",
+    "MultiTurnConfig",
+    "MultiTurnWorkflow",
+    "RLVRConfig",
+    "RLVRWorkflow",
+    "Workflow",
+    "build_workflow",
+    "chat_ids",
+    "load_tokenizer",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -195,3 +205,58 @@ class MultiTurnWorkflow(RLVRWorkflow):
         if res.finish_reason == "stop" and eos and closing.startswith(eos) and res.output_ids[-1:] == [tok.eos_token_id]:
             closing = closing[len(eos) :]  # the model emitted the end-of-turn token itself
         return list(tok.encode(closing + with_feedback[len(with_answer) :], add_special_tokens=False))
+
+
+class ByteChatTokenizer:
+    """A dependency-free stand-in tokenizer (UTF-8 bytes, ChatML-like text) for sim-server runs.
+
+    Ids >= 256 (the sim backend samples from a larger vocabulary) decode modulo 256.
+    """
+
+    eos_token = "<eos>"
+    eos_token_id = 2
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool = True, add_generation_prompt: bool = True
+    ) -> Any:
+        text = "".join(f"<{m['role']}>{m['content']}<eos>\n" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i % 256 for i in ids if not (skip_special_tokens and i == self.eos_token_id)).decode(
+            errors="replace"
+        )
+
+
+def load_tokenizer(spec: str) -> Any:
+    """``"byte"`` for :class:`ByteChatTokenizer`, else a local HF tokenizer folder (no hub access)."""
+    if spec == "byte":
+        return ByteChatTokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+
+
+def build_workflow(spec: dict[str, Any]) -> Workflow:
+    """A workflow from a msgpack-able spec, built inside the rollout actor's process::
+
+        {"kind": "rlvr" | "multi_turn", "tokenizer": "byte" | "/path/to/tokenizer",
+         "reward": "nodes.rollout.reward:gsm8k_reward", "reward_timeout_s": 10, "config": {...}}
+    """
+    import importlib
+
+    kind = spec.get("kind", "rlvr")
+    module, _, fn = str(spec.get("reward", "nodes.rollout.reward:gsm8k_reward")).partition(":")
+    reward = getattr(importlib.import_module(module), fn)
+    tokenizer = load_tokenizer(spec.get("tokenizer", "byte"))
+    cfg = dict(spec.get("config") or {})
+    runner = RewardRunner(reward, float(spec.get("reward_timeout_s", 10.0)))
+    if kind == "rlvr":
+        return RLVRWorkflow(tokenizer, runner, RLVRConfig(**cfg))
+    if kind == "multi_turn":
+        return MultiTurnWorkflow(tokenizer, runner, MultiTurnConfig(**cfg))
+    raise ValueError(f"unknown workflow kind {kind!r}; use rlvr or multi_turn")

@@ -1,0 +1,310 @@
+"""Rollout: run many episodes at once, each admitted by the governor, results to the buffer.
+
+:class:`Rollout` is the plain core (testable with the in-process governor and buffer);
+:class:`RolloutActor` wraps it as an rlactors actor that builds its client, workflow and
+prompt source from specs inside its own process and registers with the governor and the
+buffer, which watch it: if it dies, its leases are released and its in-flight episodes
+re-queued.
+
+Order of an admission: acquire a batch of grants (one call for up to ``acquire_batch``
+episodes) -> raise the client's version to the grant's (token versions are never older
+than the admission version: the staleness argument needs it) -> take re-queued episodes
+first, then fresh prompts -> ``begin`` each at the buffer -> run. Leases are released by
+the buffer on ``put``/``abandon``; grants left unused (source exhausted) are returned here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+import rlactors
+from nodes.rollout.client import ClientConfig, SGLangClient
+from nodes.rollout.prompts import prompt_source
+from nodes.rollout.workflows import Workflow, build_workflow
+
+__all__ = ["Rollout", "RolloutActor", "RolloutConfig"]
+
+log = structlog.get_logger(__name__)
+
+
+async def _aw(x: Any) -> Any:
+    """Await ``x`` if it is awaitable: the core talks to plain objects and actor handles alike."""
+    return await x if inspect.isawaitable(x) else x
+
+
+@dataclass
+class RolloutConfig:
+    """Concurrency and admission settings of one rollout actor."""
+
+    max_inflight: int = 256  # episodes this actor runs at once
+    acquire_batch: int = 64  # grants asked for per governor call
+    acquire_timeout_s: float = 5.0  # a wait for capacity returns empty after this, to re-check pause/stop
+    put_retries: int = 3  # put is idempotent, so retrying a failed call is safe
+
+
+class Rollout:
+    """The dispatch loop and episode tasks of one rollout actor."""
+
+    def __init__(
+        self,
+        holder_id: str,
+        client: SGLangClient,
+        workflow: Workflow,
+        prompts: Iterator[tuple[str, Any]],
+        governor: Any,
+        buffer: Any,
+        config: RolloutConfig | None = None,
+    ) -> None:
+        self.holder_id = holder_id
+        self.client, self.workflow, self.prompts = client, workflow, prompts
+        self.governor, self.buffer = governor, buffer
+        self.config = config or RolloutConfig()
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._dispatch = asyncio.Event()
+        self._dispatch.set()
+        self._slot_freed = asyncio.Event()
+        self._stopping = False
+        self._exhausted = False
+        self._started_at: float | None = None
+        self.counters = dict.fromkeys(
+            ("acquires", "granted", "returned_grants", "refused_begin", "episodes_started", "episodes_done",
+             "episodes_failed", "groups_accepted", "groups_duplicate", "trajectories", "generated_tokens"), 0,
+        )  # fmt: skip
+
+    # -- control -------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop admitting episodes and hold aborted requests: the servers are about to be updated."""
+        self._dispatch.clear()
+        self.client.pause()
+
+    def resume(self) -> None:
+        """Resume dispatch and let held requests re-post at once."""
+        self.client.resume()
+        self._dispatch.set()
+
+    def set_version(self, version: int) -> None:
+        """The servers now hold ``version``."""
+        self.client.set_version(version)
+
+    @property
+    def inflight(self) -> int:
+        """Episodes running now."""
+        return len(self._tasks)
+
+    def stats(self) -> dict[str, Any]:
+        """Own counters, the client's, and rates since start."""
+        elapsed = time.monotonic() - self._started_at if self._started_at else 0.0
+        out: dict[str, Any] = {**self.counters, **{f"client_{k}": v for k, v in self.client.counters.items()}}
+        out.update(inflight=len(self._tasks), paused=not self._dispatch.is_set(), version=self.client.version,
+                   exhausted=self._exhausted, elapsed_s=elapsed,
+                   episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
+                   tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0)  # fmt: skip
+        return out
+
+    # -- the loop ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Dispatch until the prompt source is exhausted or :meth:`stop`; then wait for running episodes."""
+        self._started_at = time.monotonic()
+        try:
+            while not self._stopping and not self._exhausted:
+                if not self._dispatch.is_set():
+                    await self._dispatch.wait()
+                    continue
+                free = self.config.max_inflight - len(self._tasks)
+                if free <= 0:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                    continue
+                await self._admit(min(free, self.config.acquire_batch))
+            if self._tasks:
+                await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        finally:
+            if self._stopping:
+                await self._cancel_all()
+
+    async def stop(self) -> None:
+        """Stop dispatching and cancel running episodes (their leases go back through the buffer)."""
+        self._stopping = True
+        self._dispatch.set()
+        self._slot_freed.set()
+        await self._cancel_all()
+
+    async def _admit(self, want: int) -> None:
+        self.counters["acquires"] += 1
+        grant = await _aw(self.governor.acquire(self.holder_id, want, self.config.acquire_timeout_s))
+        if not grant.n:
+            return
+        self.counters["granted"] += grant.n
+        self.client.set_version(grant.version)  # token versions must not predate the admission
+        work = list(await _aw(self.buffer.take_requeued(grant.n)))
+        work = [(w["group_id"], w["item"]) for w in work]
+        while len(work) < grant.n:
+            nxt = next(self.prompts, None)
+            if nxt is None:
+                self._exhausted = True
+                break
+            work.append(nxt)
+        unused = grant.n - len(work)
+        if unused:
+            self.counters["returned_grants"] += unused
+            await _aw(self.governor.finish(self.holder_id, 0, unused))
+        for gid, item in work:
+            if gid in self._tasks or not await _aw(self.buffer.begin(self.holder_id, gid, item, grant.version)):
+                self.counters["refused_begin"] += 1  # already accepted (a replayed source): lease released
+                if gid in self._tasks:
+                    await _aw(self.governor.finish(self.holder_id, 0, 1))
+                continue
+            self.counters["episodes_started"] += 1
+            self._tasks[gid] = asyncio.get_running_loop().create_task(self._episode(gid, item), name=f"episode-{gid}")
+
+    async def _episode(self, gid: str, item: Any) -> None:
+        try:
+            try:
+                group = await self.workflow.arun_episode(self.client, item, gid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.counters["episodes_failed"] += 1
+                log.warning("rollout.episode_failed", group=gid, error=f"{type(e).__name__}: {e}")
+                await self._abandon(gid)
+                return
+            await self._put(gid, group)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._abandon(gid))  # a no-op if the put already landed
+            raise
+        finally:
+            self._tasks.pop(gid, None)
+            self._slot_freed.set()
+
+    async def _put(self, gid: str, group: Any) -> None:
+        for attempt in range(self.config.put_retries + 1):
+            try:
+                accepted = await _aw(self.buffer.put(self.holder_id, group))
+                break
+            except rlactors.ActorDiedError:
+                raise
+            except Exception as e:
+                if attempt == self.config.put_retries:
+                    raise
+                log.warning("rollout.put_retry", group=gid, error=repr(e))
+                await asyncio.sleep(0.05 * 2**attempt)
+        self.counters["episodes_done"] += 1
+        self.counters["groups_accepted" if accepted else "groups_duplicate"] += 1
+        self.counters["trajectories"] += len(group.trajectories)
+        self.counters["generated_tokens"] += sum(t.num_generated for t in group.trajectories)
+
+    async def _abandon(self, gid: str) -> None:
+        try:
+            await _aw(self.buffer.abandon(self.holder_id, gid))
+        except Exception as e:  # the buffer is gone; our death notice will settle the lease
+            log.warning("rollout.abandon_failed", group=gid, error=repr(e))
+
+    async def _cancel_all(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class RolloutActor(rlactors.Actor):
+    """A rollout actor: builds its client, workflow and prompt shard in-process, then runs.
+
+    ``governor`` and ``buffer`` are handles or actor names. ``prompts`` and ``workflow`` are
+    specs (see nodes/rollout/prompts.py and :func:`build_workflow`).
+    """
+
+    def __init__(
+        self,
+        servers: list[str],
+        governor: Any,
+        buffer: Any,
+        prompts: dict[str, Any],
+        workflow: dict[str, Any],
+        config: dict[str, Any] | None = None,
+        client: dict[str, Any] | None = None,
+        shard: int = 0,
+        num_shards: int = 1,
+        version: int = 0,
+        autostart: bool = True,
+    ) -> None:
+        self._args = dict(servers=servers, governor=governor, buffer=buffer, prompts=prompts, workflow=workflow,
+                          config=config, client=client, shard=shard, num_shards=num_shards, version=version)  # fmt: skip
+        self._autostart = autostart
+        self.core: Rollout | None = None
+        self._run: asyncio.Task | None = None
+
+    async def on_start(self) -> None:
+        a = self._args
+        ctx = rlactors.get_context()
+        governor, buffer = a["governor"], a["buffer"]
+        if isinstance(governor, str):
+            governor = await ctx.cluster.get_actor(governor)
+        if isinstance(buffer, str):
+            buffer = await ctx.cluster.get_actor(buffer)
+        holder_id = f"{ctx.actor_id}:{ctx.restarts}"  # a restarted incarnation is a new holder
+        await governor.register(holder_id, ctx.actor_id)
+        await buffer.register(holder_id, ctx.actor_id)
+        workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
+        client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=a["version"])
+        prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"])
+        self.core = Rollout(holder_id, client, workflow, prompts, governor, buffer, RolloutConfig(**(a["config"] or {})))
+        if self._autostart:
+            await self.start()
+
+    async def start(self) -> None:
+        """Start dispatching (once)."""
+        if self._run is None:
+            assert self.core is not None
+            self._run = asyncio.get_running_loop().create_task(self.core.run(), name="rollout-run")
+
+    async def pause(self) -> None:
+        """Stop dispatch and hold aborted requests for a weight update."""
+        self._core.pause()
+
+    async def resume(self) -> None:
+        """Resume after a weight update."""
+        self._core.resume()
+
+    async def set_version(self, version: int) -> None:
+        """The servers now hold ``version``."""
+        self._core.set_version(version)
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters: throughput, aborts, resumes, cached tokens, ..."""
+        return self._core.stats()
+
+    async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
+        """Wait until the prompt source is exhausted and every episode finished; the final stats."""
+        if self._run is not None:
+            await asyncio.wait_for(asyncio.shield(self._run), timeout)
+        return self._core.stats()
+
+    async def pid(self) -> int:
+        """This worker's process id (tests kill it)."""
+        import os
+
+        return os.getpid()
+
+    async def stop(self) -> None:
+        """Stop dispatch and cancel running episodes."""
+        await self._core.stop()
+
+    async def on_stop(self) -> None:
+        if self.core is not None:
+            await self.core.stop()
+            await self.core.client.aclose()
+
+    @property
+    def _core(self) -> Rollout:
+        if self.core is None:
+            raise RuntimeError("rollout actor not started")
+        return self.core

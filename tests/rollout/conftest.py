@@ -1,0 +1,16 @@
+"""Fixtures for rollout tests: a reference server (sim backend) shared per module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from nodes.inference.testing import reference_server
+
+
+@pytest.fixture(scope="module")
+def sim_server() -> Iterator[str]:
+    """A sim reference server; 2 ms per decode step so episodes overlap and can be interrupted."""
+    with reference_server(["--backend", "sim", "--sim-decode-s-base", "0.002", "--sim-eos-prob", "0.05"]) as url:
+        yield url
