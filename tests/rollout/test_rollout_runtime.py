@@ -1,0 +1,67 @@
+"""The rollout plane on the runtime: governor, buffer and rollout actors; kill -9 mid-episode."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+
+from nodes.buffer import BufferActor
+from nodes.governor import GovernorActor
+from nodes.inference.testing import wait_until
+from nodes.rollout.actor import RolloutActor
+
+B, ETA, N = 2, 1, 16
+WORKFLOW = {"kind": "rlvr", "tokenizer": "byte", "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 64}}}
+PROMPTS = {"kind": "arithmetic", "n": N}
+
+
+async def spawn_rollout(cluster, url: str, name: str):
+    return await cluster.spawn(
+        RolloutActor, [url], "gov", "buf", PROMPTS, WORKFLOW,
+        {"max_inflight": 4, "acquire_batch": 2, "acquire_timeout_s": 1.0}, name=name,
+    )  # fmt: skip
+
+
+async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -> None:
+    gov = await cluster.spawn(GovernorActor, B, ETA, 8, name="gov")
+    buf = await cluster.spawn(BufferActor, "gov", ETA, name="buf")
+    async with httpx.AsyncClient(base_url=sim_server, timeout=30) as admin:
+        # Hold generation so the victim's episodes are certainly mid-flight when it dies.
+        await admin.post("/pause_generation", json={"mode": "in_place"})
+        try:
+            victim = await spawn_rollout(cluster, sim_server, "r0")
+
+            async def episodes_in_flight() -> bool:
+                return (await buf.stats())["in_flight"] == 4  # the governor's capacity at version 0
+
+            await wait_until(episodes_in_flight, timeout_s=30, what="episodes in flight on r0")
+            os.kill(await victim.pid(), signal.SIGKILL)
+            await asyncio.wait_for(cluster.watch(victim), 10)
+        finally:
+            await admin.post("/continue_generation", json={})
+
+    # The death notices release the leases and take the episodes off the books.
+    async def settled() -> bool:
+        g, b = await gov.stats(), await buf.stats()
+        return g["running"] == 0 and b["in_flight"] == 0 and g["accepted"] == b["accepted"] - b["dropped_stale"]
+
+    await wait_until(settled, timeout_s=10, what="governor and buffer to settle after the death")
+    b = await buf.stats()
+    assert b["requeued"] == 4 and b["requeue_pending"] == 4 and b["ready"] == 0 and b["accepted"] == 0
+
+    # A replacement replays the same source: re-queued episodes re-run, accepted ones are skipped.
+    await spawn_rollout(cluster, sim_server, "r1")
+    seen: list[str] = []
+    for v in range(N // B):
+        batch = await buf.get_batch(B, v, 60)
+        batch.validate()
+        assert batch.max_staleness <= ETA and all(len(g.trajectories) == 2 for g in batch.groups)
+        seen += [g.group_id for g in batch.groups]
+        await gov.set_version(v + 1)
+    assert sorted(seen) == sorted(f"arithmetic/e0/{i}" for i in range(N))  # nothing lost, nothing twice
+    g, b = await gov.stats(), await buf.stats()
+    assert g["running"] == 0 and g["accepted"] == N and b["ready"] == 0 and b["in_flight"] == 0
+    assert g["holder_deaths"] == 1 and b["requeue_pending"] == 0
