@@ -241,7 +241,7 @@ class _Local:
         self.secret_file = secret_file
 
     async def shutdown(self, client: RuntimeClient) -> None:
-        await self.agent.stop()
+        await self.agent.stop(grace=3.0)  # SIGTERM first: on_stop hooks (e.g. stopping a server) run
         await client.close()
         await self.head.stop()
         await self.service.close()
