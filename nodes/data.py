@@ -1,0 +1,359 @@
+"""GSM8K prompt sources: real GSM8K (hub or local files) or GSM8K-style problems generated offline.
+
+:func:`load_gsm8k` returns items ``{"id", "question", "answer"}`` (``answer`` is the final
+number, e.g. ``"72"``) and a sentence saying where they came from, which the recipe prints.
+Sources:
+
+- ``"hub"``: ``datasets.load_dataset("openai/gsm8k", "main")``. The hub is probed first with a
+  short, strictly bounded timeout, so a machine without network fails in seconds, never hangs.
+  With ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set only the local ``datasets`` cache is read.
+- ``"local"``: a parquet / jsonl / json file, or a folder holding ``train*``/``test*`` files
+  (the hub repo's layout and openai/grade-school-math's both work); ``{split}`` in the path
+  is replaced by the split name.
+- ``"offline"``: reasoning-gym's ``gsm_symbolic`` generator. One pool is generated from the
+  seed and split by index (train first, then test, test minus any question also in train),
+  so the splits are disjoint and the same seed gives the same items in the same order.
+- ``"auto"``: local when a path is given, else hub, falling back to offline with a warning.
+
+:class:`PromptSource` serves the items forever, reshuffled every epoch, as ``(group_id, item)``
+pairs (the rollout's prompt-source contract); :meth:`PromptSource.state` saves its position and
+:meth:`PromptSource.from_state` resumes exactly there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+__all__ = [
+    "PROMPT_SUFFIX",
+    "SYSTEM_PROMPT",
+    "DataUnavailableError",
+    "PromptSource",
+    "extract_final_answer",
+    "format_prompt",
+    "gsm8k_items",
+    "load_gsm8k",
+]
+
+log = structlog.get_logger(__name__)
+
+SYSTEM_PROMPT = "You are a careful math tutor. Reason step by step, then state the final answer."
+PROMPT_SUFFIX = "\nPlease put your final answer within \\boxed{}."  # AReaL's GSM8K suffix
+HUB_DATASET = ("openai/gsm8k", "main")
+SPLIT_SIZES = {"train": 7473, "test": 1319}  # GSM8K's own sizes; the offline pool mirrors them
+_DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+class DataUnavailableError(RuntimeError):
+    """A data source cannot be used here (no network, missing package, missing file)."""
+
+
+def extract_final_answer(answer: str) -> str:
+    """The final answer of a GSM8K solution: the text after the last ``####``, without commas or ``$``.
+
+    ``"... #### 1,234"`` -> ``"1234"``; an answer without ``####`` is cleaned the same way.
+    """
+    text = answer.rsplit("####", 1)[-1]
+    return text.strip().replace(",", "").replace("$", "").strip().rstrip(".")
+
+
+def format_prompt(question: str, system: str | None = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """Chat messages asking for step-by-step reasoning and the answer in ``\\boxed{}``."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    return [*msgs, {"role": "user", "content": question.strip() + PROMPT_SUFFIX}]
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLIT_SIZES:
+        raise ValueError(f"unknown GSM8K split {split!r}; use 'train' or 'test'")
+
+
+def _item(prefix: str, split: str, i: int, question: Any, answer: Any) -> dict[str, str]:
+    return {
+        "id": f"{prefix}-{split}-{i}",
+        "question": str(question),
+        "answer": extract_final_answer(str(answer)),
+    }
+
+
+def _limited(items: list[dict[str, str]], limit: int | None) -> list[dict[str, str]]:
+    return items if limit is None else items[: max(0, limit)]
+
+
+# -- hub ---------------------------------------------------------------------------------
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _probe_hub(timeout_s: float) -> str | None:
+    """None if the hub answers within ``timeout_s``, else why not.
+
+    Runs in a daemon thread joined with a timeout: name resolution ignores socket timeouts
+    and can stall far longer than the caller wants to wait.
+    """
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/api/datasets/{HUB_DATASET[0]}"
+    result: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            import httpx
+
+            r = httpx.head(url, timeout=timeout_s, follow_redirects=True)
+            result.append(None if r.status_code < 500 else f"{url} answered HTTP {r.status_code}")
+        except Exception as e:  # any failure means "not reachable"; the reason is reported
+            result.append(f"{url}: {type(e).__name__}: {e}")
+
+    t = threading.Thread(target=probe, name="gsm8k-hub-probe", daemon=True)
+    t.start()
+    t.join(timeout_s + 0.5)
+    return result[0] if result else f"{url}: no answer within {timeout_s:g} s"
+
+
+def _load_hub(split: str, timeout_s: float) -> tuple[list[dict[str, str]], str]:
+    offline = _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE")
+    if not offline:
+        reason = _probe_hub(timeout_s)
+        if reason is not None:
+            raise DataUnavailableError(f"the Hugging Face hub is unreachable ({reason})")
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataUnavailableError("the 'datasets' package is not installed (pip install datasets)") from e
+    try:
+        ds = datasets.load_dataset(*HUB_DATASET, split=split)
+    except Exception as e:
+        where = "the local datasets cache (offline mode)" if offline else "the hub"
+        raise DataUnavailableError(f"could not load {HUB_DATASET[0]} from {where}: {e}") from e
+    items = [_item("gsm8k", split, i, row["question"], row["answer"]) for i, row in enumerate(ds)]
+    return items, f"GSM8K ({HUB_DATASET[0]}, {split} split) from the Hugging Face hub"
+
+
+# -- local files --------------------------------------------------------------------------
+
+
+def _local_files(path: Path, split: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and p.suffix in _DATA_SUFFIXES and p.name.startswith(split)
+        )  # fmt: skip
+        if files:
+            return files
+        raise FileNotFoundError(f"no {split}*.parquet / {split}*.jsonl / {split}*.json file under {path}")
+    raise FileNotFoundError(f"GSM8K data path {path} does not exist")
+
+
+def _read_rows(file: Path) -> list[dict[str, Any]]:
+    if file.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise DataUnavailableError(f"reading {file} needs pyarrow (pip install pyarrow)") from e
+        return pq.read_table(file, columns=["question", "answer"]).to_pylist()
+    text = file.read_text()
+    if file.suffix == ".json" and text.lstrip().startswith("["):
+        return list(json.loads(text))
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}:{n}: not a JSON object: {e}") from e
+    return rows
+
+
+def _load_local(split: str, path: str) -> tuple[list[dict[str, str]], str]:
+    files = _local_files(Path(path.replace("{split}", split)).expanduser(), split)
+    items: list[dict[str, str]] = []
+    for file in files:
+        for n, row in enumerate(_read_rows(file)):
+            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
+                raise ValueError(f"{file}: row {n} lacks the GSM8K fields 'question' and 'answer'")
+            items.append(_item("gsm8k", split, len(items), row["question"], row["answer"]))
+    names = ", ".join(str(f) for f in files)
+    return items, f"GSM8K {split} split from local file{'s' if len(files) > 1 else ''} {names}"
+
+
+# -- offline generation -------------------------------------------------------------------
+
+
+def _load_offline(split: str, seed: int, limit: int | None) -> tuple[list[dict[str, str]], str]:
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise DataUnavailableError(
+            "offline GSM8K-style data needs reasoning-gym (pip install reasoning-gym)"
+        ) from e
+    n_train, n_test = SPLIT_SIZES["train"], SPLIT_SIZES["test"]
+    ds = reasoning_gym.create_dataset("gsm_symbolic", size=n_train + n_test, seed=seed)
+    if split == "train":
+        n = n_train if limit is None else min(max(0, limit), n_train)
+        rows = [(i, ds[i]) for i in range(n)]
+    else:
+        seen = {ds[i]["question"] for i in range(n_train)}  # ~0.15 s for the whole pool
+        rows = [(i, ds[i]) for i in range(n_train, n_train + n_test)]
+        rows = [(i - n_train, r) for i, r in rows if r["question"] not in seen]
+    items = [_item("gsm_symbolic", split, i, r["question"], r["answer"]) for i, r in rows]
+    return (
+        items,
+        f"GSM8K-style problems generated offline by reasoning-gym gsm_symbolic ({split} split, seed {seed})",
+    )
+
+
+# -- entry point --------------------------------------------------------------------------
+
+
+def load_gsm8k(
+    split: str,
+    source: str = "auto",
+    path: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    hub_timeout_s: float = 5.0,
+) -> tuple[list[dict[str, str]], str]:
+    """GSM8K items of ``split`` and a sentence saying where they came from.
+
+    ``limit`` keeps the first ``limit`` items (the data set's own order); ``seed`` picks the
+    offline pool. Blocking (file or network I/O): call it before the event loop starts or
+    through ``asyncio.to_thread``.
+    """
+    _check_split(split)
+    fallback = ""
+    if source == "local" or (source == "auto" and path):
+        if not path:
+            raise ValueError("source 'local' needs a path to a parquet/jsonl file or folder")
+        items, desc = _load_local(split, path)
+    elif source == "hub":
+        items, desc = _load_hub(split, hub_timeout_s)
+    elif source == "offline":
+        items, desc = _load_offline(split, seed, limit)
+    elif source == "auto":
+        try:
+            items, desc = _load_hub(split, hub_timeout_s)
+        except DataUnavailableError as e:
+            log.warning("gsm8k_hub_unavailable_using_offline_data", split=split, reason=str(e))
+            items, desc = _load_offline(split, seed, limit)
+            fallback = f"; used because {e}"
+    else:
+        raise ValueError(f"unknown GSM8K source {source!r}; use auto, hub, local or offline")
+    items = _limited(items, limit)
+    if not items:
+        raise DataUnavailableError(f"no GSM8K {split} items: {desc}")
+    return items, f"{desc}: {len(items)} problems{fallback}"
+
+
+def gsm8k_items(**kwargs: Any) -> list[dict[str, str]]:
+    """:func:`load_gsm8k`'s items only: a ``factory`` for the rollout's prompt-source specs."""
+    return load_gsm8k(**kwargs)[0]
+
+
+# -- serving prompts ----------------------------------------------------------------------
+
+
+def _fingerprint(items: Sequence[dict[str, Any]]) -> str:
+    h = hashlib.sha1()
+    for it in items:
+        h.update(f"{it.get('id')}\0{it.get('question')}\0".encode())
+    return h.hexdigest()[:16]
+
+
+class PromptSource:
+    """Items forever, epoch after epoch, reshuffled each epoch from ``seed``; resumable.
+
+    Iterating yields ``(group_id, item)`` with ``group_id = "<item id>/e<epoch>"``, unique per
+    item and epoch, so a replay after a restart re-creates the same ids. ``shard`` of
+    ``num_shards`` takes every ``num_shards``-th item of each epoch's order (rollout actors
+    split one data set). The position is ``(epoch, index)``: the next pair is item ``index``
+    of this shard's order in ``epoch``.
+    """
+
+    def __init__(
+        self,
+        items: Sequence[dict[str, Any]],
+        seed: int = 0,
+        shuffle: bool = True,
+        shard: int = 0,
+        num_shards: int = 1,
+    ) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} outside [0, {num_shards})")
+        if len(items) <= shard:
+            raise ValueError(f"{len(items)} items leave shard {shard} of {num_shards} empty")
+        self.items = list(items)
+        self.seed, self.shuffle, self.shard, self.num_shards = seed, shuffle, shard, num_shards
+        self._fingerprint = _fingerprint(self.items)
+        self._epoch, self._index = 0, 0
+        self._order_epoch, self._order = -1, []  # the current epoch's order, cached
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(epoch, index)`` of the next item."""
+        return self._epoch, self._index
+
+    @property
+    def epoch_len(self) -> int:
+        """Items per epoch in this shard."""
+        return len(range(self.shard, len(self.items), self.num_shards))
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order_epoch != epoch:
+            order = list(range(len(self.items)))
+            if self.shuffle:
+                random.Random(f"prompts/{self.seed}/{epoch}").shuffle(order)  # str seeds hash stably
+            self._order_epoch, self._order = epoch, order[self.shard :: self.num_shards]
+        return self._order
+
+    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        return self
+
+    def __next__(self) -> tuple[str, dict[str, Any]]:
+        item = self.items[self._epoch_order(self._epoch)[self._index]]
+        gid = f"{item.get('id', self._index)}/e{self._epoch}"
+        self._index += 1
+        if self._index == self.epoch_len:
+            self._epoch, self._index = self._epoch + 1, 0
+        return gid, item
+
+    def take(self, n: int) -> list[tuple[str, dict[str, Any]]]:
+        """The next ``n`` pairs."""
+        return [next(self) for _ in range(n)]
+
+    def state(self) -> dict[str, Any]:
+        """The position and what it depends on, as plain JSON/msgpack types, for a checkpoint."""
+        return {"epoch": self._epoch, "index": self._index, "seed": self.seed, "shuffle": self.shuffle,
+                "shard": self.shard, "num_shards": self.num_shards, "num_items": len(self.items),
+                "fingerprint": self._fingerprint}  # fmt: skip
+
+    @classmethod
+    def from_state(cls, items: Sequence[dict[str, Any]], state: dict[str, Any]) -> PromptSource:
+        """A source over ``items`` positioned where ``state`` was saved.
+
+        Raises ValueError if ``items`` differ from the saved run's (another data source, seed
+        or limit), since the saved position would then point at other problems.
+        """
+        src = cls(items, seed=state["seed"], shuffle=state["shuffle"], shard=state["shard"],
+                  num_shards=state["num_shards"])  # fmt: skip
+        if src._fingerprint != state["fingerprint"]:
+            raise ValueError(
+                f"the prompt data differ from the checkpoint's ({len(src.items)} items now, "
+                f"{state['num_items']} then): resume with the same data source, seed and limit"
+            )
+        if not 0 <= state["index"] < src.epoch_len or state["epoch"] < 0:
+            raise ValueError(f"saved position {state['epoch']}/{state['index']} outside the data")
+        src._epoch, src._index = int(state["epoch"]), int(state["index"])
+        return src

@@ -1,0 +1,216 @@
+"""GSM8K data sources: offline generation, local files, hub fallback, and resumable prompt order."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodes.data import (
+    PROMPT_SUFFIX,
+    DataUnavailableError,
+    PromptSource,
+    extract_final_answer,
+    format_prompt,
+    load_gsm8k,
+)
+
+ROWS = [
+    {"question": "Natalia sold clips to 48 friends in April and half as many in May. How many in all?",
+     "answer": "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips.\n#### 72"},
+    {"question": "A shop sold 1,000 pens on Monday and 234 on Tuesday. How many pens?",
+     "answer": "1000 + 234 = 1234\n#### 1,234"},
+    {"question": "Weng earns $12 an hour. How much for 50 minutes?", "answer": "12/60*50 = 10\n#### $10"},
+]  # fmt: skip
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.fixture
+def hanging_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """An HF_ENDPOINT whose TCP connect succeeds (listen backlog) but which never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    try:
+        yield url
+    finally:
+        sock.close()
+
+
+# -- answers and prompts -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [("so 72\n#### 72", "72"), ("#### 1,234", "1234"), ("x #### 5 #### -3", "-3"), ("#### $10", "10"),
+     ("  42 ", "42"), ("#### 1,000,000.", "1000000")],
+)  # fmt: skip
+def test_extract_final_answer(raw: str, want: str) -> None:
+    assert extract_final_answer(raw) == want
+
+
+def test_format_prompt_asks_for_boxed_answer() -> None:
+    msgs = format_prompt("What is 2 + 2?")
+    assert [m["role"] for m in msgs] == ["system", "user"]
+    assert "step by step" in msgs[0]["content"]
+    assert msgs[1]["content"] == "What is 2 + 2?" + PROMPT_SUFFIX
+    assert msgs[1]["content"].endswith("Please put your final answer within \\boxed{}.")
+    assert [m["role"] for m in format_prompt("q", system=None)] == ["user"]
+
+
+# -- offline -------------------------------------------------------------------------------
+
+
+def test_offline_generation_is_deterministic_and_splits_are_disjoint() -> None:
+    pytest.importorskip("reasoning_gym")
+    train, desc = load_gsm8k("train", source="offline", limit=50, seed=3)
+    again, _ = load_gsm8k("train", source="offline", limit=50, seed=3)
+    other, _ = load_gsm8k("train", source="offline", limit=50, seed=4)
+    assert train == again
+    assert train != other
+    assert len(train) == 50 and len({t["id"] for t in train}) == 50
+    assert all(t["question"] and t["answer"].lstrip("-").replace(".", "").isdigit() for t in train)
+    assert "reasoning-gym gsm_symbolic" in desc and "50 problems" in desc
+    full_train, _ = load_gsm8k("train", source="offline", seed=3)
+    test, _ = load_gsm8k("test", source="offline", seed=3)
+    assert full_train[:50] == train
+    assert len(test) > 1000
+    assert not {t["question"] for t in test} & {t["question"] for t in full_train}
+
+
+# -- local files ---------------------------------------------------------------------------
+
+
+def test_local_jsonl(tmp_path: Path) -> None:
+    f = _write_jsonl(tmp_path / "train.jsonl", ROWS)
+    items, desc = load_gsm8k("train", path=str(f))  # auto + path -> local
+    assert [i["answer"] for i in items] == ["72", "1234", "10"]
+    assert items[0]["question"] == ROWS[0]["question"]
+    assert [i["id"] for i in items] == ["gsm8k-train-0", "gsm8k-train-1", "gsm8k-train-2"]
+    assert str(f) in desc and "3 problems" in desc
+    assert load_gsm8k("train", source="local", path=str(f), limit=2)[0] == items[:2]
+
+
+def test_local_parquet_folder_picks_the_split(tmp_path: Path) -> None:
+    # The hub repo's layout: main/train-00000-of-00001.parquet, main/test-00000-of-00001.parquet
+    _write_parquet(tmp_path / "main" / "train-00000-of-00001.parquet", ROWS[:2])
+    _write_parquet(tmp_path / "main" / "test-00000-of-00001.parquet", ROWS[2:])
+    train, _ = load_gsm8k("train", source="local", path=str(tmp_path))
+    test, desc = load_gsm8k("test", source="local", path=str(tmp_path))
+    assert [i["answer"] for i in train] == ["72", "1234"]
+    assert [i["answer"] for i in test] == ["10"]
+    assert "test-00000-of-00001.parquet" in desc
+
+
+def test_local_split_placeholder_and_bad_files(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "test.jsonl", ROWS[:1])
+    items, _ = load_gsm8k("test", path=str(tmp_path / "{split}.jsonl"))
+    assert items[0]["answer"] == "72"
+    with pytest.raises(FileNotFoundError, match="train"):
+        load_gsm8k("train", source="local", path=str(tmp_path / "{split}.jsonl"))
+    with pytest.raises(FileNotFoundError, match="no train"):
+        load_gsm8k("train", source="local", path=str(tmp_path))
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "solution": "#### 1"}])
+    with pytest.raises(ValueError, match="'question' and 'answer'"):
+        load_gsm8k("train", source="local", path=str(bad))
+    with pytest.raises(ValueError, match="split"):
+        load_gsm8k("validation", source="local", path=str(bad))
+    with pytest.raises(ValueError, match="source"):
+        load_gsm8k("train", source="s3")
+
+
+# -- hub -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_hub_that_never_answers_fails_fast(hanging_endpoint: str) -> None:
+    with pytest.raises(DataUnavailableError, match="unreachable"):
+        load_gsm8k("train", source="hub", hub_timeout_s=1.0)
+
+
+@pytest.mark.timeout(30)
+def test_auto_falls_back_to_offline_and_says_so(hanging_endpoint: str) -> None:
+    pytest.importorskip("reasoning_gym")
+    items, desc = load_gsm8k("train", limit=8, seed=1, hub_timeout_s=1.0)
+    assert items == load_gsm8k("train", source="offline", limit=8, seed=1)[0]
+    assert "generated offline by reasoning-gym gsm_symbolic" in desc
+    assert "unreachable" in desc and hanging_endpoint in desc
+
+
+@pytest.mark.timeout(30)
+def test_auto_falls_back_when_connection_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("reasoning_gym")
+    with socket.socket() as s:  # a port nobody listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    _, desc = load_gsm8k("test", limit=4, hub_timeout_s=2.0)
+    assert "offline" in desc and "unreachable" in desc
+
+
+# -- PromptSource --------------------------------------------------------------------------
+
+ITEMS = [{"id": f"p{i}", "question": f"q{i}", "answer": str(i)} for i in range(7)]
+
+
+def test_prompt_source_epochs_are_reshuffled_permutations() -> None:
+    src = PromptSource(ITEMS, seed=5)
+    e0 = [item["id"] for _, item in src.take(7)]
+    assert src.position == (1, 0)
+    e1 = [item["id"] for _, item in src.take(7)]
+    assert sorted(e0) == sorted(e1) == sorted(i["id"] for i in ITEMS)
+    assert e0 != e1  # reshuffled (fixed seed: this holds deterministically)
+    gids = [gid for gid, _ in PromptSource(ITEMS, seed=5).take(14)]
+    assert len(set(gids)) == 14 and gids[0].endswith("/e0") and gids[7].endswith("/e1")
+    assert PromptSource(ITEMS, seed=5).take(14) == PromptSource(ITEMS, seed=5).take(14)
+    assert [i["id"] for _, i in PromptSource(ITEMS, shuffle=False).take(3)] == ["p0", "p1", "p2"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(split_at=st.integers(0, 30), more=st.integers(1, 20), seed=st.integers(0, 2**31), shard=st.integers(0, 2))
+def test_prompt_source_resumes_exactly(split_at: int, more: int, seed: int, shard: int) -> None:
+    whole = PromptSource(ITEMS, seed=seed, shard=shard, num_shards=3).take(split_at + more)
+    first = PromptSource(ITEMS, seed=seed, shard=shard, num_shards=3)
+    head = first.take(split_at)
+    state = json.loads(json.dumps(first.state()))  # survives a checkpoint file
+    resumed = PromptSource.from_state(ITEMS, state)
+    assert resumed.position == first.position
+    assert head + resumed.take(more) == whole
+
+
+def test_prompt_source_shards_partition_each_epoch() -> None:
+    shards = [PromptSource(ITEMS, seed=2, shard=k, num_shards=3) for k in range(3)]
+    ids = [item["id"] for s in shards for _, item in s.take(s.epoch_len)]
+    assert sorted(ids) == sorted(i["id"] for i in ITEMS)
+    with pytest.raises(ValueError, match="shard"):
+        PromptSource(ITEMS, shard=3, num_shards=3)
+
+
+def test_prompt_source_refuses_other_data_on_resume() -> None:
+    src = PromptSource(ITEMS, seed=1)
+    src.take(3)
+    with pytest.raises(ValueError, match="differ from the checkpoint"):
+        PromptSource.from_state(ITEMS[:-1], src.state())
