@@ -190,7 +190,9 @@ def test_prompt_source_epochs_are_reshuffled_permutations() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(split_at=st.integers(0, 30), more=st.integers(1, 20), seed=st.integers(0, 2**31), shard=st.integers(0, 2))
+@given(
+    split_at=st.integers(0, 30), more=st.integers(1, 20), seed=st.integers(0, 2**31), shard=st.integers(0, 2)
+)
 def test_prompt_source_resumes_exactly(split_at: int, more: int, seed: int, shard: int) -> None:
     whole = PromptSource(ITEMS, seed=seed, shard=shard, num_shards=3).take(split_at + more)
     first = PromptSource(ITEMS, seed=seed, shard=shard, num_shards=3)

@@ -1,0 +1,251 @@
+"""What a training run shows and writes: a progress line per step, metrics files, a final plot.
+
+:class:`MetricsLogger` appends one JSON object per step to ``<out_dir>/metrics.jsonl``
+(flushed line by line, so a crash loses nothing already logged), mirrors the numbers to
+TensorBoard (``<out_dir>/tensorboard``) and, when configured, to Weights & Biases.
+:func:`plot_run` draws reward, eval accuracy, staleness and throughput over steps into a
+PNG; :func:`format_step_line` is the one-line summary printed per step.
+
+Keys the recipe produces: ``reward/mean``, ``eval/accuracy``, ``staleness/mean``,
+``staleness/max``, ``throughput/samples_per_s``, ``throughput/tokens_per_s``,
+``time/wait_s``, ``time/train_s``, ``time/push_s``; any other numeric key (trainer stats)
+is written through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+__all__ = ["MetricsLogger", "format_step_line", "plot_run", "read_metrics"]
+
+log = structlog.get_logger(__name__)
+
+
+def _scalar(value: Any) -> float | int | None:
+    """A finite number from ints, floats, numpy/torch scalars; None for anything else."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as strict JSON: numbers as numbers (NaN/inf become null), str/None kept, the rest as str."""
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return _scalar(value)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to JSONL, TensorBoard, and W&B when configured.
+
+    ``resume_step``: on ``--resume`` from a checkpoint at that step, records after it (logged
+    by the interrupted run after its last checkpoint) are dropped from the JSONL and purged
+    from TensorBoard, so the resumed run's steps replace them. Without it the JSONL starts
+    empty: a new run in the same folder replaces the old one's metrics.
+    ``wandb``: keyword arguments for ``wandb.init`` (project, name, ...); ``None`` disables it.
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        tensorboard: bool = True,
+        wandb: dict[str, Any] | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self._wandb = self._init_wandb(wandb) if wandb is not None else None  # fail before touching files
+        kept = (
+            [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            if resume_step is not None
+            else []
+        )
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb: Any = None
+        self.tensorboard_dir: Path | None = None
+        if tensorboard:
+            self._tb = self._init_tensorboard(None if resume_step is None else resume_step + 1)
+
+    def _init_tensorboard(self, purge_step: int | None) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:  # torch or tensorboard missing: JSONL still has everything
+            log.warning("tensorboard_unavailable", reason=str(e), hint="pip install tensorboard")
+            return None
+        self.tensorboard_dir = self.out_dir / "tensorboard"
+        return SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge_step, flush_secs=30)
+
+    def _init_wandb(self, config: dict[str, Any]) -> Any:
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "W&B logging is configured (metrics.wandb) but the 'wandb' package is not installed: "
+                "pip install wandb, or remove the wandb settings from the config"
+            ) from e
+        return wandb.init(**{"dir": str(self.out_dir), **config})
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record ``metrics`` for ``step``: one JSONL line (flushed), TensorBoard scalars, W&B."""
+        record = {"step": int(step), "time": round(time.time(), 3)}
+        record.update({str(k): _jsonable(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in ((str(k), _scalar(v)) for k, v in metrics.items()) if v is not None}
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(step))
+
+    def close(self) -> None:
+        """Flush and close every sink; safe to call twice."""
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, in file order; a torn or non-record line (a crash mid-write) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One merged record per step (train and eval metrics may be logged separately), steps ascending."""
+    merged: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        merged.setdefault(rec["step"], {}).update(rec)
+    return [merged[s] for s in sorted(merged)]
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], v) for r in rows if (v := _scalar(r.get(key))) is not None]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def plot_run(metrics_jsonl: Path, out_png: Path) -> Path:
+    """A 2x2 PNG over steps: train reward, eval accuracy, staleness (mean/max), throughput.
+
+    Panels whose metrics are missing say so instead of failing; returns ``out_png``.
+    """
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas, no display needed
+    from matplotlib.ticker import MaxNLocator
+
+    rows = _by_step(read_metrics(Path(metrics_jsonl)))
+    fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True)
+    panels = [
+        (axes[0, 0], "reward (train)", [("reward/mean", "mean reward", "-")]),
+        (axes[0, 1], "eval accuracy", [("eval/accuracy", "accuracy", "o-")]),
+        (axes[1, 0], "staleness (policy versions)", [("staleness/mean", "mean", "-"), ("staleness/max", "max", "--")]),
+        (axes[1, 1], "throughput", [("throughput/tokens_per_s", "tokens/s", "-")]),
+    ]  # fmt: skip
+    for ax, title, lines in panels:
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        drawn = 0
+        for key, label, style in lines:
+            xs, ys = _series(rows, key)
+            if xs:
+                ax.plot(xs, ys, style, label=label, markersize=4)
+                drawn += 1
+        if ax is axes[1, 1]:
+            xs, ys = _series(rows, "throughput/samples_per_s")
+            if xs:
+                twin = ax.twinx() if drawn else ax
+                twin.plot(xs, ys, ":", color="tab:orange", label="samples/s")
+                twin.set_ylabel("samples/s")
+                if twin is not ax:
+                    twin.legend(loc="lower right", fontsize=8)
+                drawn += 1
+            if drawn:
+                ax.set_ylabel("tokens/s")
+        if drawn:
+            ax.legend(loc="best", fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    axes[0, 1].set_ylim(-0.02, 1.02)  # accuracy is a fraction: show it on its whole range
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"{Path(metrics_jsonl).parent.name}: {len(rows)} steps")
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    return out_png
+
+
+def _num(metrics: Mapping[str, Any], key: str) -> float | None:
+    v = _scalar(metrics.get(key))
+    return None if v is None else float(v)
+
+
+def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -> str:
+    """One compact progress line, e.g.
+    ``step 3/10 | reward 0.41 | acc 0.38 | stale 0.7/2 | 212 tok/s | wait 1.2s train 8.3s push 0.9s``.
+    Missing metrics are left out.
+    """
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    if (r := _num(metrics, "reward/mean")) is not None:
+        parts.append(f"reward {r:.2f}")
+    if (a := _num(metrics, "eval/accuracy")) is not None:
+        parts.append(f"acc {a:.2f}")
+    mean, mx = _num(metrics, "staleness/mean"), _num(metrics, "staleness/max")
+    if mean is not None or mx is not None:
+        parts.append("stale " + "/".join(f"{v:.{n}f}" for v, n in ((mean, 1), (mx, 0)) if v is not None))
+    rates = []
+    if (t := _num(metrics, "throughput/tokens_per_s")) is not None:
+        rates.append(f"{t:.0f} tok/s")
+    if (s := _num(metrics, "throughput/samples_per_s")) is not None:
+        rates.append(f"{s:.2f} samples/s")
+    if rates:
+        parts.append(" ".join(rates))
+    times = [
+        f"{name} {v:.1f}s"
+        for name in ("wait", "train", "push")
+        if (v := _num(metrics, f"time/{name}_s")) is not None
+    ]
+    if times:
+        parts.append(" ".join(times))
+    return " | ".join(parts)
