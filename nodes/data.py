@@ -69,7 +69,7 @@ def extract_final_answer(answer: str) -> str:
 def format_prompt(question: str, system: str | None = SYSTEM_PROMPT) -> list[dict[str, str]]:
     """Chat messages asking for step-by-step reasoning and the answer in ``\\boxed{}``."""
     msgs = [{"role": "system", "content": system}] if system else []
-    return [*msgs, {"role": "user", "content": question.strip() + PROMPT_SUFFIX}]
+    return [*msgs, {"role": "user", "content": question + PROMPT_SUFFIX}]
 
 
 def _check_split(split: str) -> None:

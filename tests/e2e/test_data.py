@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from nodes.data import (
     PROMPT_SUFFIX,
+    SYSTEM_PROMPT,
     DataUnavailableError,
     PromptSource,
     extract_final_answer,
@@ -78,6 +79,22 @@ def test_format_prompt_asks_for_boxed_answer() -> None:
     assert msgs[1]["content"] == "What is 2 + 2?" + PROMPT_SUFFIX
     assert msgs[1]["content"].endswith("Please put your final answer within \\boxed{}.")
     assert [m["role"] for m in format_prompt("q", system=None)] == ["user"]
+
+
+def test_items_fit_the_rollout_workflow_and_reward(tmp_path: Path) -> None:
+    """The recipe's RLVR workflow builds the same prompt, and the GSM8K reward accepts our answers."""
+    from nodes.rollout.reward import gsm8k_reward
+    from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow
+
+    items, _ = load_gsm8k("train", path=str(_write_jsonl(tmp_path / "train.jsonl", ROWS)))
+    wf = RLVRWorkflow(
+        ByteChatTokenizer(),
+        gsm8k_reward,
+        RLVRConfig(prompt_suffix=PROMPT_SUFFIX, system_prompt=SYSTEM_PROMPT),
+    )
+    assert wf.prompt_messages(items[1]) == format_prompt(items[1]["question"])
+    assert gsm8k_reward("1000 + 234 = 1234, so \\boxed{1,234}", items[1]) == 1.0
+    assert gsm8k_reward("\\boxed{1233}", items[1]) == 0.0
 
 
 # -- offline -------------------------------------------------------------------------------
