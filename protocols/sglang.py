@@ -16,7 +16,7 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 ABORT_WAITING_MESSAGE = "Abort in waiting queue"
-ABORT_RUNNING_MESSAGE = "Abort in running queue"
+ABORT_RUNNING_MESSAGE = "Aborted"  # FINISH_ABORT's default message
 
 
 class ProtocolError(ValueError):
@@ -303,9 +303,9 @@ def finish_length(length: int) -> dict[str, Any]:
     return {"type": "length", "length": length}
 
 
-def finish_abort(message: str) -> dict[str, Any]:
+def finish_abort(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
     """``finish_reason`` for an aborted request (HTTP 200 with the partial output)."""
-    return {"type": "abort", "message": message}
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
 @dataclass

@@ -128,3 +128,13 @@ async def test_distributed_update_into_live_model(
     finally:
         await hf.post("/destroy_weights_update_group", json={"group_name": group})
         await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt)})
+
+
+def test_sampling_filters() -> None:
+    from nodes.inference.backends.hf import _filter
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert _filter(probs, 2, 1.0, 0.0).tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
+    assert _filter(probs, -1, 0.7, 0.0).tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
+    assert _filter(probs, -1, 0.4, 0.0).tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
+    assert _filter(probs, -1, 1.0, 0.5).tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
