@@ -150,7 +150,7 @@ def main() -> None:
     urls = [u for _, u in started]
     try:
         natural = asyncio.run(baseline(urls, args.episodes, args.seconds, per_client=1 << 20))
-        base = asyncio.run(baseline(urls, args.episodes, args.seconds, per_client=8))
+        base = asyncio.run(baseline(urls, args.episodes, args.seconds, per_client=4))
         ours = asyncio.run(plane(urls, args.episodes, args.seconds, args.pause_every))
     finally:
         for proc, _ in started:
@@ -168,8 +168,8 @@ def main() -> None:
         " client CPU is the bench process's CPU time per /generate post (governor, buffer and trainer loop included"
         " for the plane).",
         "",
-        "| what | bare httpx loop, one pooled AsyncClient per server | bare httpx loop, 8-connection"
-        " AsyncClients (the client's lane layout) | rollout plane | plane / bare 8-conn |",
+        "| what | bare httpx loop, one pooled AsyncClient per server | bare httpx loop, 4-connection"
+        " AsyncClients (the client's lane layout) | rollout plane | plane / bare 4-conn |",
         "| --- | --- | --- | --- | --- |",
         f"| /generate calls/s | {natural['calls_per_s']:.0f} | {base['calls_per_s']:.0f} | {ours['calls_per_s']:.0f} |"
         f" {ours['calls_per_s'] / base['calls_per_s']:.2f}x |",
