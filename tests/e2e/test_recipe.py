@@ -1,0 +1,127 @@
+"""The main job end to end with a tiny model: asynchronous steps, weight versions, staleness,
+metrics, resume, and a server killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
+SMALL = [
+    "model.tiny=true",
+    "data.source=offline",
+    "data.eval_size=4",
+    "async.batch_size=2",
+    "async.max_staleness=2",
+    "rollout.n_samples=2",
+    "rollout.max_new_tokens=16",
+    "servers.max_running_requests=16",
+]
+
+
+def recipe(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(RECIPE), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_three_async_steps_then_resume(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    first = recipe([*SMALL, "run.steps=3", "run.checkpoint_every=3", f"run.out_dir={out}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "GSM8K-style problems generated offline" in first.stdout
+    m = rows(out)
+    assert [r["step"] for r in m] == [1, 2, 3]
+    for r in m:
+        assert r["train/n_seqs"] == 4  # batch_size 2 groups x 2 samples: every step trained on trajectories
+        assert r["servers/min_weight_version"] == r["step"] == r["version"]  # every server got every version
+        assert 0 <= r["staleness/max"] <= 2  # no trajectory older than the bound
+    assert "eval/accuracy" in m[-1]
+    assert (out / "run.png").stat().st_size > 10_000
+    assert (out / "checkpoints" / "step-3").is_dir()
+    assert f"checkpoint {out / 'checkpoints' / 'step-3'}" in first.stdout
+
+    second = recipe([*SMALL, "run.steps=5", "run.checkpoint_every=5", f"run.out_dir={out}", "--resume"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 3 (policy version 3)" in second.stdout
+    m = rows(out)
+    assert [r["step"] for r in m] == [1, 2, 3, 4, 5]
+    assert [r["servers/min_weight_version"] for r in m[3:]] == [4, 5]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPE), *SMALL, "run.steps=4", f"run.out_dir={out}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if line.startswith("step 1/4") or not line:
+                break
+        servers = [p for p in _descendants(proc.pid) if "nodes.inference.server" in _cmdline(p)]
+        assert len(servers) == 2, "".join(lines)
+        os.kill(servers[0], signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert "servers down" in output
+    m = rows(out)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    assert all(r["train/n_seqs"] == 4 for r in m)
