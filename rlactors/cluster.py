@@ -359,11 +359,14 @@ def init(
     )
 
 
-def connect(address: str | None = None, *, secret_file: str | None = None, timeout: float = 30.0) -> _Starter:
+def connect(
+    address: str | None = None, *, secret_file: str | None = None, timeout: float | None = None
+) -> _Starter:
     """Join an existing cluster from this process's running loop.
 
     ``address`` defaults to ``$RLACTORS_ADDRESS`` or the cluster last started with
     ``rlactors up``; the secret to ``$RLACTORS_SECRET_FILE`` or that cluster's secret file.
+    ``timeout`` (default ``$RLACTORS_CONNECT_TIMEOUT`` or 30 s) bounds the wait for the head.
     """
 
     async def _connect() -> Cluster:
@@ -373,7 +376,7 @@ def connect(address: str | None = None, *, secret_file: str | None = None, timeo
         addr, secret = resolve_connect(address, secret_file)
         security = Security(load_secret(secret)) if secret and addr.startswith("tcp://") else None
         client = RuntimeClient(addr, security)
-        await client.start(timeout=timeout)
+        await client.start(timeout=timeout or float(os.environ.get("RLACTORS_CONNECT_TIMEOUT", "30")))
         set_current(client)
         return Cluster(client)
 

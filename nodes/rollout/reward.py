@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import logging
 import multiprocessing
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -70,6 +71,10 @@ def gsm8k_reward(completion: str, item: Mapping[str, Any]) -> float:
     if a is not None and b is not None:
         return float(abs(a - b) <= 1e-6 * max(1.0, abs(b)))
     from math_verify import parse, verify  # slow import, only for non-numeric answers
+
+    # Our RewardRunner enforces the timeout; math_verify's own (signal based) cannot run off the
+    # main thread, and it warns about that on every call.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     # Signal-based timeouts only work on the main thread; the runner bounds the time instead.
     gold = parse(f"${ref}$", parsing_timeout=None)  # type: ignore[arg-type]
