@@ -142,7 +142,7 @@ def write_section(text: str) -> None:
         new = old.rstrip() + "\n\n" + text
     else:
         end = old.find("\n## ", start + 1)
-        new = old[:start] + text + (old[end + 1:] if end >= 0 else "")
+        new = old[:start] + text.rstrip() + "\n\n" + (old[end + 1:] if end >= 0 else "")
     RESULTS.write_text(new.rstrip() + "\n")
 
 
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sim-concurrency", type=int, default=512)
     ap.add_argument("--sim-requests", type=int, default=4096)
     ap.add_argument("--no-write", action="store_true")

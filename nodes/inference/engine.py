@@ -165,6 +165,7 @@ class Engine:
                     req.shapes,
                     self.backend.device,
                     req.load_format == "flattened_bucket",
+                    getattr(self.backend, "receive_target", None),
                 )
                 await asyncio.to_thread(self.backend.apply_tensors, named)
             except Exception as e:

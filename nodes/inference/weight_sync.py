@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,13 @@ def receive_tensors(
     shapes: list[list[int]],
     device: str,
     flattened_bucket: bool = False,
+    target: Callable[[str, Any, tuple[int, ...]], Any] | None = None,
 ) -> list[tuple[str, Any]]:
-    """Receive one broadcast per tensor from rank 0 (or one flat bucket) and return them named."""
+    """Receive one broadcast per tensor from rank 0 (or one flat bucket); return them named.
+
+    ``target(name, dtype, shape)`` may return the live tensor to receive straight into (no
+    staging buffer, no second copy); tensors received that way are not returned.
+    """
     import torch
 
     if flattened_bucket:
@@ -93,7 +99,12 @@ def receive_tensors(
         return out
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        t = torch.empty(*shape, dtype=_dtype(dtype), device=device)
+        dt = _dtype(dtype)
+        live = target(name, dt, tuple(shape)) if target is not None else None
+        if live is not None:
+            group.pg.broadcast(live, 0).wait()
+            continue
+        t = torch.empty(*shape, dtype=dt, device=device)
         group.pg.broadcast(t, 0).wait()
         out.append((name, t))
     return out

@@ -94,6 +94,7 @@ class HFBackend:
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
         self._pads: list[int] = []
+        self._params: dict[str, torch.Tensor] | None = None
         log.info("hf_backend_ready", model=model_path, device=self._device, dtype=str(self.dtype))
 
     @property
@@ -254,10 +255,20 @@ class HFBackend:
         """A parameter by name."""
         return dict(self.model.named_parameters()).get(name)
 
+    def receive_target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The live parameter to broadcast into directly, when name, dtype and shape all match."""
+        if self._params is None:
+            self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        p = self._params.get(name)
+        if p is None or p.dtype != dtype or tuple(p.shape) != shape or not p.is_contiguous():
+            return None
+        self.weights_id = f"{self.weights_id.split('+')[0]}+distributed"
+        return p.data
+
     def apply_tensors(self, named: list[tuple[str, Any]]) -> None:
         """Copy received tensors into the parameters they name."""
         weight_sync.load_into_model(self.model, named, strict=False)
-        self.weights_id = f"{self.weights_id}+distributed"
+        self.weights_id = f"{self.weights_id.split('+')[0]}+distributed"
 
 
 class _Released:
