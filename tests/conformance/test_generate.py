@@ -135,3 +135,32 @@ async def test_resumed_request_hits_prefix_cache(client: httpx.AsyncClient) -> N
     resumed_ids = prompt + partial["output_ids"]
     r = await client.post("/generate", json={"input_ids": resumed_ids, "sampling_params": greedy(4, ignore_eos=True)})
     assert r.json()["meta_info"]["cached_tokens"] == len(resumed_ids) - 1
+
+
+async def test_new_request_joins_a_running_batch(client: httpx.AsyncClient) -> None:
+    long = asyncio.create_task(client.post("/generate", json={
+        "input_ids": PROMPT, "rid": "join-long", "sampling_params": greedy(100000, ignore_eos=True)}))
+    try:
+        await wait_load(client, running=1)
+        short = await client.post("/generate", json={"input_ids": PROMPT[:3], "sampling_params": greedy(5, ignore_eos=True)})
+        assert short.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+        assert not long.done()  # the short one joined, finished and left while the long one kept running
+    finally:
+        await client.post("/abort_request", json={"rid": "join-long"})
+    await long
+
+
+async def test_hundreds_of_concurrent_requests_are_batched(client: httpx.AsyncClient, is_reference: bool) -> None:
+    info = (await client.get("/get_server_info")).json()
+    steps_before = info["internal_states"][0]["steps"] if is_reference else 0
+    n, new = 300, 8
+    limits = httpx.Limits(max_connections=n)
+    async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120, limits=limits) as many:
+        rs = await asyncio.gather(*[
+            many.post("/generate", json={"input_ids": [7, 8, 9, i], "sampling_params": {"max_new_tokens": new, "ignore_eos": True}})
+            for i in range(n)
+        ])
+    assert all(r.status_code == 200 and len(r.json()["output_ids"]) == new for r in rs)
+    if is_reference:
+        steps = (await client.get("/get_server_info")).json()["internal_states"][0]["steps"] - steps_before
+        assert steps < n * new / 4  # many requests advanced per decode step
