@@ -55,6 +55,7 @@ class ServersConfig:
     backend: Literal["hf", "sim"] = "hf"  # reference server backend
     gpus_per_server: int = 0
     max_running_requests: int = 64
+    cache_tokens: int = 16384  # prefix-cache budget (hf: ~46 KB per token for SmolLM2)
     dtype: str = "auto"
     device: str = "auto"
     threads: int = 1  # torch threads per server process (CPU)
@@ -190,6 +191,7 @@ async def start_servers(
             "model_path": str(model),
             "backend": s.backend,
             "max_running_requests": s.max_running_requests,
+            "cache_tokens": s.cache_tokens,
             "dtype": s.dtype,
             "device": s.device,
             "extra_args": s.extra_args,
