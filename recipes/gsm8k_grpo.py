@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import httpx  # noqa: E402
 
 import rlactors  # noqa: E402
-from rlactors.tomlconf import ConfigError  # noqa: E402
+from rlactors.tomlconf import ConfigError, load_toml  # noqa: E402
 
 # --- configuration: every knob, with defaults that run on a 2-core CPU machine -------------------
 
@@ -142,26 +142,7 @@ def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
 
     The ``[async]`` table is ``async_`` in Python (``async`` is a keyword).
     """
-    import tomllib
-
-    from rlactors.tomlconf import apply_overrides, from_dict
-
-    data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from e
-        source = str(p)
-    if "async" in data:
-        data["async_"] = data.pop("async")
-    overrides = [("async_." + o[6:]) if o.startswith("async.") else o for o in overrides]
-    apply_overrides(data, overrides)
-    return from_dict(RecipeConfig, data, source=source + (" + command line" if overrides else ""))
+    return load_toml(RecipeConfig, path, overrides, renames={"async": "async_"})
 
 
 # --- setup ---------------------------------------------------------------------------------------
@@ -516,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run(cfg, prep, args.resume))
         report(prep.out)
     except (ConfigError, FileNotFoundError, rlactors.ClusterError) as e:
-        print(f"error: {str(e).replace('async_', 'async')}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -145,8 +145,18 @@ def apply_overrides(
     return data
 
 
-def load_toml(cls: type[T], path: str | Path | None, overrides: list[str] | None = None) -> T:
-    """Load ``cls`` from a TOML file (or defaults when ``path`` is None) plus overrides."""
+def load_toml(
+    cls: type[T], path: str | Path | None, overrides: list[str] | None = None, *, renames: dict[str, str] | None = None
+) -> T:
+    """Load ``cls`` from a TOML file (or defaults when ``path`` is None) plus overrides.
+
+    ``renames`` maps top-level TOML tables to field names (``{"async": "async_"}`` for a
+    table whose name is a Python keyword); errors use the TOML spelling.
+    """
+    renames = renames or {}
+    overrides = list(overrides or [])
+    for old, new in renames.items():
+        overrides = [new + o[len(old) :] if o.startswith(old + ".") else o for o in overrides]
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -158,10 +168,19 @@ def load_toml(cls: type[T], path: str | Path | None, overrides: list[str] | None
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    for old, new in renames.items():
+        if old in data:
+            data[new] = data.pop(old)
     if overrides:
         apply_overrides(data, overrides)
         source = f"{source} (with overrides)"
-    return from_dict(cls, data, source=source)
+    try:
+        return from_dict(cls, data, source=source)
+    except ConfigError as e:
+        msg = str(e)
+        for old, new in renames.items():
+            msg = msg.replace(f"'{new}.", f"'{old}.").replace(f"'{new}'", f"'{old}'")
+        raise ConfigError(msg) from None
 
 
 def to_dict(obj: Any) -> dict[str, Any]:
