@@ -18,6 +18,9 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 ABORT_WAITING_MESSAGE = "Abort in waiting queue"
 ABORT_RUNNING_MESSAGE = "Aborted"  # FINISH_ABORT's default message
 
+# meta_info key of the reference server's per-token weight versions (an rlactors extension)
+OUTPUT_TOKEN_WEIGHT_VERSIONS = "output_token_weight_versions"
+
 
 class ProtocolError(ValueError):
     """A request body that SGLang would reject with HTTP 400."""
@@ -322,6 +325,10 @@ class GenerateResult:
     e2e_latency: float
     output_token_logprobs: list[float] | None = None
     input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    # rlactors extension (real SGLang does not send it; SGLang clients ignore unknown meta keys):
+    # the weight_version that sampled each output token, aligned with output_ids. ``weight_version``
+    # stays SGLang's: the version when the request finished.
+    output_token_weight_versions: list[str] | None = None
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -340,6 +347,8 @@ class GenerateResult:
                 [lp, tid, None] for lp, tid in zip(self.output_token_logprobs, self.output_ids, strict=True)
             ]
             meta["input_token_logprobs"] = [list(x) for x in (self.input_token_logprobs or [])]
+        if self.output_token_weight_versions is not None:
+            meta[OUTPUT_TOKEN_WEIGHT_VERSIONS] = list(self.output_token_weight_versions)
         meta.update(self.extra_meta)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
@@ -352,6 +361,7 @@ def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
 __all__ = [
     "ABORT_RUNNING_MESSAGE",
     "ABORT_WAITING_MESSAGE",
+    "OUTPUT_TOKEN_WEIGHT_VERSIONS",
     "PAUSE_MODES",
     "AbortRequest",
     "BeginWeightUpdateRequest",

@@ -116,8 +116,9 @@ class Engine:
                 self.args.model_path = req.model_path
                 if req.flush_cache:
                     self.cache.flush()
+                # label and weights change together, before the next step samples
+                self.set_weight_version(req.weight_version)
         if ok and req.weight_version is not None:
-            self.set_weight_version(req.weight_version)
             message += f" Weight version updated to {req.weight_version}."
         log.info("weights_from_disk", ok=ok, path=req.model_path, weights_id=self.backend.weights_id)
         return ok, message
@@ -173,7 +174,7 @@ class Engine:
                 return False, f"Failed to update parameter online: {e}."
             if req.flush_cache:
                 self.cache.flush()
-        self.set_weight_version(req.weight_version)
+            self.set_weight_version(req.weight_version)  # with the weights, before the next step
         message = "Succeeded to update parameter online."
         if req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."

@@ -6,6 +6,11 @@ join and leave between steps. Aborts, pauses and weight updates take ``step_lock
 step holds, so they act on step boundaries and never race a forward pass. Finished and aborted
 requests put the KV of ``(prompt + output)[:-1]`` into the radix cache, so a resumed request
 (prompt + tokens so far) skips that prefill.
+
+Every sampled token is recorded with the ``weight_version`` of the model that sampled it (read
+once per step; weight updates take ``step_lock``, so they land between steps). A request held
+across an update (pause ``retract`` / ``in_place``, or no pause at all) therefore reports which of
+its tokens came from which weights, in the additive ``meta_info.output_token_weight_versions``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class Req:
     return_logprob: bool
     future: asyncio.Future[GenerateResult]
     created: float = field(default_factory=time.monotonic)
-    cached_tokens: int | None = None  # reported: what the first prefill found cached
+    cached_tokens: int | None = None  # reported: cache hits summed over its prefills (SGLang's sum)
+    token_versions: list[str] = field(default_factory=list)  # weight_version that sampled each output token
     prefilled: bool = False
     abort_message: str | None = None
     finish_reason: dict[str, Any] | None = None
@@ -189,13 +195,14 @@ class Scheduler:
         admit: list[Req] = []
         while self.waiting and len(admit) < room:
             admit.append(self.waiting.popleft())
+        version = self.weight_version  # the weights this step samples with (updates wait for step_lock)
         if admit:
             for req in admit:
                 ids = req.seq.ids
                 match = self.cache.match(ids[:-1])
                 req.seq.cached_len, req.seq.cached_kv = match.length, match.kv
-                if req.cached_tokens is None:
-                    req.cached_tokens = match.length
+                # SGLang adds each prefill's hit (a retracted request's re-prefill counts again)
+                req.cached_tokens = (req.cached_tokens or 0) + match.length
                 self.prefill_tokens += len(ids) - match.length
             try:
                 samples = await self.backend.prefill([r.seq for r in admit])
@@ -208,7 +215,7 @@ class Scheduler:
                 req.seq.cached_kv = None
                 req.prefilled = True
             self.running.extend(admit)
-            self._advance(admit, samples)
+            self._advance(admit, samples, version)
         elif self.running:
             batch = list(self.running)
             try:
@@ -218,16 +225,17 @@ class Scheduler:
                 for req in batch:
                     self._fail(req, e)
                 return True
-            self._advance(batch, samples)
+            self._advance(batch, samples, version)
         else:
             return False
         self.steps += 1
         return True
 
-    def _advance(self, batch: list[Req], samples: list[Sample]) -> None:
+    def _advance(self, batch: list[Req], samples: list[Sample], version: str) -> None:
         for req, s in zip(batch, samples, strict=True):
             req.seq.output_ids.append(s.token)
             req.seq.logprobs.append(s.logprob)
+            req.token_versions.append(version)
             reason = self._check_finish(req, s.token)
             if reason is not None:
                 req.finish_reason = reason
@@ -315,6 +323,7 @@ class Scheduler:
                 weight_version=self.weight_version,
                 e2e_latency=time.monotonic() - req.created,
                 output_token_logprobs=list(seq.logprobs) if req.return_logprob else None,
+                output_token_weight_versions=list(req.token_versions),
             )
         )
 
