@@ -3,8 +3,10 @@
 ``agenerate`` posts ``/generate`` and, while the answer is an abort (the trainer paused the
 servers to push weights) and token budget remains, appends what came back to the input,
 lowers ``max_new_tokens`` and re-posts to the *same* server, so the prefix is served from
-that server's radix cache. Every output token is stamped with the policy version the
-client knew when the token's chunk arrived.
+that server's radix cache. Every output token is stamped with a policy version (see
+:func:`_token_versions`): the server's own per-token label when it sends one (the reference
+server does; it is exact when a request was held across a weight update by a ``retract`` or
+``in_place`` pause), else the version the client knew when it posted the chunk.
 
 Compared with AReaL's client (see shared/FACTS.md): pooled keep-alive connections per
 server; a resumed request waits on an event set by :meth:`SGLangClient.resume` instead of
@@ -25,6 +27,8 @@ from typing import Any
 
 import httpx
 import structlog
+
+from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
 
 __all__ = [
     "ClientConfig",
@@ -186,13 +190,14 @@ class SGLangClient:
         self.version = version
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "posts", "aborts", "resumes", "retries", "failovers", "errors", "cached_tokens",
-             "prompt_tokens", "output_tokens", "idle_aborts"), 0,
+             "prompt_tokens", "output_tokens", "idle_aborts", "labelled_tokens"), 0,
         )  # fmt: skip
 
     # -- control from the rollout actor / trainer ----------------------------------
 
     def set_version(self, version: int) -> None:
-        """The policy version the servers now hold; tokens arriving from now on are stamped with it."""
+        """The policy version every server now holds (call it only once they all hold it): chunks
+        posted from now on are stamped with it where the server does not label its tokens."""
         self.version = max(self.version, version)
 
     def pause(self) -> None:
@@ -257,6 +262,7 @@ class SGLangClient:
         while True:
             if not self._resumed.is_set():
                 await asyncio.wait_for(self._resumed.wait(), cfg.pause_timeout_s)
+            posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
                 "input_ids": list(request.input_ids) + ids,
                 "sampling_params": {**sp, "max_new_tokens": budget - len(ids)},
@@ -266,10 +272,14 @@ class SGLangClient:
             data, server = await self._post_with_failover(server, body, tried, res)
             res.posts += 1
             chunk_ids, chunk_lps, meta = _parse(data)
-            version = self.version  # the version current when this chunk arrived
+            chunk_vers, labelled = _token_versions(meta, len(chunk_ids), posted_at)
+            if labelled and chunk_vers and min(chunk_vers) < posted_at:
+                log.warning("rollout.server_behind_client_version", rid=rid, server=server.url,
+                            server_version=min(chunk_vers), client_version=posted_at)  # fmt: skip
             ids += chunk_ids
             lps += chunk_lps
-            vers += [version] * len(chunk_ids)
+            vers += chunk_vers
+            self.counters["labelled_tokens"] += labelled
             texts.append(data.get("text") or "")
             cached.append(int(meta.get("cached_tokens") or 0))
             self.counters["cached_tokens"] += cached[-1]
@@ -402,3 +412,50 @@ def _parse(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]
             f"response has {len(ids)} output ids but {len(lps)} logprobs; was return_logprob honoured?"
         )
     return ids, lps, meta
+
+
+def _token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[int], int]:
+    """The policy version of each of a chunk's ``n`` tokens, and how many the server labelled.
+
+    Two rules bound these stamps. (1) Never newer than the weights that sampled the token:
+    reporting a newer version under-reports staleness. (2) Never older than the episode's
+    admission version (nodes/rollout/actor.py raises the client's version to the grant's before
+    the episode posts): the governor's bound assumes it, and an older stamp gets a group dropped
+    as stale for nothing.
+
+    - A server label (the reference server's ``meta_info.output_token_weight_versions``; the
+      version of the weights that sampled the token, set by the trainer with each push) is the
+      truth for (1). It also satisfies (2) whenever the servers hold at least the admitted version,
+      which holds because the governor's version is raised only after every server got the push.
+      If a label is older than that anyway (a server restarted with old weights), the label wins:
+      it is what the tokens are, and the buffer's staleness net should see it (a warning is logged).
+    - Without a label (real SGLang; an unparseable label such as "default"), the version the
+      client knew when it *posted* the chunk: it satisfies (2) (it is at least the admission
+      version) and (1) (``set_version`` is called only after the servers hold that version, and a
+      server's weights only move forward during the chunk). The version at *arrival* would break
+      (1) for a chunk held across an update (``retract`` / ``in_place``): its early tokens came from
+      the old weights. An aborted chunk never spans an update (the pause aborts it first), so for
+      ``abort`` pauses the post-time version is exact.
+    """
+    labels = meta.get(OUTPUT_TOKEN_WEIGHT_VERSIONS)
+    if not isinstance(labels, list) or len(labels) != n:
+        return [posted_at] * n, 0
+    out: list[int] = []
+    labelled = 0
+    parsed: dict[str | int, int | None] = {}  # labels repeat: parse each distinct one once
+    for label in labels:
+        if not isinstance(label, (str, int)) or isinstance(label, bool):
+            v = None
+        elif label in parsed:
+            v = parsed[label]
+        else:
+            try:
+                v = parsed[label] = int(label)
+            except ValueError:
+                v = parsed[label] = None
+        if v is None:
+            out.append(posted_at)
+        else:
+            out.append(v)
+            labelled += 1
+    return out, labelled
