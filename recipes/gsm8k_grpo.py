@@ -497,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run(cfg, prep, args.resume))
         report(prep.out)
     except (ConfigError, FileNotFoundError, rlactors.ClusterError) as e:
+        if isinstance(e, rlactors.ActorDiedError):  # e.g. a trainer rank was killed: the run cannot go on
+            print(f"error: {e}; the run stopped. Continue from the last checkpoint with --resume", file=sys.stderr)
+            return 1
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

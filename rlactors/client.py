@@ -261,17 +261,19 @@ class Connection:
 class ActorState:
     """The client's view of one actor: where it is and whether it is alive."""
 
-    __slots__ = ("actor_id", "address", "alive", "changed", "reason", "state")
+    __slots__ = ("actor_id", "address", "alive", "changed", "name", "reason", "state")
 
     def __init__(self, actor_id: str, address: str, state: str) -> None:
         self.actor_id = actor_id
         self.address = address
         self.state = state
         self.reason = ""
+        self.name: str | None = None
         self.alive = asyncio.Event()
         if state == "ALIVE":
             self.alive.set()
         self.changed = asyncio.Event()
 
     def died_error(self) -> ActorDiedError:
-        return ActorDiedError(f"actor {self.actor_id} died: {self.reason or 'process exited'}", self.actor_id)
+        who = f"{self.name} ({self.actor_id})" if self.name else self.actor_id
+        return ActorDiedError(f"actor {who} died: {self.reason or 'process exited'}", self.actor_id)

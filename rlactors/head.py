@@ -84,6 +84,7 @@ class ActorRecord:
             "state": self.state,
             "address": self.address,
             "reason": self.reason,
+            "name": self.name,
         }
 
 

@@ -156,6 +156,7 @@ class NodeAgent:
                 self.python,
                 "-m",
                 "rlactors.worker",
+                label,  # ignored by the worker; makes `ps` say which actor a process runs
                 env=env,
                 cwd=spec.get("cwd") or None,
                 stdin=asyncio.subprocess.DEVNULL,

@@ -112,10 +112,12 @@ class RuntimeClient:
             async for event in stream:
                 if event.get("type") == "snapshot":
                     for a in event["actors"]:
-                        self._update(a["actor_id"], a["state"], a["address"], a.get("reason", ""))
+                        self._update(a["actor_id"], a["state"], a["address"], a.get("reason", ""), a.get("name"))
                     self._synced.set()
                 elif event.get("type") == "actor":
-                    self._update(event["actor_id"], event["state"], event["address"], event.get("reason", ""))
+                    self._update(
+                        event["actor_id"], event["state"], event["address"], event.get("reason", ""), event.get("name")
+                    )
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -124,10 +126,11 @@ class RuntimeClient:
                     "lost the head's event stream; calls to dead actors may not fail fast", error=repr(e)
                 )
 
-    def _update(self, actor_id: str, state: str, address: str, reason: str) -> None:
+    def _update(self, actor_id: str, state: str, address: str, reason: str, name: str | None = None) -> None:
         st = self._actors.get(actor_id)
         if st is None:
             st = self._actors[actor_id] = ActorState(actor_id, address, state)
+        st.name = name or st.name
         old = st.address
         st.state, st.reason = state, reason
         if state in ("DEAD", "RESTARTING"):

@@ -125,3 +125,37 @@ def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> Non
     m = rows(out)
     assert [r["step"] for r in m] == [1, 2, 3, 4]
     assert all(r["train/n_seqs"] == 4 for r in m)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPE), *SMALL, "run.steps=50", f"run.out_dir={out}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if line.startswith("step 1/50") or not line:
+                break
+        workers = [p for p in _descendants(proc.pid) if "rlactors.worker" in _cmdline(p)]
+        ranks = [p for p in workers if "rlactors.worker trainer-1" in _cmdline(p)]
+        assert len(ranks) == 1
+        os.kill(ranks[0], signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)  # never a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "error: actor trainer-1" in err and "SIGKILL" in err and "--resume" in err
+    # Nothing of the run is left behind: every worker it had is gone.
+    assert len(workers) >= 5
+    assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.worker" in _cmdline(p)]
