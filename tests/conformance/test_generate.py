@@ -7,6 +7,7 @@ import asyncio
 import httpx
 
 from nodes.inference.testing import wait_load
+from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
 
@@ -15,7 +16,7 @@ def greedy(max_new_tokens: int, **extra: object) -> dict:
     return {"max_new_tokens": max_new_tokens, "temperature": 0.0, **extra}
 
 
-async def test_generate_response_shape(client: httpx.AsyncClient) -> None:
+async def test_generate_response_shape(client: httpx.AsyncClient, is_reference: bool) -> None:
     r = await client.post(
         "/generate", json={"input_ids": PROMPT, "sampling_params": greedy(8, ignore_eos=True), "return_logprob": True}
     )
@@ -29,6 +30,9 @@ async def test_generate_response_shape(client: httpx.AsyncClient) -> None:
     assert meta["prompt_tokens"] == len(PROMPT)
     assert isinstance(meta["cached_tokens"], int) and 0 <= meta["cached_tokens"] < len(PROMPT)
     assert isinstance(meta["weight_version"], str)
+    # rlactors extension, if the server sends it (real SGLang does not): one label per output token
+    if is_reference or OUTPUT_TOKEN_WEIGHT_VERSIONS in meta:
+        assert meta[OUTPUT_TOKEN_WEIGHT_VERSIONS] == [meta["weight_version"]] * 8
     assert isinstance(meta["id"], str) and meta["id"]
     assert meta["e2e_latency"] >= 0
     lps = meta["output_token_logprobs"]

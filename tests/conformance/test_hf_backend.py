@@ -138,3 +138,30 @@ def test_sampling_filters() -> None:
     assert _filter(probs, -1, 0.7, 0.0).tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
     assert _filter(probs, -1, 0.4, 0.0).tolist() == pytest.approx([0.5, 0.0, 0.0, 0.0])
     assert _filter(probs, -1, 1.0, 0.5).tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
+
+
+async def test_retract_across_a_real_weight_change(hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM,
+                                                   tiny_ckpt: Path, tiny_ckpt_alt: Path) -> None:
+    """Retract, load other weights (cache flushed), continue: the tokens before the pause are the old
+    model's, those after are the new model's continuation, and the per-token versions say so."""
+    prompt, n = PROMPTS[3], 300  # long enough that the pause lands mid-way on a busy machine
+    sp = greedy(n)
+    assert (await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt), "weight_version": "0"})).json()["success"]
+    task = asyncio.create_task(hf.post("/generate", json={"input_ids": prompt, "sampling_params": sp}))
+    await wait_load(hf, running=1)
+    await hf.post("/pause_generation", json={"mode": "retract"})
+    try:
+        r = await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt_alt), "weight_version": "1"})
+        assert r.json()["success"] is True
+    finally:
+        await hf.post("/continue_generation", json={})
+    try:
+        meta = (body := (await task).json())["meta_info"]
+        out, versions = body["output_ids"], meta["output_token_weight_versions"]
+        k = versions.count("0")
+        assert 0 < k < n and versions == ["0"] * k + ["1"] * (n - k) and meta["weight_version"] == "1"
+        alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()
+        assert out[:k] == hf_greedy(ref_model, prompt, k)
+        assert out[k:] == hf_greedy(alt, prompt + out[:k], n - k)  # re-prefilled from scratch by the new weights
+    finally:
+        await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt)})
