@@ -22,8 +22,9 @@ A, B = "http://a:1", "http://b:1"
 FAST = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=2)
 
 
-def reply(ids: list[int], finish: str = "length", cached: int = 0, legacy: bool = False, **fin: Any) -> httpx.Response:
-    meta = {
+def reply(ids: list[int], finish: str = "length", cached: int = 0, legacy: bool = False,
+          versions: list[Any] | None = None, **fin: Any) -> httpx.Response:
+    meta: dict[str, Any] = {
         "finish_reason": {"type": finish, **fin},
         "prompt_tokens": 0,
         "completion_tokens": len(ids),
@@ -31,6 +32,8 @@ def reply(ids: list[int], finish: str = "length", cached: int = 0, legacy: bool 
         "weight_version": "w",
         "output_token_logprobs": [[-0.25, t, None] for t in ids],
     }
+    if versions is not None:
+        meta["output_token_weight_versions"] = versions
     body: dict[str, Any] = {"text": "".join(chr(97 + t % 26) for t in ids), "meta_info": meta}
     if not legacy:
         body["output_ids"] = ids
@@ -108,6 +111,45 @@ async def test_a_paused_client_holds_the_resumed_request_until_resume_and_stamps
     client.resume()
     res = await asyncio.wait_for(task, 5)
     assert res.output_ids == [5, 6, 7] and res.output_versions == [0, 0, 1]
+    await client.aclose()
+
+
+async def test_an_unlabelled_chunk_held_across_an_update_keeps_the_version_it_was_posted_at() -> None:
+    # real SGLang, pause mode retract/in_place: one chunk, part old weights, part new, no labels.
+    # Stamping it with the version at arrival would call the old-weight tokens new.
+    posted, gate = asyncio.Event(), asyncio.Event()
+
+    async def held(body: dict) -> httpx.Response:
+        posted.set()
+        await gate.wait()
+        return reply([5, 6, 7], "length")
+
+    script = Script(a=[held, lambda b: reply([8], "length")])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    task = asyncio.create_task(client.agenerate(GenRequest([1], {"max_new_tokens": 3})))
+    await asyncio.wait_for(posted.wait(), 5)
+    client.set_version(1)  # the servers were updated while the request was held
+    gate.set()
+    res = await asyncio.wait_for(task, 5)
+    assert res.output_versions == [0, 0, 0] and client.counters["labelled_tokens"] == 0
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": 1}))  # posted after the update
+    assert res.output_versions == [1]
+    await client.aclose()
+
+
+async def test_server_labels_stamp_each_token() -> None:
+    script = Script(a=[
+        lambda b: reply([5, 6, 7, 8], "length", versions=["2", "2", "3", "3"]),  # held across 2 -> 3
+        lambda b: reply([5, 6], "length", versions=["default", "3"]),  # unparseable: the post-time version
+        lambda b: reply([5, 6], "length", versions=["3"]),  # misaligned: ignored
+    ])  # fmt: skip
+    client = SGLangClient([A], FAST, version=2, transport=script.transport())
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": 4}))
+    assert res.output_versions == [2, 2, 3, 3] and client.counters["labelled_tokens"] == 4
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": 2}))
+    assert res.output_versions == [2, 3] and client.counters["labelled_tokens"] == 5
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": 2}))
+    assert res.output_versions == [2, 2] and client.counters["labelled_tokens"] == 5
     await client.aclose()
 
 
