@@ -252,8 +252,12 @@ def cmd_down(args: argparse.Namespace) -> int:
     pids = [state["head_pid"], *(a["pid"] for a in state["agents"].values())]
     for pid in pids:
         if not _wait_gone(pid, 10):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            # SIGTERM first: srun ends its step and ssh's remote side gets a hang-up; then SIGKILL.
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, sig)
+                if _wait_gone(pid, 5):
+                    break
     state_file().unlink(missing_ok=True)
     console.print("[green]cluster down[/]")
     return 0

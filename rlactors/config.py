@@ -147,7 +147,8 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
         return [*node.command_prefix, *inner]
     if node.launch == "ssh":
         remote = " ".join(shlex.quote(x) for x in [*node.command_prefix, *inner])
-        return ["ssh", "-o", "BatchMode=yes", *node.ssh_options, node.host, remote]
+        # -tt: a pseudo-terminal, so the remote agent gets a hang-up if this ssh client dies.
+        return ["ssh", "-tt", "-o", "BatchMode=yes", *node.ssh_options, node.host, remote]
     # slurm: one task on that node, inside the current allocation.
     return [
         "srun",

@@ -181,11 +181,11 @@ workdir = "/scratch/run"
     )
     cfg = load_cluster_config(cfg_path)
     ssh = agent_command(cfg, cfg.nodes[0], "/s/secret", "/s/logs")
-    assert ssh[:5] == ["ssh", "-o", "BatchMode=yes", "-p", "2222"] and ssh[5] == "gpu-a"
+    assert ssh[:6] == ["ssh", "-tt", "-o", "BatchMode=yes", "-p", "2222"] and ssh[6] == "gpu-a"
     assert (
-        "/opt/venv/bin/python -m rlactors.daemons agent --head tcp://10.0.0.1:7000 --node-id gpu-a" in ssh[6]
+        "/opt/venv/bin/python -m rlactors.daemons agent --head tcp://10.0.0.1:7000 --node-id gpu-a" in ssh[7]
     )
-    assert "--env NCCL_DEBUG=WARN" in ssh[6] and "'{\"gpu\": 8.0}'" in ssh[6]
+    assert "--env NCCL_DEBUG=WARN" in ssh[7] and "'{\"gpu\": 8.0}'" in ssh[7]
     srun = agent_command(cfg, cfg.nodes[1], "/s/secret", "/s/logs")
     assert srun[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu-b", "--overlap"]
     assert srun[srun.index("--workdir") + 1] == "/scratch/run"
