@@ -139,7 +139,7 @@ def _array_header(obj: Any, frames: list[Any]) -> list[Any]:
         t = t.contiguous()
         dtype = str(t.dtype).removeprefix("torch.")
         if t.dtype == torch.bfloat16:
-            buf = memoryview(t.view(torch.int16).numpy()).cast("B")
+            buf = memoryview(t.view(torch.int16).numpy()).cast("B") if t.numel() else b""
         elif t.dtype.is_complex or dtype not in _TORCH_TO_NP:
             raise CodecError(f"tensor dtype {t.dtype} cannot be sent")
         else:
@@ -148,7 +148,7 @@ def _array_header(obj: Any, frames: list[Any]) -> list[Any]:
     else:
         import numpy as np
 
-        a = np.ascontiguousarray(obj)
+        a = np.ascontiguousarray(obj).reshape(np.shape(obj))  # ascontiguousarray makes 0-d arrays 1-d
         if a.dtype.hasobject:
             raise CodecError("numpy arrays of Python objects cannot be sent (no pickle on the wire)")
         buf = memoryview(a).cast("B") if a.size else b""
@@ -251,7 +251,12 @@ def _ext_hook_for(frames: Sequence[Any]) -> Callable[[int, bytes], Any]:
 
 
 def encode(obj: Any) -> list[Any]:
-    """Encode ``obj`` into frames: ``[msgpack body, raw buffer, ...]`` (buffers are not copied)."""
+    """Encode ``obj`` into frames: ``[msgpack body, raw buffer, ...]``.
+
+    Contiguous CPU buffers are not copied: they are sent from the caller's memory, so a tensor
+    or array must not be modified until the call carrying it has been sent (the next turn of
+    the event loop) — pass a copy if you must change it at once.
+    """
     frames: list[Any] = [b""]
     try:
         frames[0] = _pack(obj, _default_for(frames))

@@ -229,6 +229,13 @@ async def _down(address: str, secret: str) -> int:
         await cluster._client.close()
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -250,6 +257,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     except ClusterError as e:
         console.print(f"[yellow]head not reachable ({e}); killing recorded processes[/]")
     pids = [state["head_pid"], *(a["pid"] for a in state["agents"].values())]
+    # Only processes we started (a stale state file may name pids since reused by others).
+    pids = [p for p in pids if any(k in _cmdline(p) for k in ("rlactors.daemons", "ssh", "srun"))]
     for pid in pids:
         if not _wait_gone(pid, 10):
             # SIGTERM first: srun ends its step and ssh's remote side gets a hang-up; then SIGKILL.

@@ -36,7 +36,7 @@ STREAM_ACK_EVERY = 64
 class StreamCall(AsyncIterator[Any]):
     """The caller's end of a streaming method: ``async for item in handle.gen(...)``."""
 
-    def __init__(self, conn: Connection, call_id: int) -> None:
+    def __init__(self, conn: Connection | None, call_id: int) -> None:
         self._conn = conn
         self._call_id = call_id
         self._items: collections.deque[Any] = collections.deque()
@@ -71,15 +71,32 @@ class StreamCall(AsyncIterator[Any]):
                 await self.aclose()
                 raise
         self._consumed += 1
-        if self._consumed % STREAM_ACK_EVERY == 0 and not self._done:
+        if self._consumed % STREAM_ACK_EVERY == 0 and not self._done and self._conn is not None:
             self._conn._put(wire.encode_envelope(Kind.STREAM_ACK, self._call_id, self._consumed))
         return self._items.popleft()
 
     async def aclose(self) -> None:
         """Stop the stream early; the remote generator is cancelled."""
+        self._abandon()
+
+    def _abandon(self) -> None:
         if not self._done:
             self._done = True
-            self._conn._cancel(self._call_id)
+            if self._conn is not None:
+                self._conn._cancel(self._call_id)
+
+    def __del__(self) -> None:
+        # `async for ...: break` never calls aclose(): cancel the remote generator when we are dropped.
+        try:
+            self._abandon()
+        except Exception:  # the loop may be closed at interpreter exit
+            pass
+
+    async def __aenter__(self) -> StreamCall:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._abandon()
 
 
 class Connection:
@@ -201,14 +218,21 @@ class Connection:
                         pending._finish(exc)
                     elif not pending.done():
                         pending.set_exception(exc)
-            elif kind == Kind.STREAM_ITEM:
+            elif kind in (Kind.STREAM_ITEM, Kind.STREAM_END):
                 s = self._pending.get(call_id)
                 if isinstance(s, StreamCall):
-                    s._push(msg[2])
-            elif kind == Kind.STREAM_END:
-                s = self._pending.pop(call_id, None)
-                if isinstance(s, StreamCall):
-                    s._finish()
+                    if kind == Kind.STREAM_ITEM:
+                        s._push(msg[2])
+                    else:
+                        self._pending.pop(call_id, None)
+                        s._finish()
+                elif s is not None:  # a stream answered a plain call: fail it rather than wait forever
+                    self._pending.pop(call_id, None)
+                    self._cancel(call_id)
+                    if not s.done():
+                        s.set_exception(
+                            TypeError("the remote method is a generator: iterate it with `async for`")
+                        )
             elif kind == Kind.PONG:
                 fut = self._pending.pop(call_id, None)
                 if isinstance(fut, asyncio.Future) and not fut.done():

@@ -286,7 +286,7 @@ async def _start_local(
         raise ValueError(f"address must be 'ipc' or 'tcp://HOST:PORT', not {address!r}")
     total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
     total.update({k: float(v) for k, v in (resources or {}).items()})
-    service = Service(name="head", security=security)
+    service = Service(name="head", max_concurrency=None, security=security)
     head = Head(security, node_timeout=node_timeout, client_timeout=client_timeout)
     head_address = service.bind(bind)
     service.add("head", head)

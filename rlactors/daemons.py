@@ -32,7 +32,7 @@ log = structlog.get_logger("rlactors.daemons")
 async def run_head(args: argparse.Namespace) -> int:
     rlog.configure(role="head")
     security = Security(load_secret(args.secret_file))
-    service = Service(name="head", security=security)
+    service = Service(name="head", max_concurrency=None, security=security)
     head = Head(security, node_timeout=args.node_timeout)
     address = service.bind(args.bind)
     service.add("head", head)

@@ -40,13 +40,21 @@ class ActorMethod:
             return self.stream(*args, **kwargs)
         return _result(self.submit(*args, **kwargs))
 
+    def _not_a_generator(self, what: str) -> None:
+        if self._kind in (ASYNCGEN, GEN):
+            raise TypeError(
+                f"{self._name} is a generator method: use `async for x in handle.{self._name}(...)`, not {what}"
+            )
+
     def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         """Send the call now; cancelling the returned future cancels the remote coroutine."""
+        self._not_a_generator(".submit()")
         h = self._handle
         return current_client().call_actor(h.actor_id, h.address, self._name, args, kwargs)
 
     def tell(self, *args: Any, **kwargs: Any) -> None:
         """Fire and forget: no result, errors are only logged by the actor."""
+        self._not_a_generator(".tell()")
         h = self._handle
         current_client().tell_actor(h.actor_id, h.address, self._name, args, kwargs)
 

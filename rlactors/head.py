@@ -19,11 +19,15 @@ from typing import Any
 import structlog
 
 from rlactors.client import Connection
-from rlactors.errors import ActorNotFoundError, PlacementError
+from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
 from rlactors.placement import NodeResources, choose_node, normalise_request, plan_bundles
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.head")
+
+MAX_QUEUED_EVENTS = 10_000  # events queued for one subscriber before it is deemed gone
+START_TIMEOUT_S = 3600.0  # safety net; a lost node fails its calls at once
+AGENT_CALL_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -50,6 +54,8 @@ class ActorRecord:
     max_restarts: int
     node_id: str = ""
     bundle: tuple[str, int] | None = None  # (placement group id, bundle index) it runs in
+    starting: bool = False
+    pending_exit: str | None = None
     gpus: list[int] = field(default_factory=list)
     state: str = "PENDING"
     address: str = ""
@@ -103,7 +109,7 @@ class Head:
         self.nodes: dict[str, NodeRecord] = {}
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
-        self._subs: set[asyncio.Queue[dict[str, Any]]] = set()
+        self._subs: dict[asyncio.Queue[dict[str, Any] | None], str] = {}  # event queue -> client id
         self._kv: dict[str, Any] = {}
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
         self._clients: dict[str, float] = {}  # client id -> last heartbeat
@@ -143,25 +149,39 @@ class Head:
 
     async def client_closed(self, client_id: str) -> int:
         self._clients.pop(client_id, None)
+        self._end_subscriptions(client_id)
         return await self.release_owner(client_id)
 
     async def subscribe(self, client_id: str) -> AsyncIterator[dict[str, Any]]:
-        """Actor-state events: a snapshot first, then every change."""
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._subs.add(q)
+        """Actor-state events: a snapshot first, then every change. Ends when the client is gone."""
+        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._subs[q] = client_id
         try:
             yield {"type": "snapshot", "actors": [a.event() for a in self.actors.values()]}
-            while True:
-                yield await q.get()
+            while (event := await q.get()) is not None:
+                yield event
         finally:
-            self._subs.discard(q)
+            self._subs.pop(q, None)
+
+    def _end_subscriptions(self, client_id: str) -> None:
+        for q, cid in list(self._subs.items()):
+            if cid == client_id:
+                del self._subs[q]
+                q.put_nowait(None)
 
     def _publish(self, rec: ActorRecord) -> None:
         changed, rec.changed = rec.changed, asyncio.Event()
         changed.set()
         ev = rec.event()
-        for q in self._subs:
-            q.put_nowait(ev)
+        for q, cid in list(self._subs.items()):
+            if q.qsize() > MAX_QUEUED_EVENTS:  # a subscriber that stopped reading: end its stream
+                log.warning("dropping an event subscriber that stopped reading", client=cid)
+                del self._subs[q]
+                while not q.empty():
+                    q.get_nowait()
+                q.put_nowait(None)
+            else:
+                q.put_nowait(ev)
 
     # --- nodes --------------------------------------------------------------------------------
 
@@ -205,6 +225,7 @@ class Head:
             for cid, seen in list(self._clients.items()):
                 if now - seen > self.client_timeout:
                     del self._clients[cid]
+                    self._end_subscriptions(cid)
                     victims = [
                         r
                         for r in self.actors.values()
@@ -230,6 +251,7 @@ class Head:
 
     def _node_lost(self, n: NodeRecord, reason: str) -> None:
         n.alive = False
+        n.conn.fail_all(ClusterError(reason))  # e.g. a spawn waiting on that agent fails now
         for rec in list(self.actors.values()):
             if rec.node_id == n.node_id and rec.state in ("ALIVE", "PENDING", "RESTARTING"):
                 self._mark_dead(rec, reason)
@@ -245,7 +267,12 @@ class Head:
             existing = self.names.get(name)
             if existing is not None:
                 if request.get("get_if_exists"):
-                    return self.actors[existing].info()
+                    rec = self.actors[existing]
+                    if rec.state != "ALIVE":  # another caller is still starting it
+                        await asyncio.wait_for(self._until_alive(rec), START_TIMEOUT_S)
+                    if rec.state != "ALIVE":
+                        raise ActorNotFoundError(f"actor {name!r} died while starting: {rec.reason}")
+                    return rec.info()
                 raise ValueError(
                     f"an actor named {name!r} already exists ({existing}); kill it first or pick another name"
                 )
@@ -295,12 +322,24 @@ class Head:
         spec = dict(
             rec.request, actor_id=rec.actor_id, gpus=rec.gpus, restarts=rec.restarts, node_id=rec.node_id
         )
-        started = await node.conn.call("start_worker", (rec.actor_id, spec), {}, target="agent")
-        if rec.state == "DEAD":  # killed while starting
-            raise ActorNotFoundError(f"actor {rec.actor_id} was killed while starting")
+        # While starting, an exit report for this actor is parked: it may overtake the reply below.
+        rec.starting, rec.pending_exit = True, None
+        try:
+            call = node.conn.call("start_worker", (rec.actor_id, spec), {}, target="agent")
+            started = await asyncio.wait_for(call, START_TIMEOUT_S)
+        finally:
+            rec.starting = False
+        if rec.state == "DEAD" or rec.killed:  # killed while (re)starting
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    node.conn.call("kill_worker", (rec.actor_id,), {}, target="agent"), AGENT_CALL_TIMEOUT_S
+                )
+            raise ActorNotFoundError(f"actor {rec.name or rec.actor_id} was killed while starting")
         rec.address, rec.pid, rec.methods = started["address"], started["pid"], started["methods"]
         rec.state, rec.reason = "ALIVE", ""
         self._publish(rec)
+        if rec.pending_exit is not None:  # it died right after reporting ready
+            self._spawn_bg(self.actor_exited(rec.actor_id, rec.pending_exit))
 
     def _release(self, rec: ActorRecord) -> None:
         if rec.state == "DEAD":
@@ -331,7 +370,10 @@ class Head:
     async def actor_exited(self, actor_id: str, reason: str) -> None:
         """Called by a node agent the moment a worker process exits."""
         rec = self.actors.get(actor_id)
-        if rec is None or rec.state in ("DEAD", "PENDING"):
+        if rec is None or rec.state == "DEAD":
+            return
+        if rec.starting:
+            rec.pending_exit = reason
             return
         log.warning("actor process exited", actor=actor_id, name=rec.name, reason=reason)
         node = self.nodes.get(rec.node_id)
@@ -370,7 +412,8 @@ class Head:
         node = self.nodes.get(rec.node_id)
         if node is not None and node.alive:
             died = rec.died
-            if await node.conn.call("kill_worker", (actor_id,), {}, target="agent"):
+            call = node.conn.call("kill_worker", (actor_id,), {}, target="agent")
+            if await asyncio.wait_for(call, AGENT_CALL_TIMEOUT_S):
                 # Return once the agent has seen the exit, so the kill is visible to everyone.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(died.wait(), 10)
@@ -425,6 +468,9 @@ class Head:
         if not 0 <= index < len(bundles):
             raise PlacementError(f"placement group {gid} has {len(bundles)} bundles, no bundle {index}")
         b = bundles[index]
+        node = self.nodes.get(b["node_id"])
+        if node is None or not node.alive:
+            raise PlacementError(f"bundle {index} of {gid} is on node {b['node_id']}, which is dead")
         if b["actor"] is not None:
             raise PlacementError(f"bundle {index} of {gid} is in use by actor {b['actor']}")
         return b
@@ -480,7 +526,9 @@ class Head:
         n = self.nodes.get(node_id)
         if n is None or not n.alive:
             raise PlacementError(f"no alive node {node_id!r}")
-        port = await n.conn.call("reserve_port", (), {}, target="agent")
+        port = await asyncio.wait_for(
+            n.conn.call("reserve_port", (), {}, target="agent"), AGENT_CALL_TIMEOUT_S
+        )
         return {"host": n.host, "port": port}
 
     async def rendezvous(self, name: str, world_size: int, node_id: str) -> dict[str, Any]:

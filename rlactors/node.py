@@ -85,6 +85,8 @@ class NodeAgent:
         self._head: Connection | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._ports_given: dict[int, float] = {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self._visible_gpus = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
         self.stopped = asyncio.Event()
 
     def _spawn_task(self, coro: Any, name: str) -> None:
@@ -92,9 +94,16 @@ class NodeAgent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _physical_gpu(self, index: int) -> str:
+        if self._visible_gpus and index < len(self._visible_gpus):
+            return self._visible_gpus[index]
+        return str(index)
+
     async def start(self, address: str) -> None:
         """Register with the head (at ``address`` this agent is served) and start heartbeats."""
         self.address = address
+        if self._head is not None:  # a retry: drop the socket whose register_node is still queued
+            self._head.close()
         self._head = Connection(self.head_address, self.security, name="head")
         interval = await self._register()
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat(interval), name="agent-heartbeat")
@@ -148,7 +157,9 @@ class NodeAgent:
         if self.secret_file:
             env["RLACTORS_SECRET_FILE"] = self.secret_file
         if spec.get("gpus") or self.resources.get("gpu"):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.get("gpus", []))
+            # Placement hands out indices 0..n-1 of the GPUs this agent sees; map them through the
+            # agent's own CUDA_VISIBLE_DEVICES (a Slurm job or a shared host may restrict it).
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._physical_gpu(g) for g in spec.get("gpus", []))
         env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
         label = spec.get("name") or f"{spec['class']['qualname']}:{actor_id[:6]}"
         try:
@@ -190,11 +201,27 @@ class NodeAgent:
     async def _pump(self, stream: asyncio.StreamReader | None, prefix: str, logfile: Any) -> None:
         if stream is None:
             return
-        while line := await stream.readline():
-            text = line.decode(errors="replace")
-            if logfile is not None:
-                logfile.write(text)
-            self.log_sink(prefix + text if text.endswith("\n") else prefix + text + "\n")
+        # Read in chunks, not readline(): one line over the reader's limit would end the pump,
+        # and a worker whose pipe nobody drains blocks on its next print.
+        partial = b""
+        while chunk := await stream.read(65536):
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            if len(partial) > 65536:  # a very long line: pass it on in pieces
+                lines.append(partial)
+                partial = b""
+            for line in lines:
+                self._emit(prefix, line.decode(errors="replace") + "\n", logfile)
+        if partial:
+            self._emit(prefix, partial.decode(errors="replace") + "\n", logfile)
+
+    def _emit(self, prefix: str, text: str, logfile: Any) -> None:
+        if logfile is not None:
+            logfile.write(text)
+        try:
+            self.log_sink(prefix + text)
+        except Exception:  # a broken sink must not stop the draining
+            pass
 
     async def _watch(
         self,

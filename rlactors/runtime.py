@@ -94,8 +94,24 @@ class RuntimeClient:
     # --- head -----------------------------------------------------------------------------------
 
     async def _heartbeat(self, interval: float) -> None:
+        """Tell the head we are alive; if it stops answering, fail calls to it instead of hanging."""
+        missed = 0
         while self.head is not None and not self.head.closed:
-            self.head.tell("client_alive", (self.client_id,), {}, target="head")
+            try:
+                await asyncio.wait_for(
+                    self.head.call("client_alive", (self.client_id,), {}, target="head"), 5 * interval
+                )
+                missed = 0
+            except TimeoutError:
+                missed += 1
+                if missed == 3:
+                    log.error(
+                        "the head stopped answering; calls to it fail until it is back",
+                        head=self.head_address,
+                    )
+                    self.head.fail_all(ClusterError(f"the head at {self.head_address} stopped answering"))
+            except Exception as e:
+                log.warning("heartbeat to the head failed", error=repr(e))
             await asyncio.sleep(interval)
 
     def head_call(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
@@ -112,11 +128,17 @@ class RuntimeClient:
             async for event in stream:
                 if event.get("type") == "snapshot":
                     for a in event["actors"]:
-                        self._update(a["actor_id"], a["state"], a["address"], a.get("reason", ""), a.get("name"))
+                        self._update(
+                            a["actor_id"], a["state"], a["address"], a.get("reason", ""), a.get("name")
+                        )
                     self._synced.set()
                 elif event.get("type") == "actor":
                     self._update(
-                        event["actor_id"], event["state"], event["address"], event.get("reason", ""), event.get("name")
+                        event["actor_id"],
+                        event["state"],
+                        event["address"],
+                        event.get("reason", ""),
+                        event.get("name"),
                     )
         except asyncio.CancelledError:
             raise
@@ -213,8 +235,7 @@ class RuntimeClient:
     ) -> StreamCall:
         st = self.actor_state(actor_id, address)
         if st.state != "ALIVE":
-            conn = self.connection(st.address)
-            s = StreamCall(conn, -1)
+            s = StreamCall(None, -1)
             s._finish(
                 st.died_error()
                 if st.state == "DEAD"

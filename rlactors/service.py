@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -37,6 +38,7 @@ log = structlog.get_logger("rlactors.service")
 _bind = structlog.contextvars.bind_contextvars
 
 STREAM_WINDOW = 256  # items a stream may run ahead of the consumer's acknowledgements
+STREAM_CREDIT_TIMEOUT_S = 600.0  # no acknowledgement for this long ends the stream
 
 ASYNC, SYNC, ASYNCGEN, GEN = "async", "sync", "asyncgen", "gen"
 
@@ -77,11 +79,17 @@ class _Credit:
 class Service:
     """Hosts targets (objects) and answers CALLs to their public methods."""
 
-    def __init__(self, *, name: str, max_concurrency: int = 1000, security: Security | None = None) -> None:
+    def __init__(
+        self, *, name: str, max_concurrency: int | None = 1000, security: Security | None = None
+    ) -> None:
         self.name = name
         self.security = security
         self._targets: dict[str | None, dict[str, tuple[Callable[..., Any], str]]] = {}
-        self._sem = asyncio.Semaphore(max_concurrency)
+        # None: unbounded (the head: its long-polls and event streams must never starve control calls).
+        self._sem: asyncio.Semaphore | contextlib.nullcontext[None] = (
+            asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+        )
+        self._cancelled: set[tuple[bytes, int]] = set()  # calls their caller cancelled
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"{name}-sync"
         )
@@ -144,6 +152,7 @@ class Service:
             elif kind == Kind.CANCEL:
                 task = self._running.get((ident, call_id))
                 if task is not None:
+                    self._cancelled.add((ident, call_id))
                     task.cancel()
             elif kind == Kind.STREAM_ACK:
                 credit = self._credits.get((ident, call_id))
@@ -222,7 +231,14 @@ class Service:
             async with self._sem:
                 result = await fn(*args, **kwargs)
         except asyncio.CancelledError:
-            return
+            if key in self._cancelled:
+                return  # the caller cancelled: nobody is waiting
+            if not flags & Flags.NO_REPLY:  # cancelled inside the actor: the caller must not wait forever
+                self._send_error(
+                    ident,
+                    call_id,
+                    RuntimeError(f"{getattr(fn, '__name__', '?')} was cancelled inside the actor"),
+                )
         except Exception as e:
             if flags & Flags.NO_REPLY:
                 log.exception("told method failed", service=self.name, method=getattr(fn, "__name__", "?"))
@@ -233,10 +249,14 @@ class Service:
                 self._send_result(ident, call_id, result)
         finally:
             self._running.pop(key, None)
+            self._cancelled.discard(key)
 
     def _sync_done(self, key: tuple[bytes, int], flags: int, fut: asyncio.Future[Any]) -> None:
         self._running.pop(key, None)
         if fut.cancelled():
+            if key not in self._cancelled and not flags & Flags.NO_REPLY:
+                self._send_error(key[0], key[1], RuntimeError("the call was cancelled inside the actor"))
+            self._cancelled.discard(key)
             return
         exc = fut.exception()
         if flags & Flags.NO_REPLY:
@@ -258,34 +278,42 @@ class Service:
     ) -> None:
         ident, call_id = key
         credit = self._credits[key]
+        # Streams do not count against max_concurrency: a stream parked on its credit window
+        # (a slow or vanished consumer) must not hold a slot other calls need.
         try:
-            async with self._sem:
-                if kind == ASYNCGEN:
-                    agen = fn(*args, **kwargs)
-                    try:
-                        async for item in agen:
-                            await self._stream_item(ident, call_id, credit, item)
-                    finally:
-                        await agen.aclose()
-                else:
-                    loop = asyncio.get_running_loop()
-                    it = await loop.run_in_executor(self._executor, lambda: iter(fn(*args, **kwargs)))
-                    done = object()
-                    while (item := await loop.run_in_executor(self._executor, next, it, done)) is not done:
+            if kind == ASYNCGEN:
+                agen = fn(*args, **kwargs)
+                try:
+                    async for item in agen:
                         await self._stream_item(ident, call_id, credit, item)
+                finally:
+                    await agen.aclose()
+            else:
+                loop = asyncio.get_running_loop()
+                it = await loop.run_in_executor(self._executor, lambda: iter(fn(*args, **kwargs)))
+                done = object()
+                while (item := await loop.run_in_executor(self._executor, next, it, done)) is not done:
+                    await self._stream_item(ident, call_id, credit, item)
             self._send(ident, wire.encode_envelope(Kind.STREAM_END, call_id))
         except asyncio.CancelledError:
-            return
+            if key not in self._cancelled:
+                self._send_error(ident, call_id, RuntimeError("the stream was cancelled inside the actor"))
+        except TimeoutError:
+            log.warning(
+                "stream consumer stopped acknowledging; stream ended", service=self.name, call=call_id
+            )
         except Exception as e:
             self._send_error(ident, call_id, e)
         finally:
             self._running.pop(key, None)
             self._credits.pop(key, None)
+            self._cancelled.discard(key)
 
     async def _stream_item(self, ident: bytes, call_id: int, credit: _Credit, item: Any) -> None:
         while credit.sent - credit.acked >= STREAM_WINDOW:
             credit.event.clear()
-            await credit.event.wait()
+            # A consumer that acknowledges nothing for this long is gone (its process died).
+            await asyncio.wait_for(credit.event.wait(), STREAM_CREDIT_TIMEOUT_S)
         credit.sent += 1
         self._send(ident, wire.encode_envelope(Kind.STREAM_ITEM, call_id, item))
 

@@ -146,7 +146,11 @@ def apply_overrides(
 
 
 def load_toml(
-    cls: type[T], path: str | Path | None, overrides: list[str] | None = None, *, renames: dict[str, str] | None = None
+    cls: type[T],
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    *,
+    renames: dict[str, str] | None = None,
 ) -> T:
     """Load ``cls`` from a TOML file (or defaults when ``path`` is None) plus overrides.
 

@@ -94,3 +94,12 @@ async def test_rendezvous_reserves_a_port_and_publishes_it(cluster) -> None:
     assert await cluster.kv_get("rendezvous/weights") == info
     other = await cluster.rendezvous("weights-2", 2)
     assert other["master_port"] != info["master_port"]
+
+
+async def test_gpu_indices_map_through_the_agents_own_visible_devices(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    async with rlactors.init() as cluster:  # detects 2 GPUs: physical 6 and 7
+        a = await cluster.spawn(Member, resources={"gpu": 1})
+        b = await cluster.spawn(Member, resources={"gpu": 1})
+        seen = {(await m.env(["CUDA_VISIBLE_DEVICES"]))["CUDA_VISIBLE_DEVICES"] for m in (a, b)}
+    assert seen == {"6", "7"}

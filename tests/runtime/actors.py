@@ -123,3 +123,26 @@ class Logger(rlactors.Actor):
         import structlog
 
         structlog.get_logger("test").info("inside a sync call")
+
+
+class Tricky(rlactors.Actor):
+    """Methods that used to hang their callers (code review findings)."""
+
+    async def cancelled_inside(self) -> None:
+        t = asyncio.ensure_future(asyncio.sleep(10))
+        t.cancel()
+        await t
+
+    def sync_then_ok(self) -> str:
+        return "ok"
+
+    async def gen(self, n: int):
+        for i in range(n):
+            yield i
+
+    async def ping(self) -> str:
+        return "pong"
+
+    def print_line(self, n: int) -> int:
+        print("x" * n, flush=True)
+        return n

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rlactors
-from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, Printer
+from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, Printer, Tricky
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -291,3 +291,47 @@ async def test_worker_exits_when_the_driver_is_killed(tmp_path: Path) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_cancellation_inside_the_actor_reaches_the_caller_as_an_error(cluster) -> None:
+    t = await cluster.spawn(Tricky)
+    with pytest.raises(RuntimeError, match="cancelled inside the actor"):
+        await asyncio.wait_for(t.cancelled_inside(), 10)
+    assert await t.ping() == "pong"
+
+
+async def test_generator_methods_refuse_submit_tell_and_group_calls(cluster) -> None:
+    t = await cluster.spawn(Tricky)
+    with pytest.raises(TypeError, match="generator method"):
+        t.gen.submit(3)
+    with pytest.raises(TypeError, match="generator method"):
+        t.gen.tell(3)
+    with pytest.raises(TypeError, match="generator method"):
+        await rlactors.ActorGroup([t]).gen(3)
+
+
+async def test_abandoned_stream_frees_the_actor(cluster) -> None:
+    t = await cluster.spawn(Tricky, max_concurrency=1)
+    async for x in t.gen(10**6):
+        if x == 3:
+            break
+    # The dropped stream is cancelled remotely and holds no concurrency slot.
+    assert await asyncio.wait_for(t.ping(), 10) == "pong"
+    async with t.gen(10**6) as s:
+        assert await s.__anext__() == 0
+    assert await asyncio.wait_for(t.ping(), 10) == "pong"
+
+
+async def test_very_long_output_lines_do_not_block_the_worker() -> None:
+    lines: list[str] = []
+    async with rlactors.init(log_sink=lines.append) as cluster:
+        t = await cluster.spawn(Tricky, name="loud")
+        for n in (70_000, 100_000, 100_000, 100_000, 10):
+            assert await asyncio.wait_for(t.print_line(n), 20) == n
+    assert sum(line.count("x") for line in lines) >= 370_000
+
+
+async def test_concurrent_get_if_exists_returns_the_same_live_actor(cluster) -> None:
+    a, b = await asyncio.gather(*(cluster.spawn(Tricky, name="once", get_if_exists=True) for _ in range(2)))
+    assert a == b
+    assert await a.ping() == "pong" and await b.ping() == "pong"

@@ -121,3 +121,13 @@ def test_garbage_frames_only_ever_raise_wire_errors(frames: list[bytes]) -> None
             attempt()
         except wire.WireError:
             pass
+
+
+def test_zero_dim_and_empty_arrays_keep_their_shapes() -> None:
+    torch = pytest.importorskip("torch")
+    assert roundtrip(np.array(3.5)).shape == ()
+    assert roundtrip(np.zeros((0, 3), dtype=np.float32)).shape == (0, 3)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = roundtrip(torch.empty(0, 3, dtype=dtype))
+        assert out.shape == (0, 3) and out.dtype == dtype
+    assert roundtrip(torch.tensor(2.0, dtype=torch.bfloat16)).shape == ()

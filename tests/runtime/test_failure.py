@@ -24,7 +24,9 @@ async def test_kill_9_fails_pending_and_later_calls(cluster) -> None:
     pending = [c.sleep(60) for _ in range(5)]
     os.kill(pid, signal.SIGKILL)
     for fut in pending:
-        with pytest.raises(rlactors.ActorDiedError, match=r"actor victim \(\w+\) died: worker process killed by SIGKILL"):
+        with pytest.raises(
+            rlactors.ActorDiedError, match=r"actor victim \(\w+\) died: worker process killed by SIGKILL"
+        ):
             await asyncio.wait_for(fut, NO_HANG)
     with pytest.raises(rlactors.ActorDiedError):
         await asyncio.wait_for(c.add(1), NO_HANG)
