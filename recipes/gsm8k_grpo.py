@@ -185,9 +185,11 @@ async def start_servers(
             InferenceServerActor,
             kind=s.kind,
             config=server_cfg,
-            env=env,
+            env=env,  # the worker's environment; the server process inherits it
             startup_timeout_s=s.startup_timeout_s,
-            max_restarts=0,
+            # A restarted server would come back with base weights, outside the weight-update
+            # group: let a dead server stay dead; the loop drops it and rollout fails over.
+            server_max_restarts=0,
             name=f"server-{i}",
             resources={"gpu": s.gpus_per_server},
         )
@@ -259,8 +261,11 @@ class Servers:
         ]
 
     async def weight_versions(self, urls: list[str]) -> list[int]:
-        infos = await asyncio.gather(*(self.http.get(f"{u}/get_model_info") for u in urls))
-        return [int(r.json().get("weight_version") or 0) for r in infos]
+        """Weight versions of the servers that answer (one may die at any moment)."""
+        infos = await asyncio.gather(
+            *(self.http.get(f"{u}/get_model_info") for u in urls), return_exceptions=True
+        )
+        return [int(r.json().get("weight_version") or 0) for r in infos if isinstance(r, httpx.Response)]
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -275,9 +280,43 @@ async def evaluate(workflow: Any, urls: list[str], items: list[dict[str, Any]], 
         groups = await asyncio.gather(
             *(workflow.arun_episode(client, it, f"eval/v{version}/{i}") for i, it in enumerate(items))
         )
+    except Exception as e:  # evaluation is a side job: it must not stop training
+        print(f"eval at version {version} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return float("nan")
     finally:
         await client.aclose()
     return sum(g.trajectories[0].reward for g in groups) / max(1, len(groups))
+
+
+async def drop_dead_servers(
+    servers: Servers, live: list[str], ranks: list[Any], rollouts: list[Any]
+) -> list[str]:
+    """Re-form the weight-update group without servers that stopped answering; rollout stops using them."""
+    healthy = await servers.healthy()
+    if healthy == live:
+        return live
+    gone = sorted(set(live) - set(healthy))
+    print(f"servers down: {gone}; re-forming the weight-update group with {len(healthy)}")
+    if not healthy:
+        raise RuntimeError("every inference server is down")
+    for url in gone:
+        await asyncio.gather(*(r.retire_server(url) for r in rollouts))
+    await asyncio.gather(*(r.connect_servers(healthy) for r in ranks))
+    return healthy
+
+
+async def get_batch(buffer: Any, rollouts: list[Any], size: int, version: int, timeout: float) -> Any:
+    """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed)."""
+    try:
+        return await buffer.get_batch(size, version, timeout)
+    except TimeoutError:
+        failures = [
+            s["failure"] for s in await asyncio.gather(*(r.stats() for r in rollouts)) if s.get("failure")
+        ]
+        why = f"rollout failed: {failures}" if failures else f"buffer: {await buffer.stats()}"
+        raise RuntimeError(
+            f"no batch of {size} groups within {timeout:.0f}s at version {version}; {why}"
+        ) from None
 
 
 @dataclass
@@ -406,24 +445,26 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
 
         for step in range(start_step, cfg.run.steps):
             t_wait = time.monotonic()
-            batch = await buffer.get_batch(B, version, cfg.run.batch_timeout_s)
+            batch = await get_batch(buffer, rollouts, B, version, cfg.run.batch_timeout_s)
             t_train = time.monotonic()
             stats = (await asyncio.gather(*(r.train_step(batch) for r in ranks)))[0]
             t_push = time.monotonic()
-            # A server that died is dropped from the weight-update group; rollout fails over on its own.
-            healthy = await servers.healthy()
-            if healthy != live:
-                print(f"servers down: {sorted(set(live) - set(healthy))}; re-forming the weight-update group")
-                live = healthy
-                if not live:
-                    raise RuntimeError("every inference server is down")
-                await asyncio.gather(*(r.connect_servers(live) for r in ranks))
+            live = await drop_dead_servers(servers, live, ranks, rollouts)
             await asyncio.gather(*(r.pause() for r in rollouts))
-            push = (await asyncio.gather(*(r.push_weights() for r in ranks)))[0]
-            version += 1
-            await governor.set_version(version)
-            await asyncio.gather(*(r.set_version(version) for r in rollouts))
-            await asyncio.gather(*(r.resume() for r in rollouts))
+            try:
+                try:
+                    push = (await asyncio.gather(*(r.push_weights() for r in ranks)))[0]
+                except Exception as e:  # a server died during the push: drop it and push again, once
+                    if (healthy := await drop_dead_servers(servers, live, ranks, rollouts)) == live:
+                        raise
+                    print(f"weight push failed ({type(e).__name__}); retrying without the dead server")
+                    live = healthy
+                    push = (await asyncio.gather(*(r.push_weights() for r in ranks)))[0]
+                version += 1
+                await governor.set_version(version)
+                await asyncio.gather(*(r.set_version(version) for r in rollouts))
+            finally:
+                await asyncio.gather(*(r.resume() for r in rollouts))
             t_end = time.monotonic()
 
             trajs = batch.trajectories
@@ -496,12 +537,22 @@ def main(argv: list[str] | None = None) -> int:
         prep = prepare(cfg, args.cluster, args.resume)
         asyncio.run(run(cfg, prep, args.resume))
         report(prep.out)
-    except (ConfigError, FileNotFoundError, rlactors.ClusterError) as e:
-        if isinstance(e, rlactors.ActorDiedError):  # e.g. a trainer rank was killed: the run cannot go on
-            print(f"error: {e}; the run stopped. Continue from the last checkpoint with --resume", file=sys.stderr)
-            return 1
+    except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except rlactors.ActorDiedError as e:  # e.g. a trainer rank was killed: the run cannot go on
+        print(
+            f"error: {e}; the run stopped. Continue from the last checkpoint with --resume", file=sys.stderr
+        )
+        return 1
+    except rlactors.ClusterError as e:  # e.g. no cluster at the given address
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # the run cannot continue (no data coming, every server down, ...)
+        print(
+            f"error: {e}; the run stopped. Continue from the last checkpoint with --resume", file=sys.stderr
+        )
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

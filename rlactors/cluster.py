@@ -86,6 +86,7 @@ class Cluster:
         restarts the actor (constructor re-run) if its process dies; non-``detached``
         actors are stopped when this connection closes.
         """
+        _warn_shadowed_options(cls, kwargs)
         request = {
             "class": class_spec(cls),
             "args": list(args),
@@ -210,6 +211,32 @@ class Cluster:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+SPAWN_OPTIONS = frozenset(
+    ("name", "resources", "max_concurrency", "max_restarts", "env", "node_id", "strategy", "detached",
+     "get_if_exists", "placement")
+)
+_warned: set[type] = set()
+
+
+def _warn_shadowed_options(cls: type, kwargs: dict[str, Any]) -> None:
+    """spawn() keeps its own options; a constructor parameter of the same name never receives them."""
+    if cls in _warned:
+        return
+    import inspect
+
+    try:
+        params = set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return
+    shadowed = sorted(params & SPAWN_OPTIONS)
+    if shadowed:
+        _warned.add(cls)
+        log.warning(
+            "constructor parameters shadowed by spawn() options: pass them positionally",
+            cls=cls.__qualname__, params=shadowed,
+        )
 
 
 class PlacementGroup:

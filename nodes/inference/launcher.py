@@ -250,11 +250,12 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     """
 
     def __init__(self, kind: str = "reference", config: dict | None = None, host: str = "127.0.0.1",
-                 port: int | None = None, env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 600.0, max_restarts: int = 3) -> None:
+                 port: int | None = None, server_env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 600.0, server_max_restarts: int = 3) -> None:
+        # (server_env / server_max_restarts: `env` and `max_restarts` are Cluster.spawn's own options.)
         cls = {"reference": ReferenceServerConfig, "sglang": SGLangServerConfig}[kind]
-        self._sup = ServerSupervisor(cls(**(config or {})), host=host, port=port, env=env,
-                                     startup_timeout_s=startup_timeout_s, max_restarts=max_restarts)
+        self._sup = ServerSupervisor(cls(**(config or {})), host=host, port=port, env=server_env,
+                                     startup_timeout_s=startup_timeout_s, max_restarts=server_max_restarts)
         self._started: asyncio.Task[str] | None = None
 
     async def on_start(self) -> None:

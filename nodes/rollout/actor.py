@@ -158,13 +158,17 @@ class Rollout:
             self.counters["returned_grants"] += unused
             await _aw(self.governor.finish(self.holder_id, 0, unused))
         for gid, item in work:
-            if gid in self._tasks or not await _aw(self.buffer.begin(self.holder_id, gid, item, grant.version)):
+            if gid in self._tasks or not await _aw(
+                self.buffer.begin(self.holder_id, gid, item, grant.version)
+            ):
                 self.counters["refused_begin"] += 1  # already accepted (a replayed source): lease released
                 if gid in self._tasks:
                     await _aw(self.governor.finish(self.holder_id, 0, 1))
                 continue
             self.counters["episodes_started"] += 1
-            self._tasks[gid] = asyncio.get_running_loop().create_task(self._episode(gid, item), name=f"episode-{gid}")
+            self._tasks[gid] = asyncio.get_running_loop().create_task(
+                self._episode(gid, item), name=f"episode-{gid}"
+            )
 
     async def _episode(self, gid: str, item: Any) -> None:
         try:
@@ -241,6 +245,7 @@ class RolloutActor(rlactors.Actor):
         self._autostart = autostart
         self.core: Rollout | None = None
         self._run: asyncio.Task | None = None
+        self.failure: str | None = None
 
     async def on_start(self) -> None:
         a = self._args
@@ -256,7 +261,9 @@ class RolloutActor(rlactors.Actor):
         workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
         client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=a["version"])
         prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"])
-        self.core = Rollout(holder_id, client, workflow, prompts, governor, buffer, RolloutConfig(**(a["config"] or {})))
+        self.core = Rollout(
+            holder_id, client, workflow, prompts, governor, buffer, RolloutConfig(**(a["config"] or {}))
+        )
         if self._autostart:
             await self.start()
 
@@ -265,6 +272,17 @@ class RolloutActor(rlactors.Actor):
         if self._run is None:
             assert self.core is not None
             self._run = asyncio.get_running_loop().create_task(self.core.run(), name="rollout-run")
+            self._run.add_done_callback(self._run_ended)
+
+    def _run_ended(self, task: asyncio.Task) -> None:
+        """Dispatch must not die silently: the trainer would only see batches stop coming."""
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = f"{type(task.exception()).__name__}: {task.exception()}"
+            log.error("rollout.dispatch_failed", error=self.failure)
+
+    async def retire_server(self, url: str) -> bool:
+        """Stop routing to a server that is gone."""
+        return self._core.client.retire(url)
 
     async def pause(self) -> None:
         """Stop dispatch and hold aborted requests for a weight update."""
@@ -279,8 +297,8 @@ class RolloutActor(rlactors.Actor):
         self._core.set_version(version)
 
     async def stats(self) -> dict[str, Any]:
-        """Counters: throughput, aborts, resumes, cached tokens, ..."""
-        return self._core.stats()
+        """Counters: throughput, aborts, resumes, cached tokens, ... and ``failure`` if dispatch died."""
+        return {**self._core.stats(), "failure": self.failure}
 
     async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the prompt source is exhausted and every episode finished; the final stats."""

@@ -294,7 +294,9 @@ class SGLangClient:
             status = finish.get("status_code") if isinstance(finish, dict) else None
             if status is not None and int(status) >= 400:
                 self.counters["errors"] += 1
-                raise GenerationError(f"{server.url} aborted request {rid}: {finish.get('message')} ({status})")
+                raise GenerationError(
+                    f"{server.url} aborted request {rid}: {finish.get('message')} ({status})"
+                )
             res.aborts += 1
             self.counters["aborts"] += 1
             if len(ids) >= budget:
@@ -302,13 +304,23 @@ class SGLangClient:
                 break
             idle_aborts = 0 if chunk_ids else idle_aborts + 1
             if idle_aborts > cfg.max_idle_aborts:
-                raise GenerationError(f"{server.url} aborted request {rid} {idle_aborts} times without progress")
+                raise GenerationError(
+                    f"{server.url} aborted request {rid} {idle_aborts} times without progress"
+                )
             self.counters["resumes"] += 1
         res.text = "".join(texts)
         res.server = server.url
         return res
 
     # -- internals -----------------------------------------------------------------
+
+    def retire(self, url: str) -> bool:
+        """Stop sending to ``url`` (its server is gone); requests running there fail over. Keeps the last one."""
+        url = url.rstrip("/")
+        if url not in self._servers or len(self._servers) == 1:
+            return False
+        del self._servers[url]
+        return True
 
     def _route(self, rid: str) -> _Server:
         """The sticky server for ``rid`` if it is healthy, else the least-loaded healthy one."""
@@ -392,7 +404,9 @@ class SGLangClient:
     async def _abort_quietly(self, server: _Server, rid: str) -> None:
         """Best effort: a timed-out request may still run on a hung-but-alive server."""
         try:
-            await server.any_lane().http.post("/abort_request", json={"rid": rid}, timeout=self.config.connect_timeout_s)
+            await server.any_lane().http.post(
+                "/abort_request", json={"rid": rid}, timeout=self.config.connect_timeout_s
+            )
         except httpx.HTTPError:
             pass
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import zmq
@@ -20,7 +21,8 @@ NO_HANG = 10
 async def test_kill_9_fails_pending_and_later_calls(cluster) -> None:
     c = await cluster.spawn(Counter, name="victim")
     pid = await c.pid()
-    assert "rlactors.worker victim" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()  # noqa: ASYNC240
+    assert "rlactors.worker victim" in cmdline
     pending = [c.sleep(60) for _ in range(5)]
     os.kill(pid, signal.SIGKILL)
     for fut in pending:
