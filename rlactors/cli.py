@@ -46,10 +46,10 @@ def _launch(cmd: list[str], log: Path, cwd: str | None = None) -> subprocess.Pop
         )
 
 
-async def _nodes(address: str, secret: str) -> list[dict[str, Any]]:
+async def _nodes(address: str, secret: str, security: str) -> list[dict[str, Any]]:
     from rlactors.cluster import connect
 
-    cluster = await connect(address, secret_file=secret, timeout=5)
+    cluster = await connect(address, secret_file=secret, timeout=5, security=security)
     try:
         return await cluster.nodes()
     finally:
@@ -81,6 +81,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         str(secret),
         "--node-timeout",
         str(cfg.head.node_timeout),
+        "--security",
+        cfg.cluster.security,
     ]
     head_log = log_dir / "head.log"
     head = _launch(head_cmd, head_log)
@@ -89,6 +91,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         "secret_file": str(secret),
         "config": str(Path(args.config).resolve()),
         "head_pid": head.pid,
+        "security": cfg.cluster.security,
         "agents": {},
         "log_dir": str(log_dir),
     }
@@ -102,7 +105,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                         f"the head exited with code {head.returncode}; its log ({head_log}):\n{_tail(head_log)}"
                     )
                 try:
-                    asyncio.run(_nodes(cfg.address, str(secret)))
+                    asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security))
                     break
                 except ClusterError:
                     if time.monotonic() > deadline:
@@ -129,7 +132,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             want = {n.node_id: n for n in cfg.nodes}
             while True:
                 registered = {
-                    n["node_id"] for n in asyncio.run(_nodes(cfg.address, str(secret))) if n["alive"]
+                    n["node_id"] for n in asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security)) if n["alive"]
                 }
                 pending = [nid for nid in want if nid not in registered]
                 status.update(
@@ -219,10 +222,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _down(address: str, secret: str) -> int:
+async def _down(address: str, secret: str, security: str) -> int:
     from rlactors.cluster import connect
 
-    cluster = await connect(address, secret_file=secret, timeout=5)
+    cluster = await connect(address, secret_file=secret, timeout=5, security=security)
     try:
         return await cluster._client.head_call("shutdown_cluster")
     finally:
@@ -252,7 +255,7 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 def cmd_down(args: argparse.Namespace) -> int:
     state = _load_state()
     try:
-        n = asyncio.run(_down(state["address"], state["secret_file"]))
+        n = asyncio.run(_down(state["address"], state["secret_file"], state.get("security", "curve")))
         console.print(f"stopped {n} node agent(s) and the head")
     except ClusterError as e:
         console.print(f"[yellow]head not reachable ({e}); killing recorded processes[/]")

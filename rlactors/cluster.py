@@ -294,6 +294,7 @@ async def _start_local(
     node_timeout: float,
     log_sink: Any,
     client_timeout: float | None = None,
+    mechanism: str = "curve",
 ) -> Cluster:
     _ensure_logging()
     session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
@@ -302,7 +303,7 @@ async def _start_local(
     if address.startswith("tcp://"):
         # Over TCP every peer must authenticate; make a secret for this session if none given.
         secret_file = secret_file or str(new_secret_file(session_dir / "secret"))
-        security = Security(load_secret(secret_file))
+        security = Security(load_secret(secret_file), mechanism)
         bind = address
         transport, host = "tcp", address.removeprefix("tcp://").rsplit(":", 1)[0]
     elif address == "ipc":
@@ -371,6 +372,7 @@ def init(
     node_timeout: float = 5.0,
     log_sink: Any = None,
     client_timeout: float | None = None,
+    security: str = "curve",
 ) -> _Starter:
     """Start an embedded local cluster (head + one node agent) on the running loop.
 
@@ -378,16 +380,21 @@ def init(
     ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
     processes can :func:`connect` with the secret. Non-detached actors of a client that
     stops heartbeating for ``client_timeout`` seconds (default max(10, 3 * node_timeout))
-    are stopped. Use as ``async with rlactors.init() as c``
+    are stopped. ``security="plain"`` authenticates TCP peers without encrypting traffic
+    (trusted networks only; see :class:`rlactors.security.Security`). Use as ``async with rlactors.init() as c``
     or ``c = await rlactors.init()`` … ``await c.close()``.
     """
     return _Starter(
-        lambda: _start_local(resources, address, secret_file, node_timeout, log_sink, client_timeout)
+        lambda: _start_local(resources, address, secret_file, node_timeout, log_sink, client_timeout, security)
     )
 
 
 def connect(
-    address: str | None = None, *, secret_file: str | None = None, timeout: float | None = None
+    address: str | None = None,
+    *,
+    secret_file: str | None = None,
+    timeout: float | None = None,
+    security: str | None = None,
 ) -> _Starter:
     """Join an existing cluster from this process's running loop.
 
@@ -400,9 +407,10 @@ def connect(
         from rlactors.config import resolve_connect
 
         _ensure_logging()
-        addr, secret = resolve_connect(address, secret_file)
-        security = Security(load_secret(secret)) if secret and addr.startswith("tcp://") else None
-        client = RuntimeClient(addr, security)
+        addr, secret, state_mechanism = resolve_connect(address, secret_file)
+        mechanism = security or os.environ.get("RLACTORS_SECURITY") or state_mechanism or "curve"
+        sec = Security(load_secret(secret), mechanism) if secret and addr.startswith("tcp://") else None
+        client = RuntimeClient(addr, sec)
         await client.start(timeout=timeout or float(os.environ.get("RLACTORS_CONNECT_TIMEOUT", "30")))
         set_current(client)
         return Cluster(client)

@@ -78,6 +78,7 @@ class ClusterSection:
     log_dir: str = "~/.rlactors/logs"
     python: str = "python3"
     start_timeout: float = 120.0  # seconds `rlactors up` waits for every node to register
+    security: Literal["curve", "plain"] = "curve"  # plain: authenticated, not encrypted (trusted networks)
 
 
 @dataclass
@@ -138,6 +139,8 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
         log_dir,
         "--resources",
         json.dumps(node.resources),
+        "--security",
+        cfg.cluster.security,
     ]
     for k, v in sorted(node.env.items()):
         inner += ["--env", f"{k}={v}"]
@@ -162,15 +165,18 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
     ]
 
 
-def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, str | None]:
-    """The head address and secret file for ``connect()``: arguments, then env, then ``rlactors up``'s state."""
+def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, str | None, str | None]:
+    """Head address, secret file and security mechanism for ``connect()``: arguments, then env,
+    then ``rlactors up``'s state."""
     addr = address or os.environ.get("RLACTORS_ADDRESS")
     secret = secret_file or os.environ.get("RLACTORS_SECRET_FILE")
+    mechanism = None
     sf = state_file()
     if addr is None and sf.exists():
         state = json.loads(sf.read_text())
         addr = state.get("address")
         secret = secret or state.get("secret_file")
+        mechanism = state.get("security")
     if addr is None:
         raise ClusterError(
             "no cluster address: pass one to connect(), set RLACTORS_ADDRESS, or start a cluster with `rlactors up cluster.toml`"
@@ -179,4 +185,4 @@ def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, 
         raise ClusterError(
             f"connecting to {addr} needs the cluster's secret file (secret_file= or RLACTORS_SECRET_FILE)"
         )
-    return addr, secret
+    return addr, secret, mechanism

@@ -31,7 +31,7 @@ log = structlog.get_logger("rlactors.daemons")
 
 async def run_head(args: argparse.Namespace) -> int:
     rlog.configure(role="head")
-    security = Security(load_secret(args.secret_file))
+    security = Security(load_secret(args.secret_file), args.security)
     service = Service(name="head", max_concurrency=None, security=security)
     head = Head(security, node_timeout=args.node_timeout)
     address = service.bind(args.bind)
@@ -53,7 +53,7 @@ async def run_head(args: argparse.Namespace) -> int:
 
 async def run_agent(args: argparse.Namespace) -> int:
     rlog.configure(role="agent", node=args.node_id)
-    security = Security(load_secret(args.secret_file))
+    security = Security(load_secret(args.secret_file), args.security)
     resources = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
     resources.update({k: float(v) for k, v in json.loads(args.resources or "{}").items()})
     session_dir = Path(tempfile.mkdtemp(prefix=f"rlx-{args.node_id}-", dir="/tmp"))
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--bind", required=True)
     h.add_argument("--secret-file", required=True)
     h.add_argument("--node-timeout", type=float, default=5.0)
+    h.add_argument("--security", choices=["curve", "plain"], default="curve")
     a = sub.add_parser("agent")
     a.add_argument("--head", required=True)
     a.add_argument("--node-id", required=True)
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--workdir", default="")
     a.add_argument("--env", action="append")
     a.add_argument("--connect-timeout", type=float, default=60.0)
+    a.add_argument("--security", choices=["curve", "plain"], default="curve")
     args = ap.parse_args(argv)
     if args.role == "agent":
         if args.workdir:

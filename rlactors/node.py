@@ -156,6 +156,7 @@ class NodeAgent:
         )
         if self.secret_file:
             env["RLACTORS_SECRET_FILE"] = self.secret_file
+            env["RLACTORS_SECURITY"] = self.security.mechanism if self.security is not None else "curve"
         if spec.get("gpus") or self.resources.get("gpu"):
             # Placement hands out indices 0..n-1 of the GPUs this agent sees; map them through the
             # agent's own CUDA_VISIBLE_DEVICES (a Slurm job or a shared host may restrict it).

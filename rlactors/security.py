@@ -34,28 +34,48 @@ def _derive_keypair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
-class Security:
-    """CURVE settings for a cluster, derived from its secret. Never logs or prints the secret."""
+MECHANISMS = ("curve", "plain")
 
-    def __init__(self, secret: bytes) -> None:
+
+class Security:
+    """Socket authentication for a cluster, derived from its secret. Never logs or prints the secret.
+
+    ``curve`` (default): CURVE handshake and encryption of every byte. ``plain``: the peer
+    proves it knows a token derived from the secret (ZMQ PLAIN + ZAP) and traffic is not
+    encrypted — for trusted networks (an HPC fabric) where encrypting tensors costs too much;
+    a sniffer on the network could capture the token, never the secret file itself.
+    """
+
+    def __init__(self, secret: bytes, mechanism: str = "curve") -> None:
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"security mechanism must be one of {MECHANISMS}, not {mechanism!r}")
+        self.mechanism = mechanism
         self.server_public, self._server_secret = _derive_keypair(secret, b"server")
         self.client_public, self._client_secret = _derive_keypair(secret, b"client")
+        self._token = hashlib.blake2b(secret, key=b"rlactors-plain-v1", digest_size=24).hexdigest().encode()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._auth_lock = threading.Lock()
 
     def __repr__(self) -> str:  # keep keys out of logs and tracebacks
-        return "Security(curve)"
+        return f"Security({self.mechanism})"
 
     def apply_server(self, sock: zmq.Socket) -> None:
         self._ensure_authenticator(sock.context)
+        sock.zap_domain = b"rlactors"
+        if self.mechanism == "plain":
+            sock.plain_server = True
+            return
         sock.curve_secretkey = self._server_secret
         sock.curve_publickey = self.server_public
         sock.curve_server = True
-        sock.zap_domain = b"rlactors"
 
     def apply_client(self, sock: zmq.Socket) -> None:
+        if self.mechanism == "plain":
+            sock.plain_username = b"rlactors"
+            sock.plain_password = self._token
+            return
         sock.curve_serverkey = self.server_public
         sock.curve_publickey = self.client_public
         sock.curve_secretkey = self._client_secret
@@ -66,9 +86,10 @@ class Security:
                 return
             auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=_ZapLog())
             auth.start()
-            auth.configure_curve_callback(
-                domain="rlactors", credentials_provider=_Provider(self.client_public)
-            )
+            if self.mechanism == "plain":
+                auth.configure_plain(domain="rlactors", passwords={"rlactors": self._token.decode()})
+            else:
+                auth.configure_curve_callback(domain="rlactors", credentials_provider=_Provider(self.client_public))
             self._auth = auth
 
     def stop(self) -> None:

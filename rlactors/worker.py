@@ -52,7 +52,8 @@ async def main() -> int:
     parent = int(os.environ.get("RLACTORS_PARENT_PID", os.getppid()))
     _die_with_parent(parent)
     secret_file = os.environ.get("RLACTORS_SECRET_FILE")
-    security = Security(load_secret(secret_file)) if secret_file else None
+    mechanism = os.environ.get("RLACTORS_SECURITY", "curve")
+    security = Security(load_secret(secret_file), mechanism) if secret_file else None
     agent = Connection(os.environ["RLACTORS_AGENT"], security, name="agent")
     spec: dict[str, Any] = await asyncio.wait_for(
         agent.call("worker_hello", (actor_id,), {}, target="agent"), 60

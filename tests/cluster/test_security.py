@@ -7,6 +7,7 @@ import os
 import random
 
 import zmq
+import pytest
 import zmq.asyncio
 
 import rlactors
@@ -104,3 +105,28 @@ async def test_random_frames_at_a_live_worker_never_crash_it(cluster) -> None:
         ctx.term()
     assert await c.value() == 5
     assert await c.add(1) == 6
+
+
+async def test_plain_mechanism_authenticates_without_encryption() -> None:
+    async with rlactors.init(address="tcp://127.0.0.1:0", security="plain") as cluster:
+        c = await cluster.spawn(Counter, 0)
+        assert await c.add(2) == 2  # workers and the driver speak PLAIN with the derived token
+        ctx = zmq.asyncio.Context()
+        try:
+            anonymous = ctx.socket(zmq.DEALER)
+            anonymous.connect(c.address)
+            wrong = ctx.socket(zmq.DEALER)
+            Security(os.urandom(32), "plain").apply_client(wrong)  # another cluster's token
+            wrong.connect(c.address)
+            for sock in (anonymous, wrong):
+                assert await _send_and_listen(sock, _call("add", 100)) == []
+                sock.close(linger=0)
+        finally:
+            ctx.term()
+        assert await c.value() == 2
+        # A client must use the cluster's mechanism: CURVE keys are refused by a PLAIN cluster.
+        with pytest.raises(rlactors.ClusterError, match="no head answered"):
+            await rlactors.connect(cluster.address, secret_file=cluster.secret_file, timeout=2, security="curve")
+        other = await rlactors.connect(cluster.address, secret_file=cluster.secret_file, security="plain")
+        assert len(await other.nodes()) == 1
+        await other._client.close()
