@@ -79,7 +79,8 @@ def rank_main(model: str, url: str, out: str, push_reps: int) -> None:
     stats = trainer.train_step(synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120)))
     result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
 
-    pusher = WeightPusher(trainer.model, PushConfig(bucket_bytes=256 << 20, pause_mode="retract"),
+    bucket_mib = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "256"))
+    pusher = WeightPusher(trainer.model, PushConfig(bucket_bytes=bucket_mib << 20, pause_mode="retract"),
                           model_config_dir=model)
     pusher.connect([url])
     for flat in (True, False):
@@ -169,7 +170,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["balance", "ranks"], default=None)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--push-reps", type=int, default=3)
+    ap.add_argument("--bucket-mib", type=int, default=256, help="weight-push bucket size")
     a = ap.parse_args()
+    os.environ["RLACTORS_BENCH_BUCKET_MIB"] = str(a.bucket_mib)
     if a.only in (None, "balance"):
         print("## FFD vs round-robin: max/mean tokens per rank (64 groups x 8, log-normal lengths, 20 seeds)")
         print(f"{'sigma':>6} {'ranks':>5} {'FFD mean':>9} {'FFD max':>8} {'RR mean':>8} {'RR max':>7}")

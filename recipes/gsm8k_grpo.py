@@ -563,5 +563,6 @@ if __name__ == "__main__":
     # Actors inherit this environment: keep their output to warnings (the step line is what matters).
     os.environ.setdefault("RLACTORS_LOG_LEVEL", "WARNING")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' weight-loading bars
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(main())
