@@ -6,8 +6,8 @@ import asyncio
 import os
 import random
 
-import zmq
 import pytest
+import zmq
 import zmq.asyncio
 
 import rlactors
