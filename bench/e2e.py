@@ -122,7 +122,13 @@ def measure(rows: list[dict], warmup: int) -> dict[str, float]:
 def run_recipe(setting: str, eta: int, steps: int, warmup: int, out_root: Path, timeout: float) -> RunResult:
     """One recipe run as a subprocess; its metrics.jsonl measured."""
     out = out_root / f"{setting}-eta{eta}"
-    args = [*COMMON, *SETTINGS[setting], f"async.max_staleness={eta}", f"run.steps={steps}", f"run.out_dir={out}"]
+    args = [
+        *COMMON,
+        *SETTINGS[setting],
+        f"async.max_staleness={eta}",
+        f"run.steps={steps}",
+        f"run.out_dir={out}",
+    ]
     res = RunResult(setting, eta)
     env = {
         **os.environ,
@@ -135,7 +141,12 @@ def run_recipe(setting: str, eta: int, steps: int, warmup: int, out_root: Path, 
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, str(RECIPE), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, str(RECIPE), *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         res.error = f"timed out after {timeout:.0f} s"
@@ -169,10 +180,14 @@ def table(results: list[RunResult]) -> str:
     for r in results:
         mode = "sync (eta=0)" if r.eta == 0 else f"async (eta={r.eta})"
         if r.error:
-            lines.append(f"| {r.setting} | {mode} | failed: {r.error.splitlines()[-1][:120]} | | | | | | | | |")
+            lines.append(
+                f"| {r.setting} | {mode} | failed: {r.error.splitlines()[-1][:120]} | | | | | | | | |"
+            )
             continue
         base = sync.get(r.setting)
-        ratio = f"**{r.samples_per_s / base.samples_per_s:.2f}x**" if r.eta and base and not base.error else "1"
+        ratio = (
+            f"**{r.samples_per_s / base.samples_per_s:.2f}x**" if r.eta and base and not base.error else "1"
+        )
         lines.append(
             f"| {r.setting} | {mode} | {r.steps} | {r.samples_per_s:.2f} | {r.s_per_step:.1f} | {r.wait_s:.1f} "
             f"| {r.train_s:.1f} | {r.push_s:.2f} | {r.staleness_mean:.2f}/{r.staleness_max} | {ratio} "
@@ -183,7 +198,9 @@ def table(results: list[RunResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=sorted(SETTINGS), action="append", help="setting(s) to run (default: all)")
+    ap.add_argument(
+        "--only", choices=sorted(SETTINGS), action="append", help="setting(s) to run (default: all)"
+    )
     ap.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the measurement")
     ap.add_argument("--eta", type=int, default=2, help="max staleness of the asynchronous run")

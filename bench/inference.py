@@ -50,8 +50,13 @@ def load_generate(ckpt: Path, prompts: list[list[int]], threads: int) -> Callabl
     def run(new_tokens: int) -> float:
         with torch.inference_mode():
             t = time.perf_counter()
-            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+            )
             return len(prompts) * new_tokens / (time.perf_counter() - t)
 
     run(4)  # warm-up
@@ -64,7 +69,9 @@ async def server_once(url: str, prompts: list[list[int]], new_tokens: int) -> fl
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         assert (await c.post("/flush_cache")).status_code == 200  # prefill for real, as generate does
         t = time.perf_counter()
-        rs = await asyncio.gather(*[c.post("/generate", json={"input_ids": p, "sampling_params": sp}) for p in prompts])
+        rs = await asyncio.gather(
+            *[c.post("/generate", json={"input_ids": p, "sampling_params": sp}) for p in prompts]
+        )
         dt = time.perf_counter() - t
     assert all(len(r.json()["output_ids"]) == new_tokens for r in rs)
     return len(prompts) * new_tokens / dt
@@ -76,7 +83,9 @@ async def bench_resume(url: str, prompt_len: int, min_partial: int) -> tuple[int
     sp = {"max_new_tokens": 100000, "temperature": 0.0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         await c.post("/flush_cache")
-        task = asyncio.create_task(c.post("/generate", json={"input_ids": prompt, "rid": "bench-resume", "sampling_params": sp}))
+        task = asyncio.create_task(
+            c.post("/generate", json={"input_ids": prompt, "rid": "bench-resume", "sampling_params": sp})
+        )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             load = (await c.get("/get_load")).json()[0]
@@ -106,10 +115,16 @@ async def _raw_client(host: str, port: int, left: list[int], i: int, new_tokens:
     import json
 
     reader, writer = await asyncio.open_connection(host, port)
-    body = json.dumps({"input_ids": [1, 2, 3, 10 + i % 1000],
-                       "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}}).encode()
-    req = (b"POST /generate HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    body = json.dumps(
+        {
+            "input_ids": [1, 2, 3, 10 + i % 1000],
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True},
+        }
+    ).encode()
+    req = (
+        b"POST /generate HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    ) + body
     tokens = 0
     try:
         while left[0] > 0:
@@ -117,7 +132,9 @@ async def _raw_client(host: str, port: int, left: list[int], i: int, new_tokens:
             writer.write(req)
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            length = next(
+                int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")
+            )
             tokens += len(json.loads(await reader.readexactly(length))["output_ids"])
     finally:
         writer.close()
@@ -129,7 +146,9 @@ async def bench_sim(url: str, concurrency: int, total: int, new_tokens: int) -> 
     host, port = url.split("//")[1].split(":")
     left = [total]
     t = time.perf_counter()
-    tokens = sum(await asyncio.gather(*[_raw_client(host, int(port), left, i, new_tokens) for i in range(concurrency)]))
+    tokens = sum(
+        await asyncio.gather(*[_raw_client(host, int(port), left, i, new_tokens) for i in range(concurrency)])
+    )
     dt = time.perf_counter() - t
     return total / dt, tokens / dt
 
@@ -142,7 +161,7 @@ def write_section(text: str) -> None:
         new = old.rstrip() + "\n\n" + text
     else:
         end = old.find("\n## ", start + 1)
-        new = old[:start] + text.rstrip() + "\n\n" + (old[end + 1:] if end >= 0 else "")
+        new = old[:start] + text.rstrip() + "\n\n" + (old[end + 1 :] if end >= 0 else "")
     RESULTS.write_text(new.rstrip() + "\n")
 
 
@@ -161,8 +180,9 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     ckpt = ensure_smollm2_checkpoint()
     prompts = make_prompts(args.batch, args.prompt_len)
-    with reference_server(["--backend", "hf", "--model-path", str(ckpt), "--num-threads", str(args.threads)],
-                          timeout_s=300) as url:
+    with reference_server(
+        ["--backend", "hf", "--model-path", str(ckpt), "--num-threads", str(args.threads)], timeout_s=300
+    ) as url:
         generate = load_generate(ckpt, prompts, args.threads)
         asyncio.run(server_once(url, prompts, 4))  # warm-up
         base = ours = 0.0
@@ -172,17 +192,21 @@ def main() -> None:
         print(f"transformers generate batch {args.batch}: {base:.1f} tok/s")
         print(f"reference server hf, {args.batch} concurrent: {ours:.1f} tok/s  ratio {ours / base:.2f}")
         prefix, cached, cold_s, resumed_s = asyncio.run(bench_resume(url, 256, 32))
-        print(f"resume: {cached}/{prefix} prefix tokens from cache ({100 * cached / prefix:.1f}%), "
-              f"first token {resumed_s * 1000:.0f} ms vs {cold_s * 1000:.0f} ms cold")
+        print(
+            f"resume: {cached}/{prefix} prefix tokens from cache ({100 * cached / prefix:.1f}%), "
+            f"first token {resumed_s * 1000:.0f} ms vs {cold_s * 1000:.0f} ms cold"
+        )
     with reference_server(["--backend", "sim", "--max-running-requests", str(args.sim_concurrency)]) as url:
         rps, tps = asyncio.run(bench_sim(url, args.sim_concurrency, args.sim_requests, 32))
         print(f"sim, {args.sim_concurrency} concurrent clients: {rps:.0f} req/s, {tps:.0f} tok/s")
 
     if args.no_write:
         return
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, no GPU, "
-               f"1-min load average {load_before:.1f} at start / {os.getloadavg()[0]:.1f} at end "
-               "(absolute tok/s depend on what else runs; the ratios are measured side by side)")
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, no GPU, "
+        f"1-min load average {load_before:.1f} at start / {os.getloadavg()[0]:.1f} at end "
+        "(absolute tok/s depend on what else runs; the ratios are measured side by side)"
+    )
     write_section(
         "## Inference\n\n"
         f"Command: `python bench/inference.py` (threads={args.threads}, prompt {args.prompt_len} tokens, "

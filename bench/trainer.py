@@ -41,13 +41,23 @@ def bench_balance() -> list[dict]:
                 n_groups, group_size = 64, 8
                 lengths = skewed_lengths(n_groups * group_size, rng, median=300, sigma=sigma, hi=8192)
                 prompts = [rng.randint(50, 300) for _ in range(n_groups)]
-                sizes = [sum(prompts[g] + lengths[g * group_size + i] for i in range(group_size))
-                         for g in range(n_groups)]
+                sizes = [
+                    sum(prompts[g] + lengths[g * group_size + i] for i in range(group_size))
+                    for g in range(n_groups)
+                ]
                 loads = lambda bins, s=sizes: [sum(s[i] for i in b) for b in bins]  # noqa: E731
                 ffd.append(imbalance(loads(split_across_ranks(sizes, n_ranks))))
                 rr.append(imbalance(loads(round_robin(sizes, n_ranks))))
-            rows.append({"sigma": sigma, "ranks": n_ranks, "ffd_mean": sum(ffd) / len(ffd), "ffd_max": max(ffd),
-                         "rr_mean": sum(rr) / len(rr), "rr_max": max(rr)})
+            rows.append(
+                {
+                    "sigma": sigma,
+                    "ranks": n_ranks,
+                    "ffd_mean": sum(ffd) / len(ffd),
+                    "ffd_max": max(ffd),
+                    "rr_mean": sum(rr) / len(rr),
+                    "rr_max": max(rr),
+                }
+            )
     return rows
 
 
@@ -76,12 +86,15 @@ def rank_main(model: str, url: str, out: str, push_reps: int) -> None:
     result: dict = {}
     batch = synthetic_batch(4, 2, seed=0, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
     trainer.train_step(batch)  # warm-up
-    stats = trainer.train_step(synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120)))
+    stats = trainer.train_step(
+        synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
+    )
     result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
 
     bucket_mib = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "256"))
-    pusher = WeightPusher(trainer.model, PushConfig(bucket_bytes=bucket_mib << 20, pause_mode="retract"),
-                          model_config_dir=model)
+    pusher = WeightPusher(
+        trainer.model, PushConfig(bucket_bytes=bucket_mib << 20, pause_mode="retract"), model_config_dir=model
+    )
     pusher.connect([url])
     for flat in (True, False):
         pusher.cfg.flattened_bucket = flat
@@ -92,15 +105,21 @@ def rank_main(model: str, url: str, out: str, push_reps: int) -> None:
             s = pusher.push(trainer.version)
             times.append(time.perf_counter() - t0)
             parts.append((s.get("gather_s", 0.0), s.get("wait_s", 0.0)))
-        result["push" if flat else "push_per_tensor"] = {"times_s": times, "bytes": s["push_bytes"], "parts": parts}
+        result["push" if flat else "push_per_tensor"] = {
+            "times_s": times,
+            "bytes": s["push_bytes"],
+            "parts": parts,
+        }
     pusher.close()
 
     # raw baseline: rank 0 broadcasts the same bytes to a process that only receives
     if rank == 0:
         nbytes = int(s["push_bytes"])
         port = free_port()
-        recv = subprocess.Popen([sys.executable, __file__, "_recv", str(port), str(nbytes), str(push_reps)],
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        recv = subprocess.Popen(
+            [sys.executable, __file__, "_recv", str(port), str(nbytes), str(push_reps)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         timeout = datetime.timedelta(seconds=120)
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout)
         pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
@@ -143,11 +162,22 @@ def bench_ranks(model_name: str, push_reps: int) -> dict:
     args = ["--backend", "hf", "--model-path", model, "--dtype", "float32", "--num-threads", "1"]
     with reference_server(args, timeout_s=300) as url:
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "_rank", model, url, out, str(push_reps)],
-                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                       "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-                 for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "_rank", model, url, out, str(push_reps)],
+                env={
+                    **os.environ,
+                    "RANK": str(r),
+                    "WORLD_SIZE": "2",
+                    "LOCAL_RANK": str(r),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": str(ROOT),
+                },
+            )
+            for r in range(2)
+        ]
         try:
             for p in procs:
                 if p.wait(timeout=1200) != 0:
@@ -177,24 +207,32 @@ def main() -> None:
         print("## FFD vs round-robin: max/mean tokens per rank (64 groups x 8, log-normal lengths, 20 seeds)")
         print(f"{'sigma':>6} {'ranks':>5} {'FFD mean':>9} {'FFD max':>8} {'RR mean':>8} {'RR max':>7}")
         for r in bench_balance():
-            print(f"{r['sigma']:>6} {r['ranks']:>5} {r['ffd_mean']:>9.4f} {r['ffd_max']:>8.4f} "
-                  f"{r['rr_mean']:>8.3f} {r['rr_max']:>7.3f}")
+            print(
+                f"{r['sigma']:>6} {r['ranks']:>5} {r['ffd_mean']:>9.4f} {r['ffd_max']:>8.4f} "
+                f"{r['rr_mean']:>8.3f} {r['rr_max']:>7.3f}"
+            )
     if a.only in (None, "ranks"):
         res = bench_ranks(a.model, a.push_reps)
         t = res["train"]
-        print(f"## training, 2 CPU ranks ({a.model}, fp32): {t['tokens_per_s']:.1f} tokens/s "
-              f"({t['n_tokens']:.0f} tokens, step {t['step_time_s']:.2f} s incl. proximal recompute "
-              f"{t['prox_time_s']:.2f} s)")
+        print(
+            f"## training, 2 CPU ranks ({a.model}, fp32): {t['tokens_per_s']:.1f} tokens/s "
+            f"({t['n_tokens']:.0f} tokens, step {t['step_time_s']:.2f} s incl. proximal recompute "
+            f"{t['prox_time_s']:.2f} s)"
+        )
         raw = min(res["raw_broadcast_s"])
         fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
-        print(f"## weight push ({res['push']['bytes'] / 2**20:.0f} MiB), 2 FSDP ranks -> reference server, "
-              f"pause retract + session; raw gloo broadcast best {raw:.3f} s (all: {fmt(res['raw_broadcast_s'])})")
+        print(
+            f"## weight push ({res['push']['bytes'] / 2**20:.0f} MiB), 2 FSDP ranks -> reference server, "
+            f"pause retract + session; raw gloo broadcast best {raw:.3f} s (all: {fmt(res['raw_broadcast_s'])})"
+        )
         for key, label in (("push", "flattened buckets"), ("push_per_tensor", "per-tensor")):
             times = res[key]["times_s"]
             best = min(range(len(times)), key=times.__getitem__)
             g, w = res[key]["parts"][best]
-            print(f"   {label:>17}: best {times[best]:.3f} s (gather {g:.3f} s, broadcast+server {w:.3f} s; "
-                  f"all: {fmt(times)}) ratio {times[best] / raw:.2f}x (target <= 1.3x)")
+            print(
+                f"   {label:>17}: best {times[best]:.3f} s (gather {g:.3f} s, broadcast+server {w:.3f} s; "
+                f"all: {fmt(times)}) ratio {times[best] / raw:.2f}x (target <= 1.3x)"
+            )
 
 
 if __name__ == "__main__":

@@ -60,7 +60,9 @@ class BufferConfig:
         if self.order not in ("admission", "arrival"):
             raise ValueError(f"BufferConfig.order must be 'admission' or 'arrival', got {self.order!r}")
         if self.on_holder_death not in ("requeue", "report"):
-            raise ValueError(f"BufferConfig.on_holder_death must be 'requeue' or 'report', got {self.on_holder_death!r}")
+            raise ValueError(
+                f"BufferConfig.on_holder_death must be 'requeue' or 'report', got {self.on_holder_death!r}"
+            )
 
 
 @dataclass
@@ -168,7 +170,9 @@ class TrajectoryBuffer:
         else:
             self.lost.extend(out)
             self._c["reported_lost"] += len(orphans)
-        log.info("buffer.holder_died", holder=holder_id, orphans=len(orphans), action=self.config.on_holder_death)
+        log.info(
+            "buffer.holder_died", holder=holder_id, orphans=len(orphans), action=self.config.on_holder_death
+        )
         self._notify()
         return out
 

@@ -187,7 +187,9 @@ class StalenessGovernor:
     def set_version(self, version: int) -> None:
         """The trainer published ``version``; capacity grows by B per version."""
         if version < self.version:
-            raise ValueError(f"version went backwards: {self.version} -> {version}; use recover() after a resume")
+            raise ValueError(
+                f"version went backwards: {self.version} -> {version}; use recover() after a resume"
+            )
         self.version = version
         self._notify()
 
@@ -257,7 +259,9 @@ async def watch_holder(holder_id: str, actor_id: str, on_death: Any) -> None:
 class GovernorActor(rlactors.Actor):
     """The governor as an actor: one per job; rollout actors register, then acquire."""
 
-    def __init__(self, batch_size: int, max_staleness: int = 2, max_concurrent: int = 1024, version: int = 0) -> None:
+    def __init__(
+        self, batch_size: int, max_staleness: int = 2, max_concurrent: int = 1024, version: int = 0
+    ) -> None:
         self.core = StalenessGovernor(GovernorConfig(batch_size, max_staleness, max_concurrent), version)
         self._watches: dict[str, asyncio.Task] = {}
 

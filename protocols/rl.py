@@ -63,12 +63,18 @@ class Trajectory:
     def validate(self) -> None:
         """Raise TrajectoryError unless the per-token lists line up and masks are consistent."""
         n = len(self.input_ids)
-        lens = {"loss_mask": len(self.loss_mask), "logprobs": len(self.logprobs), "versions": len(self.versions)}
+        lens = {
+            "loss_mask": len(self.loss_mask),
+            "logprobs": len(self.logprobs),
+            "versions": len(self.versions),
+        }
         bad = {k: v for k, v in lens.items() if v != n}
         if bad:
             raise TrajectoryError(f"trajectory {self.group_id!r}: len(input_ids)={n} but {bad}")
         if not 0 <= self.prompt_len <= n:
-            raise TrajectoryError(f"trajectory {self.group_id!r}: prompt_len={self.prompt_len} outside [0, {n}]")
+            raise TrajectoryError(
+                f"trajectory {self.group_id!r}: prompt_len={self.prompt_len} outside [0, {n}]"
+            )
         if any(m not in (0, 1) for m in self.loss_mask):
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask must hold only 0/1")
         if any(self.loss_mask[: self.prompt_len]):
@@ -77,7 +83,9 @@ class Trajectory:
             if m and v < 0:
                 raise TrajectoryError(f"trajectory {self.group_id!r}: generated token {i} has no version")
             if not m and v != -1:
-                raise TrajectoryError(f"trajectory {self.group_id!r}: masked token {i} has version {v}, want -1")
+                raise TrajectoryError(
+                    f"trajectory {self.group_id!r}: masked token {i} has version {v}, want -1"
+                )
 
 
 @register

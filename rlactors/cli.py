@@ -132,7 +132,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             want = {n.node_id: n for n in cfg.nodes}
             while True:
                 registered = {
-                    n["node_id"] for n in asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security)) if n["alive"]
+                    n["node_id"]
+                    for n in asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security))
+                    if n["alive"]
                 }
                 pending = [nid for nid in want if nid not in registered]
                 status.update(

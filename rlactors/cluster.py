@@ -214,8 +214,18 @@ class Cluster:
 
 
 SPAWN_OPTIONS = frozenset(
-    ("name", "resources", "max_concurrency", "max_restarts", "env", "node_id", "strategy", "detached",
-     "get_if_exists", "placement")
+    (
+        "name",
+        "resources",
+        "max_concurrency",
+        "max_restarts",
+        "env",
+        "node_id",
+        "strategy",
+        "detached",
+        "get_if_exists",
+        "placement",
+    )
 )
 _warned: set[type] = set()
 
@@ -235,7 +245,8 @@ def _warn_shadowed_options(cls: type, kwargs: dict[str, Any]) -> None:
         _warned.add(cls)
         log.warning(
             "constructor parameters shadowed by spawn() options: pass them positionally",
-            cls=cls.__qualname__, params=shadowed,
+            cls=cls.__qualname__,
+            params=shadowed,
         )
 
 
@@ -385,7 +396,9 @@ def init(
     or ``c = await rlactors.init()`` … ``await c.close()``.
     """
     return _Starter(
-        lambda: _start_local(resources, address, secret_file, node_timeout, log_sink, client_timeout, security)
+        lambda: _start_local(
+            resources, address, secret_file, node_timeout, log_sink, client_timeout, security
+        )
     )
 
 

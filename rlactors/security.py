@@ -89,7 +89,9 @@ class Security:
             if self.mechanism == "plain":
                 auth.configure_plain(domain="rlactors", passwords={"rlactors": self._token.decode()})
             else:
-                auth.configure_curve_callback(domain="rlactors", credentials_provider=_Provider(self.client_public))
+                auth.configure_curve_callback(
+                    domain="rlactors", credentials_provider=_Provider(self.client_public)
+                )
             self._auth = auth
 
     def stop(self) -> None:

@@ -42,10 +42,27 @@ class ReferenceServerConfig:
 
     def command(self, host: str, port: int) -> list[str]:
         """The command line that starts this server."""
-        cmd = [sys.executable, "-m", "nodes.inference.server", "--host", host, "--port", str(port),
-               "--backend", self.backend, "--max-running-requests", str(self.max_running_requests),
-               "--cache-tokens", str(self.cache_tokens), "--dtype", self.dtype, "--device", self.device,
-               "--random-seed", str(self.random_seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nodes.inference.server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--backend",
+            self.backend,
+            "--max-running-requests",
+            str(self.max_running_requests),
+            "--cache-tokens",
+            str(self.cache_tokens),
+            "--dtype",
+            self.dtype,
+            "--device",
+            self.device,
+            "--random-seed",
+            str(self.random_seed),
+        ]
         if self.model_path:
             cmd += ["--model-path", self.model_path]
         return cmd + list(self.extra_args)
@@ -65,8 +82,21 @@ class SGLangServerConfig:
 
     def command(self, host: str, port: int) -> list[str]:
         """The command line that starts SGLang."""
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-               "--host", host, "--port", str(port), "--tp-size", str(self.tp_size), "--dtype", self.dtype]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(self.tp_size),
+            "--dtype",
+            self.dtype,
+        ]
         if self.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.random_seed is not None:
@@ -144,7 +174,11 @@ class ServerSupervisor:
         out = self._open_log()
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, cwd=str(REPO_ROOT), stdout=out, stderr=asyncio.subprocess.STDOUT,
+                *cmd,
+                env=env,
+                cwd=str(REPO_ROOT),
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
                 preexec_fn=_child_setup,
             )
         finally:
@@ -249,13 +283,26 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     The actor's environment (``CUDA_VISIBLE_DEVICES`` from placement) is inherited by the server.
     """
 
-    def __init__(self, kind: str = "reference", config: dict | None = None, host: str = "127.0.0.1",
-                 port: int | None = None, server_env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 600.0, server_max_restarts: int = 3) -> None:
+    def __init__(
+        self,
+        kind: str = "reference",
+        config: dict | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        server_env: dict[str, str] | None = None,
+        startup_timeout_s: float = 600.0,
+        server_max_restarts: int = 3,
+    ) -> None:
         # (server_env / server_max_restarts: `env` and `max_restarts` are Cluster.spawn's own options.)
         cls = {"reference": ReferenceServerConfig, "sglang": SGLangServerConfig}[kind]
-        self._sup = ServerSupervisor(cls(**(config or {})), host=host, port=port, env=server_env,
-                                     startup_timeout_s=startup_timeout_s, max_restarts=server_max_restarts)
+        self._sup = ServerSupervisor(
+            cls(**(config or {})),
+            host=host,
+            port=port,
+            env=server_env,
+            startup_timeout_s=startup_timeout_s,
+            max_restarts=server_max_restarts,
+        )
         self._started: asyncio.Task[str] | None = None
 
     async def on_start(self) -> None:

@@ -75,7 +75,9 @@ def _build_seqs(engine: Engine, req: GenerateRequest) -> list[Seq]:
         prompts = [engine.backend.tokenize(t) for t in texts]
     else:
         prompts = req.input_ids if req.is_batch else [req.input_ids]  # type: ignore[list-item]
-    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+    sps = (
+        req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+    )
     rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
     if len(sps) != len(prompts) or len(rids) != len(prompts):
         raise ProtocolError("sampling_params and rid lists must match the number of prompts")
@@ -150,6 +152,7 @@ def create_app(engine: Engine) -> FastAPI:
         bodies = [r.to_json() for r in results]
         out: Any = bodies if (req.is_batch or len(bodies) > 1) else bodies[0]
         if req.stream:
+
             async def events() -> AsyncIterator[bytes]:
                 for b in bodies:
                     yield b"data: " + json.dumps(b).encode() + b"\n\n"
@@ -234,8 +237,11 @@ def create_app(engine: Engine) -> FastAPI:
             sched.abort(abort_all=True)
         engine.set_weight_version(body["new_version"])
         return JSONResponse(
-            {"success": True, "message": f"Weight version updated to {body['new_version']}",
-             "new_version": body["new_version"]}
+            {
+                "success": True,
+                "message": f"Weight version updated to {body['new_version']}",
+                "new_version": body["new_version"],
+            }
         )
 
     @app.get("/get_server_info")
@@ -245,12 +251,14 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/get_load")
     async def get_load() -> JSONResponse:
         return JSONResponse(
-            [{
-                "dp_rank": 0,
-                "num_reqs": len(sched.running) + len(sched.waiting),
-                "num_waiting_reqs": len(sched.waiting),
-                "num_tokens": sum(len(r.seq.ids) for r in sched.running),
-            }]
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": len(sched.running) + len(sched.waiting),
+                    "num_waiting_reqs": len(sched.waiting),
+                    "num_tokens": sum(len(r.seq.ids) for r in sched.running),
+                }
+            ]
         )
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
@@ -307,7 +315,9 @@ def create_app(engine: Engine) -> FastAPI:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """SGLang-style flags (``--model-path``, ``--port``, ...) for every :class:`ServerArgs` field."""
-    parser = argparse.ArgumentParser(prog="python -m nodes.inference.server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m nodes.inference.server", description=__doc__.split("\n")[0]
+    )
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
@@ -336,8 +346,14 @@ def main(argv: list[str] | None = None) -> None:
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level,
-                loop=loop, timeout_keep_alive=30)
+    uvicorn.run(
+        create_app(engine),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        loop=loop,
+        timeout_keep_alive=30,
+    )
 
 
 if __name__ == "__main__":

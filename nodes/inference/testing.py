@@ -31,7 +31,9 @@ def start_reference_server(args: list[str], timeout_s: float = 120.0) -> tuple[s
     log = tempfile.NamedTemporaryFile(prefix=f"rlactors-server-{port}-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "nodes.inference.server", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -96,8 +98,11 @@ async def load(client: httpx.AsyncClient) -> tuple[int, int]:
     return total - waiting, waiting
 
 
-async def wait_load(client: httpx.AsyncClient, running: int | None = None, waiting: int | None = None) -> None:
+async def wait_load(
+    client: httpx.AsyncClient, running: int | None = None, waiting: int | None = None
+) -> None:
     """Wait until the server reports the given running/waiting counts."""
+
     async def ok() -> bool:
         r, w = await load(client)
         return (running is None or r == running) and (waiting is None or w == waiting)
@@ -119,7 +124,9 @@ class Trainer:
 
         timeout = datetime.timedelta(seconds=60)
         self.store = dist.TCPStore("127.0.0.1", self.port, self.world_size, is_master=True, timeout=timeout)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, self.store), 0, self.world_size, timeout)
+        self.pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(self.group_name, self.store), 0, self.world_size, timeout
+        )
 
     def broadcast(self, tensors: list[Any]) -> None:
         """Broadcast each tensor from rank 0."""
@@ -132,10 +139,19 @@ async def join_group(client: httpx.AsyncClient) -> tuple[Trainer, str]:
     """Have the server behind ``client`` join a fresh group with a :class:`Trainer` (rank 0)."""
     port, name = free_port(), f"wu-{uuid.uuid4().hex[:8]}"
     trainer = Trainer(port, name)
-    req = asyncio.create_task(client.post("/init_weights_update_group", json={
-        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-        "group_name": name, "backend": "gloo",
-    }))
+    req = asyncio.create_task(
+        client.post(
+            "/init_weights_update_group",
+            json={
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": name,
+                "backend": "gloo",
+            },
+        )
+    )
     await asyncio.to_thread(trainer.join)
     r = await req
     if r.status_code != 200 or not r.json()["success"]:
@@ -143,8 +159,14 @@ async def join_group(client: httpx.AsyncClient) -> tuple[Trainer, str]:
     return trainer, name
 
 
-async def push(client: httpx.AsyncClient, trainer: Trainer, name: str, named: dict[str, Any],
-               flattened: bool, version: str) -> None:
+async def push(
+    client: httpx.AsyncClient,
+    trainer: Trainer,
+    name: str,
+    named: dict[str, Any],
+    flattened: bool,
+    version: str,
+) -> None:
     """Send ``named`` tensors inside a begin/end session, per tensor or as one flat bucket."""
     import torch
 
@@ -152,7 +174,9 @@ async def push(client: httpx.AsyncClient, trainer: Trainer, name: str, named: di
         "names": list(named),
         "dtypes": [str(t.dtype).removeprefix("torch.") for t in named.values()],
         "shapes": [list(t.shape) for t in named.values()],
-        "group_name": name, "weight_version": version, "flush_cache": True,
+        "group_name": name,
+        "weight_version": version,
+        "flush_cache": True,
     }
     if flattened:
         body["load_format"] = "flattened_bucket"

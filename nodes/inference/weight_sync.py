@@ -156,8 +156,7 @@ def load_into_model(model: Any, named: list[tuple[str, Any]] | dict[str, Any], s
         given = {n for n, _ in items}
         tied = getattr(model.config, "tie_word_embeddings", False)
         missing = [
-            n for n, _ in model.named_parameters()
-            if n not in given and not (tied and n == "lm_head.weight")
+            n for n, _ in model.named_parameters() if n not in given and not (tied and n == "lm_head.weight")
         ]
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:3]}")

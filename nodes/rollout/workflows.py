@@ -50,7 +50,9 @@ class Generator(Protocol):
 class Workflow(Protocol):
     """Builds one group of trajectories from one dataset item."""
 
-    async def arun_episode(self, client: Generator, item: Any, group_id: str | None = None) -> TrajectoryGroup: ...
+    async def arun_episode(
+        self, client: Generator, item: Any, group_id: str | None = None
+    ) -> TrajectoryGroup: ...
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
@@ -66,7 +68,9 @@ class RLVRConfig:
     """Single-turn RL with verifiable rewards."""
 
     n_samples: int = 4
-    sampling_params: dict[str, Any] = field(default_factory=lambda: {"max_new_tokens": 256, "temperature": 1.0})
+    sampling_params: dict[str, Any] = field(
+        default_factory=lambda: {"max_new_tokens": 256, "temperature": 1.0}
+    )
     prompt_key: str = "question"
     prompt_suffix: str = ""  # e.g. "\nPlease put your final answer within \\boxed{}."
     system_prompt: str | None = None
@@ -100,7 +104,9 @@ class _Sample:
         self.versions += [-1] * len(ids)
 
     def trajectory(self, reward: float, group_id: str, prompt_len: int) -> Trajectory:
-        t = Trajectory(self.ids, self.mask, self.logprobs, self.versions, reward, group_id, prompt_len, self.meta)
+        t = Trajectory(
+            self.ids, self.mask, self.logprobs, self.versions, reward, group_id, prompt_len, self.meta
+        )
         t.validate()
         return t
 
@@ -108,11 +114,15 @@ class _Sample:
 class RLVRWorkflow:
     """Single-turn RLVR: ``n_samples`` completions of one prompt form one group."""
 
-    def __init__(self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: RLVRConfig | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: RLVRConfig | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.config = config or RLVRConfig()
-        self.reward = reward_fn if isinstance(reward_fn, RewardRunner) else RewardRunner(
-            reward_fn, self.config.reward_timeout_s
+        self.reward = (
+            reward_fn
+            if isinstance(reward_fn, RewardRunner)
+            else RewardRunner(reward_fn, self.config.reward_timeout_s)
         )
 
     def prompt_messages(self, item: Any) -> list[dict[str, str]]:
@@ -121,7 +131,9 @@ class RLVRWorkflow:
         msgs = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
         return [*msgs, {"role": "user", "content": str(item[c.prompt_key]) + c.prompt_suffix}]
 
-    async def arun_episode(self, client: Generator, item: Any, group_id: str | None = None) -> TrajectoryGroup:
+    async def arun_episode(
+        self, client: Generator, item: Any, group_id: str | None = None
+    ) -> TrajectoryGroup:
         """Sample the prompt ``n_samples`` times concurrently and score each completion."""
         gid = group_id or uuid.uuid4().hex
         prompt = chat_ids(self.tokenizer, self.prompt_messages(item))
@@ -154,13 +166,19 @@ class MultiTurnWorkflow(RLVRWorkflow):
 
     config: MultiTurnConfig
 
-    def __init__(self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: MultiTurnConfig | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: MultiTurnConfig | None = None
+    ) -> None:
         super().__init__(tokenizer, reward_fn, config or MultiTurnConfig())
 
-    async def arun_episode(self, client: Generator, item: Any, group_id: str | None = None) -> TrajectoryGroup:
+    async def arun_episode(
+        self, client: Generator, item: Any, group_id: str | None = None
+    ) -> TrajectoryGroup:
         """Run ``n_samples`` independent conversations concurrently; one group."""
         gid = group_id or uuid.uuid4().hex
-        trajs = await asyncio.gather(*(self._conversation(client, item, gid, i) for i in range(self.config.n_samples)))
+        trajs = await asyncio.gather(
+            *(self._conversation(client, item, gid, i) for i in range(self.config.n_samples))
+        )
         return TrajectoryGroup(gid, list(trajs))
 
     async def _conversation(self, client: Generator, item: Any, gid: str, i: int) -> Trajectory:
@@ -194,15 +212,24 @@ class MultiTurnWorkflow(RLVRWorkflow):
         tok = self.tokenizer
         with_answer = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
         with_feedback = tok.apply_chat_template(
-            [*messages, {"role": "user", "content": self.config.feedback}], tokenize=False, add_generation_prompt=True
+            [*messages, {"role": "user", "content": self.config.feedback}],
+            tokenize=False,
+            add_generation_prompt=True,
         )
         if not with_feedback.startswith(with_answer):
-            raise ValueError("chat template does not extend the conversation by appending; cannot add a feedback turn")
+            raise ValueError(
+                "chat template does not extend the conversation by appending; cannot add a feedback turn"
+            )
         answer = messages[-1]["content"]
         end = with_answer.rfind(answer) + len(answer) if answer else len(with_answer)
         closing = with_answer[end:]
         eos = tok.eos_token or ""
-        if res.finish_reason == "stop" and eos and closing.startswith(eos) and res.output_ids[-1:] == [tok.eos_token_id]:
+        if (
+            res.finish_reason == "stop"
+            and eos
+            and closing.startswith(eos)
+            and res.output_ids[-1:] == [tok.eos_token_id]
+        ):
             closing = closing[len(eos) :]  # the model emitted the end-of-turn token itself
         return list(tok.encode(closing + with_feedback[len(with_answer) :], add_special_tokens=False))
 
@@ -244,8 +271,8 @@ def load_tokenizer(spec: str) -> Any:
 def build_workflow(spec: dict[str, Any]) -> Workflow:
     """A workflow from a msgpack-able spec, built inside the rollout actor's process::
 
-        {"kind": "rlvr" | "multi_turn", "tokenizer": "byte" | "/path/to/tokenizer",
-         "reward": "nodes.rollout.reward:gsm8k_reward", "reward_timeout_s": 10, "config": {...}}
+    {"kind": "rlvr" | "multi_turn", "tokenizer": "byte" | "/path/to/tokenizer",
+     "reward": "nodes.rollout.reward:gsm8k_reward", "reward_timeout_s": 10, "config": {...}}
     """
     import importlib
 

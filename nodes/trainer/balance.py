@@ -154,9 +154,7 @@ class BatchPlan:
         return imbalance(self.rank_tokens)
 
 
-def plan_batch(
-    group_seq_tokens: Sequence[Sequence[int]], n_ranks: int, max_tokens_per_mb: int
-) -> BatchPlan:
+def plan_batch(group_seq_tokens: Sequence[Sequence[int]], n_ranks: int, max_tokens_per_mb: int) -> BatchPlan:
     """Plan a batch given each group's per-sequence token counts.
 
     Groups are split across ranks by :func:`split_across_ranks`; each rank packs its sequences
@@ -171,8 +169,10 @@ def plan_batch(
     packs = [pack_microbatches(sizes, max_tokens_per_mb) for sizes in rank_sizes]
     target = max(len(p) for p in packs)
     while any(len(p) != target for p in packs):
-        packs = [p if len(p) == target else pack_microbatches(s, max_tokens_per_mb, target)
-                 for p, s in zip(packs, rank_sizes, strict=True)]
+        packs = [
+            p if len(p) == target else pack_microbatches(s, max_tokens_per_mb, target)
+            for p, s in zip(packs, rank_sizes, strict=True)
+        ]
         target = max(len(p) for p in packs)
     ranks = [[[items[i] for i in mb] for mb in pack] for items, pack in zip(rank_items, packs, strict=True)]
     return BatchPlan(ranks=ranks, rank_tokens=[sum(s) for s in rank_sizes])

@@ -97,7 +97,9 @@ def load(trainer: Any, path: str | Path) -> TrainerState:
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+    )
     rank = dist.get_rank()
     extra = torch.load(path / f"rank{rank % state.world_size}.pt", weights_only=True)
     trainer.scheduler.load_state_dict(extra["scheduler"])

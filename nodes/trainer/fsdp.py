@@ -42,21 +42,21 @@ class TrainConfig:
     """Everything one trainer rank needs; defaults run on CPU."""
 
     model_path: str = ""
-    ref_model_path: str | None = None      # a reference model for the KL term (loss.kl_coef > 0)
-    device: str = "cpu"                    # "cpu" (gloo) or "cuda" (nccl)
-    bf16: bool = False                     # MixedPrecisionPolicy(param bf16, reduce fp32)
+    ref_model_path: str | None = None  # a reference model for the KL term (loss.kl_coef > 0)
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
+    bf16: bool = False  # MixedPrecisionPolicy(param bf16, reduce fp32)
     activation_checkpointing: bool = False
     lr: float = 1.7e-5
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
-    warmup_steps: int = 0                  # optimizer steps of linear warm-up from 0
-    lr_schedule: str = "constant"          # constant | linear | cosine (after warm-up)
-    total_steps: int = 1000                # optimizer steps, for the decaying schedules
+    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (after warm-up)
+    total_steps: int = 1000  # optimizer steps, for the decaying schedules
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     max_tokens_per_mb: int = 10240
-    n_minibatches: int = 1                 # optimizer steps per train_step
+    n_minibatches: int = 1  # optimizer steps per train_step
     pad_id: int = 0
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
@@ -65,6 +65,7 @@ class TrainConfig:
 
 def lr_lambda(cfg: TrainConfig):
     """Multiplier of ``cfg.lr`` at an optimizer step: linear warm-up, then the chosen decay."""
+
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
@@ -74,6 +75,7 @@ def lr_lambda(cfg: TrainConfig):
         p = min(1.0, (step - cfg.warmup_steps) / span)
         decay = 1.0 - p if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
     if cfg.lr_schedule not in ("constant", "linear", "cosine"):
         raise ValueError(f"lr_schedule must be constant, linear or cosine, got {cfg.lr_schedule!r}")
     return f
@@ -95,8 +97,9 @@ def apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Module
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     """AdamW plus a LambdaLR schedule stepped once per optimizer step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
 
 
@@ -129,7 +132,7 @@ class FSDPTrainer:
         if cfg.ref_model_path and cfg.loss.kl_coef:
             self.ref_model = _load_model(cfg.ref_model_path, cfg, self.mesh, train=False).eval()
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-        self.version = version          # policy version the weights are at; +1 per train_step
+        self.version = version  # policy version the weights are at; +1 per train_step
         self.optim_steps = 0
         self.log = log.bind(rank=self.rank)
 
@@ -177,8 +180,10 @@ class FSDPTrainer:
         trajs = batch.trajectories
         adv = self.advantages(batch)
         plan = self.plan(batch)
-        mbs = [[build_microbatch(seqs, trajs, adv, self.cfg.pad_id).to(self.device) for seqs in mini]
-               for mini in plan]
+        mbs = [
+            [build_microbatch(seqs, trajs, adv, self.cfg.pad_id).to(self.device) for seqs in mini]
+            for mini in plan
+        ]
         # proximal (and reference) log-probs from the weights before any update of this step
         self.model.eval()
         for mini in mbs:
@@ -194,7 +199,9 @@ class FSDPTrainer:
         mins: dict[str, torch.Tensor] = {}
         grad_norms = []
         for groups, mini in zip(self.minibatches(batch), mbs, strict=True):
-            global_loss_tokens = sum(sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories)
+            global_loss_tokens = sum(
+                sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories
+            )
             self.optimizer.zero_grad(set_to_none=True)
             for k, mb in enumerate(mini):
                 if isinstance(self.model, FSDPModule):
@@ -220,21 +227,28 @@ class FSDPTrainer:
                 stats[key] /= max(1, loss_tokens)
         stats.update(self._staleness(trajs))
         elapsed = time.perf_counter() - t0
-        stats.update({
-            "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
-            "lr": float(self.scheduler.get_last_lr()[0]),
-            "n_seqs": float(len(trajs)),
-            "n_tokens": float(batch.num_tokens),
-            "n_loss_tokens": float(loss_tokens),
-            "n_microbatches": float(sum(len(m) for m in plan)),
-            "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
-            "prox_time_s": t_prox,
-            "step_time_s": elapsed,
-            "version": float(self.version),
-        })
+        stats.update(
+            {
+                "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
+                "lr": float(self.scheduler.get_last_lr()[0]),
+                "n_seqs": float(len(trajs)),
+                "n_tokens": float(batch.num_tokens),
+                "n_loss_tokens": float(loss_tokens),
+                "n_microbatches": float(sum(len(m) for m in plan)),
+                "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
+                "prox_time_s": t_prox,
+                "step_time_s": elapsed,
+                "version": float(self.version),
+            }
+        )
         self.version += 1
-        self.log.info("train_step", version=self.version, loss=stats.get("loss"), grad_norm=stats["grad_norm"],
-                      tokens_per_s=round(stats["tokens_per_s"], 1))
+        self.log.info(
+            "train_step",
+            version=self.version,
+            loss=stats.get("loss"),
+            grad_norm=stats["grad_norm"],
+            tokens_per_s=round(stats["tokens_per_s"], 1),
+        )
         return stats
 
     def _forward_loss(self, mb: MicroBatch) -> LossSums:
@@ -243,12 +257,22 @@ class FSDPTrainer:
             zero = logits.sum() * 0.0
             return LossSums(loss_sum=zero, n_tokens=torch.zeros((), dtype=torch.long))
         logp, entropy = gather_logprobs_entropy(logits, mb.labels, self.cfg.loss.temperature)
-        return decoupled_ppo_loss(logp, mb.prox_logp, mb.behave_logp, mb.advantages, mb.loss_mask,
-                                  self.cfg.loss, entropy=entropy, ref_logp=mb.ref_logp)
+        return decoupled_ppo_loss(
+            logp,
+            mb.prox_logp,
+            mb.behave_logp,
+            mb.advantages,
+            mb.loss_mask,
+            self.cfg.loss,
+            entropy=entropy,
+            ref_logp=mb.ref_logp,
+        )
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        )
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
@@ -261,11 +285,17 @@ class FSDPTrainer:
         """
         sum_keys = list(_SUM_KEYS) + (["ref_kl"] if self.ref_model is not None else [])
         out: dict[str, float] = {}
-        for table, keys, op, fill in ((sums, sum_keys, dist.ReduceOp.SUM, 0.0),
-                                      (maxes, _MAX_KEYS, dist.ReduceOp.MAX, -math.inf),
-                                      (mins, _MIN_KEYS, dist.ReduceOp.MIN, math.inf)):
-            vals = [table[k].double().reshape(()).to(self.device) if k in table
-                    else torch.tensor(fill, dtype=torch.float64, device=self.device) for k in keys]
+        for table, keys, op, fill in (
+            (sums, sum_keys, dist.ReduceOp.SUM, 0.0),
+            (maxes, _MAX_KEYS, dist.ReduceOp.MAX, -math.inf),
+            (mins, _MIN_KEYS, dist.ReduceOp.MIN, math.inf),
+        ):
+            vals = [
+                table[k].double().reshape(()).to(self.device)
+                if k in table
+                else torch.tensor(fill, dtype=torch.float64, device=self.device)
+                for k in keys
+            ]
             vec = torch.stack(vals)
             dist.all_reduce(vec, op=op)
             out.update({k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)})
@@ -282,10 +312,22 @@ class FSDPTrainer:
         """Full fp32 tensors on rank 0 (CPU), ``{}`` elsewhere; collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
 
-_SUM_KEYS = ("loss", "clip_frac", "dual_clip_frac", "ratio", "approx_kl", "behave_imp_weight",
-             "behave_approx_kl", "behave_masked_frac", "advantage", "entropy")
+_SUM_KEYS = (
+    "loss",
+    "clip_frac",
+    "dual_clip_frac",
+    "ratio",
+    "approx_kl",
+    "behave_imp_weight",
+    "behave_approx_kl",
+    "behave_masked_frac",
+    "advantage",
+    "entropy",
+)
 _MAX_KEYS = ("ratio_max", "behave_imp_weight_max")
 _MIN_KEYS = ("ratio_min",)

@@ -56,7 +56,11 @@ class ParamGatherer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.specs = [Spec(n, p, tuple(p.shape), dtype or p.dtype) for n, p in model.named_parameters()]
         sharded = [isinstance(s.param, DTensor) for s in self.specs]
-        ok = all(_is_dim0_sharded(s.param, self.world, self.rank) for s in self.specs if isinstance(s.param, DTensor))
+        ok = all(
+            _is_dim0_sharded(s.param, self.world, self.rank)
+            for s in self.specs
+            if isinstance(s.param, DTensor)
+        )
         if any(sharded) and self.world > 1:
             flag = torch.tensor([int(ok)], dtype=torch.int32)
             if dist.get_backend() == "nccl":

@@ -38,10 +38,10 @@ class AdvantageConfig:
     reward_bias: float = 0.0
     reward_scaling: float = 1.0
     reward_clip: float = 20.0
-    group_mean: bool = True         # subtract the group's mean reward
-    group_std: bool = True          # divide by the group's reward std
-    leave_one_out: bool = False     # the mean excludes the sequence itself (RLOO baseline)
-    batch_norm: bool = False        # then normalise over all loss tokens of the batch
+    group_mean: bool = True  # subtract the group's mean reward
+    group_std: bool = True  # divide by the group's reward std
+    leave_one_out: bool = False  # the mean excludes the sequence itself (RLOO baseline)
+    batch_norm: bool = False  # then normalise over all loss tokens of the batch
     eps: float = 1e-5
 
 
@@ -50,19 +50,21 @@ class LossConfig:
     """The decoupled PPO objective's knobs (defaults follow AReaL's GSM8K GRPO recipe)."""
 
     eps_clip: float = 0.4
-    eps_clip_higher: float | None = None   # asymmetric upper clip (DAPO's clip-higher)
-    c_clip: float | None = None            # dual clip for negative advantages; must be > 1
+    eps_clip_higher: float | None = None  # asymmetric upper clip (DAPO's clip-higher)
+    c_clip: float | None = None  # dual clip for negative advantages; must be > 1
     behav_imp_weight_cap: float | None = 5.0
-    temperature: float = 1.0               # logits / T, as the server sampled
-    kl_coef: float = 0.0                   # k3 KL to a reference model, added to the loss
+    temperature: float = 1.0  # logits / T, as the server sampled
+    kl_coef: float = 0.0  # k3 KL to a reference model, added to the loss
 
 
 def group_advantages(rewards: Sequence[Sequence[float]], cfg: AdvantageConfig) -> list[list[float]]:
     """Scale, clip and normalise each group's rewards into one advantage per sequence."""
     out: list[list[float]] = []
     for group in rewards:
-        r = [min(max((x + cfg.reward_bias) * cfg.reward_scaling, -cfg.reward_clip), cfg.reward_clip)
-             for x in group]
+        r = [
+            min(max((x + cfg.reward_bias) * cfg.reward_scaling, -cfg.reward_clip), cfg.reward_clip)
+            for x in group
+        ]
         n = len(r)
         if cfg.group_mean and n > 1:
             total = sum(r)
@@ -185,7 +187,9 @@ def decoupled_ppo_loss(
             out.sums["ref_kl"] = ref_kl.detach().sum()
         inf = torch.full_like(ratio, math.inf)
         r = ratio.detach()
-        out.maxes = {"ratio_max": torch.where(mask, r, -inf).max(),
-                     "behave_imp_weight_max": torch.where(mask, behave_kl.exp(), -inf).max()}
+        out.maxes = {
+            "ratio_max": torch.where(mask, r, -inf).max(),
+            "behave_imp_weight_max": torch.where(mask, behave_kl.exp(), -inf).max(),
+        }
         out.mins = {"ratio_min": torch.where(mask, r, inf).min()}
     return out

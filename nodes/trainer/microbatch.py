@@ -22,12 +22,12 @@ class MicroBatch:
     """Tensors for one forward/backward. ``seqs`` indexes the batch's flat trajectory list."""
 
     seqs: list[int]
-    input_ids: torch.Tensor       # [B, L] long
+    input_ids: torch.Tensor  # [B, L] long
     attention_mask: torch.Tensor  # [B, L] long
-    loss_mask: torch.Tensor       # [B, L-1] bool, aligned with labels
-    behave_logp: torch.Tensor     # [B, L-1] float32
-    advantages: torch.Tensor      # [B, L-1] float32
-    n_tokens: int                 # real (unpadded) tokens
+    loss_mask: torch.Tensor  # [B, L-1] bool, aligned with labels
+    behave_logp: torch.Tensor  # [B, L-1] float32
+    advantages: torch.Tensor  # [B, L-1] float32
+    n_tokens: int  # real (unpadded) tokens
     prox_logp: torch.Tensor | None = None  # [B, L-1], filled before the update
     ref_logp: torch.Tensor | None = None
 
@@ -43,11 +43,21 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """Move the tensors (non-blocking where the source is pinned)."""
+
         def mv(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
-        return MicroBatch(self.seqs, mv(self.input_ids), mv(self.attention_mask), mv(self.loss_mask),
-                          mv(self.behave_logp), mv(self.advantages), self.n_tokens, mv(self.prox_logp),
-                          mv(self.ref_logp))
+
+        return MicroBatch(
+            self.seqs,
+            mv(self.input_ids),
+            mv(self.attention_mask),
+            mv(self.loss_mask),
+            mv(self.behave_logp),
+            mv(self.advantages),
+            self.n_tokens,
+            mv(self.prox_logp),
+            mv(self.ref_logp),
+        )
 
 
 def build_microbatch(
@@ -76,13 +86,27 @@ def build_microbatch(
         behave[row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
         adv[row, :n] = float(advantages[i])
     mask[:, 0] = False  # the first token has no prediction
-    return MicroBatch(list(seqs), ids, attn, mask[:, 1:], behave[:, 1:], adv[:, 1:] * mask[:, 1:],
-                      n_tokens=sum(len(t.input_ids) for t in trajs))
+    return MicroBatch(
+        list(seqs),
+        ids,
+        attn,
+        mask[:, 1:],
+        behave[:, 1:],
+        adv[:, 1:] * mask[:, 1:],
+        n_tokens=sum(len(t.input_ids) for t in trajs),
+    )
 
 
 def dummy_microbatch(pad_id: int = 0) -> MicroBatch:
     """Two pad tokens with an all-zero loss mask: runs the model (and so FSDP's collectives)
     on a rank that has nothing to train in this slot, contributing zero gradient."""
     z = torch.zeros((1, 1))
-    return MicroBatch([], torch.full((1, 2), pad_id, dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
-                      torch.zeros((1, 1), dtype=torch.bool), z, z.clone(), n_tokens=0)
+    return MicroBatch(
+        [],
+        torch.full((1, 2), pad_id, dtype=torch.long),
+        torch.ones((1, 2), dtype=torch.long),
+        torch.zeros((1, 1), dtype=torch.bool),
+        z,
+        z.clone(),
+        n_tokens=0,
+    )

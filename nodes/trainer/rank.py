@@ -29,8 +29,10 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown trainer config key(s) {[f'{where}{k}' for k in unknown]}; "
-                         f"valid under {where or 'top level'}: {sorted(fields)}")
+        raise ValueError(
+            f"unknown trainer config key(s) {[f'{where}{k}' for k in unknown]}; "
+            f"valid under {where or 'top level'}: {sorted(fields)}"
+        )
     return cls(**data)
 
 
@@ -91,8 +93,9 @@ class TrainerRank(rlactors.Actor):
         """One GRPO step on ``batch`` (a protocols.rl.Batch; every rank gets the whole batch)."""
         return self._need().train_step(batch)
 
-    def connect_servers(self, urls: list[str], master_address: str | None = None,
-                        master_port: int | None = None) -> bool:
+    def connect_servers(
+        self, urls: list[str], master_address: str | None = None, master_port: int | None = None
+    ) -> bool:
         """Form the weight-update group with these inference servers (``master_*`` from
         ``cluster.rendezvous`` when the servers are on other hosts)."""
         from nodes.trainer.weights import WeightPusher

@@ -10,8 +10,9 @@ from protocols.rl import Batch, Trajectory, TrajectoryGroup
 __all__ = ["skewed_lengths", "synthetic_batch"]
 
 
-def skewed_lengths(n: int, rng: random.Random, median: int = 256, sigma: float = 1.0,
-                   lo: int = 4, hi: int = 8192) -> list[int]:
+def skewed_lengths(
+    n: int, rng: random.Random, median: int = 256, sigma: float = 1.0, lo: int = 4, hi: int = 8192
+) -> list[int]:
     """Log-normal lengths: most short, a long tail (what RL generations look like)."""
     return [min(hi, max(lo, round(median * math.exp(rng.gauss(0.0, sigma))))) for _ in range(n)]
 
@@ -49,15 +50,17 @@ def synthetic_batch(
             k += 1
             gen = [rng.randrange(vocab) for _ in range(n)]
             v = max(0, version - rng.randint(0, max_lag))
-            trajs.append(Trajectory(
-                input_ids=prompt + gen,
-                loss_mask=[0] * p + [1] * n,
-                logprobs=[0.0] * p + [min(0.0, rng.gauss(logprob_mean, logprob_noise)) for _ in range(n)],
-                versions=[-1] * p + [v] * n,
-                reward=float(rng.random() < 0.5),
-                group_id=gid,
-                prompt_len=p,
-            ))
+            trajs.append(
+                Trajectory(
+                    input_ids=prompt + gen,
+                    loss_mask=[0] * p + [1] * n,
+                    logprobs=[0.0] * p + [min(0.0, rng.gauss(logprob_mean, logprob_noise)) for _ in range(n)],
+                    versions=[-1] * p + [v] * n,
+                    reward=float(rng.random() < 0.5),
+                    group_id=gid,
+                    prompt_len=p,
+                )
+            )
         groups.append(TrajectoryGroup(group_id=gid, trajectories=trajs))
     batch = Batch(groups=groups, version=version)
     batch.validate()

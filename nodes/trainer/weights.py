@@ -52,18 +52,18 @@ class WeightPushError(RuntimeError):
 class PushConfig:
     """How weights reach the servers."""
 
-    method: str = "distributed"          # distributed | disk
-    bucket_bytes: int = 256 << 20        # per broadcast (distributed)
-    flattened_bucket: bool = False       # one flat tensor per bucket (fewer NCCL calls), else per tensor
-    dtype: str | None = None             # cast before sending, e.g. "bfloat16" (None: as trained)
-    pause_mode: str | None = "retract"   # abort | retract | in_place | None (push between decode steps)
+    method: str = "distributed"  # distributed | disk
+    bucket_bytes: int = 256 << 20  # per broadcast (distributed)
+    flattened_bucket: bool = False  # one flat tensor per bucket (fewer NCCL calls), else per tensor
+    dtype: str | None = None  # cast before sending, e.g. "bfloat16" (None: as trained)
+    pause_mode: str | None = "retract"  # abort | retract | in_place | None (push between decode steps)
     flush_cache: bool = True
-    weight_update_session: bool = True   # wrap in /begin_weight_update ... /end_weight_update
-    group_name: str = ""                 # "" -> a fresh unique name per connect
-    backend: str = "gloo"                # gloo (CPU) | nccl (GPU)
+    weight_update_session: bool = True  # wrap in /begin_weight_update ... /end_weight_update
+    group_name: str = ""  # "" -> a fresh unique name per connect
+    backend: str = "gloo"  # gloo (CPU) | nccl (GPU)
     master_address: str = "127.0.0.1"
-    master_port: int = 0                 # 0 -> a free port on this host
-    disk_dir: str = ""                   # where the disk path writes versions (required for disk)
+    master_port: int = 0  # 0 -> a free port on this host
+    disk_dir: str = ""  # where the disk path writes versions (required for disk)
     keep_disk_versions: int = 2
     http_timeout_s: float = 600.0
     group_timeout_s: float = 600.0
@@ -116,7 +116,9 @@ class WeightPusher:
         return [f.result(timeout=self.cfg.http_timeout_s) for f in futures]
 
     # ---- group -------------------------------------------------------------------------------
-    def connect(self, urls: list[str], master_address: str | None = None, master_port: int | None = None) -> None:
+    def connect(
+        self, urls: list[str], master_address: str | None = None, master_port: int | None = None
+    ) -> None:
         """Join the servers into a fresh weight-update group (rank 0 hosts it); collective.
 
         ``master_address``/``master_port`` come from the runtime's rendezvous reservation when
@@ -135,8 +137,14 @@ class WeightPusher:
         world = 1 + sum(tp)
         futures, offset = [], 1
         for url, size in zip(self.urls, tp, strict=True):
-            body = {"master_address": addr, "master_port": port, "rank_offset": offset, "world_size": world,
-                    "group_name": self.group_name, "backend": self.cfg.backend}
+            body = {
+                "master_address": addr,
+                "master_port": port,
+                "rank_offset": offset,
+                "world_size": world,
+                "group_name": self.group_name,
+                "backend": self.cfg.backend,
+            }
             futures.append(self._pool.submit(self._post, url, "/init_weights_update_group", body))
             offset += size
         timeout = datetime.timedelta(seconds=self.cfg.group_timeout_s)
@@ -196,8 +204,10 @@ class WeightPusher:
                 nbytes = self._push_disk(version)
         finally:
             if self.rank == 0:  # best effort: never leave a server paused or mid-session
-                for path, body, needed in (("/end_weight_update", {}, session),
-                                           ("/continue_generation", {}, paused)):
+                for path, body, needed in (
+                    ("/end_weight_update", {}, session),
+                    ("/continue_generation", {}, paused),
+                ):
                     if needed:
                         for f in self._post_all(path, body):
                             try:
@@ -206,8 +216,13 @@ class WeightPusher:
                                 log.warning("weight_push_cleanup_failed", step=path, error=str(e))
         elapsed = time.perf_counter() - t0
         if self.rank == 0:
-            log.info("weights_pushed", version=version, method=self.cfg.method, seconds=round(elapsed, 3),
-                     mib=round(nbytes / 2**20, 1))
+            log.info(
+                "weights_pushed",
+                version=version,
+                method=self.cfg.method,
+                seconds=round(elapsed, 3),
+                mib=round(nbytes / 2**20, 1),
+            )
         # gather_s: assembling buckets on rank 0; wait_s: waiting for broadcasts + server replies
         return {"push_time_s": elapsed, "push_bytes": float(nbytes), **self._timing}
 
@@ -262,11 +277,14 @@ class WeightPusher:
 
     def _send(self, k: int, named: list[tuple[str, torch.Tensor]], version: str) -> tuple[list, list[Future]]:
         """Announce bucket ``k`` to every server and start its broadcast; returns what to wait on."""
-        body = {"names": [n for n, _ in named],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-                "shapes": [list(t.shape) for _, t in named],
-                "group_name": self.group_name, "flush_cache": self.cfg.flush_cache,
-                "weight_version": version}
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": self.group_name,
+            "flush_cache": self.cfg.flush_cache,
+            "weight_version": version,
+        }
         if self.cfg.flattened_bucket:  # buckets hold one dtype
             body["load_format"] = "flattened_bucket"
             send = [self.gatherer.flat(k)]
@@ -288,7 +306,9 @@ class WeightPusher:
 
         if not self.cfg.disk_dir:
             raise ValueError("push method 'disk' needs PushConfig.disk_dir")
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         error: BaseException | None = None
         nbytes = 0
         if self.rank == 0:
@@ -308,8 +328,11 @@ class WeightPusher:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         tied = bool(getattr(getattr(self.model, "config", None), "tie_word_embeddings", False))
-        tensors = {k: (v.to(self.send_dtype) if self.send_dtype else v).contiguous()
-                   for k, v in sd.items() if not (tied and k == "lm_head.weight")}
+        tensors = {
+            k: (v.to(self.send_dtype) if self.send_dtype else v).contiguous()
+            for k, v in sd.items()
+            if not (tied and k == "lm_head.weight")
+        }
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if self.model_config_dir:
             for name in ("config.json", "generation_config.json"):
@@ -318,14 +341,20 @@ class WeightPusher:
                     shutil.copy(src, tmp / name)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
-        body = {"model_path": str(folder), "weight_version": str(version), "flush_cache": self.cfg.flush_cache,
-                "abort_all_requests": False}
+        body = {
+            "model_path": str(folder),
+            "weight_version": str(version),
+            "flush_cache": self.cfg.flush_cache,
+            "abort_all_requests": False,
+        }
         self._wait(self._post_all("/update_weights_from_disk", body))
         self._prune(root, version)
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _prune(self, root: Path, version: int) -> None:
-        old = sorted((p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < version),
-                     key=lambda p: int(p.name[1:]))
+        old = sorted(
+            (p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < version),
+            key=lambda p: int(p.name[1:]),
+        )
         for p in old[: max(0, len(old) - (self.cfg.keep_disk_versions - 1))]:
             shutil.rmtree(p, ignore_errors=True)

@@ -131,7 +131,9 @@ async def test_plain_mechanism_authenticates_without_encryption() -> None:
         assert await c.value() == 2
         # A client must use the cluster's mechanism: CURVE keys are refused by a PLAIN cluster.
         with pytest.raises(rlactors.ClusterError, match="no head answered"):
-            await rlactors.connect(cluster.address, secret_file=cluster.secret_file, timeout=2, security="curve")
+            await rlactors.connect(
+                cluster.address, secret_file=cluster.secret_file, timeout=2, security="curve"
+            )
         other = await rlactors.connect(cluster.address, secret_file=cluster.secret_file, security="plain")
         assert len(await other.nodes()) == 1
         await other._client.close()

@@ -45,8 +45,16 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
         yield EXTERNAL_URL.rstrip("/")
         return
     proc, url = start_reference_server(
-        ["--backend", "sim", "--model-path", str(tiny_ckpt), "--sim-decode-s-base", "0.002",
-         "--max-running-requests", "32"]
+        [
+            "--backend",
+            "sim",
+            "--model-path",
+            str(tiny_ckpt),
+            "--sim-decode-s-base",
+            "0.002",
+            "--max-running-requests",
+            "32",
+        ]
     )
     try:
         yield url
@@ -65,5 +73,3 @@ async def client(server_url: str) -> Any:
     """An HTTP client bound to the server under test."""
     async with httpx.AsyncClient(base_url=server_url, timeout=120.0) as c:
         yield c
-
-

@@ -13,8 +13,11 @@ PROMPT = list(range(2000, 2040))
 
 
 def long_req(rid: str, prompt: list[int] = PROMPT, max_new_tokens: int = 100000) -> dict:
-    return {"input_ids": prompt, "rid": rid,
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    return {
+        "input_ids": prompt,
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
 
 
 async def test_abort_running_returns_partial_output(client: httpx.AsyncClient) -> None:
@@ -55,14 +58,18 @@ async def test_abort_waiting_request(client: httpx.AsyncClient) -> None:
 
 
 async def test_pause_abort_returns_everything_then_blocks_new_requests(client: httpx.AsyncClient) -> None:
-    tasks = [asyncio.create_task(client.post("/generate", json=long_req(f"pause-abort-{i}"))) for i in range(2)]
+    tasks = [
+        asyncio.create_task(client.post("/generate", json=long_req(f"pause-abort-{i}"))) for i in range(2)
+    ]
     await wait_load(client, running=2)
     r = await client.post("/pause_generation", json={"mode": "abort"})
     assert r.status_code == 200
     try:
         for t in tasks:
             assert (await t).json()["meta_info"]["finish_reason"]["type"] == "abort"
-        late = asyncio.create_task(client.post("/generate", json=long_req("pause-abort-late", max_new_tokens=3)))
+        late = asyncio.create_task(
+            client.post("/generate", json=long_req("pause-abort-late", max_new_tokens=3))
+        )
         await wait_load(client, running=0, waiting=1)
         assert not late.done()
     finally:

@@ -18,7 +18,8 @@ def greedy(max_new_tokens: int, **extra: object) -> dict:
 
 async def test_generate_response_shape(client: httpx.AsyncClient, is_reference: bool) -> None:
     r = await client.post(
-        "/generate", json={"input_ids": PROMPT, "sampling_params": greedy(8, ignore_eos=True), "return_logprob": True}
+        "/generate",
+        json={"input_ids": PROMPT, "sampling_params": greedy(8, ignore_eos=True), "return_logprob": True},
     )
     assert r.status_code == 200, r.text
     body = r.json()
@@ -55,11 +56,16 @@ async def test_greedy_is_deterministic(client: httpx.AsyncClient) -> None:
 
 
 async def test_stop_token_is_kept_in_output_ids(client: httpx.AsyncClient) -> None:
-    ref = (await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": greedy(10, ignore_eos=True)})).json()
+    ref = (
+        await client.post(
+            "/generate", json={"input_ids": PROMPT, "sampling_params": greedy(10, ignore_eos=True)}
+        )
+    ).json()
     out = ref["output_ids"]
     i = next(k for k in range(2, 10) if out[k] not in out[:k])
     r = await client.post(
-        "/generate", json={"input_ids": PROMPT, "sampling_params": greedy(10, stop_token_ids=[out[i]], ignore_eos=True)}
+        "/generate",
+        json={"input_ids": PROMPT, "sampling_params": greedy(10, stop_token_ids=[out[i]], ignore_eos=True)},
     )
     body = r.json()
     assert body["output_ids"] == out[: i + 1]
@@ -68,7 +74,9 @@ async def test_stop_token_is_kept_in_output_ids(client: httpx.AsyncClient) -> No
 
 
 async def test_unknown_sampling_key_is_400(client: httpx.AsyncClient) -> None:
-    r = await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "bogus_key": 1}})
+    r = await client.post(
+        "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "bogus_key": 1}}
+    )
     assert r.status_code == 400
     assert "error" in r.json()
 
@@ -96,7 +104,9 @@ async def test_duplicate_inflight_rid_is_400(client: httpx.AsyncClient) -> None:
 
 
 async def test_n_samples_and_batch_return_lists(client: httpx.AsyncClient) -> None:
-    r = await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "n": 3}})
+    r = await client.post(
+        "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "n": 3}}
+    )
     assert r.status_code == 200 and isinstance(r.json(), list) and len(r.json()) == 3
     r = await client.post("/generate", json={"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": greedy(2)})
     body = r.json()
@@ -104,7 +114,9 @@ async def test_n_samples_and_batch_return_lists(client: httpx.AsyncClient) -> No
 
 
 async def test_text_input(client: httpx.AsyncClient) -> None:
-    r = await client.post("/generate", json={"text": "The capital of France is", "sampling_params": greedy(4)})
+    r = await client.post(
+        "/generate", json={"text": "The capital of France is", "sampling_params": greedy(4)}
+    )
     assert r.status_code == 200
     body = r.json()
     assert isinstance(body["text"], str) and body["meta_info"]["prompt_tokens"] > 0
@@ -115,7 +127,9 @@ async def test_cached_tokens_sequence(client: httpx.AsyncClient) -> None:
     assert (await client.post("/flush_cache")).status_code == 200
 
     async def cached(n0: int, n1: int) -> int:
-        r = await client.post("/generate", json={"input_ids": list(range(n0, n1)), "sampling_params": greedy(1)})
+        r = await client.post(
+            "/generate", json={"input_ids": list(range(n0, n1)), "sampling_params": greedy(1)}
+        )
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]["cached_tokens"]
 
@@ -130,23 +144,38 @@ async def test_resumed_request_hits_prefix_cache(client: httpx.AsyncClient) -> N
     """An aborted request's KV is cached: re-posting prompt + partial output skips that prefill."""
     prompt = list(range(1000, 1300))
     task = asyncio.create_task(
-        client.post("/generate", json={"input_ids": prompt, "rid": "resume-1", "sampling_params": greedy(100000, ignore_eos=True)})
+        client.post(
+            "/generate",
+            json={"input_ids": prompt, "rid": "resume-1", "sampling_params": greedy(100000, ignore_eos=True)},
+        )
     )
     await wait_load(client, running=1)
     await client.post("/abort_request", json={"rid": "resume-1"})
     partial = (await task).json()
     assert partial["meta_info"]["finish_reason"]["type"] == "abort"
     resumed_ids = prompt + partial["output_ids"]
-    r = await client.post("/generate", json={"input_ids": resumed_ids, "sampling_params": greedy(4, ignore_eos=True)})
+    r = await client.post(
+        "/generate", json={"input_ids": resumed_ids, "sampling_params": greedy(4, ignore_eos=True)}
+    )
     assert r.json()["meta_info"]["cached_tokens"] == len(resumed_ids) - 1
 
 
 async def test_new_request_joins_a_running_batch(client: httpx.AsyncClient) -> None:
-    long = asyncio.create_task(client.post("/generate", json={
-        "input_ids": PROMPT, "rid": "join-long", "sampling_params": greedy(100000, ignore_eos=True)}))
+    long = asyncio.create_task(
+        client.post(
+            "/generate",
+            json={
+                "input_ids": PROMPT,
+                "rid": "join-long",
+                "sampling_params": greedy(100000, ignore_eos=True),
+            },
+        )
+    )
     try:
         await wait_load(client, running=1)
-        short = await client.post("/generate", json={"input_ids": PROMPT[:3], "sampling_params": greedy(5, ignore_eos=True)})
+        short = await client.post(
+            "/generate", json={"input_ids": PROMPT[:3], "sampling_params": greedy(5, ignore_eos=True)}
+        )
         assert short.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
         assert not long.done()  # the short one joined, finished and left while the long one kept running
     finally:
@@ -154,16 +183,26 @@ async def test_new_request_joins_a_running_batch(client: httpx.AsyncClient) -> N
     await long
 
 
-async def test_hundreds_of_concurrent_requests_are_batched(client: httpx.AsyncClient, is_reference: bool) -> None:
+async def test_hundreds_of_concurrent_requests_are_batched(
+    client: httpx.AsyncClient, is_reference: bool
+) -> None:
     info = (await client.get("/get_server_info")).json()
     steps_before = info["internal_states"][0]["steps"] if is_reference else 0
     n, new = 300, 8
     limits = httpx.Limits(max_connections=n)
     async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120, limits=limits) as many:
-        rs = await asyncio.gather(*[
-            many.post("/generate", json={"input_ids": [7, 8, 9, i], "sampling_params": {"max_new_tokens": new, "ignore_eos": True}})
-            for i in range(n)
-        ])
+        rs = await asyncio.gather(
+            *[
+                many.post(
+                    "/generate",
+                    json={
+                        "input_ids": [7, 8, 9, i],
+                        "sampling_params": {"max_new_tokens": new, "ignore_eos": True},
+                    },
+                )
+                for i in range(n)
+            ]
+        )
     assert all(r.status_code == 200 and len(r.json()["output_ids"]) == new for r in rs)
     if is_reference:
         steps = (await client.get("/get_server_info")).json()["internal_states"][0]["steps"] - steps_before

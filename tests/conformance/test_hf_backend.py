@@ -19,7 +19,9 @@ PROMPTS = [list(range(100, 110)), list(range(200, 237)), list(range(300, 304)), 
 
 @pytest.fixture(scope="module")
 def hf_url(tiny_ckpt: Path) -> Iterator[str]:
-    proc, url = start_reference_server(["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"])
+    proc, url = start_reference_server(
+        ["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"]
+    )
     try:
         yield url
     finally:
@@ -44,24 +46,40 @@ def greedy(n: int) -> dict:
 def hf_greedy(model: AutoModelForCausalLM, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-async def test_concurrent_greedy_matches_transformers(hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM) -> None:
-    rs = await asyncio.gather(*[
-        hf.post("/generate", json={"input_ids": p, "sampling_params": greedy(12 + 3 * i)}) for i, p in enumerate(PROMPTS)
-    ])
+async def test_concurrent_greedy_matches_transformers(
+    hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM
+) -> None:
+    rs = await asyncio.gather(
+        *[
+            hf.post("/generate", json={"input_ids": p, "sampling_params": greedy(12 + 3 * i)})
+            for i, p in enumerate(PROMPTS)
+        ]
+    )
     for i, (p, r) in enumerate(zip(PROMPTS, rs, strict=True)):
         assert r.json()["output_ids"] == hf_greedy(ref_model, p, 12 + 3 * i)
 
 
-async def test_logprobs_match_trainer_recomputation(hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM) -> None:
+async def test_logprobs_match_trainer_recomputation(
+    hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM
+) -> None:
     temperature = 0.7
     prompt = PROMPTS[1]
-    r = await hf.post("/generate", json={
-        "input_ids": prompt, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 16, "temperature": temperature, "top_p": 0.9, "ignore_eos": True},
-    })
+    r = await hf.post(
+        "/generate",
+        json={
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": 16,
+                "temperature": temperature,
+                "top_p": 0.9,
+                "ignore_eos": True,
+            },
+        },
+    )
     body = r.json()
     out = body["output_ids"]
     got = [lp for lp, _, _ in body["meta_info"]["output_token_logprobs"]]
@@ -73,7 +91,10 @@ async def test_logprobs_match_trainer_recomputation(hf: httpx.AsyncClient, ref_m
 
 
 async def test_sampling_seed_is_reproducible(hf: httpx.AsyncClient) -> None:
-    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 7}}
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 7},
+    }
     a, b = [(await hf.post("/generate", json=body)).json()["output_ids"] for _ in range(2)]
     assert a == b
 
@@ -83,26 +104,36 @@ async def test_resume_reuses_cached_kv_and_continues_identically(
 ) -> None:
     prompt = list(range(600, 680))
     full = hf_greedy(ref_model, prompt, 30)
-    task = asyncio.create_task(hf.post("/generate", json={"input_ids": prompt, "rid": "hf-resume", "sampling_params": greedy(100000)}))
+    task = asyncio.create_task(
+        hf.post(
+            "/generate", json={"input_ids": prompt, "rid": "hf-resume", "sampling_params": greedy(100000)}
+        )
+    )
     await wait_load(hf, running=1)
     await hf.post("/abort_request", json={"rid": "hf-resume"})
     partial = (await task).json()["output_ids"][:20]
     assert partial == hf_greedy(ref_model, prompt, len(partial))
     resumed = prompt + partial
-    r = (await hf.post("/generate", json={"input_ids": resumed, "sampling_params": greedy(30 - len(partial))})).json()
+    r = (
+        await hf.post("/generate", json={"input_ids": resumed, "sampling_params": greedy(30 - len(partial))})
+    ).json()
     assert r["meta_info"]["cached_tokens"] == len(resumed) - 1
     assert partial + r["output_ids"] == full
 
 
 async def test_disk_update_and_bad_path(hf: httpx.AsyncClient, tiny_ckpt: Path, tiny_ckpt_alt: Path) -> None:
     async def out() -> list[int]:
-        return (await hf.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": greedy(8)})).json()["output_ids"]
+        return (
+            await hf.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": greedy(8)})
+        ).json()["output_ids"]
 
     before = await out()
     r = await hf.post("/update_weights_from_disk", json={"model_path": "/no/such/dir"})
     assert r.status_code == 400 and r.json()["success"] is False
     assert await out() == before
-    r = await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt_alt), "weight_version": "alt"})
+    r = await hf.post(
+        "/update_weights_from_disk", json={"model_path": str(tiny_ckpt_alt), "weight_version": "alt"}
+    )
     assert r.json()["success"] is True
     alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()
     assert await out() == hf_greedy(alt, PROMPTS[0], 8) != before
@@ -120,7 +151,9 @@ async def test_distributed_update_into_live_model(
     try:
         await push(hf, trainer, group, named, flattened, version=f"dist-{flattened}")
         for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
-            got = torch.tensor((await hf.post("/get_weights_by_name", json={"name": name, "truncate_size": 4})).json())
+            got = torch.tensor(
+                (await hf.post("/get_weights_by_name", json={"name": name, "truncate_size": 4})).json()
+            )
             assert torch.equal(got, named[name][:4])
         r = (await hf.post("/generate", json={"input_ids": PROMPTS[2], "sampling_params": greedy(8)})).json()
         assert r["output_ids"] == hf_greedy(alt, PROMPTS[2], 8)
@@ -140,18 +173,23 @@ def test_sampling_filters() -> None:
     assert _filter(probs, -1, 1.0, 0.5).tolist() == pytest.approx([0.5, 0.3, 0.0, 0.0])
 
 
-async def test_retract_across_a_real_weight_change(hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM,
-                                                   tiny_ckpt: Path, tiny_ckpt_alt: Path) -> None:
+async def test_retract_across_a_real_weight_change(
+    hf: httpx.AsyncClient, ref_model: AutoModelForCausalLM, tiny_ckpt: Path, tiny_ckpt_alt: Path
+) -> None:
     """Retract, load other weights (cache flushed), continue: the tokens before the pause are the old
     model's, those after are the new model's continuation, and the per-token versions say so."""
     prompt, n = PROMPTS[3], 300  # long enough that the pause lands mid-way on a busy machine
     sp = greedy(n)
-    assert (await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt), "weight_version": "0"})).json()["success"]
+    assert (
+        await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt), "weight_version": "0"})
+    ).json()["success"]
     task = asyncio.create_task(hf.post("/generate", json={"input_ids": prompt, "sampling_params": sp}))
     await wait_load(hf, running=1)
     await hf.post("/pause_generation", json={"mode": "retract"})
     try:
-        r = await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt_alt), "weight_version": "1"})
+        r = await hf.post(
+            "/update_weights_from_disk", json={"model_path": str(tiny_ckpt_alt), "weight_version": "1"}
+        )
         assert r.json()["success"] is True
     finally:
         await hf.post("/continue_generation", json={})
@@ -162,6 +200,8 @@ async def test_retract_across_a_real_weight_change(hf: httpx.AsyncClient, ref_mo
         assert 0 < k < n and versions == ["0"] * k + ["1"] * (n - k) and meta["weight_version"] == "1"
         alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()
         assert out[:k] == hf_greedy(ref_model, prompt, k)
-        assert out[k:] == hf_greedy(alt, prompt + out[:k], n - k)  # re-prefilled from scratch by the new weights
+        assert out[k:] == hf_greedy(
+            alt, prompt + out[:k], n - k
+        )  # re-prefilled from scratch by the new weights
     finally:
         await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt)})

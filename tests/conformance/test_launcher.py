@@ -26,7 +26,9 @@ def _alive(pid: int) -> bool:
 
 
 async def test_supervisor_starts_restarts_after_crash_and_stops() -> None:
-    sup = ServerSupervisor(ReferenceServerConfig(backend="sim"), env={"RLACTORS_TEST_MARK": "1"}, startup_timeout_s=60)
+    sup = ServerSupervisor(
+        ReferenceServerConfig(backend="sim"), env={"RLACTORS_TEST_MARK": "1"}, startup_timeout_s=60
+    )
     url = await sup.start()
     try:
         assert url.startswith("http://127.0.0.1:")
@@ -40,7 +42,9 @@ async def test_supervisor_starts_restarts_after_crash_and_stops() -> None:
 
         await wait_until(restarted, timeout_s=60, what="restart after SIGKILL")
         async with httpx.AsyncClient(base_url=sup.url, timeout=30) as c:
-            r = await c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}})
+            r = await c.post(
+                "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+            )
             assert r.status_code == 200
     finally:
         await sup.stop()
@@ -61,8 +65,14 @@ async def test_supervisor_reports_a_server_that_cannot_start() -> None:
 
 
 def test_sglang_command_line() -> None:
-    cfg = SGLangServerConfig(model_path="/m", tp_size=2, mem_fraction_static=0.8, dtype="bfloat16",
-                             random_seed=3, extra_args=["--enable-metrics"])
+    cfg = SGLangServerConfig(
+        model_path="/m",
+        tp_size=2,
+        mem_fraction_static=0.8,
+        dtype="bfloat16",
+        random_seed=3,
+        extra_args=["--enable-metrics"],
+    )
     cmd = cfg.command("127.0.0.1", 30001)
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     args = cmd[3:]

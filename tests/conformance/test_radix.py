@@ -54,9 +54,7 @@ def test_matches_agree_with_a_naive_prefix_set(seqs: list[list[int]]) -> None:
     for s in seqs:
         c.insert(s, kv_for(s))
     for q in seqs + [[*s[:-1], 9] for s in seqs]:
-        want = max(
-            (n for s in seqs for n in range(len(s) + 1) if s[:n] == q[:n]), default=0
-        )
+        want = max((n for s in seqs for n in range(len(s) + 1) if s[:n] == q[:n]), default=0)
         m = c.match(q)
         assert m.length == want
         if want:

@@ -59,7 +59,9 @@ async def test_generation_across_a_weight_update(
 ) -> None:
     if mode == "none" and not is_reference:
         pytest.skip("SGLang holds a disk update until running requests finish unless paused")
-    prompt = list(range(7000 + 100 * len(mode), 7040 + 100 * len(mode)))  # fresh per mode: no earlier cache hits
+    prompt = list(
+        range(7000 + 100 * len(mode), 7040 + 100 * len(mode))
+    )  # fresh per mode: no earlier cache hits
     await set_version(client, tiny_ckpt, "0")
     task = asyncio.create_task(client.post("/generate", json=body(f"mid-update-{mode}", prompt, N)))
     await wait_generated(client, len(prompt), PAUSED_AFTER)
@@ -76,7 +78,9 @@ async def test_generation_across_a_weight_update(
     if mode == "abort":
         k = len(first["output_ids"])
         assert 0 < k < N
-        r = await client.post("/generate", json=body(f"mid-update-{mode}-resumed", prompt + first["output_ids"], N - k))
+        r = await client.post(
+            "/generate", json=body(f"mid-update-{mode}-resumed", prompt + first["output_ids"], N - k)
+        )
         second = r.json()
         out = first["output_ids"] + second["output_ids"]
         assert first["meta_info"]["weight_version"] == "0" and second["meta_info"]["weight_version"] == "1"

@@ -20,7 +20,9 @@ async def outputs(client: httpx.AsyncClient) -> list[int]:
     return r.json()["output_ids"]
 
 
-async def load_disk(client: httpx.AsyncClient, path: Path | str, version: str | None = None) -> httpx.Response:
+async def load_disk(
+    client: httpx.AsyncClient, path: Path | str, version: str | None = None
+) -> httpx.Response:
     body: dict = {"model_path": str(path)}
     if version is not None:
         body["weight_version"] = version
@@ -53,7 +55,9 @@ async def test_update_from_bad_path_fails_and_keeps_model(client: httpx.AsyncCli
     assert await outputs(client) == before
 
 
-async def test_update_from_distributed_per_tensor_and_bucket(client: httpx.AsyncClient, is_reference: bool) -> None:
+async def test_update_from_distributed_per_tensor_and_bucket(
+    client: httpx.AsyncClient, is_reference: bool
+) -> None:
     if not is_reference:
         import pytest
 
@@ -62,10 +66,15 @@ async def test_update_from_distributed_per_tensor_and_bucket(client: httpx.Async
     try:
         g = torch.Generator().manual_seed(0)
         for flattened, version in ((False, "d1"), (True, "d2")):
-            named = {"layer.weight": torch.randn(4, 3, generator=g), "layer.bias": torch.randn(5, generator=g)}
+            named = {
+                "layer.weight": torch.randn(4, 3, generator=g),
+                "layer.bias": torch.randn(5, generator=g),
+            }
             await push(client, trainer, name, named, flattened, version)
             for pname, t in named.items():
-                got = (await client.post("/get_weights_by_name", json={"name": pname, "truncate_size": 100})).json()
+                got = (
+                    await client.post("/get_weights_by_name", json={"name": pname, "truncate_size": 100})
+                ).json()
                 assert torch.allclose(torch.tensor(got), t)
             assert (await client.get("/get_model_info")).json()["weight_version"] == version
     finally:
@@ -74,9 +83,15 @@ async def test_update_from_distributed_per_tensor_and_bucket(client: httpx.Async
 
 
 async def test_update_from_distributed_unknown_group_fails(client: httpx.AsyncClient) -> None:
-    r = await client.post("/update_weights_from_distributed", json={
-        "names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "no-such-group",
-    })
+    r = await client.post(
+        "/update_weights_from_distributed",
+        json={
+            "names": ["x"],
+            "dtypes": ["float32"],
+            "shapes": [[1]],
+            "group_name": "no-such-group",
+        },
+    )
     assert r.status_code == 400 and r.json()["success"] is False
 
 
@@ -84,6 +99,8 @@ async def test_weight_update_session_rules(client: httpx.AsyncClient) -> None:
     assert (await client.post("/end_weight_update", json={})).json()["success"] is False
     assert (await client.post("/begin_weight_update", json={"selector": "all"})).json()["success"] is True
     try:
-        assert (await client.post("/begin_weight_update", json={"selector": "all"})).json()["success"] is False
+        assert (await client.post("/begin_weight_update", json={"selector": "all"})).json()[
+            "success"
+        ] is False
     finally:
         assert (await client.post("/end_weight_update", json={})).json()["success"] is True

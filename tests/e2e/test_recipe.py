@@ -91,26 +91,34 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-@pytest.mark.slow
-def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> None:
-    out = tmp_path / "run"
+def start_until_first_step(
+    args: list[str], steps: int, stderr: int
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start the recipe and read its output until step 1 is done; returns the process and the lines read."""
     proc = subprocess.Popen(
-        [sys.executable, str(RECIPE), *SMALL, "run.steps=4", f"run.out_dir={out}"],
+        [sys.executable, str(RECIPE), *args, f"run.steps={steps}"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    lines = []
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith(f"step 1/{steps}") or not line:
+            break
+    return proc, lines
+
+
+@pytest.mark.slow
+def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc, lines = start_until_first_step([*SMALL, f"run.out_dir={out}"], 4, subprocess.DEVNULL)
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if line.startswith("step 1/4") or not line:
-                break
         servers = [p for p in _descendants(proc.pid) if "nodes.inference.server" in _cmdline(p)]
         assert len(servers) == 2, "".join(lines)
         os.kill(servers[0], signal.SIGKILL)
@@ -130,21 +138,8 @@ def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, str(RECIPE), *SMALL, "run.steps=50", f"run.out_dir={out}"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    proc, _ = start_until_first_step([*SMALL, f"run.out_dir={out}"], 50, subprocess.PIPE)
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if line.startswith("step 1/50") or not line:
-                break
         workers = [p for p in _descendants(proc.pid) if "rlactors.worker" in _cmdline(p)]
         ranks = [p for p in workers if "rlactors.worker trainer-1" in _cmdline(p)]
         assert len(ranks) == 1

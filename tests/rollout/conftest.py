@@ -12,5 +12,7 @@ from nodes.inference.testing import reference_server
 @pytest.fixture(scope="module")
 def sim_server() -> Iterator[str]:
     """A sim reference server; 2 ms per decode step so episodes overlap and can be interrupted."""
-    with reference_server(["--backend", "sim", "--sim-decode-s-base", "0.002", "--sim-eos-prob", "0.05"]) as url:
+    with reference_server(
+        ["--backend", "sim", "--sim-decode-s-base", "0.002", "--sim-eos-prob", "0.05"]
+    ) as url:
         yield url

@@ -22,8 +22,14 @@ A, B = "http://a:1", "http://b:1"
 FAST = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=2)
 
 
-def reply(ids: list[int], finish: str = "length", cached: int = 0, legacy: bool = False,
-          versions: list[Any] | None = None, **fin: Any) -> httpx.Response:
+def reply(
+    ids: list[int],
+    finish: str = "length",
+    cached: int = 0,
+    legacy: bool = False,
+    versions: list[Any] | None = None,
+    **fin: Any,
+) -> httpx.Response:
     meta: dict[str, Any] = {
         "finish_reason": {"type": finish, **fin},
         "prompt_tokens": 0,
@@ -62,7 +68,9 @@ class Script:
 
 
 async def test_abort_resume_appends_tokens_lowers_budget_and_stays_on_the_server() -> None:
-    script = Script(a=[lambda b: reply([5, 6, 7], "abort", message="paused"), lambda b: reply([8, 9], "length", cached=5)])
+    script = Script(
+        a=[lambda b: reply([5, 6, 7], "abort", message="paused"), lambda b: reply([8, 9], "length", cached=5)]
+    )
     client = SGLangClient([A, B], FAST, transport=script.transport())
     client._servers[B].inflight = 10  # make A the least loaded
     res = await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 5, "temperature": 1.0}, rid="r1"))
@@ -74,7 +82,11 @@ async def test_abort_resume_appends_tokens_lowers_budget_and_stays_on_the_server
     assert b2["input_ids"] == [1, 2, 3, 5, 6, 7] and b2["sampling_params"]["max_new_tokens"] == 2
     assert b1["return_logprob"] and b1["rid"] == "r1" and b2["rid"] != "r1" and b2["rid"].startswith("r1")
     assert res.cached_tokens == [0, 5]
-    assert client.counters["aborts"] == 1 and client.counters["resumes"] == 1 and client.counters["cached_tokens"] == 5
+    assert (
+        client.counters["aborts"] == 1
+        and client.counters["resumes"] == 1
+        and client.counters["cached_tokens"] == 5
+    )
     await client.aclose()
 
 
@@ -154,7 +166,9 @@ async def test_server_labels_stamp_each_token() -> None:
 
 
 async def test_5xx_is_retried_with_backoff_then_succeeds() -> None:
-    script = Script(a=[lambda b: httpx.Response(500), lambda b: httpx.Response(503), lambda b: reply([1], "stop")])
+    script = Script(
+        a=[lambda b: httpx.Response(500), lambda b: httpx.Response(503), lambda b: reply([1], "stop")]
+    )
     client = SGLangClient([A], FAST, transport=script.transport())
     res = await client.agenerate(GenRequest([9], {"max_new_tokens": 4}))
     assert res.output_ids == [1] and client.counters["retries"] == 2 and client.counters["failovers"] == 0
@@ -177,7 +191,9 @@ async def test_a_server_that_stays_down_loses_the_request_with_its_tokens_to_ano
     res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4}, rid="x"))
     assert res.output_ids == [5, 6, 7, 8] and res.server == B and res.failovers == 1
     host, body = script.posts[-1]
-    assert host == "b" and body["input_ids"] == [1, 2, 5, 6] and body["sampling_params"]["max_new_tokens"] == 2
+    assert (
+        host == "b" and body["input_ids"] == [1, 2, 5, 6] and body["sampling_params"]["max_new_tokens"] == 2
+    )
     assert client.counters["retries"] == FAST.max_retries and client.counters["failovers"] == 1
     client._servers[B].inflight = 0
     # A is marked down: the next request (even one sticky to A) goes to B without touching A

@@ -29,7 +29,9 @@ SP = {"max_new_tokens": N_NEW, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     # 5 ms per decode step: an 80-token generation lasts ~0.4 s, long enough to pause mid-way.
-    with reference_server(["--backend", "sim", "--sim-decode-s-base", "0.005", "--weight-version", "0"]) as url:
+    with reference_server(
+        ["--backend", "sim", "--sim-decode-s-base", "0.005", "--weight-version", "0"]
+    ) as url:
         yield url
 
 
@@ -47,6 +49,7 @@ async def generated_tokens(admin: httpx.AsyncClient) -> int:
 
 async def update_weights(admin: httpx.AsyncClient, client: SGLangClient, mode: str, prefix_len: int) -> None:
     """Pause mid-generation (after >= 20 new tokens), bump the version, continue."""
+
     async def mid_generation() -> bool:
         return await generated_tokens(admin) >= prefix_len + 20
 
@@ -63,12 +66,16 @@ async def update_weights(admin: httpx.AsyncClient, client: SGLangClient, mode: s
 
 async def reference_output(url: str, prompt: list[int]) -> list[int]:
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-        r = await c.post("/generate", json={"input_ids": prompt, "sampling_params": SP, "return_logprob": False})
+        r = await c.post(
+            "/generate", json={"input_ids": prompt, "sampling_params": SP, "return_logprob": False}
+        )
         return r.json()["output_ids"]
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
-async def test_generation_survives_a_weight_update_pause(server_url: str, admin: httpx.AsyncClient, mode: str) -> None:
+async def test_generation_survives_a_weight_update_pause(
+    server_url: str, admin: httpx.AsyncClient, mode: str
+) -> None:
     prompt = [len(mode), *PROMPT]  # a fresh prefix per mode: no cache hits from other tests
     assert (await admin.post("/update_weight_version", json={"new_version": "0"})).json()["success"]
     client = SGLangClient([server_url])
@@ -175,6 +182,7 @@ async def test_a_server_killed_mid_request_moves_the_request(server_url: str) ->
         client._servers[server_url].inflight = 10  # the victim is the least loaded
         task = asyncio.create_task(client.agenerate(GenRequest([6, *PROMPT], {**SP, "max_new_tokens": 40})))
         async with httpx.AsyncClient(base_url=victim, timeout=10) as c:
+
             async def running() -> bool:
                 return sum(e["num_reqs"] for e in (await c.get("/get_load")).json()) == 1
 

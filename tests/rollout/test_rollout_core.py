@@ -13,7 +13,11 @@ from nodes.rollout.client import SGLangClient
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import build_workflow
 
-WORKFLOW = {"kind": "rlvr", "tokenizer": "byte", "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 24}}}
+WORKFLOW = {
+    "kind": "rlvr",
+    "tokenizer": "byte",
+    "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 24}},
+}
 
 
 def make(url: str, n_prompts: int, B: int, eta: int, **cfg):
@@ -60,6 +64,7 @@ async def test_pause_for_weight_updates_mid_run(sim_server: str) -> None:
     run = asyncio.create_task(rollout.run())
 
     async with httpx.AsyncClient(base_url=sim_server, timeout=30) as admin:
+
         async def weight_update(v: int) -> None:
             rollout.pause()
             await admin.post("/pause_generation", json={"mode": "abort"})

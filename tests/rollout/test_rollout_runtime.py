@@ -14,7 +14,11 @@ from nodes.inference.testing import wait_until
 from nodes.rollout.actor import RolloutActor
 
 B, ETA, N = 2, 1, 16
-WORKFLOW = {"kind": "rlvr", "tokenizer": "byte", "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 64}}}
+WORKFLOW = {
+    "kind": "rlvr",
+    "tokenizer": "byte",
+    "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 64}},
+}
 PROMPTS = {"kind": "arithmetic", "n": N}
 
 
@@ -46,7 +50,9 @@ async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -
     # The death notices release the leases and take the episodes off the books.
     async def settled() -> bool:
         g, b = await gov.stats(), await buf.stats()
-        return g["running"] == 0 and b["in_flight"] == 0 and g["accepted"] == b["accepted"] - b["dropped_stale"]
+        return (
+            g["running"] == 0 and b["in_flight"] == 0 and g["accepted"] == b["accepted"] - b["dropped_stale"]
+        )
 
     await wait_until(settled, timeout_s=10, what="governor and buffer to settle after the death")
     b = await buf.stats()

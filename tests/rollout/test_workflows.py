@@ -11,7 +11,10 @@ from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.reward import RewardRunner, extract_answer, gsm8k_reward
 from nodes.rollout.workflows import MultiTurnConfig, MultiTurnWorkflow, RLVRConfig, RLVRWorkflow, chat_ids
 
-ITEM = {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?", "answer": "#### 72"}
+ITEM = {
+    "question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+    "answer": "#### 72",
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,9 @@ async def test_rlvr_group_of_n_samples(tok) -> None:
     for t in group.trajectories:
         assert t.input_ids[: len(prompt)] == prompt and t.prompt_len == len(prompt)
         assert t.loss_mask == [0] * len(prompt) + [1] * (t.num_tokens - len(prompt))
-        assert set(t.versions[len(prompt) :]) == {3} and t.meta["cached_tokens"] == 7 and t.meta["aborts"] == 1
+        assert (
+            set(t.versions[len(prompt) :]) == {3} and t.meta["cached_tokens"] == 7 and t.meta["aborts"] == 1
+        )
 
 
 async def test_multi_turn_retry_until_correct(tok) -> None:
@@ -67,17 +72,25 @@ async def test_multi_turn_retry_until_correct(tok) -> None:
     rendered = tok.apply_chat_template(convo, tokenize=False)
     assert tok.decode(t.input_ids, skip_special_tokens=False) == rendered.rstrip("\n")
     # loss only on the two answers; the feedback turn is context
-    answer_ids = [[*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ("\\boxed{70}", "\\boxed{72}")]
+    answer_ids = [
+        [*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ("\\boxed{70}", "\\boxed{72}")
+    ]
     assert sum(t.loss_mask) == sum(map(len, answer_ids))
-    assert [tid for tid, m in zip(t.input_ids, t.loss_mask, strict=True) if m] == answer_ids[0] + answer_ids[1]
+    assert [tid for tid, m in zip(t.input_ids, t.loss_mask, strict=True) if m] == answer_ids[0] + answer_ids[
+        1
+    ]
 
 
 async def test_multi_turn_gives_up_after_max_turns(tok) -> None:
     client = ScriptedClient(tok, ["1", "2", "3"])
-    group = await MultiTurnWorkflow(tok, gsm8k_reward, MultiTurnConfig(n_samples=1, max_turns=3)).arun_episode(
-        client, ITEM
+    group = await MultiTurnWorkflow(
+        tok, gsm8k_reward, MultiTurnConfig(n_samples=1, max_turns=3)
+    ).arun_episode(client, ITEM)
+    assert (
+        group.trajectories[0].reward == 0.0
+        and group.trajectories[0].meta["turns"] == 3
+        and not client.answers
     )
-    assert group.trajectories[0].reward == 0.0 and group.trajectories[0].meta["turns"] == 3 and not client.answers
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,15 @@ def train_config(model: str):
     from nodes.trainer.loss import LossConfig
 
     # small micro-batch cap: several micro-batches per rank; a loose cap so some tokens are masked
-    return TrainConfig(model_path=model, lr=1e-3, adam_eps=1e-6, weight_decay=0.01, grad_clip=0.5,
-                       max_tokens_per_mb=40, loss=LossConfig(eps_clip=0.2, behav_imp_weight_cap=1.5))
+    return TrainConfig(
+        model_path=model,
+        lr=1e-3,
+        adam_eps=1e-6,
+        weight_decay=0.01,
+        grad_clip=0.5,
+        max_tokens_per_mb=40,
+        loss=LossConfig(eps_clip=0.2, behav_imp_weight_cap=1.5),
+    )
 
 
 def batch(seed: int, n_groups: int = 3):
@@ -79,8 +86,12 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
         cfg.method, cfg.pause_mode, cfg.flattened_bucket = method, mode, flat
         futs = []
         if rank == 0:
-            futs = [pool.submit(client.post, url + "/generate",
-                                json={"input_ids": [5, 6, 7 + j], "sampling_params": LONG}) for j in range(2)]
+            futs = [
+                pool.submit(
+                    client.post, url + "/generate", json={"input_ids": [5, 6, 7 + j], "sampling_params": LONG}
+                )
+                for j in range(2)
+            ]
             deadline = time.monotonic() + 60
             while client.get(url + "/get_load").json()[0]["num_reqs"] < 2:  # both admitted and running
                 assert time.monotonic() < deadline, "requests never started"
@@ -92,14 +103,20 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
             gens = [f.result(timeout=120).json() for f in futs]
             names = [n for n in full if n != "lm_head.weight"]
             served = server_weights(url, names)
-            results.append({
-                "method": method, "mode": mode, "flattened": flat, "version": trainer.version,
-                "push_bytes": stats["push_bytes"], "server_version": info["weight_version"],
-                "equal": {n: bool(torch.equal(served[n], full[n])) for n in names},
-                "finish": [g["meta_info"]["finish_reason"]["type"] for g in gens],
-                "completion_tokens": [g["meta_info"]["completion_tokens"] for g in gens],
-                "gen_versions": [g["meta_info"]["weight_version"] for g in gens],
-            })
+            results.append(
+                {
+                    "method": method,
+                    "mode": mode,
+                    "flattened": flat,
+                    "version": trainer.version,
+                    "push_bytes": stats["push_bytes"],
+                    "server_version": info["weight_version"],
+                    "equal": {n: bool(torch.equal(served[n], full[n])) for n in names},
+                    "finish": [g["meta_info"]["finish_reason"]["type"] for g in gens],
+                    "completion_tokens": [g["meta_info"]["completion_tokens"] for g in gens],
+                    "gen_versions": [g["meta_info"]["weight_version"] for g in gens],
+                }
+            )
     pusher.close()
     if rank == 0:
         (out / "push.json").write_text(json.dumps(results))
@@ -126,9 +143,15 @@ def main() -> None:
     elif scenario == "resume":
         extra = checkpoint.load(trainer, out / "ckpt")
         if rank == 0:
-            (out / "resume.json").write_text(json.dumps({"data_position": extra.data_position,
-                                                         "version": trainer.version,
-                                                         "optim_steps": trainer.optim_steps}))
+            (out / "resume.json").write_text(
+                json.dumps(
+                    {
+                        "data_position": extra.data_position,
+                        "version": trainer.version,
+                        "optim_steps": trainer.optim_steps,
+                    }
+                )
+            )
         trainer.train_step(batch(2, n_groups=1))
         save_full(trainer, out / "step2_resumed.safetensors")
     elif scenario == "push":

@@ -17,15 +17,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(script: Path, args: list[str], world: int, extra_env: dict | None = None) -> list[subprocess.Popen]:
+def spawn_ranks(
+    script: Path, args: list[str], world: int, extra_env: dict | None = None
+) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO), **(extra_env or {})}
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            **(extra_env or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -40,8 +58,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def run_ranks(script: Path, args: list[str], world: int, timeout: float = 120,
-              extra_env: dict | None = None) -> list[str]:
+def run_ranks(
+    script: Path, args: list[str], world: int, timeout: float = 120, extra_env: dict | None = None
+) -> list[str]:
     """Run ``world`` ranks to completion; raise with every rank's output if one fails or times out."""
     procs = spawn_ranks(script, args, world, extra_env)
     outputs = []
@@ -57,6 +76,8 @@ def run_ranks(script: Path, args: list[str], world: int, timeout: float = 120,
         stop(procs)
     bad = [r for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
-        dump = "\n".join(f"--- rank {r} (rc {procs[r].returncode}) ---\n{o[-4000:]}" for r, o in enumerate(outputs))
+        dump = "\n".join(
+            f"--- rank {r} (rc {procs[r].returncode}) ---\n{o[-4000:]}" for r, o in enumerate(outputs)
+        )
         raise RuntimeError(f"ranks {bad} failed\n{dump}")
     return outputs

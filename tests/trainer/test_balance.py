@@ -17,8 +17,9 @@ from nodes.trainer.balance import (
 )
 
 sizes_st = st.lists(st.integers(min_value=1, max_value=2000), min_size=0, max_size=60)
-groups_st = st.lists(st.lists(st.integers(min_value=1, max_value=600), min_size=1, max_size=6),
-                     min_size=0, max_size=24)
+groups_st = st.lists(
+    st.lists(st.integers(min_value=1, max_value=600), min_size=1, max_size=6), min_size=0, max_size=24
+)
 
 
 def _max_load(bins, sizes):

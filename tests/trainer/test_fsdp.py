@@ -45,12 +45,14 @@ def plain_step(model_path: str, batch) -> tuple[dict[str, torch.Tensor], float]:
     mb = build_microbatch(list(range(len(trajs))), trajs, adv)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
     logp, ent = gather_logprobs_entropy(logits, mb.labels, cfg.loss.temperature)
-    out = decoupled_ppo_loss(logp, logp.detach(), mb.behave_logp, mb.advantages, mb.loss_mask, cfg.loss,
-                             entropy=ent)
+    out = decoupled_ppo_loss(
+        logp, logp.detach(), mb.behave_logp, mb.advantages, mb.loss_mask, cfg.loss, entropy=ent
+    )
     (out.loss_sum / out.n_tokens).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
     opt.step()
     return {k: v.detach() for k, v in model.state_dict().items()}, float(norm)
 
@@ -66,8 +68,18 @@ def test_fsdp_step_on_two_ranks_equals_plain_step(fresh_run, tiny_model):
     # the step really changed the weights (the tied head is stored once, as the embedding)
     assert all(not torch.equal(got[n], w) for n, w in before.items())
     stats = json.loads((fresh_run / "stats1.json").read_text())
-    for key in ("loss", "clip_frac", "ratio", "entropy", "grad_norm", "tokens_per_s", "staleness_max",
-                "behave_imp_weight", "behave_masked_frac", "approx_kl"):
+    for key in (
+        "loss",
+        "clip_frac",
+        "ratio",
+        "entropy",
+        "grad_norm",
+        "tokens_per_s",
+        "staleness_max",
+        "behave_imp_weight",
+        "behave_masked_frac",
+        "approx_kl",
+    ):
         assert math.isfinite(stats[key]), key
     assert stats["ratio"] == pytest.approx(1.0)  # first minibatch: current == proximal
     assert 0 < stats["behave_masked_frac"] < 1  # the cap masked some tokens

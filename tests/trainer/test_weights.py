@@ -25,9 +25,19 @@ def small_vocab_model(dst: Path) -> Path:
     """A 2-layer Llama with a 1024-token vocabulary (cheap to read back over HTTP) + a tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(dst))
     for f in ensure_tiny_checkpoint().iterdir():
@@ -36,12 +46,22 @@ def small_vocab_model(dst: Path) -> Path:
     return dst
 
 
-
 @pytest.mark.slow
 def test_push_to_reference_server_under_each_pause_mode(tmp_path):
     model = small_vocab_model(tmp_path / "model")
-    args = ["--backend", "hf", "--model-path", str(model), "--dtype", "float32", "--num-threads", "1",
-            "--strict-weight-update-session", "--weight-version", "0"]
+    args = [
+        "--backend",
+        "hf",
+        "--model-path",
+        str(model),
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--strict-weight-update-session",
+        "--weight-version",
+        "0",
+    ]
     with reference_server(args) as url:
         run_ranks(HERE / "dist_worker.py", ["push", str(tmp_path), str(model), url], world=2, timeout=280)
     results = json.loads((tmp_path / "push.json").read_text())

@@ -61,8 +61,13 @@ def _pick_device(device: str) -> str:
 def _pick_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "half": torch.float16, "float": torch.float32}[dtype]
+    return {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "float": torch.float32,
+    }[dtype]
 
 
 class HFBackend:
@@ -70,8 +75,15 @@ class HFBackend:
 
     kv_ops = HFKVOps()
 
-    def __init__(self, model_path: str, tokenizer_path: str | None = None, dtype: str = "auto",
-                 device: str = "auto", seed: int = 0, num_threads: int = 0) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        num_threads: int = 0,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if num_threads > 0:
@@ -121,7 +133,9 @@ class HFBackend:
             ids = seq.ids
             c = seq.cached_len
             if c:
-                cache = DynamicCache(ddp_cache_data=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in seq.cached_kv])
+                cache = DynamicCache(
+                    ddp_cache_data=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in seq.cached_kv]
+                )
             else:
                 cache = DynamicCache()
             inp = torch.tensor([ids[c:]], device=self._device)
