@@ -80,7 +80,13 @@ def load_class(spec: dict[str, Any]) -> type:
         # its `if __name__ == "__main__":` block skipped.
         if not file:
             raise ClusterError("actor class is defined in an interactive __main__; put it in a module file")
-        mod = sys.modules.get("__mp_main__") or _import_path("__mp_main__", file)
+        try:
+            mod = sys.modules.get("__mp_main__") or _import_path("__mp_main__", file)
+        except RuntimeError as e:
+            raise ClusterError(
+                f"importing the driver script {file} to find {qualname} ran its code ({e}): start the script's "
+                'work under `if __name__ == "__main__":`, as with multiprocessing'
+            ) from e
     else:
         try:
             mod = importlib.import_module(module)
