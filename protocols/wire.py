@@ -37,6 +37,7 @@ __all__ = [
     "decode_envelope",
     "encode_envelope",
     "join_batch",
+    "peek_header",
     "split_batch",
 ]
 
@@ -104,6 +105,25 @@ def decode_envelope(frames: Sequence[Any]) -> list[Any]:
     elif kind == Kind.ERROR and not isinstance(msg[3], dict):
         raise WireError("ERROR payload is not a map")
     return msg[1:]
+
+
+def peek_header(frames: Sequence[Any]) -> tuple[int, int, int] | None:
+    """``(kind, call_id, flags)`` of an envelope whose payload could not be decoded, or None.
+
+    Reads the body with every extension type ignored, so a reply or call carrying an unknown
+    type can still be answered (or failed) by its id instead of leaving its caller waiting.
+    """
+    try:
+        body = getattr(frames[0], "bytes", frames[0])
+        raw = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda code, data: None)
+    except Exception:
+        return None
+    if not (isinstance(raw, list) and len(raw) >= 3 and raw[0] == PROTOCOL_VERSION):
+        return None
+    if not (isinstance(raw[1], int) and isinstance(raw[2], int)):
+        return None
+    flags = raw[7] if raw[1] == Kind.CALL and len(raw) == 8 and isinstance(raw[7], int) else 0
+    return raw[1], raw[2], flags
 
 
 def join_batch(envelopes: Sequence[Sequence[Any]]) -> list[Any]:

@@ -242,16 +242,11 @@ class Connection:
 
     def _undecodable(self, env: Any, err: Exception) -> None:
         """A reply we cannot decode (e.g. an unknown dataclass): fail that call, keep serving."""
-        import msgpack
-
         log.warning("undecodable reply", peer=self.name, reason=str(err))
-        try:
-            raw = msgpack.unpackb(
-                getattr(env[0], "bytes", env[0]), raw=False, ext_hook=lambda c, d: None, strict_map_key=False
-            )
-            pending = self._pending.pop(raw[2], None)
-        except Exception:
+        header = wire.peek_header(env)
+        if header is None:
             return
+        pending = self._pending.pop(header[1], None)
         if isinstance(pending, StreamCall):
             pending._finish(err)
         elif pending is not None and not pending.done():

@@ -25,7 +25,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-import msgpack
 import structlog
 
 from protocols import codec, wire
@@ -171,15 +170,9 @@ class Service:
     def _reject(self, ident: bytes, env: Any, err: Exception) -> None:
         """An envelope that failed to decode: answer its call if we can still read its id."""
         self._drop(str(err))
-        try:
-            body = getattr(env[0], "bytes", env[0])
-            raw = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda c, d: None)
-            ok = isinstance(raw, list) and len(raw) >= 3 and raw[0] == wire.PROTOCOL_VERSION
-            flags = raw[7] if ok and len(raw) == 8 and isinstance(raw[7], int) else 0
-            if ok and raw[1] == Kind.CALL and isinstance(raw[2], int) and not flags & Flags.NO_REPLY:
-                self._send_error(ident, raw[2], err)
-        except Exception:
-            pass
+        header = wire.peek_header(env)
+        if header is not None and header[0] == Kind.CALL and not header[2] & Flags.NO_REPLY:
+            self._send_error(ident, header[1], err)
 
     def _on_call(
         self,
