@@ -13,14 +13,14 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
-from rlactors.placement import NodeResources, choose_node, normalise_request, plan_bundles
+from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
+from rlactors.registry import ActorRecord, KVStore, NodeRecord
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.head")
@@ -28,70 +28,6 @@ log = structlog.get_logger("rlactors.head")
 MAX_QUEUED_EVENTS = 10_000  # events queued for one subscriber before it is deemed gone
 START_TIMEOUT_S = 3600.0  # safety net; a lost node fails its calls at once
 AGENT_CALL_TIMEOUT_S = 30.0
-
-
-@dataclass
-class NodeRecord:
-    node_id: str
-    address: str
-    host: str
-    resources: NodeResources
-    conn: Connection
-    alive: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
-    labels: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class ActorRecord:
-    actor_id: str
-    name: str | None
-    class_name: str
-    request: dict[str, Any]
-    resources: dict[str, float]
-    owner: str
-    detached: bool
-    max_restarts: int
-    node_id: str = ""
-    bundle: tuple[str, int] | None = None  # (placement group id, bundle index) it runs in
-    starting: bool = False
-    pending_exit: str | None = None
-    gpus: list[int] = field(default_factory=list)
-    state: str = "PENDING"
-    address: str = ""
-    pid: int = 0
-    methods: dict[str, str] = field(default_factory=dict)
-    restarts: int = 0
-    reason: str = ""
-    killed: bool = False
-    died: asyncio.Event = field(default_factory=asyncio.Event)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "actor_id": self.actor_id,
-            "name": self.name,
-            "class_name": self.class_name,
-            "address": self.address,
-            "methods": self.methods,
-            "state": self.state,
-            "node_id": self.node_id,
-            "restarts": self.restarts,
-            "pid": self.pid,
-            "reason": self.reason,
-            "resources": self.resources,
-            "gpus": self.gpus,
-        }
-
-    def event(self) -> dict[str, Any]:
-        return {
-            "type": "actor",
-            "actor_id": self.actor_id,
-            "state": self.state,
-            "address": self.address,
-            "reason": self.reason,
-            "name": self.name,
-        }
 
 
 class Head:
@@ -110,12 +46,11 @@ class Head:
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
         self._subs: dict[asyncio.Queue[dict[str, Any] | None], str] = {}  # event queue -> client id
-        self._kv: dict[str, Any] = {}
+        self.kv = KVStore()
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
         self._clients: dict[str, float] = {}  # client id -> last heartbeat
         # placement group id -> bundles: {node_id, resources, gpus, actor}
-        self.groups: dict[str, list[dict[str, Any]]] = {}
-        self._kv_changed = asyncio.Event()
+        self.bundles = BundleTable()
         self._monitor: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
         self.started = time.time()
@@ -280,7 +215,7 @@ class Head:
         placement = request.get("placement")
         bundle: dict[str, Any] | None = None
         if placement is not None:
-            bundle = self._bundle(placement)
+            bundle = self.bundles.free_bundle(placement[0], int(placement[1]), set(self._alive_nodes()))
             nid, res = bundle["node_id"], bundle["resources"]
         else:
             nid = choose_node(
@@ -345,9 +280,7 @@ class Head:
         if rec.state == "DEAD":
             return
         if rec.bundle is not None:
-            bundles = self.groups.get(rec.bundle[0])
-            if bundles is not None and bundles[rec.bundle[1]].get("actor") == rec.actor_id:
-                bundles[rec.bundle[1]]["actor"] = None
+            self.bundles.vacate(rec.bundle[0], rec.bundle[1], rec.actor_id)
             return
         node = self.nodes.get(rec.node_id)
         if node is not None:
@@ -449,39 +382,16 @@ class Head:
         self, bundles: list[dict[str, float]], strategy: str = "pack"
     ) -> dict[str, Any]:
         """Reserve resource bundles atomically (all or nothing); actors then spawn into them."""
-        reqs = [normalise_request(b) for b in bundles]
-        if not reqs:
-            raise ValueError("reserve_bundles needs at least one bundle")
-        nodes = plan_bundles(self._alive_nodes(), reqs, strategy)
-        gid = "pg-" + uuid.uuid4().hex[:8]
-        self.groups[gid] = [
-            {"node_id": nid, "resources": req, "gpus": self.nodes[nid].resources.acquire(req), "actor": None}
-            for nid, req in zip(nodes, reqs, strict=True)
-        ]
+        gid, nodes = self.bundles.reserve(self._alive_nodes(), bundles, strategy)
         return {"group_id": gid, "nodes": nodes}
-
-    def _bundle(self, placement: list[Any]) -> dict[str, Any]:
-        gid, index = placement[0], int(placement[1])
-        bundles = self.groups.get(gid)
-        if bundles is None:
-            raise PlacementError(f"no placement group {gid!r} (was it released?)")
-        if not 0 <= index < len(bundles):
-            raise PlacementError(f"placement group {gid} has {len(bundles)} bundles, no bundle {index}")
-        b = bundles[index]
-        node = self.nodes.get(b["node_id"])
-        if node is None or not node.alive:
-            raise PlacementError(f"bundle {index} of {gid} is on node {b['node_id']}, which is dead")
-        if b["actor"] is not None:
-            raise PlacementError(f"bundle {index} of {gid} is in use by actor {b['actor']}")
-        return b
 
     async def release_bundles(self, group_id: str) -> None:
         """Kill the group's actors and give its resources back to the nodes."""
-        bundles = self.groups.get(group_id)
+        bundles = self.bundles.groups.get(group_id)
         if bundles is None:
             return
         await asyncio.gather(*(self.kill(b["actor"]) for b in bundles if b["actor"]), return_exceptions=True)
-        del self.groups[group_id]
+        del self.bundles.groups[group_id]
         for b in bundles:
             node = self.nodes.get(b["node_id"])
             if node is not None:
@@ -507,20 +417,11 @@ class Head:
         ]
 
     async def kv_put(self, key: str, value: Any) -> None:
-        self._kv[key] = value
-        self._kv_changed.set()
-        self._kv_changed = asyncio.Event()
+        self.kv.put(key, value)
 
     async def kv_get(self, key: str, wait: float = 0.0) -> Any:
         """The value at ``key``; with ``wait`` > 0, wait up to that long for it to appear."""
-        deadline = time.monotonic() + wait
-        while key not in self._kv:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise KeyError(key)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kv_changed.wait(), left)
-        return self._kv[key]
+        return await self.kv.get(key, wait)
 
     async def reserve_port(self, node_id: str) -> dict[str, Any]:
         n = self.nodes.get(node_id)

@@ -6,12 +6,13 @@ Resources are plain numbers per node. GPUs are also tracked by index, so an acto
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from rlactors.errors import PlacementError
 
-__all__ = ["NodeResources", "choose_node", "normalise_request"]
+__all__ = ["BundleTable", "NodeResources", "choose_node", "normalise_request", "plan_bundles"]
 
 EPS = 1e-9
 
@@ -136,3 +137,45 @@ def plan_bundles(
         placed[i] = nid
     chosen = [placed[i] for i in range(len(bundles))]
     return chosen
+
+
+class BundleTable:
+    """Placement groups: reserved bundles (node, resources, GPUs) and which actor occupies each."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, list[dict[str, Any]]] = {}
+
+    def reserve(
+        self, nodes: dict[str, NodeResources], bundles: list[dict[str, Any]], strategy: str
+    ) -> tuple[str, list[str]]:
+        """Take every bundle's resources from ``nodes`` (all or nothing); returns the group id and nodes."""
+        reqs = [normalise_request(b) for b in bundles]
+        if not reqs:
+            raise ValueError("reserve_bundles needs at least one bundle")
+        where = plan_bundles(nodes, reqs, strategy)
+        gid = "pg-" + uuid.uuid4().hex[:8]
+        self.groups[gid] = [
+            {"node_id": nid, "resources": req, "gpus": nodes[nid].acquire(req), "actor": None}
+            for nid, req in zip(where, reqs, strict=True)
+        ]
+        return gid, where
+
+    def free_bundle(self, gid: str, index: int, alive: set[str]) -> dict[str, Any]:
+        """Bundle ``index`` of ``gid`` if it exists, is on an alive node and holds no actor."""
+        bundles = self.groups.get(gid)
+        if bundles is None:
+            raise PlacementError(f"no placement group {gid!r} (was it released?)")
+        if not 0 <= index < len(bundles):
+            raise PlacementError(f"placement group {gid} has {len(bundles)} bundles, no bundle {index}")
+        b = bundles[index]
+        if b["node_id"] not in alive:
+            raise PlacementError(f"bundle {index} of {gid} is on node {b['node_id']}, which is dead")
+        if b["actor"] is not None:
+            raise PlacementError(f"bundle {index} of {gid} is in use by actor {b['actor']}")
+        return b
+
+    def vacate(self, gid: str, index: int, actor_id: str) -> None:
+        """The actor in this bundle is gone: the bundle (not its node) gets the resources back."""
+        bundles = self.groups.get(gid)
+        if bundles is not None and bundles[index].get("actor") == actor_id:
+            bundles[index]["actor"] = None
