@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Generator, Sequence
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -22,35 +18,19 @@ import structlog
 from rlactors.actor import class_spec
 from rlactors.collective import CollectiveGroup, make_group
 from rlactors.handle import ActorGroup, ActorHandle
-from rlactors.head import Head
-from rlactors.node import NodeAgent
+from rlactors.local import LocalCluster, ensure_logging, start_local
 from rlactors.runtime import RuntimeClient, set_current
-from rlactors.security import Security, load_secret, new_secret_file
-from rlactors.service import Service
+from rlactors.security import Security, load_secret
 
 log = structlog.get_logger("rlactors.cluster")
 
 __all__ = ["Cluster", "connect", "init"]
 
 
-def detect_gpus() -> int:
-    """Number of NVIDIA GPUs visible on this host (0 when there is no driver)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
 class Cluster:
     """A connection to a cluster: spawn and look up actors, watch them, use the KV store."""
 
-    def __init__(self, client: RuntimeClient, *, local: _Local | None = None) -> None:
+    def __init__(self, client: RuntimeClient, *, local: LocalCluster | None = None) -> None:
         self._client = client
         self._local = local
 
@@ -269,91 +249,6 @@ class PlacementGroup:
         return f"<PlacementGroup {self.group_id} on {self.nodes}>"
 
 
-class _Local:
-    """The head and node agent of an embedded cluster, running on the driver's loop."""
-
-    def __init__(
-        self, service: Service, head: Head, agent: NodeAgent, session_dir: Path, secret_file: str | None
-    ) -> None:
-        self.service, self.head, self.agent, self.session_dir = service, head, agent, session_dir
-        self.secret_file = secret_file
-
-    async def shutdown(self, client: RuntimeClient) -> None:
-        await self.agent.stop(grace=3.0)  # SIGTERM first: on_stop hooks (e.g. stopping a server) run
-        await client.close()
-        await self.head.stop()
-        await self.service.close()
-        if self.head.security is not None:
-            self.head.security.stop()
-        shutil.rmtree(self.session_dir, ignore_errors=True)
-
-
-def _ensure_logging() -> None:
-    """Give structlog a sane default (INFO, one line per event) unless the application configured it."""
-    import structlog as _structlog
-
-    from rlactors import logging as rlog
-
-    if not _structlog.is_configured():
-        rlog.configure()
-
-
-async def _start_local(
-    resources: dict[str, float] | None,
-    address: str,
-    secret_file: str | None,
-    node_timeout: float,
-    log_sink: Any,
-    client_timeout: float | None = None,
-    mechanism: str = "curve",
-) -> Cluster:
-    _ensure_logging()
-    session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
-    os.chmod(session_dir, 0o700)
-    security = None
-    if address.startswith("tcp://"):
-        # Over TCP every peer must authenticate; make a secret for this session if none given.
-        secret_file = secret_file or str(new_secret_file(session_dir / "secret"))
-        security = Security(load_secret(secret_file), mechanism)
-        bind = address
-        transport, host = "tcp", address.removeprefix("tcp://").rsplit(":", 1)[0]
-    elif address == "ipc":
-        # Over ipc the session directory (mode 700) is the authentication.
-        bind, transport, host = f"ipc://{session_dir}/head", "ipc", "127.0.0.1"
-        secret_file = None
-    else:
-        raise ValueError(f"address must be 'ipc' or 'tcp://HOST:PORT', not {address!r}")
-    total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
-    total.update({k: float(v) for k, v in (resources or {}).items()})
-    service = Service(name="head", max_concurrency=None, security=security)
-    head = Head(security, node_timeout=node_timeout, client_timeout=client_timeout)
-    head_address = service.bind(bind)
-    service.add("head", head)
-    head.start()
-    agent = NodeAgent(
-        "local",
-        head_address,
-        host=host,
-        resources=total,
-        session_dir=session_dir,
-        transport=transport,
-        security=security,
-        secret_file=secret_file,
-        **({"log_sink": log_sink} if log_sink else {}),
-    )
-    service.add("agent", agent)
-    local = _Local(service, head, agent, session_dir, secret_file)
-    client = RuntimeClient(head_address, security)
-    try:
-        await agent.start(head_address)
-        await client.start()
-    except BaseException:
-        await local.shutdown(client)
-        raise
-    set_current(client)
-    return Cluster(client, local=local)
-
-
 class _Starter:
     """Both ``await rlactors.init()`` and ``async with rlactors.init() as cluster``."""
 
@@ -395,11 +290,14 @@ def init(
     (trusted networks only; see :class:`rlactors.security.Security`). Use as ``async with rlactors.init() as c``
     or ``c = await rlactors.init()`` … ``await c.close()``.
     """
-    return _Starter(
-        lambda: _start_local(
+
+    async def _init() -> Cluster:
+        client, local = await start_local(
             resources, address, secret_file, node_timeout, log_sink, client_timeout, security
         )
-    )
+        return Cluster(client, local=local)
+
+    return _Starter(_init)
 
 
 def connect(
@@ -419,7 +317,7 @@ def connect(
     async def _connect() -> Cluster:
         from rlactors.config import resolve_connect
 
-        _ensure_logging()
+        ensure_logging()
         addr, secret, state_mechanism = resolve_connect(address, secret_file)
         mechanism = security or os.environ.get("RLACTORS_SECURITY") or state_mechanism or "curve"
         sec = Security(load_secret(secret), mechanism) if secret and addr.startswith("tcp://") else None

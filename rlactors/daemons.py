@@ -20,8 +20,8 @@ from pathlib import Path
 import structlog
 
 from rlactors import logging as rlog
-from rlactors.cluster import detect_gpus
 from rlactors.head import Head
+from rlactors.local import detect_gpus
 from rlactors.node import NodeAgent
 from rlactors.security import Security, load_secret
 from rlactors.service import Service

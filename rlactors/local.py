@@ -1,0 +1,117 @@
+"""The embedded local cluster: a head and one node agent on the driver's own event loop."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rlactors.head import Head
+from rlactors.node import NodeAgent
+from rlactors.runtime import RuntimeClient, set_current
+from rlactors.security import Security, load_secret, new_secret_file
+from rlactors.service import Service
+
+__all__ = ["LocalCluster", "detect_gpus", "ensure_logging", "start_local"]
+
+
+def detect_gpus() -> int:
+    """Number of NVIDIA GPUs visible on this host (0 when there is no driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+class LocalCluster:
+    """The head and node agent of an embedded cluster, running on the driver's loop."""
+
+    def __init__(
+        self, service: Service, head: Head, agent: NodeAgent, session_dir: Path, secret_file: str | None
+    ) -> None:
+        self.service, self.head, self.agent, self.session_dir = service, head, agent, session_dir
+        self.secret_file = secret_file
+
+    async def shutdown(self, client: RuntimeClient) -> None:
+        await self.agent.stop(grace=3.0)  # SIGTERM first: on_stop hooks (e.g. stopping a server) run
+        await client.close()
+        await self.head.stop()
+        await self.service.close()
+        if self.head.security is not None:
+            self.head.security.stop()
+        shutil.rmtree(self.session_dir, ignore_errors=True)
+
+
+def ensure_logging() -> None:
+    """Give structlog a sane default (INFO, one line per event) unless the application configured it."""
+    import structlog as _structlog
+
+    from rlactors import logging as rlog
+
+    if not _structlog.is_configured():
+        rlog.configure()
+
+
+async def start_local(
+    resources: dict[str, float] | None,
+    address: str,
+    secret_file: str | None,
+    node_timeout: float,
+    log_sink: Any,
+    client_timeout: float | None = None,
+    mechanism: str = "curve",
+) -> tuple[RuntimeClient, LocalCluster]:
+    ensure_logging()
+    session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
+    os.chmod(session_dir, 0o700)
+    security = None
+    if address.startswith("tcp://"):
+        # Over TCP every peer must authenticate; make a secret for this session if none given.
+        secret_file = secret_file or str(new_secret_file(session_dir / "secret"))
+        security = Security(load_secret(secret_file), mechanism)
+        bind = address
+        transport, host = "tcp", address.removeprefix("tcp://").rsplit(":", 1)[0]
+    elif address == "ipc":
+        # Over ipc the session directory (mode 700) is the authentication.
+        bind, transport, host = f"ipc://{session_dir}/head", "ipc", "127.0.0.1"
+        secret_file = None
+    else:
+        raise ValueError(f"address must be 'ipc' or 'tcp://HOST:PORT', not {address!r}")
+    total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
+    total.update({k: float(v) for k, v in (resources or {}).items()})
+    service = Service(name="head", max_concurrency=None, security=security)
+    head = Head(security, node_timeout=node_timeout, client_timeout=client_timeout)
+    head_address = service.bind(bind)
+    service.add("head", head)
+    head.start()
+    agent = NodeAgent(
+        "local",
+        head_address,
+        host=host,
+        resources=total,
+        session_dir=session_dir,
+        transport=transport,
+        security=security,
+        secret_file=secret_file,
+        **({"log_sink": log_sink} if log_sink else {}),
+    )
+    service.add("agent", agent)
+    local = LocalCluster(service, head, agent, session_dir, secret_file)
+    client = RuntimeClient(head_address, security)
+    try:
+        await agent.start(head_address)
+        await client.start()
+    except BaseException:
+        await local.shutdown(client)
+        raise
+    set_current(client)
+    return client, local
