@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import structlog
 
+from nodes.rollout.pool import ServerPool
 from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
 
 __all__ = [
@@ -63,7 +64,7 @@ class ClientConfig:
     backoff_max_s: float = 2.0
     down_cooldown_s: float = 10.0  # a failed server is skipped this long before being tried again
     max_connections_per_server: int = 1024
-    connections_per_lane: int = 4  # connections per httpx client; see _Lane
+    connections_per_lane: int = 4  # connections per httpx client; see Lane
     pause_timeout_s: float = 3600.0  # a resumed request waits at most this long for resume()
     max_idle_aborts: int = 64  # consecutive aborts that returned no tokens before giving up
     sticky_entries: int = 65536  # rid -> server entries kept (LRU) for multi-turn episodes
@@ -101,71 +102,6 @@ class GenResult:
     matched_stop: Any = None
 
 
-class _Lane:
-    """One httpx.AsyncClient with a small pool. httpx's pool does work linear in its number of
-    connections on every request; many small pools keep that cheap (10x fewer CPU us per call
-    at 256 concurrent requests on this machine, see bench/RESULTS.md)."""
-
-    __slots__ = ("http", "inflight")
-
-    def __init__(self, http: httpx.AsyncClient) -> None:
-        self.http = http
-        self.inflight = 0
-
-
-class _Server:
-    def __init__(
-        self, url: str, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None, ssl_context: Any
-    ) -> None:
-        self.url = url.rstrip("/")
-        self._cfg = cfg
-        self._transport = transport
-        self._ssl = ssl_context
-        self._max_lanes = max(1, cfg.max_connections_per_server // cfg.connections_per_lane)
-        self.lanes: list[_Lane] = []
-        self.inflight = 0
-        self.down_until = 0.0
-
-    def healthy(self, now: float) -> bool:
-        return now >= self.down_until
-
-    def take_lane(self) -> _Lane:
-        """A lane with a free connection (a new lane if all are busy and the cap allows)."""
-        per = self._cfg.connections_per_lane
-        lane = next((ln for ln in self.lanes if ln.inflight < per), None)
-        if lane is None:
-            if len(self.lanes) < self._max_lanes:
-                lane = self._new_lane()
-            else:
-                lane = min(self.lanes, key=lambda ln: ln.inflight)
-        lane.inflight += 1
-        self.inflight += 1
-        return lane
-
-    def give_lane(self, lane: _Lane) -> None:
-        lane.inflight -= 1
-        self.inflight -= 1
-
-    def any_lane(self) -> _Lane:
-        return self.lanes[0] if self.lanes else self._new_lane()
-
-    def _new_lane(self) -> _Lane:
-        cfg = self._cfg
-        lane = _Lane(httpx.AsyncClient(
-            base_url=self.url,
-            transport=self._transport,
-            verify=self._ssl,  # one shared context: building one loads the CA bundle (~20 ms each)
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=cfg.connections_per_lane,
-                                max_keepalive_connections=cfg.connections_per_lane),
-        ))  # fmt: skip
-        self.lanes.append(lane)
-        return lane
-
-    async def aclose(self) -> None:
-        await asyncio.gather(*(ln.http.aclose() for ln in self.lanes))
-
-
 class SGLangClient:
     """Client for a set of SGLang-protocol servers; one per rollout actor, shared by its episodes."""
 
@@ -181,7 +117,7 @@ class SGLangClient:
             raise ValueError("SGLangClient needs at least one server URL")
         self.config = config or ClientConfig()
         ssl_context = httpx.create_ssl_context() if any(u.startswith("https") for u in urls) else False
-        self._servers = {u.rstrip("/"): _Server(u, self.config, transport, ssl_context) for u in urls}
+        self._servers = {u.rstrip("/"): ServerPool(u, self.config, transport, ssl_context) for u in urls}
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
         self._resumed = asyncio.Event()
@@ -252,7 +188,13 @@ class SGLangClient:
             self._active.pop(rid, None)
 
     async def _generate_loop(
-        self, request: GenRequest, rid: str, sp: dict[str, Any], budget: int, server: _Server, res: GenResult
+        self,
+        request: GenRequest,
+        rid: str,
+        sp: dict[str, Any],
+        budget: int,
+        server: ServerPool,
+        res: GenResult,
     ) -> GenResult:
         cfg = self.config
         ids, lps, vers, cached = res.output_ids, res.output_logprobs, res.output_versions, res.cached_tokens
@@ -322,7 +264,7 @@ class SGLangClient:
         del self._servers[url]
         return True
 
-    def _route(self, rid: str) -> _Server:
+    def _route(self, rid: str) -> ServerPool:
         """The sticky server for ``rid`` if it is healthy, else the least-loaded healthy one."""
         now = time.monotonic()
         url = self._sticky.get(rid)
@@ -334,7 +276,7 @@ class SGLangClient:
         self._stick(rid, server)
         return server
 
-    def _least_loaded(self, now: float, exclude: set[str]) -> _Server:
+    def _least_loaded(self, now: float, exclude: set[str]) -> ServerPool:
         candidates = [s for u, s in self._servers.items() if u not in exclude]
         if not candidates:
             raise NoServerAvailableError(f"every server failed: {sorted(exclude)}")
@@ -342,7 +284,7 @@ class SGLangClient:
         low = min(s.inflight for s in healthy)
         return random.choice([s for s in healthy if s.inflight == low])
 
-    def _stick(self, rid: str, server: _Server) -> None:
+    def _stick(self, rid: str, server: ServerPool) -> None:
         self._sticky[rid] = server.url
         self._sticky.move_to_end(rid)
         while len(self._sticky) > self.config.sticky_entries:
@@ -350,13 +292,13 @@ class SGLangClient:
         self._active[rid] = server.url
 
     async def _post_with_failover(
-        self, server: _Server, body: dict[str, Any], tried: set[str], res: GenResult
-    ) -> tuple[dict[str, Any], _Server]:
+        self, server: ServerPool, body: dict[str, Any], tried: set[str], res: GenResult
+    ) -> tuple[dict[str, Any], ServerPool]:
         """POST to ``server`` with retries; if it stays down, move to another (tokens travel in body)."""
         while True:
             try:
                 return await self._post_with_retries(server, body), server
-            except _ServerDown as e:
+            except ServerPoolDown as e:
                 server.down_until = time.monotonic() + self.config.down_cooldown_s
                 tried.add(server.url)
                 nxt = self._least_loaded(time.monotonic(), exclude=tried)  # raises when none left
@@ -367,7 +309,7 @@ class SGLangClient:
                 server = nxt
                 self._stick(res.rid, server)
 
-    async def _post_with_retries(self, server: _Server, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_with_retries(self, server: ServerPool, body: dict[str, Any]) -> dict[str, Any]:
         cfg = self.config
         last: str = ""
         for attempt in range(cfg.max_retries + 1):
@@ -394,14 +336,14 @@ class SGLangClient:
                 self.counters["errors"] += 1
                 raise GenerationError(f"{server.url}/generate answered {r.status_code}: {r.text[:500]}")
             return r.json()
-        raise _ServerDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
+        raise ServerPoolDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort_quietly(self, server: _Server, rid: str) -> None:
+    async def _abort_quietly(self, server: ServerPool, rid: str) -> None:
         """Best effort: a timed-out request may still run on a hung-but-alive server."""
         try:
             await server.any_lane().http.post(
@@ -411,7 +353,7 @@ class SGLangClient:
             pass
 
 
-class _ServerDown(Exception):
+class ServerPoolDown(Exception):
     pass
 
 
