@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -48,6 +48,17 @@ def _from_dict(cls: type[T], data: Any, what: str) -> T:
         return cls(**data)
     except TypeError as e:
         raise ProtocolError(f"bad {what}: {e}") from None
+
+
+class _Request:
+    """A request body parsed by field name; ``_wire`` names SGLang's struct in error messages."""
+
+    _wire: ClassVar[str] = ""
+
+    @classmethod
+    def from_json(cls, data: Any) -> Any:
+        """Parse and validate."""
+        return _from_dict(cls, data, cls._wire)
 
 
 @dataclass
@@ -163,7 +174,7 @@ class GenerateRequest:
 
 
 @dataclass
-class AbortRequest:
+class AbortRequest(_Request):
     """``/abort_request``: abort in-flight requests whose rid starts with ``rid``, or all."""
 
     rid: str = ""
@@ -171,10 +182,7 @@ class AbortRequest:
     finished_reason: Any = None
     abort_message: str | None = None
 
-    @classmethod
-    def from_json(cls, data: Any) -> AbortRequest:
-        """Parse and validate."""
-        return _from_dict(cls, data, "AbortReq")
+    _wire: ClassVar[str] = "AbortReq"
 
 
 @dataclass
@@ -194,7 +202,7 @@ class PauseGenerationRequest:
 
 
 @dataclass
-class UpdateWeightsFromDiskRequest:
+class UpdateWeightsFromDiskRequest(_Request):
     """``/update_weights_from_disk``: reload weights from a safetensors folder."""
 
     model_path: str
@@ -208,14 +216,11 @@ class UpdateWeightsFromDiskRequest:
     token_step: int = 0
     flush_cache: bool = True
 
-    @classmethod
-    def from_json(cls, data: Any) -> UpdateWeightsFromDiskRequest:
-        """Parse and validate."""
-        return _from_dict(cls, data, "UpdateWeightFromDiskReqInput")
+    _wire: ClassVar[str] = "UpdateWeightFromDiskReqInput"
 
 
 @dataclass
-class InitWeightsUpdateGroupRequest:
+class InitWeightsUpdateGroupRequest(_Request):
     """``/init_weights_update_group``: join the trainer's broadcast group (trainer is rank 0)."""
 
     master_address: str
@@ -225,10 +230,7 @@ class InitWeightsUpdateGroupRequest:
     group_name: str = "weight_update_group"
     backend: str = "nccl"
 
-    @classmethod
-    def from_json(cls, data: Any) -> InitWeightsUpdateGroupRequest:
-        """Parse and validate."""
-        return _from_dict(cls, data, "InitWeightsUpdateGroupReqInput")
+    _wire: ClassVar[str] = "InitWeightsUpdateGroupReqInput"
 
 
 @dataclass
@@ -260,37 +262,28 @@ class UpdateWeightsFromDistributedRequest:
 
 
 @dataclass
-class DestroyWeightsUpdateGroupRequest:
+class DestroyWeightsUpdateGroupRequest(_Request):
     """``/destroy_weights_update_group``."""
 
     group_name: str = "weight_update_group"
 
-    @classmethod
-    def from_json(cls, data: Any) -> DestroyWeightsUpdateGroupRequest:
-        """Parse and validate."""
-        return _from_dict(cls, data, "DestroyWeightsUpdateGroupReqInput")
+    _wire: ClassVar[str] = "DestroyWeightsUpdateGroupReqInput"
 
 
 @dataclass
-class BeginWeightUpdateRequest:
+class BeginWeightUpdateRequest(_Request):
     """``/begin_weight_update`` (SGLang 0.5.23): open a weight-update session."""
 
     selector: str = "all"
 
-    @classmethod
-    def from_json(cls, data: Any) -> BeginWeightUpdateRequest:
-        """Parse and validate."""
-        return _from_dict(cls, data, "BeginWeightUpdateReqInput")
+    _wire: ClassVar[str] = "BeginWeightUpdateReqInput"
 
 
 @dataclass
-class EndWeightUpdateRequest:
+class EndWeightUpdateRequest(_Request):
     """``/end_weight_update`` (SGLang 0.5.23): close the weight-update session."""
 
-    @classmethod
-    def from_json(cls, data: Any) -> EndWeightUpdateRequest:
-        """Parse and validate."""
-        return _from_dict(cls, data, "EndWeightUpdateReqInput")
+    _wire: ClassVar[str] = "EndWeightUpdateReqInput"
 
 
 # ---- response pieces -------------------------------------------------------------------
