@@ -4,10 +4,13 @@
 2. Training throughput: tokens/s of a GRPO step on 2 CPU ranks (FSDP2 over gloo).
 3. Weight push: full-model push from 2 FSDP ranks into a reference server (gather + HTTP +
    broadcast + load into the live model) vs a raw gloo broadcast of the same bytes between two
-   processes that do nothing else.
+   processes that do nothing else. Three variants side by side: the default (flattened buckets,
+   rank 1's shards through /dev/shm), shards by point-to-point sends instead, and one broadcast
+   per tensor.
 
     python bench/trainer.py                 # all three, SmolLM2-135M
     python bench/trainer.py --only balance  # the pure-python part (seconds)
+    python bench/trainer.py --only push     # the weight push alone (no training steps)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -70,12 +74,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_main(model: str, url: str, out: str, push_reps: int) -> None:
-    """One trainer rank: two train steps (the second timed), pushes, then the raw baseline."""
+def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> None:
+    """One trainer rank: two train steps (the second timed), then rounds of pushes, each round
+    preceded by the raw baseline so both see the same machine."""
     import torch
     import torch.distributed as dist
 
     from nodes.trainer.fsdp import FSDPTrainer, TrainConfig
+    from nodes.trainer.gather import ParamGatherer
     from nodes.trainer.synthetic import synthetic_batch
     from nodes.trainer.weights import PushConfig, WeightPusher
 
@@ -84,37 +90,21 @@ def rank_main(model: str, url: str, out: str, push_reps: int) -> None:
     rank = dist.get_rank()
     trainer = FSDPTrainer(TrainConfig(model_path=model, lr=1e-6, max_tokens_per_mb=1024))
     result: dict = {}
-    batch = synthetic_batch(4, 2, seed=0, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
-    trainer.train_step(batch)  # warm-up
-    stats = trainer.train_step(
-        synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
-    )
-    result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
+    if train:
+        batch = synthetic_batch(4, 2, seed=0, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
+        trainer.train_step(batch)  # warm-up
+        stats = trainer.train_step(
+            synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
+        )
+        result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
 
-    bucket_mib = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "256"))
-    pusher = WeightPusher(
-        trainer.model, PushConfig(bucket_bytes=bucket_mib << 20, pause_mode="retract"), model_config_dir=model
-    )
+    bucket = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "256")) << 20
+    pusher = WeightPusher(trainer.model, PushConfig(bucket_bytes=bucket, pause_mode="retract"), model)
+    gatherers = {True: pusher.gatherer, False: ParamGatherer(trainer.model, bucket, shared_memory=False)}
+    assert pusher.gatherer.shared_ranks, "rank 1 did not map rank 0's shared buffers"
     pusher.connect([url])
-    for flat in (True, False):
-        pusher.cfg.flattened_bucket = flat
-        times, parts = [], []
-        for _ in range(push_reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            s = pusher.push(trainer.version)
-            times.append(time.perf_counter() - t0)
-            parts.append((s.get("gather_s", 0.0), s.get("wait_s", 0.0)))
-        result["push" if flat else "push_per_tensor"] = {
-            "times_s": times,
-            "bytes": s["push_bytes"],
-            "parts": parts,
-        }
-    pusher.close()
-
-    # raw baseline: rank 0 broadcasts the same bytes to a process that only receives
-    if rank == 0:
-        nbytes = int(s["push_bytes"])
+    nbytes = sum(s.nbytes for s in pusher.gatherer.specs)
+    if rank == 0:  # the raw baseline: the same bytes from a process that holds them to one that only receives
         port = free_port()
         recv = subprocess.Popen(
             [sys.executable, __file__, "_recv", str(port), str(nbytes), str(push_reps)],
@@ -122,17 +112,33 @@ def rank_main(model: str, url: str, out: str, push_reps: int) -> None:
         )
         timeout = datetime.timedelta(seconds=120)
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
+        raw_pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
         flat = torch.randn(nbytes // 4)
-        raw = []
-        for _ in range(push_reps):
-            pg.barrier().wait()
+        result["raw_broadcast_s"] = []
+    # (key, flattened buckets, shards through /dev/shm): the default first, then its variants
+    variants = (("push", True, True), ("push_p2p", True, False), ("push_per_tensor", False, True))
+    for key, _, _ in variants:
+        result[key] = {"times_s": [], "parts": [], "bytes": nbytes}
+    for _ in range(push_reps):
+        if rank == 0:
+            raw_pg.barrier().wait()
             t0 = time.perf_counter()
-            pg.broadcast(flat, 0).wait()
-            pg.barrier().wait()  # the receiver has it
-            raw.append(time.perf_counter() - t0)
+            raw_pg.broadcast(flat, 0).wait()
+            raw_pg.barrier().wait()  # the receiver has it
+            result["raw_broadcast_s"].append(time.perf_counter() - t0)
+        for key, flattened, shm in variants:
+            pusher.cfg.flattened_bucket, pusher.gatherer = flattened, gatherers[shm]
+            dist.barrier()
+            t0 = time.perf_counter()
+            s = pusher.push(trainer.version)
+            result[key]["times_s"].append(time.perf_counter() - t0)
+            result[key]["parts"].append(
+                [s.get(k, 0.0) for k in ("gather_s", "wait_s", "pause_s", "transfer_s", "resume_s")]
+            )
+            assert rank != 0 or s["push_bytes"] == nbytes
+    pusher.close()
+    if rank == 0:
         recv.wait(timeout=60)
-        result["raw_broadcast_s"] = raw
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -153,7 +159,7 @@ def recv_main(port: int, nbytes: int, reps: int) -> None:
         pg.barrier().wait()
 
 
-def bench_ranks(model_name: str, push_reps: int) -> dict:
+def bench_ranks(model_name: str, push_reps: int, train: bool) -> dict:
     from nodes.inference.models import ensure_smollm2_checkpoint, ensure_tiny_checkpoint
     from nodes.inference.testing import reference_server
 
@@ -164,7 +170,7 @@ def bench_ranks(model_name: str, push_reps: int) -> dict:
         port = free_port()
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "_rank", model, url, out, str(push_reps)],
+                [sys.executable, __file__, "_rank", model, url, out, str(push_reps), str(int(train))],
                 env={
                     **os.environ,
                     "RANK": str(r),
@@ -193,13 +199,13 @@ def bench_ranks(model_name: str, push_reps: int) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        return rank_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        return rank_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6] == "1")
     if len(sys.argv) > 1 and sys.argv[1] == "_recv":
         return recv_main(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["balance", "ranks"], default=None)
+    ap.add_argument("--only", choices=["balance", "ranks", "push"], default=None)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    ap.add_argument("--push-reps", type=int, default=3)
+    ap.add_argument("--push-reps", type=int, default=8)
     ap.add_argument("--bucket-mib", type=int, default=256, help="weight-push bucket size")
     a = ap.parse_args()
     os.environ["RLACTORS_BENCH_BUCKET_MIB"] = str(a.bucket_mib)
@@ -211,27 +217,37 @@ def main() -> None:
                 f"{r['sigma']:>6} {r['ranks']:>5} {r['ffd_mean']:>9.4f} {r['ffd_max']:>8.4f} "
                 f"{r['rr_mean']:>8.3f} {r['rr_max']:>7.3f}"
             )
-    if a.only in (None, "ranks"):
-        res = bench_ranks(a.model, a.push_reps)
-        t = res["train"]
-        print(
-            f"## training, 2 CPU ranks ({a.model}, fp32): {t['tokens_per_s']:.1f} tokens/s "
-            f"({t['n_tokens']:.0f} tokens, step {t['step_time_s']:.2f} s incl. proximal recompute "
-            f"{t['prox_time_s']:.2f} s)"
-        )
-        raw = min(res["raw_broadcast_s"])
+    if a.only in (None, "ranks", "push"):
+        res = bench_ranks(a.model, a.push_reps, train=a.only != "push")
+        if "train" in res:
+            t = res["train"]
+            print(
+                f"## training, 2 CPU ranks ({a.model}, fp32): {t['tokens_per_s']:.1f} tokens/s "
+                f"({t['n_tokens']:.0f} tokens, step {t['step_time_s']:.2f} s incl. proximal recompute "
+                f"{t['prox_time_s']:.2f} s)"
+            )
+        raw = res["raw_broadcast_s"]
         fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)  # noqa: E731
         print(
-            f"## weight push ({res['push']['bytes'] / 2**20:.0f} MiB), 2 FSDP ranks -> reference server, "
-            f"pause retract + session; raw gloo broadcast best {raw:.3f} s (all: {fmt(res['raw_broadcast_s'])})"
+            f"## weight push ({res['push']['bytes'] / 2**20:.0f} MiB, {a.bucket_mib} MiB buckets), 2 FSDP ranks -> "
+            f"reference server, pause retract + session; {len(raw)} rounds, each: raw broadcast, then every variant"
         )
-        for key, label in (("push", "flattened buckets"), ("push_per_tensor", "per-tensor")):
+        print(
+            f"   {'raw gloo broadcast':>19}: best {min(raw):.3f} s, median {median(raw):.3f} s; all: {fmt(raw)}"
+        )
+        for key, label in (
+            ("push", "default"),
+            ("push_p2p", "shards by p2p sends"),
+            ("push_per_tensor", "per-tensor"),
+        ):
             times = res[key]["times_s"]
             best = min(range(len(times)), key=times.__getitem__)
-            g, w = res[key]["parts"][best]
+            g, w, pause, transfer, resume = res[key]["parts"][best]
             print(
-                f"   {label:>17}: best {times[best]:.3f} s (gather {g:.3f} s, broadcast+server {w:.3f} s; "
-                f"all: {fmt(times)}) ratio {times[best] / raw:.2f}x (target <= 1.3x)"
+                f"   {label:>19}: best {times[best]:.3f} s = pause {pause:.3f} + transfer {transfer:.3f} "
+                f"(gather {g:.3f}, waiting on broadcasts+server {w:.3f}) + resume {resume:.3f} s; "
+                f"median {median(times):.3f} s; all: {fmt(times)}; ratio to raw: best {times[best] / min(raw):.2f}x, "
+                f"median {median(times) / median(raw):.2f}x (target <= 1.3x)"
             )
 
 

@@ -167,6 +167,7 @@ class Engine:
                     self.backend.device,
                     req.load_format == "flattened_bucket",
                     getattr(self.backend, "receive_target", None),
+                    getattr(self.backend, "bucket_target", None),
                 )
                 await asyncio.to_thread(self.backend.apply_tensors, named)
             except Exception as e:

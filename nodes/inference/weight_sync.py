@@ -30,6 +30,7 @@ class UpdateGroup:
     rank: int
     world_size: int
     backend: str
+    staging: Any = None  # the flattened-bucket receive buffer, reused (grown as needed)
 
 
 def join_group(
@@ -69,6 +70,52 @@ def _dtype(name: str) -> Any:
     return dt
 
 
+class PackedParams:
+    """A model's parameters laid out back to back in one buffer, in ``named_parameters()`` order.
+
+    A trainer's flattened bucket is the same parameters in the same order (it walks the same
+    model class), so a bucket of consecutive parameters is one slice of this buffer and can be
+    received straight into the live model: no staging buffer and no second copy. Packing needs
+    the model's memory twice while it runs, so servers do it on CPU, where that copy is what the
+    push costs; on GPUs copying out of a staging buffer is cheap.
+    """
+
+    def __init__(self, model: Any):
+        import torch
+
+        params = list(model.named_parameters())  # tied parameters once
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"parameters of several dtypes cannot share one buffer: {sorted(map(str, dtypes))}"
+            )
+        self.flat = torch.empty(
+            sum(p.numel() for _, p in params), dtype=params[0][1].dtype, device=params[0][1].device
+        )
+        self.slots: dict[str, tuple[int, int]] = {}  # name -> (offset, numel)
+        off = 0
+        with torch.no_grad():
+            for name, p in params:
+                n = p.numel()
+                view = self.flat[off : off + n]
+                view.copy_(p.data.reshape(-1))
+                p.data = view.view(p.shape)  # the module keeps its Parameter; only the storage moves
+                self.slots[name] = (off, n)
+                off += n
+
+    def bucket(self, names: list[str], dtype: Any, shapes: list[list[int]]) -> Any:
+        """The slice that holds exactly these parameters back to back, or ``None``."""
+        if not names or dtype != self.flat.dtype:
+            return None
+        start = end = self.slots.get(names[0], (-1, 0))[0]
+        for name, shape in zip(names, shapes, strict=True):
+            off, n = self.slots.get(name, (-1, 0))
+            if off != end or n != math.prod(shape):
+                return None
+            end += n
+        return self.flat[start:end]
+
+
 def receive_tensors(
     group: UpdateGroup,
     names: list[str],
@@ -77,11 +124,16 @@ def receive_tensors(
     device: str,
     flattened_bucket: bool = False,
     target: Callable[[str, Any, tuple[int, ...]], Any] | None = None,
+    bucket_target: Callable[[list[str], Any, list[list[int]]], Any] | None = None,
 ) -> list[tuple[str, Any]]:
     """Receive one broadcast per tensor from rank 0 (or one flat bucket); return them named.
 
     ``target(name, dtype, shape)`` may return the live tensor to receive straight into (no
-    staging buffer, no second copy); tensors received that way are not returned.
+    staging buffer, no second copy); tensors received that way are not returned. Likewise
+    ``bucket_target(names, dtype, shapes)`` for a whole flattened bucket. As SGLang does,
+    every receive is posted before any is waited on, so they follow each other on the wire
+    without a round trip in between. A flattened bucket lands in a buffer the group keeps: the
+    views returned are valid until the next flattened bucket arrives.
     """
     import torch
 
@@ -89,24 +141,32 @@ def receive_tensors(
         dt = _dtype(dtypes[0])
         if any(_dtype(d) != dt for d in dtypes):
             raise ValueError("a flattened bucket must hold tensors of one dtype")
+        live = bucket_target(names, dt, shapes) if bucket_target is not None else None
+        if live is not None:
+            group.pg.broadcast(live, 0).wait()
+            return []
         sizes = [math.prod(s) for s in shapes]
-        flat = torch.empty(sum(sizes), dtype=dt, device=device)
+        nbytes = sum(sizes) * dt.itemsize
+        st = group.staging
+        if st is None or st.numel() < nbytes:  # a server keeps one device
+            st = group.staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        flat = st[:nbytes].view(dt)
         group.pg.broadcast(flat, 0).wait()
         out, off = [], 0
         for name, shape, n in zip(names, shapes, sizes, strict=True):
             out.append((name, flat[off : off + n].view(*shape)))
             off += n
         return out
-    out = []
+    out, works = [], []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         dt = _dtype(dtype)
         live = target(name, dt, tuple(shape)) if target is not None else None
-        if live is not None:
-            group.pg.broadcast(live, 0).wait()
-            continue
-        t = torch.empty(*shape, dtype=dt, device=device)
-        group.pg.broadcast(t, 0).wait()
-        out.append((name, t))
+        if live is None:
+            live = torch.empty(*shape, dtype=dt, device=device)
+            out.append((name, live))
+        works.append(group.pg.broadcast(live, 0))
+    for w in works:
+        w.wait()
     return out
 
 

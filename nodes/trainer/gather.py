@@ -1,11 +1,18 @@
 """Full parameters of an FSDP2 model, assembled on rank 0 bucket by bucket for the weight push.
 
 Measured on the CPU machine (gloo, 2 ranks, 513 MiB): ``all_gather`` of the shards ≈ 0.8 s and
-FSDP's ``unshard`` ≈ 1-2 s, while point-to-point sends ≈ 0.1 s and a broadcast of the whole model
-≈ 0.2 s. And only rank 0 needs the full tensors. So each rank sends its dim-0 shard rows of every
-parameter straight into their place in rank 0's bucket buffer (FSDP2 shards dim 0 in
+FSDP's ``unshard`` ≈ 1-2 s, while point-to-point sends ≈ 0.13-0.16 s and a broadcast of the whole
+model ≈ 0.13-0.2 s. And only rank 0 needs the full tensors. So each rank puts its dim-0 shard rows
+of every parameter straight into their place in rank 0's bucket buffer (FSDP2 shards dim 0 in
 ``torch.chunk`` pieces; rows are contiguous in memory). Rank 0 copies only its own rows; the
 bucket buffer is then broadcast as is (flattened bucket) or as per-tensor views.
+
+How the rows travel: ranks on rank 0's host map rank 0's bucket buffers from a file in
+``/dev/shm`` and copy their rows in with one ``memcpy`` each (gloo has no shared-memory
+transport: a loopback TCP send costs two copies and the kernel's time on both sides). Ranks that
+cannot open the file (another host, another container's ``/dev/shm``, no space) send their rows
+point to point. The file is unlinked as soon as every rank has mapped it, so nothing outlives the
+processes, however they end.
 
 Two reusable buffers alternate between buckets: one can be on the wire while the next fills.
 """
@@ -13,13 +20,20 @@ Two reusable buffers alternate between buckets: one can be on the wire while the
 from __future__ import annotations
 
 import math
+import mmap
+import os
+import uuid
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["ParamGatherer", "Spec"]
+
+log = structlog.get_logger(__name__)
+SHM_DIR = "/dev/shm"
 
 
 @dataclass
@@ -51,7 +65,14 @@ def _is_dim0_sharded(p: torch.Tensor, world: int, rank: int) -> bool:
 class ParamGatherer:
     """Plans buckets over a model's parameters and gathers them onto rank 0 (collective)."""
 
-    def __init__(self, model: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        bucket_bytes: int,
+        dtype: torch.dtype | None = None,
+        shared_memory: bool = True,
+        shm_dir: str = SHM_DIR,
+    ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.specs = [Spec(n, p, tuple(p.shape), dtype or p.dtype) for n, p in model.named_parameters()]
@@ -79,6 +100,43 @@ class ParamGatherer:
             size += s.nbytes
         self._capacity = max((sum(s.nbytes for s in b) for b in self.buckets), default=0)
         self._buffers: list[torch.Tensor | None] = [None, None]
+        # ranks (other than 0) that write their rows into rank 0's buffers through shared memory
+        self.shared_ranks: frozenset[int] = frozenset()
+        self._mmap: mmap.mmap | None = None
+        if self.p2p and self.world > 1 and self._capacity and self._device().type == "cpu":
+            self._map_shared(shared_memory, shm_dir)  # collective
+
+    def _map_shared(self, enabled: bool, shm_dir: str) -> None:
+        """Rank 0 creates its two bucket buffers in a ``shm_dir`` file; every rank that can map it
+        (same host, same ``/dev/shm``) writes there. Collective; falls back to sends per rank."""
+        size = 2 * self._capacity
+        mm, path = None, ""
+        if self.rank == 0 and enabled:
+            path = os.path.join(shm_dir, f"rlactors-weights-{uuid.uuid4().hex}")
+            try:
+                mm = _map_file(path, size, create=True)
+            except OSError as e:  # no /dev/shm, or not enough room in it: point to point
+                log.info("weight_gather_shm_unavailable", path=path, mib=size >> 20, error=str(e))
+                path = ""
+        shared = [path]
+        dist.broadcast_object_list(shared, src=0)
+        if self.rank != 0 and enabled and shared[0]:
+            try:
+                mm = _map_file(shared[0], size, create=False)
+            except OSError:  # another host (or another container's /dev/shm)
+                mm = None
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world)]
+        dist.all_gather(flags, torch.tensor([int(mm is not None)], dtype=torch.int32))
+        if self.rank == 0 and path:
+            os.unlink(path)  # everyone who could map it has: the memory lives until the last unmap
+        ranks = frozenset(r for r in range(1, self.world) if flags[r].item())
+        if mm is None or not ranks:
+            return  # nobody shares rank 0's buffers: ordinary memory and point-to-point sends
+        self._mmap, self.shared_ranks = mm, ranks
+        whole = torch.frombuffer(mm, dtype=torch.uint8)
+        self._buffers = [whole[: self._capacity], whole[self._capacity :]]
+        if self.rank == 0:
+            log.info("weight_gather_shm", ranks=sorted(ranks), mib=size >> 20)
 
     def _device(self) -> torch.device:
         p = self.specs[0].param
@@ -112,13 +170,14 @@ class ParamGatherer:
             for s, t in full:
                 self._view(buf, s).copy_(t.detach())
             return [(s.name, self._view(buf, s)) for s in bucket]
+        shared = self.shared_ranks
+        if shared:  # rank 0 arrives once bucket k - 2 is off the wire: its buffer may be rewritten
+            dist.barrier()
         ops, keep = [], []
-        buf = self._buffer(k) if self.rank == 0 else None
+        buf = self._buffer(k) if self.rank == 0 or self.rank in shared else None
         for i, s in enumerate(bucket):
             local = s.param.to_local() if isinstance(s.param, DTensor) else s.param
             local = local.detach()
-            if local.dtype != s.dtype:
-                local = local.to(s.dtype)
             if not isinstance(s.param, DTensor):  # replicated: rank 0 has it all
                 if self.rank == 0:
                     self._view(buf, s).copy_(local)
@@ -130,14 +189,40 @@ class ParamGatherer:
                 full[: local.shape[0]].copy_(local)
                 for r in range(1, self.world):
                     lo, hi = r * chunk, min(d0, (r + 1) * chunk)
-                    if hi > lo:
+                    if hi > lo and r not in shared:
                         ops.append(dist.P2POp(dist.irecv, full[lo:hi], r, tag=i))
-            elif local.shape[0] > 0:
-                keep.append(local.contiguous())
+            elif local.shape[0] == 0:
+                continue
+            elif self.rank in shared:  # straight into rank 0's buffer (casting if asked)
+                lo = self.rank * chunk
+                self._view(buf, s)[lo : lo + local.shape[0]].copy_(local)
+            else:
+                keep.append(local.to(s.dtype).contiguous())
                 ops.append(dist.P2POp(dist.isend, keep[-1], 0, tag=i))
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
+        if shared:  # every shared rank's rows are in place
+            dist.barrier()
         if self.rank != 0:
             return []
         return [(s.name, self._view(buf, s)) for s in bucket]
+
+
+def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
+    """Map ``size`` bytes of ``path`` shared. Creating reserves the pages up front, so running out
+    of room is an ``OSError`` here, not a SIGBUS on first touch."""
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.unlink(path)
+                raise
+        elif os.fstat(fd).st_size != size:
+            raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)

@@ -141,12 +141,21 @@ async def test_disk_update_and_bad_path(hf: httpx.AsyncClient, tiny_ckpt: Path, 
     assert await out() == before
 
 
-@pytest.mark.parametrize("flattened", [False, True])
+@pytest.mark.parametrize(
+    "flattened, reorder",
+    [
+        (False, False),
+        (True, False),  # the model's own order: received straight into the server's packed parameters
+        (True, True),  # another order: through a staging buffer, then copied
+    ],
+)
 async def test_distributed_update_into_live_model(
-    hf: httpx.AsyncClient, tiny_ckpt: Path, tiny_ckpt_alt: Path, flattened: bool
+    hf: httpx.AsyncClient, tiny_ckpt: Path, tiny_ckpt_alt: Path, flattened: bool, reorder: bool
 ) -> None:
     alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()
     named = {n: p.detach().clone() for n, p in alt.named_parameters()}
+    if reorder:
+        named = dict(reversed(named.items()))
     trainer, group = await join_group(hf)
     try:
         await push(hf, trainer, group, named, flattened, version=f"dist-{flattened}")
@@ -205,3 +214,25 @@ async def test_retract_across_a_real_weight_change(
         )  # re-prefilled from scratch by the new weights
     finally:
         await hf.post("/update_weights_from_disk", json={"model_path": str(tiny_ckpt)})
+
+
+def test_packed_parameters_take_buckets_of_consecutive_parameters(tiny_ckpt: Path) -> None:
+    from nodes.inference.weight_sync import PackedParams
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    before = model(ids).logits
+    named = list(model.named_parameters())
+    packed = PackedParams(model)
+    assert torch.equal(model(ids).logits, before)  # same weights, new storage
+    names, shapes = [n for n, _ in named[2:5]], [list(p.shape) for _, p in named[2:5]]
+    live = packed.bucket(names, torch.float32, shapes)
+    assert live is not None and live.numel() == sum(p.numel() for _, p in named[2:5])
+    live.fill_(0.5)  # writing the slice writes the model's parameters
+    assert all(bool((p == 0.5).all()) for _, p in named[2:5])
+    assert not bool((named[1][1] == 0.5).all()) and not bool((named[5][1] == 0.5).all())
+    assert packed.bucket(names[::-1], torch.float32, shapes[::-1]) is None  # not back to back
+    assert packed.bucket([names[0], names[2]], torch.float32, [shapes[0], shapes[2]]) is None
+    assert packed.bucket(names, torch.bfloat16, shapes) is None  # needs a cast
+    assert packed.bucket(names, torch.float32, [[1]] * 3) is None  # wrong sizes
+    assert packed.bucket(["no.such"], torch.float32, [[1]]) is None

@@ -7,6 +7,7 @@ would. Writes what the test compares into OUT_DIR (rank 0 only for full tensors)
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -122,6 +123,46 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
         (out / "push.json").write_text(json.dumps(results))
 
 
+def gather_scenario(trainer, out: Path) -> None:
+    """Assemble full parameters on rank 0 through shared memory, through sends, and mixed; each
+    rank records which ranks shared rank 0's buffers, rank 0 whether every tensor came out exact."""
+    from nodes.trainer.gather import ParamGatherer
+
+    rank = dist.get_rank()
+    missing = str(out / "no-such-dir")
+    cases = {  # name: (shared_memory on this rank, shm_dir, dtype)
+        "shm": (True, "/dev/shm", None),
+        "shm_tmpdir_bf16": (True, str(out / "shm"), torch.bfloat16),
+        "rank1_refuses": (rank == 0, "/dev/shm", None),
+        "no_shm_dir": (True, missing, None),
+        "disabled": (False, "/dev/shm", None),
+    }
+    (out / "shm").mkdir(exist_ok=True)
+    results = {}
+    for name, (enabled, shm_dir, dtype) in cases.items():
+        g = ParamGatherer(trainer.model, 32 << 10, dtype, shared_memory=enabled, shm_dir=shm_dir)
+        leftover = sorted(os.listdir(out / "shm"))
+        equal = []
+        for step in range(2):  # the second pass reuses the buffers after the weights changed
+            if step:
+                trainer.train_step(batch(20))
+            got = {}
+            for k in range(len(g.buckets)):
+                got.update({n: t.clone() for n, t in g.gather(k)})  # views live until k + 2
+            full = trainer.full_state_dict()
+            if rank == 0:
+                want = {n: (t.to(dtype) if dtype else t) for n, t in full.items()}
+                names = sorted(want) if "lm_head.weight" in got else sorted(set(want) - {"lm_head.weight"})
+                equal.append(sorted(got) == names and all(torch.equal(got[n], want[n]) for n in names))
+        results[name] = {
+            "shared_ranks": sorted(g.shared_ranks),
+            "buckets": len(g.buckets),
+            "equal": equal,
+            "leftover_files": leftover,
+        }
+    (out / f"gather{rank}.json").write_text(json.dumps(results))
+
+
 def main() -> None:
     scenario, out, model = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -154,6 +195,8 @@ def main() -> None:
             )
         trainer.train_step(batch(2, n_groups=1))
         save_full(trainer, out / "step2_resumed.safetensors")
+    elif scenario == "gather":
+        gather_scenario(trainer, out)
     elif scenario == "push":
         push_scenario(trainer, model, out, sys.argv[4])
     else:

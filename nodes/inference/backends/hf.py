@@ -107,6 +107,12 @@ class HFBackend:
         self._mask: torch.Tensor | None = None
         self._pads: list[int] = []
         self._params: dict[str, torch.Tensor] | None = None
+        self._packed: weight_sync.PackedParams | None = None
+        if self._device == "cpu":  # flattened weight buckets land straight in the live model
+            try:
+                self._packed = weight_sync.PackedParams(self.model)
+            except ValueError as e:
+                log.info("hf_params_not_packed", reason=str(e))
         log.info("hf_backend_ready", model=model_path, device=self._device, dtype=str(self.dtype))
 
     @property
@@ -278,6 +284,15 @@ class HFBackend:
             return None
         self.weights_id = f"{self.weights_id.split('+')[0]}+distributed"
         return p.data
+
+    def bucket_target(
+        self, names: list[str], dtype: torch.dtype, shapes: list[list[int]]
+    ) -> torch.Tensor | None:
+        """The live memory a flattened bucket of these parameters can be broadcast into, if any."""
+        live = self._packed.bucket(names, dtype, shapes) if self._packed is not None else None
+        if live is not None:
+            self.weights_id = f"{self.weights_id.split('+')[0]}+distributed"
+        return live
 
     def apply_tensors(self, named: list[tuple[str, Any]]) -> None:
         """Copy received tensors into the parameters they name."""
