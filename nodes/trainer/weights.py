@@ -188,29 +188,35 @@ class WeightPusher:
 
     # ---- push --------------------------------------------------------------------------------
     def push(self, version: int) -> dict[str, float]:
-        """Pause, send the current weights, set ``weight_version``, continue; collective."""
+        """Pause, send the current weights, set ``weight_version``, continue; collective.
+
+        The first bucket is gathered while the servers pause (under ``retract`` a pause waits for
+        the running decode step): gathering needs nothing from them.
+        """
         t0 = time.perf_counter()
-        paused = session = False
+        distributed = self.cfg.method == "distributed"
+        paused = self.rank == 0 and self.cfg.pause_mode is not None
+        session = self.rank == 0 and distributed and self.cfg.weight_update_session
+        self._timing = {"gather_s": 0.0, "wait_s": 0.0}
+        prepare = (
+            [self._pool.submit(self._prepare, url, paused, session) for url in self.urls]
+            if paused or session
+            else []
+        )
         error: BaseException | None = None
-        if self.rank == 0:
+        try:
+            first = self._timed_gather(0) if distributed and self.gatherer.buckets else []
             try:
-                if self.cfg.pause_mode is not None:
-                    paused = True
-                    self._wait(self._post_all("/pause_generation", {"mode": self.cfg.pause_mode}))
-                if self.cfg.method == "distributed" and self.cfg.weight_update_session:
-                    session = True
-                    self._wait(self._post_all("/begin_weight_update", {"selector": "all"}))
+                self._wait(prepare)
             except Exception as e:
                 error = e
-        t_paused = time.perf_counter()
-        try:
+            t_paused = time.perf_counter()
             self._agree(error)
-            if self.cfg.method == "distributed":
-                nbytes = self._push_distributed(str(version))
-            else:
-                nbytes = self._push_disk(version)
+            nbytes = self._push_distributed(str(version), first) if distributed else self._push_disk(version)
         finally:
             t_sent = time.perf_counter()
+            for f in prepare:  # a server must not be told to continue before it is told to pause
+                f.exception(timeout=self.cfg.http_timeout_s)
             if self.rank == 0:  # best effort: never leave a server paused or mid-session
                 for path, body, needed in (
                     ("/end_weight_update", {}, session),
@@ -231,9 +237,9 @@ class WeightPusher:
                 seconds=round(elapsed, 3),
                 mib=round(nbytes / 2**20, 1),
             )
-        # pause_s: pausing the servers (and opening the session); transfer_s: the weights, of which
-        # gather_s assembling buckets on rank 0 and wait_s waiting for broadcasts + server replies;
-        # resume_s: closing the session and resuming generation
+        # pause_s: until the servers are paused and in a session (bucket 0 is gathered meanwhile);
+        # transfer_s: the weights; gather_s: assembling buckets on rank 0 (bucket 0 included);
+        # wait_s: waiting for broadcasts and server replies; resume_s: closing session, resuming
         return {
             "push_time_s": elapsed,
             "push_bytes": float(nbytes),
@@ -242,6 +248,13 @@ class WeightPusher:
             "resume_s": t0 + elapsed - t_sent,
             **self._timing,
         }
+
+    def _prepare(self, url: str, pause: bool, session: bool) -> None:
+        """One server: pause generation, then open the weight-update session."""
+        if pause:
+            self._post(url, "/pause_generation", {"mode": self.cfg.pause_mode})
+        if session:
+            self._post(url, "/begin_weight_update", {"selector": "all"})
 
     def _agree(self, error: BaseException | None) -> None:
         """Every rank learns whether rank 0's side failed, so all raise together (none hangs in a
@@ -255,15 +268,15 @@ class WeightPusher:
         if int(flag.item()):
             raise WeightPushError("weight push failed on rank 0 (see its log)")
 
-    def _push_distributed(self, version: str) -> int:
+    def _push_distributed(self, version: str, first: list[tuple[str, torch.Tensor]]) -> int:
+        """Send every bucket (``first`` is bucket 0, already gathered)."""
         g = self.gatherer
-        self._timing = {"gather_s": 0.0, "wait_s": 0.0}
         error: BaseException | None = None
         if self.rank == 0 and self.group is None:
             error = WeightPushError("no weight-update group: call connect(urls) first")
         total = 0
         inflight: tuple[list, list[Future]] | None = None
-        nxt = self._timed_gather(0) if g.buckets else []
+        nxt = first
         for k in range(len(g.buckets)):
             named = nxt
             if self.rank == 0 and error is None:

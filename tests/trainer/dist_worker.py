@@ -73,7 +73,7 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
 
     import httpx
 
-    from nodes.trainer.weights import PushConfig, WeightPusher
+    from nodes.trainer.weights import PushConfig, WeightPusher, WeightPushError
 
     rank = dist.get_rank()
     cfg = PushConfig(bucket_bytes=32 << 10, disk_dir=str(out / "pushed"))  # small: several buckets
@@ -118,6 +118,28 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
                     "gen_versions": [g["meta_info"]["weight_version"] for g in gens],
                 }
             )
+    # a server that refuses the session (one is already open): every rank raises, the server is
+    # left generating, and the next push goes through
+    cfg.method = "distributed"
+    if rank == 0:
+        client.post(url + "/begin_weight_update", json={"selector": "all"}).raise_for_status()
+    dist.barrier()
+    try:
+        pusher.push(trainer.version + 100)
+        refused = ""
+    except WeightPushError as e:
+        refused = str(e)
+    failure = {"rank": rank, "refused": refused}
+    if rank == 0:
+        gen = client.post(
+            url + "/generate", json={"input_ids": [5, 6], "sampling_params": {**LONG, "max_new_tokens": 4}}
+        )
+        failure["after"] = gen.json()["meta_info"]["finish_reason"]["type"]
+        failure["version_after_refusal"] = client.get(url + "/get_model_info").json()["weight_version"]
+    pusher.push(trainer.version + 101)
+    if rank == 0:
+        failure["version_after_retry"] = client.get(url + "/get_model_info").json()["weight_version"]
+    (out / f"push_failure{rank}.json").write_text(json.dumps(failure))
     pusher.close()
     if rank == 0:
         (out / "push.json").write_text(json.dumps(results))
