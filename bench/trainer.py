@@ -4,9 +4,9 @@
 2. Training throughput: tokens/s of a GRPO step on 2 CPU ranks (FSDP2 over gloo).
 3. Weight push: full-model push from 2 FSDP ranks into a reference server (gather + HTTP +
    broadcast + load into the live model) vs a raw gloo broadcast of the same bytes between two
-   processes that do nothing else. Three variants side by side: the default (flattened buckets,
-   rank 1's shards through /dev/shm), shards by point-to-point sends instead, and one broadcast
-   per tensor.
+   processes that do nothing else. Variants side by side: the default (flattened buckets, rank
+   1's shards through /dev/shm), shards by point-to-point sends instead, 256 MiB buckets (the
+   next bucket's gather overlaps a broadcast), and one broadcast per tensor.
 
     python bench/trainer.py                 # all three, SmolLM2-135M
     python bench/trainer.py --only balance  # the pure-python part (seconds)
@@ -98,9 +98,13 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
         )
         result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
 
-    bucket = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "256")) << 20
+    bucket = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "1024")) << 20
     pusher = WeightPusher(trainer.model, PushConfig(bucket_bytes=bucket, pause_mode="retract"), model)
-    gatherers = {True: pusher.gatherer, False: ParamGatherer(trainer.model, bucket, shared_memory=False)}
+    gatherers = {
+        "shm": pusher.gatherer,
+        "p2p": ParamGatherer(trainer.model, bucket, shared_memory=False),
+        "small": ParamGatherer(trainer.model, 256 << 20),  # the next gather overlaps a broadcast
+    }
     assert pusher.gatherer.shared_ranks, "rank 1 did not map rank 0's shared buffers"
     pusher.connect([url])
     nbytes = sum(s.nbytes for s in pusher.gatherer.specs)
@@ -115,8 +119,13 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
         raw_pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
         flat = torch.randn(nbytes // 4)
         result["raw_broadcast_s"] = []
-    # (key, flattened buckets, shards through /dev/shm): the default first, then its variants
-    variants = (("push", True, True), ("push_p2p", True, False), ("push_per_tensor", False, True))
+    # (key, flattened buckets, gatherer): the default first, then its variants
+    variants = (
+        ("push", True, "shm"),
+        ("push_p2p", True, "p2p"),
+        ("push_small_buckets", True, "small"),
+        ("push_per_tensor", False, "shm"),
+    )
     for key, _, _ in variants:
         result[key] = {"times_s": [], "parts": [], "bytes": nbytes}
     for _ in range(push_reps):
@@ -126,8 +135,13 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
             raw_pg.broadcast(flat, 0).wait()
             raw_pg.barrier().wait()  # the receiver has it
             result["raw_broadcast_s"].append(time.perf_counter() - t0)
-        for key, flattened, shm in variants:
-            pusher.cfg.flattened_bucket, pusher.gatherer = flattened, gatherers[shm]
+        dist.barrier()  # the default gather alone, no broadcast: what a push adds to the raw bytes
+        t0 = time.perf_counter()
+        for k in range(len(gatherers["shm"].buckets)):
+            gatherers["shm"].gather(k)
+        result.setdefault("gather_alone_s", []).append(time.perf_counter() - t0)
+        for key, flattened, gatherer in variants:
+            pusher.cfg.flattened_bucket, pusher.gatherer = flattened, gatherers[gatherer]
             dist.barrier()
             t0 = time.perf_counter()
             s = pusher.push(trainer.version)
@@ -206,7 +220,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["balance", "ranks", "push"], default=None)
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--push-reps", type=int, default=8)
-    ap.add_argument("--bucket-mib", type=int, default=256, help="weight-push bucket size")
+    ap.add_argument(
+        "--bucket-mib", type=int, default=1024, help="weight-push bucket size (PushConfig's default)"
+    )
     a = ap.parse_args()
     os.environ["RLACTORS_BENCH_BUCKET_MIB"] = str(a.bucket_mib)
     if a.only in (None, "balance"):
@@ -235,9 +251,16 @@ def main() -> None:
         print(
             f"   {'raw gloo broadcast':>19}: best {min(raw):.3f} s, median {median(raw):.3f} s; all: {fmt(raw)}"
         )
+        alone = res["gather_alone_s"]
+        print(
+            f"   {'gather alone (shm)':>19}: best {min(alone):.3f} s, median {median(alone):.3f} s "
+            f"(raw + gather, no overlap: {(min(raw) + min(alone)) / min(raw):.2f}x best, "
+            f"{(median(raw) + median(alone)) / median(raw):.2f}x median)"
+        )
         for key, label in (
             ("push", "default"),
             ("push_p2p", "shards by p2p sends"),
+            ("push_small_buckets", "256 MiB buckets"),
             ("push_per_tensor", "per-tensor"),
         ):
             times = res[key]["times_s"]

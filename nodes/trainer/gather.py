@@ -109,7 +109,8 @@ class ParamGatherer:
     def _map_shared(self, enabled: bool, shm_dir: str) -> None:
         """Rank 0 creates its two bucket buffers in a ``shm_dir`` file; every rank that can map it
         (same host, same ``/dev/shm``) writes there. Collective; falls back to sends per rank."""
-        size = 2 * self._capacity
+        n_buffers = min(2, len(self.buckets))
+        size = n_buffers * self._capacity
         mm, path = None, ""
         if self.rank == 0 and enabled:
             path = os.path.join(shm_dir, f"rlactors-weights-{uuid.uuid4().hex}")
@@ -134,7 +135,8 @@ class ParamGatherer:
             return  # nobody shares rank 0's buffers: ordinary memory and point-to-point sends
         self._mmap, self.shared_ranks = mm, ranks
         whole = torch.frombuffer(mm, dtype=torch.uint8)
-        self._buffers = [whole[: self._capacity], whole[self._capacity :]]
+        cap = self._capacity
+        self._buffers = [whole[i * cap : (i + 1) * cap] for i in range(n_buffers)] + [None] * (2 - n_buffers)
         if self.rank == 0:
             log.info("weight_gather_shm", ranks=sorted(ranks), mib=size >> 20)
 

@@ -54,7 +54,10 @@ class PushConfig:
     """How weights reach the servers."""
 
     method: str = "distributed"  # distributed | disk
-    bucket_bytes: int = 256 << 20  # per broadcast (distributed)
+    # per broadcast (distributed); AReaL's default. Rank 0 keeps up to two buckets between pushes.
+    # Smaller buckets let the next gather overlap a broadcast, which needs idle cores or copy
+    # engines: on 2 CPU cores 256 MiB buckets were 1.44x a raw broadcast, one bucket 1.36x.
+    bucket_bytes: int = 1 << 30
     # one flat tensor per bucket: one collective per bucket instead of one per tensor (gloo: 0.2 s
     # vs 0.13 s for SmolLM2's 272 tensors). SGLang before flattened-bucket support: set False.
     flattened_bucket: bool = True
