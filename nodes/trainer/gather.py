@@ -11,8 +11,9 @@ How the rows travel: ranks on rank 0's host map rank 0's bucket buffers from a f
 ``/dev/shm`` and copy their rows in with one ``memcpy`` each (gloo has no shared-memory
 transport: a loopback TCP send costs two copies and the kernel's time on both sides). Ranks that
 cannot open the file (another host, another container's ``/dev/shm``, no space) send their rows
-point to point. The file is unlinked as soon as every rank has mapped it, so nothing outlives the
-processes, however they end.
+point to point. The file is unlinked as soon as every rank has mapped it (or setup failed), so
+once a gatherer exists nothing of it outlives the processes, however they end; only a kill in the
+milliseconds between creating and unlinking the file could leave it behind.
 
 Two reusable buffers alternate between buckets: one can be on the wire while the next fills.
 """
@@ -108,35 +109,52 @@ class ParamGatherer:
 
     def _map_shared(self, enabled: bool, shm_dir: str) -> None:
         """Rank 0 creates its two bucket buffers in a ``shm_dir`` file; every rank that can map it
-        (same host, same ``/dev/shm``) writes there. Collective; falls back to sends per rank."""
+        (same host, same ``/dev/shm``) writes there. Collective; falls back to sends per rank.
+        Every rank learns the same set of sharing ranks (the barriers in :meth:`gather` depend
+        on it), including ranks that could not map the file themselves."""
         n_buffers = min(2, len(self.buckets))
-        size = n_buffers * self._capacity
+        stride = -(-self._capacity // 64) * 64  # buffer 1 starts aligned for any dtype
+        size = n_buffers * stride
         mm, path = None, ""
         if self.rank == 0 and enabled:
             path = os.path.join(shm_dir, f"rlactors-weights-{uuid.uuid4().hex}")
             try:
                 mm = _map_file(path, size, create=True)
             except OSError as e:  # no /dev/shm, or not enough room in it: point to point
-                log.info("weight_gather_shm_unavailable", path=path, mib=size >> 20, error=str(e))
+                log.warning(
+                    "weight_gather_shm_unavailable",
+                    path=path,
+                    mib=size >> 20,
+                    error=str(e),
+                    hint="shards go by point-to-point sends instead (slower); in a container, "
+                    "enlarge /dev/shm (docker run --shm-size)",
+                )
                 path = ""
-        shared = [path]
-        dist.broadcast_object_list(shared, src=0)
-        if self.rank != 0 and enabled and shared[0]:
-            try:
-                mm = _map_file(shared[0], size, create=False)
-            except OSError:  # another host (or another container's /dev/shm)
-                mm = None
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world)]
-        dist.all_gather(flags, torch.tensor([int(mm is not None)], dtype=torch.int32))
-        if self.rank == 0 and path:
-            os.unlink(path)  # everyone who could map it has: the memory lives until the last unmap
+        try:
+            shared = [path]
+            dist.broadcast_object_list(shared, src=0)
+            if self.rank != 0 and enabled and shared[0]:
+                try:
+                    mm = _map_file(shared[0], size, create=False)
+                except OSError:  # another host (or another container's /dev/shm)
+                    mm = None
+            flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.world)]
+            dist.all_gather(flags, torch.tensor([int(mm is not None)], dtype=torch.int32))
+        finally:
+            if self.rank == 0 and path:  # mapped by all who could (or setup failed): the memory
+                os.unlink(path)  # lives until the last unmap, the name goes now
         ranks = frozenset(r for r in range(1, self.world) if flags[r].item())
-        if mm is None or not ranks:
+        if not flags[0].item() or not ranks:
             return  # nobody shares rank 0's buffers: ordinary memory and point-to-point sends
-        self._mmap, self.shared_ranks = mm, ranks
+        self.shared_ranks = ranks
+        if mm is None:
+            return  # this rank sends its rows; the others still meet it at the barriers
+        self._mmap = mm
         whole = torch.frombuffer(mm, dtype=torch.uint8)
         cap = self._capacity
-        self._buffers = [whole[i * cap : (i + 1) * cap] for i in range(n_buffers)] + [None] * (2 - n_buffers)
+        self._buffers = [whole[i * stride : i * stride + cap] for i in range(n_buffers)] + [None] * (
+            2 - n_buffers
+        )
         if self.rank == 0:
             log.info("weight_gather_shm", ranks=sorted(ranks), mib=size >> 20)
 
@@ -218,13 +236,13 @@ def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.unlink(path)
-                raise
+            os.posix_fallocate(fd, 0, size)
         elif os.fstat(fd).st_size != size:
             raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
         return mmap.mmap(fd, size)
+    except BaseException:
+        if create:
+            os.unlink(path)
+        raise
     finally:
         os.close(fd)

@@ -150,15 +150,17 @@ def gather_scenario(trainer, out: Path) -> None:
     rank records which ranks shared rank 0's buffers, rank 0 whether every tensor came out exact."""
     from nodes.trainer.gather import ParamGatherer
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     missing = str(out / "no-such-dir")
     cases = {  # name: (shared_memory on this rank, shm_dir, dtype)
         "shm": (True, "/dev/shm", None),
         "shm_tmpdir_bf16": (True, str(out / "shm"), torch.bfloat16),
-        "rank1_refuses": (rank == 0, "/dev/shm", None),
+        "rank1_refuses": (rank != 1, "/dev/shm", None),
         "no_shm_dir": (True, missing, None),
         "disabled": (False, "/dev/shm", None),
     }
+    if world > 2:  # one rank sends while the others share: all must still meet at the barriers
+        cases = {"shm": cases["shm"], "rank2_refuses": (rank != 2, "/dev/shm", None)}
     (out / "shm").mkdir(exist_ok=True)
     results = {}
     for name, (enabled, shm_dir, dtype) in cases.items():
@@ -182,7 +184,35 @@ def gather_scenario(trainer, out: Path) -> None:
             "equal": equal,
             "leftover_files": leftover,
         }
+    results["mixed_dtypes"] = mixed_dtype_gather()
     (out / f"gather{rank}.json").write_text(json.dumps(results))
+
+
+def mixed_dtype_gather() -> dict:
+    """A bf16 layer then an fp32 norm: two buckets of two dtypes, the first 90 bytes long, so
+    the second shared buffer must start aligned for fp32."""
+    from torch.distributed.fsdp import fully_shard
+
+    from nodes.trainer.gather import ParamGatherer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(15, 3, bias=False).to(torch.bfloat16), torch.nn.LayerNorm(3))
+    for m in (model[0], model[1], model):
+        fully_shard(m)
+    g = ParamGatherer(model, 1 << 20)
+    got = {}
+    for k in range(len(g.buckets)):
+        got.update({n: t.clone() for n, t in g.gather(k)})
+    want = {n: p.full_tensor() for n, p in model.named_parameters()}
+    equal = dist.get_rank() != 0 or (
+        sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    )
+    return {
+        "shared_ranks": sorted(g.shared_ranks),
+        "buckets": len(g.buckets),
+        "equal": [equal],
+        "leftover_files": [],
+    }
 
 
 def main() -> None:

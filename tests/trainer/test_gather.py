@@ -18,13 +18,16 @@ from tests.trainer.launch import run_ranks
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def gathered(tmp_path_factory) -> tuple[dict, dict]:
-    out = tmp_path_factory.mktemp("gather")
+def run_gather(out: Path, world: int) -> list[dict]:
     run_ranks(
-        HERE / "dist_worker.py", ["gather", str(out), str(ensure_tiny_checkpoint())], world=2, timeout=240
+        HERE / "dist_worker.py", ["gather", str(out), str(ensure_tiny_checkpoint())], world=world, timeout=240
     )
-    return tuple(json.loads((out / f"gather{r}.json").read_text()) for r in (0, 1))
+    return [json.loads((out / f"gather{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory) -> list[dict]:
+    return run_gather(tmp_path_factory.mktemp("gather"), world=2)
 
 
 @pytest.mark.slow
@@ -43,6 +46,21 @@ def test_rank0_gets_every_parameter_exactly(gathered, case, shared):
     assert r0[case]["shared_ranks"] == shared and r1[case]["shared_ranks"] == shared
     assert r0[case]["buckets"] > 2  # the two buffers are reused
     assert r0[case]["equal"] == [True, True]  # before and after a training step
+
+
+@pytest.mark.slow
+def test_buckets_of_several_dtypes_share_memory(gathered):
+    r0, r1 = gathered
+    assert r0["mixed_dtypes"]["shared_ranks"] == r1["mixed_dtypes"]["shared_ranks"] == [1]
+    assert r0["mixed_dtypes"]["buckets"] == 2 and r0["mixed_dtypes"]["equal"] == [True]
+
+
+@pytest.mark.slow
+def test_three_ranks_one_sending_point_to_point(tmp_path):
+    results = run_gather(tmp_path, world=3)
+    assert [r["shm"]["shared_ranks"] for r in results] == [[1, 2]] * 3
+    assert [r["rank2_refuses"]["shared_ranks"] for r in results] == [[1]] * 3  # rank 2 knows too
+    assert results[0]["shm"]["equal"] == results[0]["rank2_refuses"]["equal"] == [True, True]
 
 
 @pytest.mark.slow
