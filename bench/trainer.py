@@ -101,10 +101,11 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
     bucket = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "1024")) << 20
     pusher = WeightPusher(trainer.model, PushConfig(bucket_bytes=bucket, pause_mode="retract"), model)
     gatherers = {
-        "shm": pusher.gatherer,
+        "shm": ParamGatherer(trainer.model, bucket),
         "p2p": ParamGatherer(trainer.model, bucket, shared_memory=False),
         "small": ParamGatherer(trainer.model, 256 << 20),  # the next gather overlaps a broadcast
     }
+    pusher.gatherer = gatherers["shm"]
     assert pusher.gatherer.shared_ranks, "rank 1 did not map rank 0's shared buffers"
     pusher.connect([url])
     nbytes = sum(s.nbytes for s in pusher.gatherer.specs)

@@ -172,7 +172,11 @@ class Engine:
                 await asyncio.to_thread(self.backend.apply_tensors, named)
             except Exception as e:
                 log.warning("weights_from_distributed_failed", error=str(e))
-                return False, f"Failed to update parameter online: {e}."
+                # as SGLang says it: tensors received straight into the model may be half written
+                return False, (
+                    f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
+                    "partially updated. Please discard the whole weights."
+                )
             if req.flush_cache:
                 self.cache.flush()
             self.set_weight_version(req.weight_version)  # with the weights, before the next step

@@ -92,7 +92,7 @@ class PackedParams:
         self.flat = torch.empty(
             sum(p.numel() for _, p in params), dtype=params[0][1].dtype, device=params[0][1].device
         )
-        self.slots: dict[str, tuple[int, int]] = {}  # name -> (offset, numel)
+        self.slots: dict[str, tuple[int, Any]] = {}  # name -> (offset, parameter)
         off = 0
         with torch.no_grad():
             for name, p in params:
@@ -100,19 +100,23 @@ class PackedParams:
                 view = self.flat[off : off + n]
                 view.copy_(p.data.reshape(-1))
                 p.data = view.view(p.shape)  # the module keeps its Parameter; only the storage moves
-                self.slots[name] = (off, n)
+                self.slots[name] = (off, p)
                 off += n
 
     def bucket(self, names: list[str], dtype: Any, shapes: list[list[int]]) -> Any:
-        """The slice that holds exactly these parameters back to back, or ``None``."""
+        """The slice that holds exactly these parameters back to back (same names, shapes and
+        dtype, and still stored in the buffer), or ``None``."""
         if not names or dtype != self.flat.dtype:
             return None
-        start = end = self.slots.get(names[0], (-1, 0))[0]
+        if names[0] not in self.slots:
+            return None
+        start = end = self.slots[names[0]][0]
+        base, size = self.flat.data_ptr(), self.flat.element_size()
         for name, shape in zip(names, shapes, strict=True):
-            off, n = self.slots.get(name, (-1, 0))
-            if off != end or n != math.prod(shape):
-                return None
-            end += n
+            off, p = self.slots.get(name, (-1, None))
+            if p is None or off != end or tuple(p.shape) != tuple(shape) or p.data_ptr() != base + off * size:
+                return None  # not next, another shape, or the model's storage moved since packing
+            end += p.numel()
         return self.flat[start:end]
 
 

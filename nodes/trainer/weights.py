@@ -27,7 +27,7 @@ import shutil
 import socket
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,9 +100,7 @@ class WeightPusher:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-push-http")
         self._http = httpx.Client(timeout=cfg.http_timeout_s) if self.rank == 0 else None
         self.send_dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-        self.gatherer = ParamGatherer(  # collective
-            model, cfg.bucket_bytes, self.send_dtype, shared_memory=cfg.shared_memory
-        )
+        self.gatherer: ParamGatherer | None = None  # built by the first distributed push
         self._timing: dict[str, float] = {}
 
     # ---- HTTP (rank 0) -----------------------------------------------------------------------
@@ -198,16 +196,17 @@ class WeightPusher:
         """
         t0 = time.perf_counter()
         distributed = self.cfg.method == "distributed"
-        paused = self.rank == 0 and self.cfg.pause_mode is not None
+        pause = self.rank == 0 and self.cfg.pause_mode is not None
         session = self.rank == 0 and distributed and self.cfg.weight_update_session
         self._timing = {"gather_s": 0.0, "wait_s": 0.0}
-        prepare = (
-            [self._pool.submit(self._prepare, url, paused, session) for url in self.urls]
-            if paused or session
-            else []
-        )
+        undo: dict[str, list[str]] = {url: [] for url in self.urls}  # per server, in order
+        prepare = [self._pool.submit(self._prepare, url, pause, session, undo[url]) for url in self.urls]
         error: BaseException | None = None
         try:
+            if distributed and self.gatherer is None:  # collective; its buffers are reused
+                self.gatherer = ParamGatherer(
+                    self.model, self.cfg.bucket_bytes, self.send_dtype, shared_memory=self.cfg.shared_memory
+                )
             first = self._timed_gather(0) if distributed and self.gatherer.buckets else []
             try:
                 self._wait(prepare)
@@ -218,19 +217,11 @@ class WeightPusher:
             nbytes = self._push_distributed(str(version), first) if distributed else self._push_disk(version)
         finally:
             t_sent = time.perf_counter()
-            for f in prepare:  # a server must not be told to continue before it is told to pause
-                f.exception(timeout=self.cfg.http_timeout_s)
-            if self.rank == 0:  # best effort: never leave a server paused or mid-session
-                for path, body, needed in (
-                    ("/end_weight_update", {}, session),
-                    ("/continue_generation", {}, paused),
-                ):
-                    if needed:
-                        for f in self._post_all(path, body):
-                            try:
-                                f.result(timeout=self.cfg.http_timeout_s)
-                            except Exception as e:
-                                log.warning("weight_push_cleanup_failed", step=path, error=str(e))
+            # a server must not be told to continue before it was told to pause
+            late = wait(prepare, timeout=self.cfg.http_timeout_s).not_done
+            if late:
+                log.warning("weight_push_prepare_unfinished", servers=len(late))
+            self._undo(undo)  # best effort: never leave a server paused or in our session
         elapsed = time.perf_counter() - t0
         if self.rank == 0:
             log.info(
@@ -252,12 +243,33 @@ class WeightPusher:
             **self._timing,
         }
 
-    def _prepare(self, url: str, pause: bool, session: bool) -> None:
-        """One server: pause generation, then open the weight-update session."""
-        if pause:
+    def _prepare(self, url: str, pause: bool, session: bool, undo: list[str]) -> None:
+        """One server: pause generation, then open the weight-update session; ``undo`` gets the
+        steps that put it back, in order."""
+        if pause:  # continue even after a failed or unanswered pause: harmless if it did not pause
+            undo.append("/continue_generation")
             self._post(url, "/pause_generation", {"mode": self.cfg.pause_mode})
         if session:
-            self._post(url, "/begin_weight_update", {"selector": "all"})
+            opened = True
+            try:
+                self._post(url, "/begin_weight_update", {"selector": "all"})
+            except WeightPushError:  # refused: whatever session is open there is not ours to end
+                opened = False
+                raise
+            finally:  # opened, or no answer (it may have opened one)
+                if opened:
+                    undo.insert(0, "/end_weight_update")
+
+    def _undo(self, undo: dict[str, list[str]]) -> None:
+        futures = [self._pool.submit(self._undo_one, url, steps) for url, steps in undo.items() if steps]
+        wait(futures, timeout=2 * self.cfg.http_timeout_s)
+
+    def _undo_one(self, url: str, steps: list[str]) -> None:
+        for path in steps:
+            try:
+                self._post(url, path, {})
+            except Exception as e:
+                log.warning("weight_push_cleanup_failed", server=url, step=path, error=str(e))
 
     def _agree(self, error: BaseException | None) -> None:
         """Every rank learns whether rank 0's side failed, so all raise together (none hangs in a

@@ -235,4 +235,9 @@ def test_packed_parameters_take_buckets_of_consecutive_parameters(tiny_ckpt: Pat
     assert packed.bucket([names[0], names[2]], torch.float32, [shapes[0], shapes[2]]) is None
     assert packed.bucket(names, torch.bfloat16, shapes) is None  # needs a cast
     assert packed.bucket(names, torch.float32, [[1]] * 3) is None  # wrong sizes
+    assert packed.bucket(names[:1], torch.float32, [shapes[0][::-1]]) is None  # same size, another shape
     assert packed.bucket(["no.such"], torch.float32, [[1]]) is None
+    assert packed.bucket(["no.such"], torch.float32, [[0]]) is None
+    named[3][1].data = named[3][1].data.clone()  # the model's storage moved: no longer the buffer's
+    assert packed.bucket(names, torch.float32, shapes) is None
+    assert packed.bucket(names[:1], torch.float32, shapes[:1]) is not None

@@ -118,8 +118,8 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
                     "gen_versions": [g["meta_info"]["weight_version"] for g in gens],
                 }
             )
-    # a server that refuses the session (one is already open): every rank raises, the server is
-    # left generating, and the next push goes through
+    # a server that refuses the session (someone else's is open): every rank raises, the server is
+    # left generating with that session still open, and once it is closed the next push goes through
     cfg.method = "distributed"
     if rank == 0:
         client.post(url + "/begin_weight_update", json={"selector": "all"}).raise_for_status()
@@ -136,6 +136,11 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
         )
         failure["after"] = gen.json()["meta_info"]["finish_reason"]["type"]
         failure["version_after_refusal"] = client.get(url + "/get_model_info").json()["weight_version"]
+        failure["session_still_open"] = (
+            client.post(url + "/begin_weight_update", json={"selector": "all"}).status_code == 400
+        )
+        client.post(url + "/end_weight_update", json={}).raise_for_status()
+    dist.barrier()
     pusher.push(trainer.version + 101)
     if rank == 0:
         failure["version_after_retry"] = client.get(url + "/get_model_info").json()["weight_version"]

@@ -82,10 +82,12 @@ def test_push_to_reference_server_under_each_pause_mode(tmp_path):
             assert r["gen_versions"] == [str(r["version"])] * 2, case
     versions = [r["version"] for r in results]
     assert versions == sorted(set(versions))  # every push carried a new version
-    # the refused push: both ranks raised, nothing was left paused, the retry went through
+    # the refused push: both ranks raised, nothing was left paused, the other session was left
+    # alone, the retry went through
     r0, r1 = (json.loads((tmp_path / f"push_failure{r}.json").read_text()) for r in (0, 1))
     assert "/begin_weight_update answered 400" in r0["refused"], r0
     assert r1["refused"] == "weight push failed on rank 0 (see its log)"
     assert r0["after"] == "length"
+    assert r0["session_still_open"]  # the push did not end a session it had not opened
     assert r0["version_after_refusal"] == str(versions[-1])
     assert r0["version_after_retry"] == str(versions[-1] + 101)
