@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -89,13 +90,19 @@ class _Ready:
 class TrajectoryBuffer:
     """Plain-logic buffer; the actor wrapper adds death notices and forwards governor messages."""
 
-    def __init__(self, config: BufferConfig | None = None, governor: GovernorLink | None = None) -> None:
+    def __init__(
+        self,
+        config: BufferConfig | None = None,
+        governor: GovernorLink | None = None,
+        done_ids: Iterable[str] = (),
+    ) -> None:
+        """``done_ids``: groups trained before a restart; their ``begin`` is refused like an accepted one's."""
         self.config = config or BufferConfig()
         self._governor = governor
         self._ready: list[_Ready] = []  # kept sorted by (admit_version, seq)
         self._in_flight: dict[tuple[str, str], _InFlight] = {}  # (holder, group_id) -> episode
         self._flight_versions: Counter[int] = Counter()  # admission versions of episodes in flight
-        self._accepted_ids: set[str] = set()
+        self._accepted_ids: set[str] = set(done_ids)
         self._requeue: deque[_InFlight] = deque()
         self._dead: set[str] = set()
         self._seq = itertools.count()
@@ -312,9 +319,11 @@ class BufferActor(rlactors.Actor):
         max_staleness: int | None = None,
         order: str = "admission",
         on_holder_death: str = "requeue",
+        done_ids: Sequence[str] = (),
     ) -> None:
         self._governor_ref = governor
-        self.core = TrajectoryBuffer(BufferConfig(max_staleness, order, on_holder_death))  # type: ignore[arg-type]
+        config = BufferConfig(max_staleness, order, on_holder_death)  # type: ignore[arg-type]
+        self.core = TrajectoryBuffer(config, done_ids=done_ids)
         self._watches: dict[str, asyncio.Task] = {}
 
     async def on_start(self) -> None:

@@ -262,6 +262,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
     from nodes.governor import GovernorActor
     from nodes.metrics import MetricsLogger, format_step_line
     from nodes.rollout.actor import RolloutActor
+    from nodes.rollout.prompts import trained_position
     from nodes.rollout.workflows import build_workflow
     from nodes.trainer.rank import TrainerRank
 
@@ -293,10 +294,15 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
         await cluster.collective_group(ranks, backend="nccl" if gpu else "gloo")
         _, urls = await start_servers(cluster, cfg, model)
         await asyncio.gather(*(r.setup() for r in ranks))
+        data = {"done_epochs": 0, "trained": []}  # see nodes/rollout/prompts.py: trained_position
         if resume:
             state = (await asyncio.gather(*(r.load(str(ckpt_root / f"step-{start_step}")) for r in ranks)))[0]
             version = int(state["version"])
-            print(f"resumed from step {start_step} (policy version {version})")
+            data = (state.get("data_position") or {}).get("data", data)
+            print(
+                f"resumed from step {start_step} (policy version {version}; data: {data['done_epochs']} epochs "
+                f"done, {len(data['trained'])} prompts of the next trained)"
+            )
         await asyncio.gather(*(r.connect_servers(urls) for r in ranks))
         if version:
             await asyncio.gather(*(r.push_weights() for r in ranks))  # servers start from the base model
@@ -309,11 +315,21 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
         )
         if resume:
             await governor.recover(version)
-        buffer = await cluster.spawn(BufferActor, governor, max_staleness=eta, name="buffer")
-        # Prompts already trained on are skipped on resume (groups in flight at the checkpoint are lost).
-        skip = (start_step * B) % max(1, len(train_items))
-        items = train_items[skip:] + train_items[:skip]
-        prompts = {"kind": "items", "items": items, "epochs": None, "name": "gsm8k"}
+        # On resume the buffer refuses prompts trained before the checkpoint; groups admitted but not
+        # trained by then are generated again.
+        buffer = await cluster.spawn(
+            BufferActor, governor, max_staleness=eta, done_ids=data["trained"], name="buffer"
+        )
+        prompts = {
+            "kind": "items",
+            "items": train_items,
+            "epochs": None,
+            "start_epoch": data["done_epochs"],
+            "shuffle": True,
+            "seed": cfg.data.seed,
+            "name": "gsm8k",
+        }
+        trained = set(data["trained"])
         rollouts = [
             await cluster.spawn(
                 RolloutActor,
@@ -340,6 +356,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             batch = await get_batch(buffer, rollouts, B, version, cfg.run.batch_timeout_s)
             t_train = time.monotonic()
             stats = (await asyncio.gather(*(r.train_step(batch) for r in ranks)))[0]
+            trained.update(g.group_id for g in batch.groups)
             t_push = time.monotonic()
             live = await drop_dead_servers(servers, live, ranks, rollouts)
             await asyncio.gather(*(r.pause() for r in rollouts))
@@ -367,7 +384,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 "staleness/max": batch.max_staleness,
                 "staleness/mean": stats.get("staleness_mean", 0.0),
                 "staleness/bound": eta,
-                "servers/min_weight_version": min(await servers.weight_versions(live)),
+                "servers/min_weight_version": min(await servers.weight_versions(live), default=-1),
                 "throughput/samples_per_s": len(trajs) / (t_end - t_wait),
                 "throughput/tokens_per_s": sum(r["tokens_per_s"] for r in roll),
                 "time/wait_s": t_train - t_wait,
@@ -377,6 +394,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
                 **{f"train/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))},
                 **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
+                "data/groups": ",".join(g.group_id for g in batch.groups),
             }
             last = step + 1 == cfg.run.steps
             if eval_task is not None and eval_task.done():
@@ -391,9 +409,10 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             print(format_step_line(step + 1, cfg.run.steps, m), flush=True)
             if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
                 path = ckpt_root / f"step-{step + 1}"
-                await asyncio.gather(
-                    *(r.save(str(path), {"step": step + 1, "version": version}) for r in ranks)
-                )
+                data = trained_position(trained, len(train_items), data["done_epochs"])
+                trained = set(data["trained"])  # whole epochs are a number from now on
+                position = {"step": step + 1, "version": version, "data": data}
+                await asyncio.gather(*(r.save(str(path), position) for r in ranks))
                 latest.write_text(str(step + 1))
         if eval_task is not None:
             eval_task.cancel()

@@ -12,7 +12,13 @@ Spec kinds:
   ("What is 17 + 25?", answer "42") for tests and benchmarks.
 - ``{"kind": "factory", "factory": "module:function", "kwargs": {...}}`` — any iterable of dicts
   (e.g. a reasoning-gym data set).
-Common keys: ``name`` (default: the kind), ``epochs`` (default 1; None repeats forever).
+Common keys: ``name`` (default: the kind), ``epochs`` (default 1; None repeats forever),
+``start_epoch`` (default 0), ``shuffle`` (default false: each epoch in a fresh order drawn from
+``seed``; the ids keep naming the item, so a replay re-creates the same ids in the same order).
+
+A run that checkpoints records what it trained with :func:`trained_position` and resumes with
+``start_epoch`` = its ``done_epochs`` and the buffer told the ``trained`` ids (they are refused),
+so every prompt is trained once per epoch across restarts.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["arithmetic_items", "prompt_source"]
+__all__ = ["arithmetic_items", "prompt_source", "trained_position"]
 
 
 def arithmetic_items(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -63,7 +69,25 @@ def prompt_source(spec: Mapping[str, Any], shard: int = 0, num_shards: int = 1) 
         raise ValueError(f"shard {shard} outside [0, {num_shards})")
     items = list(_items(spec))
     name = spec.get("name") or spec["kind"]
-    epochs = spec.get("epochs", 1)
-    for epoch in itertools.count() if epochs is None else range(int(epochs)):
-        for i in range(shard, len(items), num_shards):
+    epochs, start = spec.get("epochs", 1), int(spec.get("start_epoch", 0))
+    for epoch in itertools.count(start) if epochs is None else range(start, int(epochs)):
+        order = list(range(len(items)))
+        if spec.get("shuffle"):
+            random.Random(f"prompts/{spec.get('seed', 0)}/{epoch}").shuffle(order)  # str seeds hash stably
+        for i in order[shard::num_shards]:
             yield f"{name}/e{epoch}/{i}", items[i]
+
+
+def trained_position(trained: Iterable[str], n_items: int, done_epochs: int = 0) -> dict[str, Any]:
+    """What a run has trained, compactly: ``done_epochs`` (epochs ``0 .. done_epochs - 1`` trained
+    whole) and the ``trained`` ids of later epochs. ``trained`` holds ids from this module's sources
+    (``name/e<epoch>/<index>``); epochs before ``done_epochs`` count as done already."""
+    by_epoch: dict[int, list[str]] = {}
+    for gid in trained:
+        epoch = int(gid.rsplit("/", 2)[1].removeprefix("e"))
+        if epoch >= done_epochs:
+            by_epoch.setdefault(epoch, []).append(gid)
+    while n_items and len(set(by_epoch.get(done_epochs, ()))) >= n_items:
+        by_epoch.pop(done_epochs)
+        done_epochs += 1
+    return {"done_epochs": done_epochs, "trained": sorted(g for ids in by_epoch.values() for g in ids)}

@@ -61,10 +61,15 @@ def test_three_async_steps_then_resume(tmp_path: Path) -> None:
 
     second = recipe([*SMALL, "run.steps=5", "run.checkpoint_every=5", f"run.out_dir={out}", "--resume"])
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from step 3 (policy version 3)" in second.stdout
+    assert (
+        "resumed from step 3 (policy version 3; data: 0 epochs done, 6 prompts of the next trained)"
+        in second.stdout
+    )
     m = rows(out)
     assert [r["step"] for r in m] == [1, 2, 3, 4, 5]
     assert [r["servers/min_weight_version"] for r in m[3:]] == [4, 5]
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 10 and len(set(groups)) == 10  # no prompt trained twice across the restart
 
 
 def _descendants(pid: int) -> list[int]:

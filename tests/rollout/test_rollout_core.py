@@ -92,3 +92,60 @@ async def test_a_failing_episode_releases_its_lease(sim_server: str) -> None:
     await client.aclose()
     assert rollout.stats()["episodes_failed"] == 4
     assert gov.running == 0 and gov.accepted == 0 and buf.in_flight == 0 and buf.stats()["abandoned"] == 4
+
+
+async def test_resume_trains_every_prompt_once_per_epoch(sim_server: str) -> None:
+    """Stop after 3 of 6 steps with more groups admitted than trained, resume from what was trained:
+    across both runs every prompt of epoch 0 is trained exactly once, then epoch 1 begins."""
+    from nodes.rollout.prompts import trained_position
+
+    B, eta, n = 2, 2, 12
+    spec = {"kind": "arithmetic", "n": n, "epochs": None, "shuffle": True, "seed": 3}
+    gov, buf, client, rollout = make(sim_server, n, B, eta, max_inflight=8)
+    rollout.prompts = prompt_source(spec)
+    run = asyncio.create_task(rollout.run())
+    first = await train(buf, gov, rollout, 3, B, eta)
+    assert buf.ready + buf.in_flight > 0  # admitted but not trained when the "checkpoint" is taken
+    await rollout.stop()
+    await asyncio.wait_for(run, 30)
+    await client.aclose()
+    pos = trained_position(first, n)
+    assert pos == {"done_epochs": 0, "trained": sorted(first)}
+
+    gov = StalenessGovernor(GovernorConfig(B, eta, max_concurrent=64))
+    gov.recover(3)
+    buf = TrajectoryBuffer(BufferConfig(max_staleness=eta), governor=gov, done_ids=pos["trained"])
+    client = SGLangClient([sim_server])
+    source = prompt_source({**spec, "start_epoch": pos["done_epochs"]})
+    rollout = Rollout("h1", client, build_workflow(WORKFLOW), source, gov, buf, RolloutConfig(max_inflight=8))
+    rollout.set_version(3)
+    run = asyncio.create_task(rollout.run())
+    second = []
+    for v in range(3, 7):
+        batch = await buf.get_batch(B, v, timeout=60)
+        assert batch.max_staleness <= eta
+        second += [g.group_id for g in batch.groups]
+        gov.set_version(v + 1)
+        rollout.set_version(v + 1)
+    await rollout.stop()
+    await asyncio.wait_for(run, 30)
+    await client.aclose()
+    epoch0 = [g for g in first + second if "/e0/" in g]
+    assert sorted(epoch0) == sorted(f"arithmetic/e0/{i}" for i in range(n))  # each once, none skipped
+    epoch1 = [g for g in second if "/e1/" in g]
+    assert len(epoch1) == 2  # then the next epoch
+    assert trained_position(first + second, n) == {"done_epochs": 1, "trained": sorted(epoch1)}
+
+
+def test_shuffled_epochs_are_reproducible_and_shards_partition_them() -> None:
+    spec = {"kind": "arithmetic", "n": 10, "epochs": 2, "shuffle": True, "seed": 1}
+    ids = [g for g, _ in prompt_source(spec)]
+    assert ids == [g for g, _ in prompt_source(spec)]
+    e0, e1 = ids[:10], ids[10:]
+    assert sorted(e0) == sorted(f"arithmetic/e0/{i}" for i in range(10)) and e0 != sorted(
+        e0, key=lambda g: int(g.rsplit("/", 1)[1])
+    )
+    assert [g.split("/")[-1] for g in e0] != [g.split("/")[-1] for g in e1]  # a new order each epoch
+    shards = [[g for g, _ in prompt_source(spec, s, 3)] for s in range(3)]
+    assert sorted(g for shard in shards for g in shard) == sorted(ids)
+    assert [g for g, _ in prompt_source({**spec, "start_epoch": 1})] == e1
