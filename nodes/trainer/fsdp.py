@@ -42,7 +42,7 @@ class TrainConfig:
     """Everything one trainer rank needs; defaults run on CPU."""
 
     model_path: str = ""
-    ref_model_path: str | None = None  # a reference model for the KL term (loss.kl_coef > 0)
+    ref_model_path: str | None = None  # the KL term's reference (loss.kl_coef > 0); None: model_path
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
     bf16: bool = False  # MixedPrecisionPolicy(param bf16, reduce fp32)
     activation_checkpointing: bool = False
@@ -129,8 +129,10 @@ class FSDPTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         self.model = _load_model(cfg.model_path, cfg, self.mesh, train=True)
         self.ref_model = None
-        if cfg.ref_model_path and cfg.loss.kl_coef:
-            self.ref_model = _load_model(cfg.ref_model_path, cfg, self.mesh, train=False).eval()
+        if cfg.loss.kl_coef:  # the reference defaults to the initial policy, as in AReaL
+            self.ref_model = _load_model(
+                cfg.ref_model_path or cfg.model_path, cfg, self.mesh, train=False
+            ).eval()
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.version = version  # policy version the weights are at; +1 per train_step
         self.optim_steps = 0
@@ -217,20 +219,21 @@ class FSDPTrainer:
                 for key, v in out.mins.items():
                     mins[key] = torch.minimum(mins[key], v.double()) if key in mins else v.double()
             grad_norms.append(self._clip_grads())
+            lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
             self.optimizer.step()
             self.scheduler.step()
             self.optim_steps += 1
         stats = self._reduce_stats(sums, maxes, mins)
         loss_tokens = sum(sum(t.loss_mask[1:]) for t in trajs)
         for key in list(stats):
-            if key in sums:
-                stats[key] /= max(1, loss_tokens)
+            if key in _SUM_KEYS or key == "ref_kl":  # global sums (a rank with only dummy
+                stats[key] /= max(1, loss_tokens)  # micro-batches has no local ones)
         stats.update(self._staleness(trajs))
         elapsed = time.perf_counter() - t0
         stats.update(
             {
                 "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
-                "lr": float(self.scheduler.get_last_lr()[0]),
+                "lr": lr,
                 "n_seqs": float(len(trajs)),
                 "n_tokens": float(batch.num_tokens),
                 "n_loss_tokens": float(loss_tokens),

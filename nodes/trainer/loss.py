@@ -99,10 +99,13 @@ def gather_logprobs_entropy(
     """Log-prob of each label under ``softmax(logits / T)`` and that distribution's entropy.
 
     The temperature must match the one the server sampled with, or the ratios are off-policy
-    even for fresh samples. Computed in at least fp32.
+    even for fresh samples. Greedy sampling (``T = 0``) reports ``T = 1`` log-probs, so 0 means 1
+    here. Computed in at least fp32.
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp_all = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

@@ -78,7 +78,8 @@ class TrainerRank(rlactors.Actor):
             backend = "nccl" if train_cfg.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method="env://")
         if train_cfg.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            # the node agent may narrow CUDA_VISIBLE_DEVICES to this actor's GPU(s)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         self.trainer = FSDPTrainer(train_cfg)
         self.push_cfg = push_cfg
         log.info("trainer_rank_ready", rank=dist.get_rank(), world_size=dist.get_world_size())
@@ -111,11 +112,16 @@ class TrainerRank(rlactors.Actor):
         version. ``pause_mode``/``method`` override the configured ones for this push ("" keeps)."""
         if self.pusher is None:
             raise RuntimeError("connect_servers() must run before push_weights()")
+        cfg = self.pusher.cfg
+        saved = cfg.pause_mode, cfg.method
         if pause_mode != "":
-            self.pusher.cfg.pause_mode = pause_mode
+            cfg.pause_mode = pause_mode
         if method:
-            self.pusher.cfg.method = method
-        return self.pusher.push(self._need().version)
+            cfg.method = method
+        try:
+            return self.pusher.push(self._need().version)
+        finally:
+            cfg.pause_mode, cfg.method = saved
 
     def save(self, path: str, data_position: Any = None) -> str:
         """Checkpoint model, optimizer, RNG, step and ``data_position`` to ``path``."""

@@ -236,8 +236,21 @@ def main() -> None:
         save_full(trainer, out / "step1.safetensors")
         checkpoint.save(trainer, out / "ckpt", data_position=1)
         torch.rand(3)  # RNG advances after the checkpoint; resume must restore the saved state
-        trainer.train_step(batch(2, n_groups=1))  # one group on two ranks: rank 1 runs dummy micro-batches
+        stats = trainer.train_step(
+            batch(2, n_groups=1)
+        )  # one group on 2 ranks: rank 1 runs dummy micro-batches
+        (out / f"stats2_{rank}.json").write_text(json.dumps(stats))
         save_full(trainer, out / "step2.safetensors")
+    elif scenario == "schedule":  # one rank: warm-up and a KL term with the default reference
+        import dataclasses
+
+        from nodes.trainer.loss import LossConfig
+
+        trainer = FSDPTrainer(
+            dataclasses.replace(train_config(model), warmup_steps=3, loss=LossConfig(kl_coef=0.1))
+        )
+        steps = [trainer.train_step(batch(s)) for s in (1, 2)]
+        (out / "schedule.json").write_text(json.dumps(steps))
     elif scenario == "resume":
         extra = checkpoint.load(trainer, out / "ckpt")
         if rank == 0:

@@ -100,3 +100,20 @@ def test_resume_from_checkpoint_reproduces_next_step(fresh_run, tiny_model):
     assert any(not torch.equal(straight[n], step1[n]) for n in straight)
     meta = json.loads((fresh_run / "resume.json").read_text())
     assert meta == {"data_position": 1, "version": 1, "optim_steps": 1}
+
+
+@pytest.mark.slow
+def test_a_rank_with_only_dummy_microbatches_reports_the_global_stats(fresh_run):
+    r0, r1 = (json.loads((fresh_run / f"stats2_{r}.json").read_text()) for r in (0, 1))
+    assert r1["n_microbatches"] >= 1
+    for key in ("loss", "entropy", "ratio", "clip_frac", "behave_masked_frac", "approx_kl"):
+        assert r1[key] == pytest.approx(r0[key]), key
+
+
+@pytest.mark.slow
+def test_lr_reported_is_the_one_used_and_kl_defaults_to_the_initial_policy(tiny_model, tmp_path):
+    run_ranks(HERE / "dist_worker.py", ["schedule", str(tmp_path), tiny_model], world=1, timeout=240)
+    first, second = json.loads((tmp_path / "schedule.json").read_text())
+    assert first["lr"] == pytest.approx(1e-3 / 3) and second["lr"] == pytest.approx(2e-3 / 3)  # warm-up 3
+    assert first["ref_kl"] == pytest.approx(0.0, abs=1e-9)  # the policy still is the reference
+    assert second["ref_kl"] > 0

@@ -132,3 +132,12 @@ def test_batch_normalize_weights_by_tokens():
     s = math.sqrt(0.75)
     assert out == pytest.approx([0.5 / s, -1.5 / s], rel=1e-4)
     assert sum(a * n for a, n in zip(out, [3, 1], strict=True)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_greedy_temperature_means_unscaled_logprobs():
+    logits, labels = torch.randn(3, 7, dtype=torch.float64), torch.tensor([1, 4, 6])
+    greedy, ent0 = gather_logprobs_entropy(logits, labels, 0.0)
+    plain, ent1 = gather_logprobs_entropy(logits, labels, 1.0)
+    assert torch.equal(greedy, plain) and torch.equal(ent0, ent1) and torch.isfinite(greedy).all()
+    with pytest.raises(ValueError, match="temperature"):
+        gather_logprobs_entropy(logits, labels, -1.0)
