@@ -183,13 +183,23 @@ class TrajectoryBuffer:
         self._notify()
         return out
 
-    def take_requeued(self, n: int) -> list[dict[str, Any]]:
-        """Up to ``n`` episodes of dead holders to re-run from their prompt, with their group ids."""
+    def take_requeued(
+        self, n: int, holder_id: str | None = None, admit_version: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Up to ``n`` episodes of dead holders to re-run from their prompt, with their group ids.
+
+        With ``holder_id`` (and ``admit_version``) each one taken is begun for that holder in
+        the same call, so none can fall between the requeue and the in-flight books."""
         out = []
         while self._requeue and len(out) < n:
             e = self._requeue.popleft()
-            if e.group_id not in self._accepted_ids:
-                out.append({"group_id": e.group_id, "item": e.item})
+            if e.group_id in self._accepted_ids:
+                continue
+            if holder_id is not None:
+                self.begin(
+                    holder_id, e.group_id, e.item, e.admit_version if admit_version is None else admit_version
+                )
+            out.append({"group_id": e.group_id, "item": e.item})
         return out
 
     # -- trainer side --------------------------------------------------------------
@@ -352,9 +362,11 @@ class BufferActor(rlactors.Actor):
         """See :meth:`TrajectoryBuffer.abandon`."""
         return self.core.abandon(holder_id, group_id)
 
-    async def take_requeued(self, n: int) -> list[dict[str, Any]]:
+    async def take_requeued(
+        self, n: int, holder_id: str | None = None, admit_version: int | None = None
+    ) -> list[dict[str, Any]]:
         """See :meth:`TrajectoryBuffer.take_requeued`."""
-        return self.core.take_requeued(n)
+        return self.core.take_requeued(n, holder_id, admit_version)
 
     async def get_batch(self, batch_size: int, version: int, timeout: float | None = 60.0) -> Batch:
         """See :meth:`TrajectoryBuffer.get_batch`."""

@@ -160,6 +160,25 @@ class Servers:
         return [int(r.json().get("weight_version") or 0) for r in infos if isinstance(r, httpx.Response)]
 
 
+async def on_ranks(ranks: list[Any], method: str, *args: Any) -> list[Any]:
+    """Call a collective method on every trainer rank. When one rank dies the others fail in their
+    collectives with a transport error; the dead rank is the error to report, so after the first
+    failure the others get a moment to report theirs."""
+    tasks = [asyncio.ensure_future(getattr(r, method)(*args)) for r in ranks]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    if pending and any(t.exception() is not None for t in done):
+        more, _ = await asyncio.wait(pending, timeout=10)
+        done |= more
+    errors = [t.exception() for t in done if t.exception() is not None]
+    if errors:
+        for t in tasks:
+            if not t.done():
+                t.cancel()  # a rank still stuck in a collective: its result is of no use now
+        died = [e for e in errors if isinstance(e, rlactors.ActorDiedError)]
+        raise (died or errors)[0]
+    return [t.result() for t in tasks]
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -193,7 +212,7 @@ async def drop_dead_servers(
         raise RuntimeError("every inference server is down")
     for url in gone:
         await asyncio.gather(*(r.retire_server(url) for r in rollouts))
-    await asyncio.gather(*(r.connect_servers(healthy) for r in ranks))
+    await on_ranks(ranks, "connect_servers", healthy)
     return healthy
 
 
@@ -293,19 +312,19 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
         ]
         await cluster.collective_group(ranks, backend="nccl" if gpu else "gloo")
         _, urls = await start_servers(cluster, cfg, model)
-        await asyncio.gather(*(r.setup() for r in ranks))
+        await on_ranks(ranks, "setup")
         data = {"done_epochs": 0, "trained": []}  # see nodes/rollout/prompts.py: trained_position
         if resume:
-            state = (await asyncio.gather(*(r.load(str(ckpt_root / f"step-{start_step}")) for r in ranks)))[0]
+            state = (await on_ranks(ranks, "load", str(ckpt_root / f"step-{start_step}")))[0]
             version = int(state["version"])
             data = (state.get("data_position") or {}).get("data", data)
             print(
                 f"resumed from step {start_step} (policy version {version}; data: {data['done_epochs']} epochs "
                 f"done, {len(data['trained'])} prompts of the next trained)"
             )
-        await asyncio.gather(*(r.connect_servers(urls) for r in ranks))
+        await on_ranks(ranks, "connect_servers", urls)
         if version:
-            await asyncio.gather(*(r.push_weights() for r in ranks))  # servers start from the base model
+            await on_ranks(ranks, "push_weights")  # servers start from the base model
         print(
             f"cluster ready in {time.monotonic() - t0:.0f}s: {len(urls)} servers, {len(ranks)} trainer ranks"
         )
@@ -355,20 +374,20 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             t_wait = time.monotonic()
             batch = await get_batch(buffer, rollouts, B, version, cfg.run.batch_timeout_s)
             t_train = time.monotonic()
-            stats = (await asyncio.gather(*(r.train_step(batch) for r in ranks)))[0]
+            stats = (await on_ranks(ranks, "train_step", batch))[0]
             trained.update(g.group_id for g in batch.groups)
             t_push = time.monotonic()
             live = await drop_dead_servers(servers, live, ranks, rollouts)
             await asyncio.gather(*(r.pause() for r in rollouts))
             try:
                 try:
-                    push = (await asyncio.gather(*(r.push_weights() for r in ranks)))[0]
+                    push = (await on_ranks(ranks, "push_weights"))[0]
                 except Exception as e:  # a server died during the push: drop it and push again, once
                     if (healthy := await drop_dead_servers(servers, live, ranks, rollouts)) == live:
                         raise
                     print(f"weight push failed ({type(e).__name__}); retrying without the dead server")
                     live = healthy
-                    push = (await asyncio.gather(*(r.push_weights() for r in ranks)))[0]
+                    push = (await on_ranks(ranks, "push_weights"))[0]
                 version += 1
                 await governor.set_version(version)
                 await asyncio.gather(*(r.set_version(version) for r in rollouts))
@@ -412,7 +431,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 data = trained_position(trained, len(train_items), data["done_epochs"])
                 trained = set(data["trained"])  # whole epochs are a number from now on
                 position = {"step": step + 1, "version": version, "data": data}
-                await asyncio.gather(*(r.save(str(path), position) for r in ranks))
+                await on_ranks(ranks, "save", str(path), position)
                 latest.write_text(str(step + 1))
         if eval_task is not None:
             eval_task.cancel()

@@ -144,31 +144,43 @@ class Rollout:
         if not grant.n:
             return
         self.counters["granted"] += grant.n
+        if self._stopping:  # stop() came while we waited for the grant
+            await self._return_grants(grant.n)
+            return
         self.client.set_version(grant.version)  # token versions must not predate the admission
-        work = list(await _aw(self.buffer.take_requeued(grant.n)))
-        work = [(w["group_id"], w["item"]) for w in work]
-        while len(work) < grant.n:
-            nxt = next(self.prompts, None)
-            if nxt is None:
-                self._exhausted = True
-                break
-            work.append(nxt)
-        unused = grant.n - len(work)
-        if unused:
-            self.counters["returned_grants"] += unused
-            await _aw(self.governor.finish(self.holder_id, 0, unused))
-        for gid, item in work:
-            if gid in self._tasks or not await _aw(
-                self.buffer.begin(self.holder_id, gid, item, grant.version)
-            ):
-                self.counters["refused_begin"] += 1  # already accepted (a replayed source): lease released
+        settled = 0  # grants turned into episodes, or released by the buffer or by us
+        try:
+            work = list(await _aw(self.buffer.take_requeued(grant.n, self.holder_id, grant.version)))
+            for w in work:  # already in flight for us at the buffer
+                settled += 1
+                self._start(w["group_id"], w["item"])
+            while settled < grant.n:
+                nxt = next(self.prompts, None)
+                if nxt is None:
+                    self._exhausted = True
+                    break
+                gid, item = nxt
                 if gid in self._tasks:
-                    await _aw(self.governor.finish(self.holder_id, 0, 1))
-                continue
-            self.counters["episodes_started"] += 1
-            self._tasks[gid] = asyncio.get_running_loop().create_task(
-                self._episode(gid, item), name=f"episode-{gid}"
-            )
+                    continue
+                began = await _aw(self.buffer.begin(self.holder_id, gid, item, grant.version))
+                settled += 1
+                if not began:  # already trained (a replayed source): the buffer released the lease
+                    self.counters["refused_begin"] += 1
+                    continue
+                self._start(gid, item)
+        finally:
+            if settled < grant.n:  # exhausted, or the buffer failed us: give the rest back
+                await self._return_grants(grant.n - settled)
+
+    def _start(self, gid: str, item: Any) -> None:
+        self.counters["episodes_started"] += 1
+        self._tasks[gid] = asyncio.get_running_loop().create_task(
+            self._episode(gid, item), name=f"episode-{gid}"
+        )
+
+    async def _return_grants(self, n: int) -> None:
+        self.counters["returned_grants"] += n
+        await _aw(self.governor.finish(self.holder_id, 0, n))
 
     async def _episode(self, gid: str, item: Any) -> None:
         try:
@@ -181,7 +193,12 @@ class Rollout:
                 log.warning("rollout.episode_failed", group=gid, error=f"{type(e).__name__}: {e}")
                 await self._abandon(gid)
                 return
-            await self._put(gid, group)
+            try:
+                await self._put(gid, group)
+            except Exception as e:  # the put did not land (or its answer was lost): settle the lease
+                self.counters["episodes_failed"] += 1
+                log.error("rollout.put_failed", group=gid, error=f"{type(e).__name__}: {e}")
+                await self._abandon(gid)  # a no-op if it did land
         except asyncio.CancelledError:
             await asyncio.shield(self._abandon(gid))  # a no-op if the put already landed
             raise
@@ -207,10 +224,20 @@ class Rollout:
         self.counters["generated_tokens"] += sum(t.num_generated for t in group.trajectories)
 
     async def _abandon(self, gid: str) -> None:
-        try:
-            await _aw(self.buffer.abandon(self.holder_id, gid))
-        except Exception as e:  # the buffer is gone; our death notice will settle the lease
-            log.warning("rollout.abandon_failed", group=gid, error=repr(e))
+        """Give the episode's lease back through the buffer; an episode left in flight there would
+        hold back every batch admitted after it."""
+        for attempt in range(self.config.put_retries + 1):
+            try:
+                await _aw(self.buffer.abandon(self.holder_id, gid))
+                return
+            except rlactors.ActorDiedError as e:  # the buffer is gone: nothing left to settle
+                log.warning("rollout.abandon_failed", group=gid, error=repr(e))
+                return
+            except Exception as e:
+                if attempt == self.config.put_retries:
+                    log.error("rollout.abandon_failed", group=gid, error=repr(e))
+                    return
+                await asyncio.sleep(0.05 * 2**attempt)
 
     async def _cancel_all(self) -> None:
         tasks = list(self._tasks.values())

@@ -200,18 +200,18 @@ class SGLangClient:
         ids, lps, vers, cached = res.output_ids, res.output_logprobs, res.output_versions, res.cached_tokens
         texts: list[str] = []
         idle_aborts = 0
-        tried: set[str] = set()
         while True:
             if not self._resumed.is_set():
                 await asyncio.wait_for(self._resumed.wait(), cfg.pause_timeout_s)
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
                 "input_ids": list(request.input_ids) + ids,
-                "sampling_params": {**sp, "max_new_tokens": budget - len(ids)},
+                "sampling_params": _remaining(sp, budget, len(ids)),
                 "return_logprob": True,
                 "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
             }
-            data, server = await self._post_with_failover(server, body, tried, res)
+            # servers that failed this post; a later post may go back to one that recovered
+            data, server = await self._post_with_failover(server, body, set(), res)
             res.posts += 1
             chunk_ids, chunk_lps, meta = _parse(data)
             chunk_vers, labelled = _token_versions(meta, len(chunk_ids), posted_at)
@@ -355,6 +355,14 @@ class SGLangClient:
 
 class ServerPoolDown(Exception):
     pass
+
+
+def _remaining(sp: dict[str, Any], budget: int, done: int) -> dict[str, Any]:
+    """Sampling params for a resume after ``done`` tokens: both token bounds count what is left."""
+    out = {**sp, "max_new_tokens": budget - done}
+    if sp.get("min_new_tokens"):
+        out["min_new_tokens"] = max(0, int(sp["min_new_tokens"]) - done)
+    return out
 
 
 def _parse(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:

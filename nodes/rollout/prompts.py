@@ -64,11 +64,22 @@ def _items(spec: Mapping[str, Any]) -> Iterable[Any]:
 
 
 def prompt_source(spec: Mapping[str, Any], shard: int = 0, num_shards: int = 1) -> Iterator[tuple[str, Any]]:
-    """Build the source described by ``spec``; yields ``(group_id, item)`` for this shard."""
+    """Build the source described by ``spec``; yields ``(group_id, item)`` for this shard. Bad
+    specs and empty shards raise here, not at the first ``next``."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside [0, {num_shards})")
     items = list(_items(spec))
     name = spec.get("name") or spec["kind"]
+    if len(items) <= shard:  # nothing to yield, ever: with epochs=None a consumer would spin
+        raise ValueError(
+            f"prompt source {name!r} has {len(items)} items: shard {shard} of {num_shards} is empty"
+        )
+    return _iterate(items, name, spec, shard, num_shards)
+
+
+def _iterate(
+    items: list[Any], name: str, spec: Mapping[str, Any], shard: int, num_shards: int
+) -> Iterator[tuple[str, Any]]:
     epochs, start = spec.get("epochs", 1), int(spec.get("start_epoch", 0))
     for epoch in itertools.count(start) if epochs is None else range(start, int(epochs)):
         order = list(range(len(items)))

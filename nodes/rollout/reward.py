@@ -17,6 +17,7 @@ import inspect
 import logging
 import multiprocessing
 import re
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
@@ -70,16 +71,74 @@ def gsm8k_reward(completion: str, item: Mapping[str, Any]) -> float:
     a, b = _as_number(pred), _as_number(ref)
     if a is not None and b is not None:
         return float(abs(a - b) <= 1e-6 * max(1.0, abs(b)))
-    from math_verify import parse, verify  # slow import, only for non-numeric answers
+    if len(pred) > MAX_SYMBOLIC_CHARS:  # no GSM8K answer is this long; sympy could chew on it forever
+        return 0.0
+    return float(_SYMBOLIC(ref, pred, SYMBOLIC_TIMEOUT_S))
 
-    # Our RewardRunner enforces the timeout; math_verify's own (signal based) cannot run off the
-    # main thread, and it warns about that on every call.
+
+MAX_SYMBOLIC_CHARS = 200
+SYMBOLIC_TIMEOUT_S = 5.0
+
+
+def _symbolic_worker(conn: Any) -> None:
+    """The child process: answer ``(ref, pred)`` pairs with math_verify until the pipe closes."""
+    from math_verify import parse, verify
+
+    # math_verify's own timeouts are signal based; this process is killed from outside instead
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    conn.send("ready")
+    while True:
+        try:
+            ref, pred = conn.recv()
+        except EOFError:
+            return
+        try:
+            gold = parse(f"${ref}$", parsing_timeout=None)  # type: ignore[arg-type]
+            guess = parse(f"${pred}$", parsing_timeout=None)  # type: ignore[arg-type]
+            conn.send(bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=None)))
+        except Exception:
+            conn.send(False)
 
-    # Signal-based timeouts only work on the main thread; the runner bounds the time instead.
-    gold = parse(f"${ref}$", parsing_timeout=None)  # type: ignore[arg-type]
-    guess = parse(f"${pred}$", parsing_timeout=None)  # type: ignore[arg-type]
-    return float(bool(gold) and bool(guess) and verify(gold, guess, timeout_seconds=None))
+
+class _SymbolicChecker:
+    """math_verify in a child process that is killed when a check overruns: sympy can run for ever
+    on some inputs (``9^{9^{9^9}}``) and a thread cannot be stopped. One check at a time (symbolic
+    answers are rare in GSM8K); the process starts on first use and again after a kill."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._conn: Any = None
+
+    def __call__(self, ref: str, pred: str, timeout_s: float) -> bool:
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            self._conn.send((ref, pred))
+            if self._conn.poll(timeout_s):
+                return bool(self._conn.recv())
+            self._stop()
+            log.warning("reward.symbolic_timeout", timeout_s=timeout_s, answer=pred[:80])
+            return False
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_symbolic_worker, args=(child,), daemon=True, name="math-verify")
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(120) or self._conn.recv() != "ready":  # the import takes seconds
+            self._stop()
+            raise RuntimeError("the math_verify worker process did not start")
+
+    def _stop(self) -> None:
+        self._proc.kill()
+        self._proc.join(5)
+        self._conn.close()
+        self._proc = self._conn = None
+
+
+_SYMBOLIC = _SymbolicChecker()
 
 
 class RewardRunner:

@@ -55,6 +55,26 @@ class Workflow(Protocol):
     ) -> TrajectoryGroup: ...
 
 
+_ANSWER_MARK = "RLACTORS-ANSWER-4f1c"
+
+
+def sample_rid(group_id: str, i: int) -> str:
+    """Request id of sample ``i`` of a group. SGLang aborts by rid prefix, so no sample's rid may be
+    a prefix of another's: fixed width, and the group id's own segments end in ``/``."""
+    return f"{group_id}/s{i:04d}"
+
+
+async def _all_or_none(aws: Any) -> list[Any]:
+    """Await all; on the first failure cancel the rest (no orphan generations keep a server busy
+    after the episode was abandoned) and raise it."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(a) for a in aws]
+    except BaseExceptionGroup as eg:  # callers log and handle one error, as from gather
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template (transformers 4 or 5)."""
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
@@ -137,10 +157,10 @@ class RLVRWorkflow:
         """Sample the prompt ``n_samples`` times concurrently and score each completion."""
         gid = group_id or uuid.uuid4().hex
         prompt = chat_ids(self.tokenizer, self.prompt_messages(item))
-        results = await asyncio.gather(*(
-            client.agenerate(GenRequest(prompt, dict(self.config.sampling_params), rid=f"{gid}-{i}"))
+        results = await _all_or_none(
+            client.agenerate(GenRequest(prompt, dict(self.config.sampling_params), rid=sample_rid(gid, i)))
             for i in range(self.config.n_samples)
-        ))  # fmt: skip
+        )
         texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
         rewards = await asyncio.gather(*(self.reward(t, item) for t in texts))
         trajs = []
@@ -176,8 +196,8 @@ class MultiTurnWorkflow(RLVRWorkflow):
     ) -> TrajectoryGroup:
         """Run ``n_samples`` independent conversations concurrently; one group."""
         gid = group_id or uuid.uuid4().hex
-        trajs = await asyncio.gather(
-            *(self._conversation(client, item, gid, i) for i in range(self.config.n_samples))
+        trajs = await _all_or_none(
+            self._conversation(client, item, gid, i) for i in range(self.config.n_samples)
         )
         return TrajectoryGroup(gid, list(trajs))
 
@@ -188,7 +208,8 @@ class MultiTurnWorkflow(RLVRWorkflow):
         s = _Sample(prompt)
         reward = 0.0
         for turn in range(c.max_turns):
-            res = await client.agenerate(GenRequest(s.ids, dict(c.sampling_params), rid=f"{gid}-{i}"))
+            # one rid for every turn: sticky routing sends the next turn to the server holding the prefix
+            res = await client.agenerate(GenRequest(s.ids, dict(c.sampling_params), rid=sample_rid(gid, i)))
             s.add_output(res)
             text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             score = await self.reward(text, item)
@@ -210,9 +231,12 @@ class MultiTurnWorkflow(RLVRWorkflow):
         the model already emitted it), the feedback user turn and the next assistant header.
         """
         tok = self.tokenizer
-        with_answer = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        # a marker in place of the answer finds where the template's closing text starts, even
+        # when the template rewrites the content (e.g. ``| trim``)
+        marked = [*messages[:-1], {**messages[-1], "content": _ANSWER_MARK}]
+        with_answer = tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=False)
         with_feedback = tok.apply_chat_template(
-            [*messages, {"role": "user", "content": self.config.feedback}],
+            [*marked, {"role": "user", "content": self.config.feedback}],
             tokenize=False,
             add_generation_prompt=True,
         )
@@ -220,9 +244,10 @@ class MultiTurnWorkflow(RLVRWorkflow):
             raise ValueError(
                 "chat template does not extend the conversation by appending; cannot add a feedback turn"
             )
-        answer = messages[-1]["content"]
-        end = with_answer.rfind(answer) + len(answer) if answer else len(with_answer)
-        closing = with_answer[end:]
+        end = with_answer.rfind(_ANSWER_MARK)
+        if end < 0:
+            raise ValueError("chat template drops the assistant's answer; cannot add a feedback turn")
+        closing = with_answer[end + len(_ANSWER_MARK) :]
         eos = tok.eos_token or ""
         if (
             res.finish_reason == "stop"

@@ -140,3 +140,18 @@ async def test_reward_runner_sync_off_loop_async_timeout_and_errors() -> None:
     br = RewardRunner(broken)
     assert await br("x", {}) == 0.0 and br.counters["errors"] == 1
     br.close()
+
+
+def test_a_runaway_symbolic_check_is_killed_and_the_next_one_works(monkeypatch) -> None:
+    import time
+
+    from nodes.rollout import reward
+
+    monkeypatch.setattr(reward, "SYMBOLIC_TIMEOUT_S", 3.0)
+    assert gsm8k_reward("\\boxed{\\frac{1}{2}}", {"answer": "0.5"}) == 1.0  # the worker is up
+    worker = reward._SYMBOLIC._proc
+    t0 = time.monotonic()
+    assert gsm8k_reward("\\boxed{9^{9^{9^{9}}}}", {"answer": "5"}) == 0.0  # sympy would never return
+    assert time.monotonic() - t0 < 20 and not worker.is_alive()  # killed, not left spinning
+    assert gsm8k_reward("\\boxed{\\frac{1}{3}}", {"answer": "\\frac{2}{6}"}) == 1.0  # a fresh worker
+    assert gsm8k_reward("\\boxed{" + "1+" * 200 + "1}", {"answer": "x"}) == 0.0  # too long to try

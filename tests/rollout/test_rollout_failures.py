@@ -1,0 +1,231 @@
+"""Failure paths of the rollout plane: a failed put, a failing buffer, stop() during an acquire,
+a failing sample, resumes with min_new_tokens, failover back to a recovered server, templates
+that rewrite the answer, rids that SGLang's prefix abort could confuse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from nodes.buffer import BufferConfig, TrajectoryBuffer
+from nodes.governor import GovernorConfig, StalenessGovernor
+from nodes.rollout.actor import Rollout, RolloutConfig
+from nodes.rollout.client import ClientConfig, GenerationError, GenRequest, SGLangClient
+from nodes.rollout.prompts import prompt_source
+from nodes.rollout.workflows import (
+    ByteChatTokenizer,
+    MultiTurnConfig,
+    MultiTurnWorkflow,
+    RLVRConfig,
+    RLVRWorkflow,
+    sample_rid,
+)
+from protocols.rl import Trajectory, TrajectoryGroup
+from tests.rollout.test_client_mock import reply
+
+A, B = "http://a:1", "http://b:1"
+
+
+class FakeWorkflow:
+    """One trajectory per episode after ``delay`` seconds; records what it started."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay, self.started = delay, []
+
+    async def arun_episode(self, client: Any, item: Any, group_id: str | None = None) -> TrajectoryGroup:
+        self.started.append(group_id)
+        await asyncio.sleep(self.delay)
+        v = client.version
+        return TrajectoryGroup(
+            group_id, [Trajectory([1, 2, 3], [0, 1, 1], [0.0, -0.1, -0.1], [-1, v, v], 1.0, group_id, 1, {})]
+        )
+
+
+def make(
+    n: int, B: int = 2, eta: int = 1, C: int = 64, wf: Any = None, buf_cls: Any = TrajectoryBuffer, **cfg
+):
+    gov = StalenessGovernor(GovernorConfig(B, eta, max_concurrent=C))
+    buf = buf_cls(BufferConfig(max_staleness=eta), governor=gov)
+    prompts = iter([(f"p/{i}", {"q": i}) for i in range(n)])
+    return (
+        gov,
+        buf,
+        Rollout(
+            "h0",
+            SGLangClient(["http://unused:1"]),
+            wf or FakeWorkflow(),
+            prompts,
+            gov,
+            buf,
+            RolloutConfig(**cfg),
+        ),
+    )
+
+
+async def test_stop_during_an_acquire_starts_nothing_more() -> None:
+    wf = FakeWorkflow(delay=1.0)
+    gov, buf, r = make(10, B=1, eta=0, C=1, wf=wf, max_inflight=4, acquire_batch=4, acquire_timeout_s=5)
+    run = asyncio.create_task(r.run())
+    await asyncio.sleep(0.2)  # p/0 starts; then dispatch waits in acquire (capacity 0)
+    assert wf.started == ["p/0"]
+    await r.stop()  # p/0 is cancelled; dispatch is waiting in acquire (capacity 0)
+    gov.set_version(1)  # capacity opens while that acquire still waits
+    await asyncio.wait_for(run, 2)
+    assert wf.started == ["p/0"]
+    assert gov.running == 0 and gov.leases("h0") == 0 and buf.in_flight == 0
+
+
+class FlakyPutBuffer(TrajectoryBuffer):
+    def put(self, holder_id: str, group: TrajectoryGroup, admit_version: int | None = None) -> bool:
+        if group.group_id == "p/0":
+            raise ConnectionError("buffer unreachable (transient)")
+        return super().put(holder_id, group, admit_version)
+
+
+async def test_a_put_that_keeps_failing_releases_its_lease_and_training_goes_on() -> None:
+    gov, buf, r = make(
+        12, wf=FakeWorkflow(0.01), buf_cls=FlakyPutBuffer, put_retries=1, max_inflight=2, acquire_batch=2
+    )
+    run = asyncio.create_task(r.run())
+    for v in range(5):  # 11 groups can be put: five batches of 2, none held back by p/0
+        batch = await buf.get_batch(2, v, timeout=10)
+        assert "p/0" not in [g.group_id for g in batch.groups]
+        gov.set_version(v + 1)
+        r.set_version(v + 1)
+    await r.stop()
+    await asyncio.wait_for(run, 5)
+    assert r.stats()["episodes_failed"] == 1 and buf.stats()["abandoned"] == 1
+    assert gov.leases("h0") == 0 and buf.in_flight == 0
+
+
+class FlakyBeginBuffer(TrajectoryBuffer):
+    fail = True
+
+    def begin(self, holder_id: str, group_id: str, item: Any, admit_version: int) -> bool:
+        if self.fail:
+            self.fail = False
+            raise ConnectionError("buffer call timed out")
+        return super().begin(holder_id, group_id, item, admit_version)
+
+
+async def test_grants_go_back_when_the_buffer_fails_a_begin() -> None:
+    gov, _, r = make(4, B=4, wf=FakeWorkflow(0.0), buf_cls=FlakyBeginBuffer, acquire_batch=4)
+    with pytest.raises(ConnectionError):
+        await r.run()
+    assert gov.leases("h0") == 0 and gov.running == 0
+
+
+def test_requeued_episodes_are_begun_in_the_same_call() -> None:
+    gov = StalenessGovernor(GovernorConfig(2, 1, max_concurrent=10))
+    buf = TrajectoryBuffer(BufferConfig(max_staleness=1), governor=gov)
+    assert gov.try_acquire("dead", 2).n == 2
+    buf.begin("dead", "g/a", {"q": 1}, 0)
+    buf.begin("dead", "g/b", {"q": 2}, 0)
+    gov.holder_died("dead")
+    buf.holder_died("dead")
+    assert gov.try_acquire("h0", 2).n == 2
+    assert [w["group_id"] for w in buf.take_requeued(2, "h0", 1)] == ["g/a", "g/b"]
+    assert buf.in_flight == 2 and buf.stats()["requeue_pending"] == 0
+    t = Trajectory([1, 2], [0, 1], [0.0, -0.1], [-1, 1], 1.0, "g/a", 1)
+    assert buf.put("h0", TrajectoryGroup("g/a", [t]))  # accepted from the new holder
+
+
+async def test_a_failing_sample_cancels_its_siblings() -> None:
+    done_after_failure = []
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if json.loads(req.content)["rid"].endswith("s0000"):
+            return httpx.Response(400, json={"error": "bad request"})
+        await asyncio.sleep(0.3)
+        done_after_failure.append(1)
+        return reply([1, 2], "length")
+
+    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    wf = RLVRWorkflow(ByteChatTokenizer(), lambda c, i: 0.0, RLVRConfig(n_samples=4))
+    with pytest.raises(GenerationError):
+        await wf.arun_episode(client, {"question": "q", "answer": "1"}, "g")
+    await asyncio.sleep(0.5)
+    assert done_after_failure == [] and client.load() == {A: 0}  # nothing kept generating
+    await client.aclose()
+
+
+async def test_a_resume_lowers_min_new_tokens_too() -> None:
+    seen: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        sp = json.loads(req.content)["sampling_params"]
+        seen.append(sp)
+        if len(seen) == 1:
+            return reply([5, 6, 7, 8, 9, 10], "abort", message="paused")
+        if sp.get("min_new_tokens", 0) > sp["max_new_tokens"]:  # SGLang's SamplingParams.verify
+            return httpx.Response(400, json={"error": "min_new_tokens must be in [0, max_new_tokens]"})
+        return reply([1] * sp["max_new_tokens"], "length")
+
+    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": 10, "min_new_tokens": 8}, rid="m"))
+    assert len(res.output_ids) == 10
+    assert seen[1]["max_new_tokens"] == 4 and seen[1]["min_new_tokens"] == 2
+    await client.aclose()
+
+
+async def test_a_request_fails_over_back_to_a_server_that_recovered() -> None:
+    cfg = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=0, down_cooldown_s=0.05)
+    state = {"a_down": True, "b_posts": 0}
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        if req.url.host == "a":
+            return httpx.Response(503, text="restarting") if state["a_down"] else reply([9], "length")
+        state["b_posts"] += 1
+        if state["b_posts"] == 1:
+            state["a_down"] = False  # A comes back while B serves the first chunk
+            await asyncio.sleep(0.1)  # longer than A's cool-down
+            return reply([5, 6], "abort", message="paused")
+        return httpx.Response(503, text="restarting")
+
+    client = SGLangClient([A, B], cfg, transport=httpx.MockTransport(handler))
+    client._servers[B].inflight = 5  # start on A
+    res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 3}, rid="r"))
+    assert res.output_ids == [5, 6, 9]
+    await client.aclose()
+
+
+def test_sample_rids_are_never_prefixes_of_each_other() -> None:
+    rids = [sample_rid(g, i) for g in ("gsm8k/e0/1", "gsm8k/e0/10", "gsm8k/e0/1/s") for i in range(100)]
+    assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+
+
+def test_an_empty_shard_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        prompt_source({"kind": "items", "items": [{"q": 1}], "epochs": None}, shard=1, num_shards=2)
+
+
+class TrimmingTokenizer(ByteChatTokenizer):
+    """A chat template that trims every message, as Llama 3's does."""
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **kw):
+        trimmed = [{**m, "content": m["content"].strip()} for m in messages]
+        return super().apply_chat_template(
+            trimmed, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kw
+        )
+
+
+async def test_multi_turn_feedback_with_a_template_that_trims_the_answer() -> None:
+    tok = TrimmingTokenizer()
+    answers = iter([" 5 ", "\\boxed{4}"])
+
+    async def handler(req: httpx.Request) -> httpx.Response:
+        return reply(list(tok.encode(next(answers), add_special_tokens=False)), "length")
+
+    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    wf = MultiTurnWorkflow(
+        tok, lambda c, i: float("\\boxed{4}" in c), MultiTurnConfig(n_samples=1, max_turns=2)
+    )
+    [t] = (await wf.arun_episode(client, {"question": "what is 2+2?", "answer": "4"}, "g")).trajectories
+    full = tok.decode(t.input_ids, skip_special_tokens=False)
+    assert full.count("what is 2+2?") == 1  # the feedback turn does not repeat the conversation
+    assert t.reward == pytest.approx(0.9) and t.meta["turns"] == 2  # right at the second turn
+    await client.aclose()
