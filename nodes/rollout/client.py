@@ -118,6 +118,7 @@ class SGLangClient:
         self.config = config or ClientConfig()
         ssl_context = httpx.create_ssl_context() if any(u.startswith("https") for u in urls) else False
         self._servers = {u.rstrip("/"): ServerPool(u, self.config, transport, ssl_context) for u in urls}
+        self._retired: list[ServerPool] = []  # retired servers' pools, closed with the client
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
         self._resumed = asyncio.Event()
@@ -167,7 +168,8 @@ class SGLangClient:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        await asyncio.gather(*(s.aclose() for s in self._servers.values()))
+        await asyncio.gather(*(s.aclose() for s in [*self._servers.values(), *self._retired]))
+        self._retired.clear()
 
     # -- generation ----------------------------------------------------------------
 
@@ -261,7 +263,8 @@ class SGLangClient:
         url = url.rstrip("/")
         if url not in self._servers or len(self._servers) == 1:
             return False
-        del self._servers[url]
+        pool = self._servers.pop(url)
+        self._retired.append(pool)  # requests still there finish or fail over; closed in aclose()
         return True
 
     def _route(self, rid: str) -> ServerPool:
