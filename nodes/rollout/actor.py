@@ -95,6 +95,11 @@ class Rollout:
         self.client.set_version(version)
 
     @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was called."""
+        return self._stopping
+
+    @property
     def inflight(self) -> int:
         """Episodes running now."""
         return len(self._tasks)
@@ -305,6 +310,9 @@ class RolloutActor(rlactors.Actor):
         """Dispatch must not die silently: the trainer would only see batches stop coming."""
         if not task.cancelled() and task.exception() is not None:
             self.failure = f"{type(task.exception()).__name__}: {task.exception()}"
+            if self.core is not None and self.core.stopping:  # e.g. the cluster closing under a stopped actor
+                log.info("rollout.dispatch_ended_while_stopping", error=self.failure)
+                return
             log.error("rollout.dispatch_failed", error=self.failure)
 
     async def retire_server(self, url: str) -> bool:
