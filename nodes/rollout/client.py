@@ -179,7 +179,7 @@ class SGLangClient:
         sp = dict(request.sampling_params)
         if sp.get("n", 1) != 1:
             raise ValueError("GenRequest: sampling_params.n must be 1; send n requests for n samples")
-        budget = int(sp.get("max_new_tokens", 128))
+        budget = int(sp.get("max_new_tokens") or 128)  # SGLang's default when unset or null
         server = self._route(rid)
         res = GenResult(rid, [], [], [], "length", "", len(request.input_ids), [], server.url, posts=0)
         self.counters["requests"] += 1
@@ -217,7 +217,7 @@ class SGLangClient:
             res.posts += 1
             chunk_ids, chunk_lps, meta = _parse(data)
             chunk_vers, labelled = _token_versions(meta, len(chunk_ids), posted_at)
-            if labelled and chunk_vers and min(chunk_vers) < posted_at:
+            if chunk_vers and min(chunk_vers) < posted_at:
                 log.warning("rollout.server_behind_client_version", rid=rid, server=server.url,
                             server_version=min(chunk_vers), client_version=posted_at)  # fmt: skip
             ids += chunk_ids
@@ -251,6 +251,8 @@ class SGLangClient:
                 raise GenerationError(
                     f"{server.url} aborted request {rid} {idle_aborts} times without progress"
                 )
+            if idle_aborts and self._resumed.is_set():  # aborted, not for a pause: do not hammer it
+                await asyncio.sleep(min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (idle_aborts - 1)))
             self.counters["resumes"] += 1
         res.text = "".join(texts)
         res.server = server.url
@@ -338,7 +340,13 @@ class SGLangClient:
             if r.status_code != 200:
                 self.counters["errors"] += 1
                 raise GenerationError(f"{server.url}/generate answered {r.status_code}: {r.text[:500]}")
-            return r.json()
+            try:
+                return r.json()
+            except ValueError:  # a proxy's page, a truncated body: say where it came from
+                self.counters["errors"] += 1
+                raise GenerationError(
+                    f"{server.url}/generate answered 200 with a non-JSON body: {r.text[:200]!r}"
+                ) from None
         raise ServerPoolDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
 
     def _spawn(self, coro: Any) -> None:
@@ -406,7 +414,14 @@ def _token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[
     """
     labels = meta.get(OUTPUT_TOKEN_WEIGHT_VERSIONS)
     if not isinstance(labels, list) or len(labels) != n:
-        return [posted_at] * n, 0
+        # the request's own weight_version (at its end) is newer than some tokens after an
+        # update mid-chunk, but when it is *older* than posted_at the server missed a push
+        # (restarted with old weights): then it is the truth, as a label would be
+        try:
+            behind = int(meta.get("weight_version"))  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # SGLang's "default", or absent
+            behind = posted_at
+        return [min(posted_at, behind)] * n, 0
     out: list[int] = []
     labelled = 0
     parsed: dict[str | int, int | None] = {}  # labels repeat: parse each distinct one once

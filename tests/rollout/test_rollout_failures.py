@@ -229,3 +229,26 @@ async def test_multi_turn_feedback_with_a_template_that_trims_the_answer() -> No
     assert full.count("what is 2+2?") == 1  # the feedback turn does not repeat the conversation
     assert t.reward == pytest.approx(0.9) and t.meta["turns"] == 2  # right at the second turn
     await client.aclose()
+
+
+async def test_unlabelled_tokens_from_a_server_that_missed_a_push_carry_its_version() -> None:
+    def handler(req: httpx.Request) -> httpx.Response:
+        r = reply([1, 2, 3], "length")
+        data = json.loads(r.content)
+        data["meta_info"].pop("output_token_weight_versions", None)  # as real SGLang answers
+        data["meta_info"]["weight_version"] = "3"  # restarted with version 3 while the others hold 5
+        return httpx.Response(200, json=data)
+
+    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler), version=5)
+    res = await client.agenerate(GenRequest([1], {"max_new_tokens": None}, rid="v"))
+    assert res.output_versions == [3, 3, 3]  # staleness is never under-reported
+    await client.aclose()
+
+
+async def test_a_non_json_answer_names_the_server() -> None:
+    client = SGLangClient(
+        [A], ClientConfig(), transport=httpx.MockTransport(lambda r: httpx.Response(200, text="<html>"))
+    )
+    with pytest.raises(GenerationError, match="http://a:1/generate answered 200 with a non-JSON body"):
+        await client.agenerate(GenRequest([1], {"max_new_tokens": 4}, rid="j"))
+    await client.aclose()
