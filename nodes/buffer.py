@@ -252,7 +252,7 @@ class TrajectoryBuffer:
     def stats(self) -> dict[str, Any]:
         """Counters and sizes, flat, for logging."""
         return {**self._c, "ready": len(self._ready), "in_flight": len(self._in_flight),
-                "requeue_pending": len(self._requeue)}  # fmt: skip
+                "requeue_pending": len(self._requeue), "max_staleness": self.config.max_staleness}  # fmt: skip
 
     # -- internals -----------------------------------------------------------------
 
@@ -342,6 +342,8 @@ class BufferActor(rlactors.Actor):
             g = await rlactors.get_context().cluster.get_actor(g)
         if g is not None:
             self.core._governor = _GovernorProxy(g)
+            if self.core.config.max_staleness is None:  # the governor's bound, also at the batch
+                self.core.config.max_staleness = await g.max_staleness()
 
     async def register(self, holder_id: str, actor_id: str) -> None:
         """Watch the holder's actor: on its death its in-flight episodes are re-queued or reported."""

@@ -304,6 +304,10 @@ class GovernorActor(rlactors.Actor):
         """Counters for logging."""
         return self.core.stats()
 
+    async def max_staleness(self) -> int:
+        """The bound eta (a buffer without its own bound takes this one)."""
+        return self.core.config.max_staleness
+
     async def on_stop(self) -> None:
         for t in self._watches.values():
             t.cancel()

@@ -31,7 +31,8 @@ async def spawn_rollout(cluster, url: str, name: str):
 
 async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -> None:
     gov = await cluster.spawn(GovernorActor, B, ETA, 8, name="gov")
-    buf = await cluster.spawn(BufferActor, "gov", ETA, name="buf")
+    buf = await cluster.spawn(BufferActor, "gov", name="buf")
+    assert (await buf.stats())["max_staleness"] == ETA  # no bound given: the governor's
     async with httpx.AsyncClient(base_url=sim_server, timeout=30) as admin:
         # Hold generation so the victim's episodes are certainly mid-flight when it dies.
         await admin.post("/pause_generation", json={"mode": "in_place"})
