@@ -182,8 +182,11 @@ async def on_ranks(ranks: list[Any], method: str, *args: Any) -> list[Any]:
 # --- the run -------------------------------------------------------------------------------------
 
 
-async def evaluate(workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int) -> float:
-    """Accuracy of one sample per test prompt at the eval temperature (runs beside training)."""
+async def evaluate(
+    workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int
+) -> dict[str, float]:
+    """Accuracy of one sample per test prompt at the eval temperature (runs beside training), with
+    the policy version it started at (weights may move on while it runs)."""
     from nodes.rollout.client import SGLangClient
 
     client = SGLangClient(urls, version=version)
@@ -193,10 +196,13 @@ async def evaluate(workflow: Any, urls: list[str], items: list[dict[str, Any]], 
         )
     except Exception as e:  # evaluation is a side job: it must not stop training
         print(f"eval at version {version} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return float("nan")
+        return {"eval/accuracy": float("nan"), "eval/version": version}
     finally:
         await client.aclose()
-    return sum(g.trajectories[0].reward for g in groups) / max(1, len(groups))
+    return {
+        "eval/accuracy": sum(g.trajectories[0].reward for g in groups) / max(1, len(groups)),
+        "eval/version": version,
+    }
 
 
 async def drop_dead_servers(
@@ -417,12 +423,12 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             }
             last = step + 1 == cfg.run.steps
             if eval_task is not None and eval_task.done():
-                m["eval/accuracy"] = eval_task.result()
+                m.update(eval_task.result())
                 eval_task = None
             if eval_task is None and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
                 eval_task = asyncio.create_task(evaluate(eval_wf, live, eval_items, version))
             if last and eval_task is not None:
-                m["eval/accuracy"] = await eval_task
+                m.update(await eval_task)
                 eval_task = None
             metrics.log(step + 1, m)
             print(format_step_line(step + 1, cfg.run.steps, m), flush=True)

@@ -54,7 +54,7 @@ def test_three_async_steps_then_resume(tmp_path: Path) -> None:
         assert r["train/n_seqs"] == 4  # batch_size 2 groups x 2 samples: every step trained on trajectories
         assert r["servers/min_weight_version"] == r["step"] == r["version"]  # every server got every version
         assert 0 <= r["staleness/max"] <= 2  # no trajectory older than the bound
-    assert "eval/accuracy" in m[-1]
+    assert "eval/accuracy" in m[-1] and m[-1]["eval/version"] == 3  # evaluated the final weights
     assert (out / "run.png").stat().st_size > 10_000
     assert (out / "checkpoints" / "step-3").is_dir()
     assert f"checkpoint {out / 'checkpoints' / 'step-3'}" in first.stdout
