@@ -108,27 +108,35 @@ def split_across_ranks(sizes: Sequence[int], n_ranks: int) -> list[list[int]]:
 
 
 def pack_microbatches(sizes: Sequence[int], max_tokens: int, min_mbs: int = 1) -> list[list[int]]:
-    """Cut items into micro-batches of at most ``max_tokens`` tokens by first-fit-decreasing.
+    """Cut items into micro-batches of at most ``max_tokens`` *padded* tokens by first-fit-decreasing.
 
-    Items go largest first into the lightest micro-batch they fit in; a new one opens when none
-    fits. ``min_mbs`` micro-batches are open from the start, so a rank can be made to run as many
-    micro-batches as its peers (some may stay empty when it has fewer items). An item larger than
-    ``max_tokens`` gets a micro-batch of its own. Each micro-batch lists items in ascending order.
+    A micro-batch is padded to its longest sequence (microbatch.py), so what it costs in memory
+    and compute is ``len(mb) * max(size)``, not the sum of its sizes: one long sequence among
+    short ones would make every row as long. Items go largest first (so each micro-batch's first
+    item is its longest) into the micro-batch with the lightest padded load that stays within
+    ``max_tokens``; a new one opens when none does. ``min_mbs`` micro-batches are open from the
+    start, so a rank can be made to run as many micro-batches as its peers (some may stay empty
+    when it has fewer items). An item larger than ``max_tokens`` gets a micro-batch of its own.
+    Each micro-batch lists items in ascending order.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     mbs: list[list[int]] = [[] for _ in range(max(min_mbs, 0))]
-    loads = [0] * len(mbs)
+    longest = [0] * len(mbs)  # the first (largest) item of each micro-batch
+
+    def padded(m: int, extra: int = 0) -> int:
+        return (len(mbs[m]) + extra) * longest[m]
+
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        fitting = [m for m in range(len(mbs)) if not mbs[m] or loads[m] + sizes[i] <= max_tokens]
+        fitting = [m for m in range(len(mbs)) if not mbs[m] or padded(m, 1) <= max_tokens]
         if fitting:
-            m = min(fitting, key=lambda m: (loads[m], m))
+            m = min(fitting, key=lambda m: (padded(m), m))
         else:
             mbs.append([])
-            loads.append(0)
+            longest.append(0)
             m = len(mbs) - 1
         mbs[m].append(i)
-        loads[m] += sizes[i]
+        longest[m] = max(longest[m], sizes[i])
     return [sorted(mb) for mb in mbs]
 
 

@@ -42,9 +42,15 @@ def test_microbatches_respect_cap_and_place_every_item_once(sizes, cap, min_mbs)
     assert len(mbs) >= min_mbs
     assert sorted(i for mb in mbs for i in mb) == list(range(len(sizes)))
     for mb in mbs:
-        total = sum(sizes[i] for i in mb)
-        # over the cap only as a lone oversized sequence
-        assert total <= cap or len(mb) == 1
+        # padded to its longest sequence, a micro-batch stays under the cap, or is one lone oversized sequence
+        assert len(mb) * max((sizes[i] for i in mb), default=0) <= cap or len(mb) == 1
+
+
+def test_a_long_sequence_does_not_make_short_ones_pay_its_padding():
+    sizes = [4000, 3000] + [10] * 20
+    mbs = pack_microbatches(sizes, 4096)
+    padded = sum(len(mb) * max(sizes[i] for i in mb) for mb in mbs)
+    assert padded == sum(sizes)  # 4000 | 3000 | 20 x 10: no row padded to 4000
 
 
 @settings(max_examples=150, deadline=None)
