@@ -190,15 +190,16 @@ class TrajectoryBuffer:
 
         With ``holder_id`` (and ``admit_version``) each one taken is begun for that holder in
         the same call, so none can fall between the requeue and the in-flight books."""
-        out = []
+        out: list[dict[str, Any]] = []
         while self._requeue and len(out) < n:
             e = self._requeue.popleft()
-            if e.group_id in self._accepted_ids:
-                continue
+            if e.group_id in self._accepted_ids or any(o["group_id"] == e.group_id for o in out):
+                continue  # trained already, or queued twice (two dead incarnations held it)
             if holder_id is not None:
-                self.begin(
-                    holder_id, e.group_id, e.item, e.admit_version if admit_version is None else admit_version
-                )
+                if (holder_id, e.group_id) in self._in_flight:
+                    continue  # this holder already runs it (a restarted one replaying its source)
+                version = e.admit_version if admit_version is None else admit_version
+                self.begin(holder_id, e.group_id, e.item, version)
             out.append({"group_id": e.group_id, "item": e.item})
         return out
 

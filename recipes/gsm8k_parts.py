@@ -136,17 +136,19 @@ class Servers:
 async def on_ranks(ranks: list[Any], method: str, *args: Any) -> list[Any]:
     """Call a collective method on every trainer rank. When one rank dies the others fail in their
     collectives with a transport error; the dead rank is the error to report, so after the first
-    failure the others get a moment to report theirs."""
+    failure the others get time to finish (a retry must not meet a rank still in the old call)."""
     tasks = [asyncio.ensure_future(getattr(r, method)(*args)) for r in ranks]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    if pending and any(t.exception() is not None for t in done):
-        more, _ = await asyncio.wait(pending, timeout=10)
-        done |= more
-    errors = [t.exception() for t in done if t.exception() is not None]
-    if errors:
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if not all(t.done() for t in tasks):
+            await asyncio.wait(tasks, timeout=60)
+    finally:  # cancelled, or ranks still stuck after the grace: stop waiting for them
         for t in tasks:
             if not t.done():
-                t.cancel()  # a rank still stuck in a collective: its result is of no use now
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+    if errors:
         died = [e for e in errors if isinstance(e, rlactors.ActorDiedError)]
         raise (died or errors)[0]
     return [t.result() for t in tasks]

@@ -130,7 +130,7 @@ class Rollout:
                     await self._slot_freed.wait()
                     continue
                 await self._admit(min(free, self.config.acquire_batch))
-            if self._tasks:
+            if self._tasks and not self._stopping:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         finally:
             if self._stopping:
@@ -153,28 +153,42 @@ class Rollout:
             await self._return_grants(grant.n)
             return
         self.client.set_version(grant.version)  # token versions must not predate the admission
-        settled = 0  # grants turned into episodes, or released by the buffer or by us
+        settled = skipped = 0  # settled: grants turned into episodes, or released by the buffer
         try:
             work = list(await _aw(self.buffer.take_requeued(grant.n, self.holder_id, grant.version)))
             for w in work:  # already in flight for us at the buffer
                 settled += 1
-                self._start(w["group_id"], w["item"])
-            while settled < grant.n:
+                if self._stopping:
+                    await self._abandon(w["group_id"])  # gives its lease back through the buffer
+                else:
+                    self._start(w["group_id"], w["item"])
+            while settled < grant.n and not self._stopping:
                 nxt = next(self.prompts, None)
                 if nxt is None:
                     self._exhausted = True
                     break
                 gid, item = nxt
-                if gid in self._tasks:
+                if gid in self._tasks:  # a source repeating a running id: skip it, but not for ever
+                    skipped += 1
+                    if skipped >= grant.n:
+                        break
                     continue
-                began = await _aw(self.buffer.begin(self.holder_id, gid, item, grant.version))
+                try:
+                    began = await _aw(self.buffer.begin(self.holder_id, gid, item, grant.version))
+                except Exception:
+                    # the answer may be lost after the buffer recorded it: abandon settles that lease
+                    # (True) or finds nothing to settle (False: the grant is ours to return)
+                    settled += bool(await self._abandon(gid))
+                    raise
                 settled += 1
                 if not began:  # already trained (a replayed source): the buffer released the lease
                     self.counters["refused_begin"] += 1
-                    continue
-                self._start(gid, item)
+                elif self._stopping:  # stop() came during the begin
+                    await self._abandon(gid)
+                else:
+                    self._start(gid, item)
         finally:
-            if settled < grant.n:  # exhausted, or the buffer failed us: give the rest back
+            if settled < grant.n:  # exhausted, stopping, or the buffer failed us: give the rest back
                 await self._return_grants(grant.n - settled)
 
     def _start(self, gid: str, item: Any) -> None:
@@ -228,21 +242,21 @@ class Rollout:
         self.counters["trajectories"] += len(group.trajectories)
         self.counters["generated_tokens"] += sum(t.num_generated for t in group.trajectories)
 
-    async def _abandon(self, gid: str) -> None:
-        """Give the episode's lease back through the buffer; an episode left in flight there would
-        hold back every batch admitted after it."""
+    async def _abandon(self, gid: str) -> bool:
+        """Give the episode's lease back through the buffer (an episode left in flight there would
+        hold back every batch admitted after it). True if the buffer had it in flight."""
         for attempt in range(self.config.put_retries + 1):
             try:
-                await _aw(self.buffer.abandon(self.holder_id, gid))
-                return
+                return bool(await _aw(self.buffer.abandon(self.holder_id, gid)))
             except rlactors.ActorDiedError as e:  # the buffer is gone: nothing left to settle
                 log.warning("rollout.abandon_failed", group=gid, error=repr(e))
-                return
+                return False
             except Exception as e:
                 if attempt == self.config.put_retries:
                     log.error("rollout.abandon_failed", group=gid, error=repr(e))
-                    return
+                    return False
                 await asyncio.sleep(0.05 * 2**attempt)
+        return False
 
     async def _cancel_all(self) -> None:
         tasks = list(self._tasks.values())

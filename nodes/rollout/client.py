@@ -179,7 +179,7 @@ class SGLangClient:
         sp = dict(request.sampling_params)
         if sp.get("n", 1) != 1:
             raise ValueError("GenRequest: sampling_params.n must be 1; send n requests for n samples")
-        budget = int(sp.get("max_new_tokens") or 128)  # SGLang's default when unset or null
+        budget = 128 if sp.get("max_new_tokens") is None else int(sp["max_new_tokens"])  # SGLang's default
         server = self._route(rid)
         res = GenResult(rid, [], [], [], "length", "", len(request.input_ids), [], server.url, posts=0)
         self.counters["requests"] += 1

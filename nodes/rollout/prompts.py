@@ -27,6 +27,7 @@ import importlib
 import itertools
 import json
 import random
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -89,13 +90,19 @@ def _iterate(
             yield f"{name}/e{epoch}/{i}", items[i]
 
 
+_GROUP_ID = re.compile(r"[^/].*/e(\d+)/(\d+)")
+
+
 def trained_position(trained: Iterable[str], n_items: int, done_epochs: int = 0) -> dict[str, Any]:
     """What a run has trained, compactly: ``done_epochs`` (epochs ``0 .. done_epochs - 1`` trained
     whole) and the ``trained`` ids of later epochs. ``trained`` holds ids from this module's sources
     (``name/e<epoch>/<index>``); epochs before ``done_epochs`` count as done already."""
     by_epoch: dict[int, list[str]] = {}
     for gid in trained:
-        epoch = int(gid.rsplit("/", 2)[1].removeprefix("e"))
+        m = _GROUP_ID.fullmatch(gid)
+        if m is None:
+            raise ValueError(f"group id {gid!r} is not a prompt source's (name/e<epoch>/<index>)")
+        epoch = int(m.group(1))
         if epoch >= done_epochs:
             by_epoch.setdefault(epoch, []).append(gid)
     while n_items and len(set(by_epoch.get(done_epochs, ()))) >= n_items:

@@ -73,7 +73,11 @@ def gsm8k_reward(completion: str, item: Mapping[str, Any]) -> float:
         return float(abs(a - b) <= 1e-6 * max(1.0, abs(b)))
     if len(pred) > MAX_SYMBOLIC_CHARS:  # no GSM8K answer is this long; sympy could chew on it forever
         return 0.0
-    return float(_SYMBOLIC(ref, pred, SYMBOLIC_TIMEOUT_S))
+    try:
+        return float(_SYMBOLIC(ref, pred, SYMBOLIC_TIMEOUT_S))
+    except RuntimeError as e:  # no checker: this answer cannot be verified, so it does not score
+        log.error("reward.symbolic_unavailable", error=str(e))
+        return 0.0
 
 
 MAX_SYMBOLIC_CHARS = 200
@@ -111,7 +115,12 @@ class _SymbolicChecker:
         self._conn: Any = None
 
     def __call__(self, ref: str, pred: str, timeout_s: float) -> bool:
-        with self._lock:
+        # waiting for another check counts against this one's time: a few runaway answers must
+        # not queue every later check behind them
+        if not self._lock.acquire(timeout=timeout_s):
+            log.warning("reward.symbolic_busy", timeout_s=timeout_s, answer=pred[:80])
+            return False
+        try:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
             self._conn.send((ref, pred))
@@ -120,6 +129,13 @@ class _SymbolicChecker:
             self._stop()
             log.warning("reward.symbolic_timeout", timeout_s=timeout_s, answer=pred[:80])
             return False
+        except (EOFError, OSError) as e:  # the child died: the next call starts a new one
+            if self._proc is not None:
+                self._stop()
+            log.warning("reward.symbolic_worker_lost", error=repr(e))
+            return False
+        finally:
+            self._lock.release()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -127,9 +143,16 @@ class _SymbolicChecker:
         self._proc = ctx.Process(target=_symbolic_worker, args=(child,), daemon=True, name="math-verify")
         self._proc.start()
         child.close()
-        if not self._conn.poll(120) or self._conn.recv() != "ready":  # the import takes seconds
+        try:
+            ready = self._conn.poll(120) and self._conn.recv() == "ready"  # the import takes seconds
+        except EOFError:  # it exited: e.g. a script without `if __name__ == "__main__":` re-ran
+            ready = False
+        if not ready:
             self._stop()
-            raise RuntimeError("the math_verify worker process did not start")
+            raise RuntimeError(
+                "the math_verify worker process did not start (a script that uses gsm8k_reward must "
+                'keep its top-level work under `if __name__ == "__main__":`)'
+            )
 
     def _stop(self) -> None:
         self._proc.kill()

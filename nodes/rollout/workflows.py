@@ -60,18 +60,24 @@ _ANSWER_MARK = "RLACTORS-ANSWER-4f1c"
 
 def sample_rid(group_id: str, i: int) -> str:
     """Request id of sample ``i`` of a group. SGLang aborts by rid prefix, so no sample's rid may be
-    a prefix of another's: fixed width, and the group id's own segments end in ``/``."""
-    return f"{group_id}/s{i:04d}"
+    a prefix of another's: it ends in ``/``."""
+    return f"{group_id}/s{i}/"
 
 
 async def _all_or_none(aws: Any) -> list[Any]:
     """Await all; on the first failure cancel the rest (no orphan generations keep a server busy
-    after the episode was abandoned) and raise it."""
+    after the episode was abandoned) and raise it. Being cancelled cancels them all, as with gather."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
     try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(a) for a in aws]
-    except BaseExceptionGroup as eg:  # callers log and handle one error, as from gather
-        raise eg.exceptions[0] from None
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()
     return [t.result() for t in tasks]
 
 

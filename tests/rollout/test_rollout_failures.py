@@ -138,7 +138,7 @@ async def test_a_failing_sample_cancels_its_siblings() -> None:
     done_after_failure = []
 
     async def handler(req: httpx.Request) -> httpx.Response:
-        if json.loads(req.content)["rid"].endswith("s0000"):
+        if json.loads(req.content)["rid"].endswith("/s0/"):
             return httpx.Response(400, json={"error": "bad request"})
         await asyncio.sleep(0.3)
         done_after_failure.append(1)
@@ -194,7 +194,11 @@ async def test_a_request_fails_over_back_to_a_server_that_recovered() -> None:
 
 
 def test_sample_rids_are_never_prefixes_of_each_other() -> None:
-    rids = [sample_rid(g, i) for g in ("gsm8k/e0/1", "gsm8k/e0/10", "gsm8k/e0/1/s") for i in range(100)]
+    rids = [
+        sample_rid(g, i)
+        for g in ("gsm8k/e0/1", "gsm8k/e0/10", "gsm8k/e0/1/s")
+        for i in (*range(12), 100, 1000, 10000)
+    ]
     assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
 
 
@@ -252,3 +256,99 @@ async def test_a_non_json_answer_names_the_server() -> None:
     with pytest.raises(GenerationError, match="http://a:1/generate answered 200 with a non-JSON body"):
         await client.agenerate(GenRequest([1], {"max_new_tokens": 4}, rid="j"))
     await client.aclose()
+
+
+class AsyncBuffer:
+    """A buffer behind an actor-like async interface: begins take a while, one answer can be lost."""
+
+    def __init__(self, core: TrajectoryBuffer, begin_delay: float = 0.0, lose_answer_of: str | None = None):
+        self.core, self.begin_delay, self.lose = core, begin_delay, lose_answer_of
+
+    async def begin(self, h, g, item, v):
+        await asyncio.sleep(self.begin_delay)
+        ok = self.core.begin(h, g, item, v)
+        if g == self.lose:
+            raise TimeoutError("buffer call timed out (the begin landed, its answer was lost)")
+        return ok
+
+    async def take_requeued(self, n, h=None, v=None):
+        return self.core.take_requeued(n, h, v)
+
+    async def put(self, h, group):
+        return self.core.put(h, group)
+
+    async def abandon(self, h, g):
+        return self.core.abandon(h, g)
+
+
+def make_async(n: int, wf: Any, wrap: Any, B: int = 8, **cfg):
+    gov = StalenessGovernor(GovernorConfig(B, 1, max_concurrent=64))
+    core = TrajectoryBuffer(BufferConfig(max_staleness=1), governor=gov)
+    prompts = iter([(f"p/{i}", {"q": i}) for i in range(n)])
+    return (
+        gov,
+        core,
+        Rollout("h0", SGLangClient(["http://unused:1"]), wf, prompts, gov, wrap(core), RolloutConfig(**cfg)),
+    )
+
+
+async def test_stop_during_a_begin_starts_nothing_more() -> None:
+    wf = FakeWorkflow(delay=3.0)
+    gov, core, r = make_async(
+        4, wf, lambda c: AsyncBuffer(c, begin_delay=0.2), max_inflight=4, acquire_batch=4
+    )
+    run = asyncio.create_task(r.run())
+    await asyncio.sleep(0.3)  # p/0 begun and started; the begin of p/1 in progress
+    await r.stop()
+    await asyncio.wait_for(run, 2)  # its episodes are cancelled, not waited for
+    assert wf.started == ["p/0"]
+    assert gov.running == 0 and core.in_flight == 0
+
+
+async def test_a_begin_whose_answer_was_lost_is_settled_once() -> None:
+    gov, core, r = make_async(
+        4, FakeWorkflow(), lambda c: AsyncBuffer(c, lose_answer_of="p/1"), acquire_batch=4
+    )
+    with pytest.raises(TimeoutError):
+        await r.run()
+    assert ("h0", "p/1") not in core._in_flight  # abandoned: nothing left to hold batches back
+    assert gov.leases("h0") == core.in_flight  # the governor and the buffer agree
+
+
+async def test_a_requeued_group_the_holder_already_runs_is_not_begun_twice() -> None:
+    wf = FakeWorkflow(delay=2.0)
+    gov, core, r = make_async(10, wf, lambda c: c, B=2, max_inflight=8, acquire_batch=2, acquire_timeout_s=5)
+    assert gov.try_acquire("old", 2).n == 2
+    core.begin("old", "p/9", {"q": 9}, 0)
+    core.begin("old", "p/0", {"q": 0}, 0)
+    run = asyncio.create_task(r.run())
+    await asyncio.sleep(0.05)  # the new holder replayed p/0, p/1; its next acquire waits
+    core.holder_died("old")  # requeues p/9 and p/0
+    gov.holder_died("old")
+    await asyncio.sleep(0.3)
+    assert not run.done()  # dispatch goes on
+    # p/9 re-run, p/0 not begun twice (its grant went to the next fresh prompt, p/2)
+    assert sorted(core._in_flight) == [("h0", "p/0"), ("h0", "p/1"), ("h0", "p/2"), ("h0", "p/9")]
+    assert gov.leases("h0") == core.in_flight
+    await r.stop()
+    await asyncio.wait_for(run, 2)
+
+
+async def test_max_new_tokens_zero_is_kept() -> None:
+    seen: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(req.content)["sampling_params"])
+        return reply([], "length")
+
+    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    await client.agenerate(GenRequest([1], {"max_new_tokens": 0}, rid="z"))
+    assert seen[0]["max_new_tokens"] == 0
+    await client.aclose()
+
+
+def test_trained_position_names_an_id_it_cannot_read() -> None:
+    from nodes.rollout.prompts import trained_position
+
+    with pytest.raises(ValueError, match="'eval/v3/5'"):
+        trained_position(["gsm8k/e0/0", "eval/v3/5"], 2)
