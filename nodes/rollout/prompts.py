@@ -94,9 +94,13 @@ _GROUP_ID = re.compile(r"[^/].*/e(\d+)/(\d+)")
 
 
 def trained_position(trained: Iterable[str], n_items: int, done_epochs: int = 0) -> dict[str, Any]:
-    """What a run has trained, compactly: ``done_epochs`` (epochs ``0 .. done_epochs - 1`` trained
-    whole) and the ``trained`` ids of later epochs. ``trained`` holds ids from this module's sources
-    (``name/e<epoch>/<index>``); epochs before ``done_epochs`` count as done already."""
+    """What a run has trained, compactly: ``done_epochs`` (epochs ``0 .. done_epochs - 1`` are
+    behind it) and the ``trained`` ids of later epochs. ``trained`` holds ids from this module's
+    sources (``name/e<epoch>/<index>``); epochs before ``done_epochs`` count as done already.
+
+    An epoch is behind once all its items are trained, or once training has reached two epochs
+    later: a group that failed or was dropped as stale is not generated again within a run, so
+    its epoch would otherwise never complete and the record would grow for ever."""
     by_epoch: dict[int, list[str]] = {}
     for gid in trained:
         m = _GROUP_ID.fullmatch(gid)
@@ -105,7 +109,8 @@ def trained_position(trained: Iterable[str], n_items: int, done_epochs: int = 0)
         epoch = int(m.group(1))
         if epoch >= done_epochs:
             by_epoch.setdefault(epoch, []).append(gid)
-    while n_items and len(set(by_epoch.get(done_epochs, ()))) >= n_items:
-        by_epoch.pop(done_epochs)
+    latest = max(by_epoch, default=-1)
+    while n_items and (done_epochs + 2 <= latest or len(set(by_epoch.get(done_epochs, ()))) >= n_items):
+        by_epoch.pop(done_epochs, None)
         done_epochs += 1
     return {"done_epochs": done_epochs, "trained": sorted(g for ids in by_epoch.values() for g in ids)}

@@ -352,3 +352,11 @@ def test_trained_position_names_an_id_it_cannot_read() -> None:
 
     with pytest.raises(ValueError, match="'eval/v3/5'"):
         trained_position(["gsm8k/e0/0", "eval/v3/5"], 2)
+
+
+def test_an_epoch_with_a_dropped_group_is_behind_once_training_is_two_epochs_on() -> None:
+    from nodes.rollout.prompts import trained_position
+
+    ids = [f"d/e0/{i}" for i in (0, 1, 2)] + ["d/e1/0"]  # d/e0/3 was dropped as stale
+    assert trained_position(ids, 4) == {"done_epochs": 0, "trained": sorted(ids)}
+    assert trained_position([*ids, "d/e2/1"], 4) == {"done_epochs": 1, "trained": ["d/e1/0", "d/e2/1"]}
