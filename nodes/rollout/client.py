@@ -4,7 +4,7 @@
 servers to push weights) and token budget remains, appends what came back to the input,
 lowers ``max_new_tokens`` and re-posts to the *same* server, so the prefix is served from
 that server's radix cache. Every output token is stamped with a policy version (see
-:func:`_token_versions`): the server's own per-token label when it sends one (the reference
+:func:`nodes.rollout.chunks.token_versions`): the server's own per-token label when it sends one (the reference
 server does; it is exact when a request was held across a weight update by a ``retract`` or
 ``in_place`` pause), else the version the client knew when it posted the chunk.
 
@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 import structlog
 
+from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
 from nodes.rollout.pool import ServerPool
-from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
 
 __all__ = [
     "ClientConfig",
@@ -43,10 +43,6 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 _RETRYABLE = (httpx.TransportError,)  # connect/read/write errors, timeouts, protocol errors
-
-
-class GenerationError(RuntimeError):
-    """The server rejected a request (4xx, or an abort that carries an error status)."""
 
 
 class NoServerAvailableError(GenerationError):
@@ -208,15 +204,15 @@ class SGLangClient:
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
                 "input_ids": list(request.input_ids) + ids,
-                "sampling_params": _remaining(sp, budget, len(ids)),
+                "sampling_params": resume_params(sp, budget, len(ids)),
                 "return_logprob": True,
                 "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
             }
             # servers that failed this post; a later post may go back to one that recovered
             data, server = await self._post_with_failover(server, body, set(), res)
             res.posts += 1
-            chunk_ids, chunk_lps, meta = _parse(data)
-            chunk_vers, labelled = _token_versions(meta, len(chunk_ids), posted_at)
+            chunk_ids, chunk_lps, meta = parse_chunk(data)
+            chunk_vers, labelled = token_versions(meta, len(chunk_ids), posted_at)
             if chunk_vers and min(chunk_vers) < posted_at:
                 log.warning("rollout.server_behind_client_version", rid=rid, server=server.url,
                             server_version=min(chunk_vers), client_version=posted_at)  # fmt: skip
@@ -366,78 +362,3 @@ class SGLangClient:
 
 class ServerPoolDown(Exception):
     pass
-
-
-def _remaining(sp: dict[str, Any], budget: int, done: int) -> dict[str, Any]:
-    """Sampling params for a resume after ``done`` tokens: both token bounds count what is left."""
-    out = {**sp, "max_new_tokens": budget - done}
-    if sp.get("min_new_tokens"):
-        out["min_new_tokens"] = max(0, int(sp["min_new_tokens"]) - done)
-    return out
-
-
-def _parse(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
-    """Output ids and logprobs from an SGLang 0.5.x (``output_ids``) or older response."""
-    meta = data.get("meta_info") or {}
-    entries = meta.get("output_token_logprobs") or []
-    ids = list(data["output_ids"]) if "output_ids" in data else [int(e[1]) for e in entries]
-    lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
-    if len(lps) != len(ids):
-        raise GenerationError(
-            f"response has {len(ids)} output ids but {len(lps)} logprobs; was return_logprob honoured?"
-        )
-    return ids, lps, meta
-
-
-def _token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[int], int]:
-    """The policy version of each of a chunk's ``n`` tokens, and how many the server labelled.
-
-    Two rules bound these stamps. (1) Never newer than the weights that sampled the token:
-    reporting a newer version under-reports staleness. (2) Never older than the episode's
-    admission version (nodes/rollout/actor.py raises the client's version to the grant's before
-    the episode posts): the governor's bound assumes it, and an older stamp gets a group dropped
-    as stale for nothing.
-
-    - A server label (the reference server's ``meta_info.output_token_weight_versions``; the
-      version of the weights that sampled the token, set by the trainer with each push) is the
-      truth for (1). It also satisfies (2) whenever the servers hold at least the admitted version,
-      which holds because the governor's version is raised only after every server got the push.
-      If a label is older than that anyway (a server restarted with old weights), the label wins:
-      it is what the tokens are, and the buffer's staleness net should see it (a warning is logged).
-    - Without a label (real SGLang; an unparseable label such as "default"), the version the
-      client knew when it *posted* the chunk: it satisfies (2) (it is at least the admission
-      version) and (1) (``set_version`` is called only after the servers hold that version, and a
-      server's weights only move forward during the chunk). The version at *arrival* would break
-      (1) for a chunk held across an update (``retract`` / ``in_place``): its early tokens came from
-      the old weights. An aborted chunk never spans an update (the pause aborts it first), so for
-      ``abort`` pauses the post-time version is exact.
-    """
-    labels = meta.get(OUTPUT_TOKEN_WEIGHT_VERSIONS)
-    if not isinstance(labels, list) or len(labels) != n:
-        # the request's own weight_version (at its end) is newer than some tokens after an
-        # update mid-chunk, but when it is *older* than posted_at the server missed a push
-        # (restarted with old weights): then it is the truth, as a label would be
-        try:
-            behind = int(meta.get("weight_version"))  # type: ignore[arg-type]
-        except (TypeError, ValueError):  # SGLang's "default", or absent
-            behind = posted_at
-        return [min(posted_at, behind)] * n, 0
-    out: list[int] = []
-    labelled = 0
-    parsed: dict[str | int, int | None] = {}  # labels repeat: parse each distinct one once
-    for label in labels:
-        if not isinstance(label, (str, int)) or isinstance(label, bool):
-            v = None
-        elif label in parsed:
-            v = parsed[label]
-        else:
-            try:
-                v = parsed[label] = int(label)
-            except ValueError:
-                v = parsed[label] = None
-        if v is None:
-            out.append(posted_at)
-        else:
-            out.append(v)
-            labelled += 1
-    return out, labelled

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import shutil
 import socket
 import time
 import uuid
@@ -37,6 +36,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
 
 __all__ = ["PushConfig", "WeightPushError", "WeightPusher"]
@@ -365,27 +365,14 @@ class WeightPusher:
         return nbytes
 
     def _save_and_load(self, sd: dict[str, torch.Tensor], version: int) -> int:
-        from safetensors.torch import save_file
-
         root = Path(self.cfg.disk_dir)
-        folder = root / f"v{version}"
-        tmp = root / f".v{version}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         tied = bool(getattr(getattr(self.model, "config", None), "tie_word_embeddings", False))
         tensors = {
             k: (v.to(self.send_dtype) if self.send_dtype else v).contiguous()
             for k, v in sd.items()
             if not (tied and k == "lm_head.weight")
         }
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if self.model_config_dir:
-            for name in ("config.json", "generation_config.json"):
-                src = Path(self.model_config_dir) / name
-                if src.is_file():
-                    shutil.copy(src, tmp / name)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
+        folder = write_version(root, version, tensors, self.model_config_dir)
         body = {
             "model_path": str(folder),
             "weight_version": str(version),
@@ -393,13 +380,5 @@ class WeightPusher:
             "abort_all_requests": False,
         }
         self._wait(self._post_all("/update_weights_from_disk", body))
-        self._prune(root, version)
+        prune_versions(root, version, self.cfg.keep_disk_versions)
         return sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def _prune(self, root: Path, version: int) -> None:
-        old = sorted(
-            (p for p in root.glob("v*") if p.name[1:].isdigit() and int(p.name[1:]) < version),
-            key=lambda p: int(p.name[1:]),
-        )
-        for p in old[: max(0, len(old) - (self.cfg.keep_disk_versions - 1))]:
-            shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""One ``/generate`` answer, read: its tokens and log-probs, the policy version of each token,
+and the sampling parameters that resume it after an abort (nodes/rollout/client.py drives the
+loop)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
+
+__all__ = ["GenerationError", "parse_chunk", "resume_params", "token_versions"]
+
+
+class GenerationError(RuntimeError):
+    """The server rejected a request (4xx, or an abort that carries an error status)."""
+
+
+def resume_params(sp: dict[str, Any], budget: int, done: int) -> dict[str, Any]:
+    """Sampling params for a resume after ``done`` tokens: both token bounds count what is left."""
+    out = {**sp, "max_new_tokens": budget - done}
+    if sp.get("min_new_tokens"):
+        out["min_new_tokens"] = max(0, int(sp["min_new_tokens"]) - done)
+    return out
+
+
+def parse_chunk(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
+    """Output ids and logprobs from an SGLang 0.5.x (``output_ids``) or older response."""
+    meta = data.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs") or []
+    ids = list(data["output_ids"]) if "output_ids" in data else [int(e[1]) for e in entries]
+    lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+    if len(lps) != len(ids):
+        raise GenerationError(
+            f"response has {len(ids)} output ids but {len(lps)} logprobs; was return_logprob honoured?"
+        )
+    return ids, lps, meta
+
+
+def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[int], int]:
+    """The policy version of each of a chunk's ``n`` tokens, and how many the server labelled.
+
+    Two rules bound these stamps. (1) Never newer than the weights that sampled the token:
+    reporting a newer version under-reports staleness. (2) Never older than the episode's
+    admission version (nodes/rollout/actor.py raises the client's version to the grant's before
+    the episode posts): the governor's bound assumes it, and an older stamp gets a group dropped
+    as stale for nothing.
+
+    - A server label (the reference server's ``meta_info.output_token_weight_versions``; the
+      version of the weights that sampled the token, set by the trainer with each push) is the
+      truth for (1). It also satisfies (2) whenever the servers hold at least the admitted version,
+      which holds because the governor's version is raised only after every server got the push.
+      If a label is older than that anyway (a server restarted with old weights), the label wins:
+      it is what the tokens are, and the buffer's staleness net should see it (a warning is logged).
+    - Without a label (real SGLang; an unparseable label such as "default"), the version the
+      client knew when it *posted* the chunk: it satisfies (2) (it is at least the admission
+      version) and (1) (``set_version`` is called only after the servers hold that version, and a
+      server's weights only move forward during the chunk). The version at *arrival* would break
+      (1) for a chunk held across an update (``retract`` / ``in_place``): its early tokens came from
+      the old weights. An aborted chunk never spans an update (the pause aborts it first), so for
+      ``abort`` pauses the post-time version is exact.
+    """
+    labels = meta.get(OUTPUT_TOKEN_WEIGHT_VERSIONS)
+    if not isinstance(labels, list) or len(labels) != n:
+        # the request's own weight_version (at its end) is newer than some tokens after an
+        # update mid-chunk, but when it is *older* than posted_at the server missed a push
+        # (restarted with old weights): then it is the truth, as a label would be
+        try:
+            behind = int(meta.get("weight_version"))  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # SGLang's "default", or absent
+            behind = posted_at
+        return [min(posted_at, behind)] * n, 0
+    out: list[int] = []
+    labelled = 0
+    parsed: dict[str | int, int | None] = {}  # labels repeat: parse each distinct one once
+    for label in labels:
+        if not isinstance(label, (str, int)) or isinstance(label, bool):
+            v = None
+        elif label in parsed:
+            v = parsed[label]
+        else:
+            try:
+                v = parsed[label] = int(label)
+            except ValueError:
+                v = parsed[label] = None
+        if v is None:
+            out.append(posted_at)
+        else:
+            out.append(v)
+            labelled += 1
+    return out, labelled
