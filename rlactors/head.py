@@ -22,10 +22,10 @@ from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
 from rlactors.registry import ActorRecord, KVStore, NodeRecord
 from rlactors.security import Security
+from rlactors.sessions import Sessions
 
 log = structlog.get_logger("rlactors.head")
 
-MAX_QUEUED_EVENTS = 10_000  # events queued for one subscriber before it is deemed gone
 START_TIMEOUT_S = 3600.0  # safety net; a lost node fails its calls at once
 AGENT_CALL_TIMEOUT_S = 30.0
 
@@ -45,10 +45,9 @@ class Head:
         self.nodes: dict[str, NodeRecord] = {}
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
-        self._subs: dict[asyncio.Queue[dict[str, Any] | None], str] = {}  # event queue -> client id
         self.kv = KVStore()
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
-        self._clients: dict[str, float] = {}  # client id -> last heartbeat
+        self.sessions = Sessions(self.client_timeout)
         # placement group id -> bundles: {node_id, resources, gpus, actor}
         self.bundles = BundleTable()
         self._monitor: asyncio.Task[None] | None = None
@@ -75,48 +74,27 @@ class Head:
     # --- clients ------------------------------------------------------------------------------
 
     async def hello(self, client_id: str) -> dict[str, Any]:
-        self._clients[client_id] = time.monotonic()
+        self.sessions.beat(client_id)
         return {"ok": True, "nodes": len(self.nodes), "client_heartbeat": self.client_timeout / 5}
 
     async def client_alive(self, client_id: str) -> None:
         """Heartbeat of a connected client; its non-detached actors outlive it only while it beats."""
-        self._clients[client_id] = time.monotonic()
+        self.sessions.beat(client_id)
 
     async def client_closed(self, client_id: str) -> int:
-        self._clients.pop(client_id, None)
-        self._end_subscriptions(client_id)
+        self.sessions.close(client_id)
         return await self.release_owner(client_id)
 
     async def subscribe(self, client_id: str) -> AsyncIterator[dict[str, Any]]:
         """Actor-state events: a snapshot first, then every change. Ends when the client is gone."""
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self._subs[q] = client_id
-        try:
-            yield {"type": "snapshot", "actors": [a.event() for a in self.actors.values()]}
-            while (event := await q.get()) is not None:
-                yield event
-        finally:
-            self._subs.pop(q, None)
-
-    def _end_subscriptions(self, client_id: str) -> None:
-        for q, cid in list(self._subs.items()):
-            if cid == client_id:
-                del self._subs[q]
-                q.put_nowait(None)
+        snapshot = {"type": "snapshot", "actors": [a.event() for a in self.actors.values()]}
+        async for event in self.sessions.subscribe(client_id, snapshot):
+            yield event
 
     def _publish(self, rec: ActorRecord) -> None:
         changed, rec.changed = rec.changed, asyncio.Event()
         changed.set()
-        ev = rec.event()
-        for q, cid in list(self._subs.items()):
-            if q.qsize() > MAX_QUEUED_EVENTS:  # a subscriber that stopped reading: end its stream
-                log.warning("dropping an event subscriber that stopped reading", client=cid)
-                del self._subs[q]
-                while not q.empty():
-                    q.get_nowait()
-                q.put_nowait(None)
-            else:
-                q.put_nowait(ev)
+        self.sessions.publish(rec.event())
 
     # --- nodes --------------------------------------------------------------------------------
 
@@ -157,23 +135,18 @@ class Head:
         while True:
             await asyncio.sleep(min(1.0, self.node_timeout / 5))
             now = time.monotonic()
-            for cid, seen in list(self._clients.items()):
-                if now - seen > self.client_timeout:
-                    del self._clients[cid]
-                    self._end_subscriptions(cid)
-                    victims = [
-                        r
-                        for r in self.actors.values()
-                        if r.owner == cid and not r.detached and r.state != "DEAD"
-                    ]
-                    if victims:
-                        log.warning(
-                            "client stopped answering; stopping the actors it owned",
-                            client=cid,
-                            actors=len(victims),
-                        )
-                        for r in victims:
-                            self._spawn_bg(self.kill(r.actor_id))
+            for cid in self.sessions.expire():
+                victims = [
+                    r for r in self.actors.values() if r.owner == cid and not r.detached and r.state != "DEAD"
+                ]
+                if victims:
+                    log.warning(
+                        "client stopped answering; stopping the actors it owned",
+                        client=cid,
+                        actors=len(victims),
+                    )
+                    for r in victims:
+                        self._spawn_bg(self.kill(r.actor_id))
             for n in list(self.nodes.values()):
                 if n.alive and now - n.last_seen > self.node_timeout:
                     log.warning(
@@ -403,18 +376,7 @@ class Head:
         return [r.info() for r in self.actors.values()]
 
     async def list_nodes(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "node_id": n.node_id,
-                "host": n.host,
-                "address": n.address,
-                "alive": n.alive,
-                "total": n.resources.total,
-                "used": n.resources.used,
-                "labels": n.labels,
-            }
-            for n in self.nodes.values()
-        ]
+        return [n.info() for n in self.nodes.values()]
 
     async def kv_put(self, key: str, value: Any) -> None:
         self.kv.put(key, value)

@@ -23,6 +23,18 @@ class NodeRecord:
     last_seen: float = field(default_factory=time.monotonic)
     labels: dict[str, Any] = field(default_factory=dict)
 
+    def info(self) -> dict[str, Any]:
+        """What ``list_nodes`` reports."""
+        return {
+            "node_id": self.node_id,
+            "host": self.host,
+            "address": self.address,
+            "alive": self.alive,
+            "total": self.resources.total,
+            "used": self.resources.used,
+            "labels": self.labels,
+        }
+
 
 @dataclass
 class ActorRecord:
