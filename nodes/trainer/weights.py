@@ -200,7 +200,11 @@ class WeightPusher:
         session = self.rank == 0 and distributed and self.cfg.weight_update_session
         self._timing = {"gather_s": 0.0, "wait_s": 0.0}
         undo: dict[str, list[str]] = {url: [] for url in self.urls}  # per server, in order
-        prepare = [self._pool.submit(self._prepare, url, pause, session, undo[url]) for url in self.urls]
+        prepare = [
+            self._pool.submit(self._prepare, url, pause, session, undo[url])
+            for url in self.urls
+            if pause or session
+        ]
         error: BaseException | None = None
         try:
             if distributed and self.gatherer is None:  # collective; its buffers are reused
