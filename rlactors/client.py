@@ -79,6 +79,11 @@ class StreamCall(AsyncIterator[Any]):
         """Stop the stream early; the remote generator is cancelled."""
         self._abandon()
 
+    def cancel(self) -> None:
+        """End the stream now: the remote generator is cancelled and iteration stops."""
+        self._abandon()
+        self._finish()
+
     def _abandon(self) -> None:
         if not self._done:
             self._done = True

@@ -77,9 +77,13 @@ class Head:
         self.sessions.beat(client_id)
         return {"ok": True, "nodes": len(self.nodes), "client_heartbeat": self.client_timeout / 5}
 
-    async def client_alive(self, client_id: str) -> None:
-        """Heartbeat of a connected client; its non-detached actors outlive it only while it beats."""
-        self.sessions.beat(client_id)
+    async def client_alive(self, client_id: str) -> bool:
+        """Heartbeat of a connected client; its non-detached actors outlive it only while it beats.
+
+        False: the client had been given up (silent past ``client_timeout``) and must follow the
+        actor events again; from now on it counts as connected again.
+        """
+        return self.sessions.beat(client_id)
 
     async def client_closed(self, client_id: str) -> int:
         self.sessions.close(client_id)
@@ -146,6 +150,10 @@ class Head:
                         actors=len(victims),
                     )
                     for r in victims:
+                        r.kill_reason = (
+                            f"stopped by the head: its owner {cid} was silent for more than "
+                            f"{self.client_timeout:g}s (client_timeout)"
+                        )
                         self._spawn_bg(self.kill(r.actor_id))
             for n in list(self.nodes.values()):
                 if n.alive and now - n.last_seen > self.node_timeout:
@@ -282,6 +290,8 @@ class Head:
             rec.pending_exit = reason
             return
         log.warning("actor process exited", actor=actor_id, name=rec.name, reason=reason)
+        if rec.killed and rec.kill_reason:
+            reason = f"{rec.kill_reason} ({reason})"
         node = self.nodes.get(rec.node_id)
         if rec.killed or rec.restarts >= rec.max_restarts or node is None or not node.alive:
             self._mark_dead(rec, reason)

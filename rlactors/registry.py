@@ -58,6 +58,7 @@ class ActorRecord:
     restarts: int = 0
     reason: str = ""
     killed: bool = False
+    kill_reason: str = ""  # why the head itself killed it, reported instead of the bare exit
     died: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 

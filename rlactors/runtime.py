@@ -44,6 +44,7 @@ class RuntimeClient:
         self._actors: dict[str, ActorState] = {}
         self._events_task: asyncio.Task[None] | None = None
         self._beat_task: asyncio.Task[None] | None = None
+        self._events: StreamCall | None = None  # the current subscription to the head's events
         self._synced = asyncio.Event()
         self.head: Connection | None = None
 
@@ -98,10 +99,18 @@ class RuntimeClient:
         missed = 0
         while self.head is not None and not self.head.closed:
             try:
-                await asyncio.wait_for(
+                known = await asyncio.wait_for(
                     self.head.call("client_alive", (self.client_id,), {}, target="head"), 5 * interval
                 )
                 missed = 0
+                if known is False and self._events is not None:
+                    # We were silent past the head's client timeout: it stopped our non-detached
+                    # actors and ended our event stream (its end may be lost with a dropped connection).
+                    log.warning(
+                        "the head had given this client up (silent past its client_timeout); following its events again",
+                        client=self.client_id,
+                    )
+                    self._events.cancel()
             except TimeoutError:
                 missed += 1
                 if missed == 3:
@@ -122,31 +131,52 @@ class RuntimeClient:
         return self.head.call(method, args, kwargs, target="head")
 
     async def _follow_events(self) -> None:
+        """Follow the head's actor events for as long as this client lives, subscribing again
+        whenever a stream ends (the head ends it when it gives a silent client up)."""
+        backoff = 0.1
+        while not self.closed and self.head is not None and not self.head.closed:
+            try:
+                await self._follow_stream()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("lost the head's event stream; subscribing again", error=repr(e))
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 2.0)
+            else:
+                if not self.closed:
+                    log.warning("the head ended this client's event stream; subscribing again")
+
+    async def _follow_stream(self) -> None:
         assert self.head is not None
-        stream = self.head.stream("subscribe", (self.client_id,), {}, target="head")
-        try:
-            async for event in stream:
-                if event.get("type") == "snapshot":
-                    for a in event["actors"]:
-                        self._update(
-                            a["actor_id"], a["state"], a["address"], a.get("reason", ""), a.get("name")
-                        )
-                    self._synced.set()
-                elif event.get("type") == "actor":
-                    self._update(
-                        event["actor_id"],
-                        event["state"],
-                        event["address"],
-                        event.get("reason", ""),
-                        event.get("name"),
-                    )
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            if not self.closed:
-                log.error(
-                    "lost the head's event stream; calls to dead actors may not fail fast", error=repr(e)
+        self._events = stream = self.head.stream("subscribe", (self.client_id,), {}, target="head")
+        async for event in stream:
+            if event.get("type") == "snapshot":
+                self._apply_snapshot(event["actors"])
+            elif event.get("type") == "actor":
+                self._update(
+                    event["actor_id"],
+                    event["state"],
+                    event["address"],
+                    event.get("reason", ""),
+                    event.get("name"),
                 )
+
+    def _apply_snapshot(self, actors: list[dict[str, Any]]) -> None:
+        for a in actors:
+            self._update(a["actor_id"], a["state"], a["address"], a.get("reason", ""), a.get("name"))
+        # An actor the head no longer lists died (and was forgotten) while we were not following.
+        listed = {a["actor_id"] for a in actors}
+        for actor_id, st in list(self._actors.items()):
+            if actor_id not in listed and st.state != "DEAD":
+                self._update(
+                    actor_id,
+                    "DEAD",
+                    st.address,
+                    st.reason or "gone while this client was not following the head's events",
+                )
+        self._synced.set()
 
     def _update(self, actor_id: str, state: str, address: str, reason: str, name: str | None = None) -> None:
         st = self._actors.get(actor_id)

@@ -24,9 +24,11 @@ class Sessions:
         self._seen: dict[str, float] = {}  # client id -> last heartbeat
         self._subs: dict[asyncio.Queue[dict[str, Any] | None], str] = {}  # event queue -> client id
 
-    def beat(self, client_id: str) -> None:
-        """The client said hello or heartbeat."""
+    def beat(self, client_id: str) -> bool:
+        """The client said hello or heartbeat; False if it was not (or no longer) known."""
+        known = client_id in self._seen
         self._seen[client_id] = time.monotonic()
+        return known
 
     def close(self, client_id: str) -> None:
         """The client left: forget it and end its event streams."""
