@@ -193,12 +193,21 @@ def _array_from(header: list[Any], frames: Sequence[Any]) -> Any:
 # --- encode / decode --------------------------------------------------------------------------
 
 
-def _default_for(frames: list[Any]) -> Callable[[Any], Any]:
-    def default(obj: Any) -> Any:
+class _Default:
+    """Turns the non-msgpack values of one message into ext types, collecting array buffers in
+    ``frames``. An object rather than a self-referencing closure, for the reason given at
+    :class:`_ExtHook`: the frames hold the sender's buffers."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+
+    def __call__(self, obj: Any) -> Any:
         cls = type(obj)
         name = _custom_by_type.get(cls)
         if name is not None:
-            return msgpack.ExtType(EXT_CUSTOM, _pack([name, _custom[name][1](obj)], default))
+            return msgpack.ExtType(EXT_CUSTOM, _pack([name, _custom[name][1](obj)], self))
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             name = _type_name(cls)
             if name not in _dataclasses:
@@ -206,12 +215,12 @@ def _default_for(frames: list[Any]) -> Callable[[Any], Any]:
                     f"dataclass {name} is not registered; decorate it with @protocols.codec.register"
                 )
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return msgpack.ExtType(EXT_DATACLASS, _pack([name, fields], default))
+            return msgpack.ExtType(EXT_DATACLASS, _pack([name, fields], self))
         mod = cls.__module__
         if (mod.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")) or (
             mod == "numpy" and cls.__name__ == "ndarray"
         ):
-            return msgpack.ExtType(EXT_ARRAY, _pack(_array_header(obj, frames), default))
+            return msgpack.ExtType(EXT_ARRAY, _pack(_array_header(obj, self.frames), self))
         if mod == "numpy" and hasattr(obj, "item"):  # numpy scalars
             return obj.item()
         if isinstance(obj, (set, frozenset)):
@@ -220,18 +229,28 @@ def _default_for(frames: list[Any]) -> Callable[[Any], Any]:
             f"cannot send a value of type {cls.__module__}.{cls.__qualname__} (no pickle on the wire)"
         )
 
-    return default
-
 
 def _pack(obj: Any, default: Callable[[Any], Any]) -> bytes:
     return msgpack.packb(obj, default=default, use_bin_type=True, datetime=False)
 
 
-def _ext_hook_for(frames: Sequence[Any]) -> Callable[[int, bytes], Any]:
-    def ext_hook(code: int, data: bytes) -> Any:
-        inner = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+class _ExtHook:
+    """Rebuilds the extension types of one message from its frames.
+
+    A small object, not a closure: a closure that calls itself recursively is a reference
+    cycle, and that cycle would keep the message's frames (large buffers) alive until the
+    cyclic garbage collector happens to run.
+    """
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: Sequence[Any]) -> None:
+        self.frames = frames
+
+    def __call__(self, code: int, data: bytes) -> Any:
+        inner = msgpack.unpackb(data, ext_hook=self, raw=False, strict_map_key=False)
         if code == EXT_ARRAY:
-            return _array_from(inner, frames)
+            return _array_from(inner, self.frames)
         if code == EXT_DATACLASS:
             name, fields = inner
             cls = _lookup_dataclass(name)
@@ -247,8 +266,6 @@ def _ext_hook_for(frames: Sequence[Any]) -> Callable[[int, bytes], Any]:
             return entry[2](value)
         raise CodecError(f"unknown msgpack ext type {code}")
 
-    return ext_hook
-
 
 def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[msgpack body, raw buffer, ...]``.
@@ -259,7 +276,7 @@ def encode(obj: Any) -> list[Any]:
     """
     frames: list[Any] = [b""]
     try:
-        frames[0] = _pack(obj, _default_for(frames))
+        frames[0] = _pack(obj, _Default(frames))
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
@@ -274,7 +291,7 @@ def decode(frames: Sequence[Any]) -> Any:
     body = frames[0]
     body = getattr(body, "bytes", body)
     try:
-        return msgpack.unpackb(body, ext_hook=_ext_hook_for(frames), raw=False, strict_map_key=False)
+        return msgpack.unpackb(body, ext_hook=_ExtHook(frames), raw=False, strict_map_key=False)
     except CodecError:
         raise
     except Exception as e:  # msgpack raises a zoo of exception types on garbage

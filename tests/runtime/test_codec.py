@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -131,3 +134,54 @@ def test_zero_dim_and_empty_arrays_keep_their_shapes() -> None:
         out = roundtrip(torch.empty(0, 3, dtype=dtype))
         assert out.shape == (0, 3) and out.dtype == dtype
     assert roundtrip(torch.tensor(2.0, dtype=torch.bfloat16)).shape == ()
+
+
+class _Buffer(bytearray):
+    """A received frame we can hold a weak reference to."""
+
+
+@pytest.fixture
+def no_cyclic_gc() -> Iterator[None]:
+    """Only reference counting frees memory: a reference cycle keeps what it holds."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_received_frames_are_freed_when_the_value_is_dropped(no_cyclic_gc: None) -> None:
+    body, raw = codec.encode({"a": np.ones(1 << 20, dtype=np.uint8)})
+    frame = _Buffer(raw)
+    freed = weakref.ref(frame)
+    value = codec.decode([body, frame])
+    del frame
+    assert value["a"].sum() == 1 << 20
+    del value
+    assert freed() is None
+
+
+def test_a_message_that_fails_to_decode_frees_its_frames(no_cyclic_gc: None) -> None:
+    array = msgpack.ExtType(codec.EXT_ARRAY, msgpack.packb(["numpy", "|u1", [2048], 1]))
+    body = msgpack.packb([array, msgpack.ExtType(99, b"")])
+    frame = _Buffer(2048)
+    freed = weakref.ref(frame)
+    try:
+        codec.decode([body, frame])
+    except codec.CodecError:
+        pass
+    else:
+        pytest.fail("an unknown ext type decoded")
+    del frame
+    assert freed() is None
+
+
+def test_sent_buffers_are_released_once_the_frames_are_dropped(no_cyclic_gc: None) -> None:
+    a = np.ones(1 << 20, dtype=np.uint8)
+    freed = weakref.ref(a)
+    frames = codec.encode({"a": a})
+    del a
+    assert len(frames) == 2
+    del frames
+    assert freed() is None
