@@ -7,10 +7,13 @@ Layout of a checkpoint folder::
     model+optim shards (DCP: .metadata, __<rank>_0.distcp)
     trainer_state.json   version, optim_steps, data_position, world_size (rank 0)
     rank<r>.pt           RNG states and LR-scheduler state of rank r
+    manifest.json        sha256 and size of every file above, written last (manifest.py)
 
 A checkpoint is written to ``<path>.tmp`` and renamed into place once every rank has finished,
-so a crash mid-save never leaves a checkpoint that looks complete. DCP reshards on load, so a
-run may resume on a different number of ranks (RNG states then come from rank ``r % saved``).
+so a crash mid-save never leaves a checkpoint that looks complete. Weights or optimizer state
+holding inf/nan are refused at save, and files that do not match the manifest at load. DCP
+reshards on load, so a run may resume on a different number of ranks (RNG states then come
+from rank ``r % saved``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["TrainerState", "load", "save"]
+from nodes.trainer.fsdp import NonFiniteError
+from nodes.trainer.manifest import CheckpointError, hash_files, verify, write_manifest
+
+__all__ = ["CheckpointError", "TrainerState", "load", "save"]
 
 log = structlog.get_logger(__name__)
 _STATE_FILE = "trainer_state.json"
@@ -62,11 +68,17 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
     """Write a checkpoint of ``trainer`` (an FSDPTrainer) to ``path``; collective, all ranks call it.
 
     ``data_position`` is any JSON value that tells the data source where to continue (an index,
-    a dict of counters).
+    a dict of counters). Raises :class:`~nodes.trainer.fsdp.NonFiniteError` on every rank, and
+    writes nothing, when weights or optimizer state hold inf or nan.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if bad := trainer.nonfinite(optimizer=True):
+        raise NonFiniteError(
+            f"not saving checkpoint {path}: non-finite values at policy version {trainer.version} in "
+            f"{', '.join(bad)}; the last good checkpoint is kept"
+        )
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -78,7 +90,10 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
         state = TrainerState(trainer.version, trainer.optim_steps, data_position, world)
         (tmp / _STATE_FILE).write_text(json.dumps(state.__dict__))
     dist.barrier()
+    hashes: list[Any] = [None] * world  # each rank hashes a share of the files
+    dist.all_gather_object(hashes, hash_files(tmp, (rank, world)))
     if rank == 0:
+        write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
@@ -88,8 +103,22 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
 
 
 def load(trainer: Any, path: str | Path) -> TrainerState:
-    """Restore ``trainer`` from a checkpoint written by :func:`save`; collective. Returns its state."""
+    """Restore ``trainer`` from a checkpoint written by :func:`save`; collective. Returns its state.
+
+    The files are checked against the manifest first (each rank hashes a share of them), and the
+    loaded weights and optimizer state must be finite; else :class:`CheckpointError` on every rank.
+    """
     path = Path(path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        verify(path, (rank, world))
+        error = ""
+    except CheckpointError as e:
+        error = str(e)
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error)  # every rank raises, none waits in a collective
+    if first := next((e for e in errors if e), None):
+        raise CheckpointError(first)
     state_file = path / _STATE_FILE
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {_STATE_FILE})")
@@ -100,7 +129,8 @@ def load(trainer: Any, path: str | Path) -> TrainerState:
     set_state_dict(
         trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
     )
-    rank = dist.get_rank()
+    if bad := trainer.nonfinite(optimizer=True):
+        raise CheckpointError(f"checkpoint {path} holds non-finite values in {', '.join(bad)}")
     extra = torch.load(path / f"rank{rank % state.world_size}.pt", weights_only=True)
     trainer.scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])

@@ -4,6 +4,12 @@ Every rank receives the whole batch and computes the same balancing plan (nodes/
 balance.py), so the ranks agree on who trains what, on the global loss-token counts that make
 the loss a token mean over the whole minibatch, and on the micro-batch count, without talking.
 The default process group must exist before :class:`FSDPTrainer` is built (rank.py sets it up).
+
+A non-finite loss or gradient stops the step with :class:`NonFiniteError` before the optimizer
+applies it, rather than skipping the update: there is no fp16 loss scaling here (fp32 master
+weights, fp32 gradient reduction), so inf/nan is never a routine overflow but a corrupt batch,
+weight or optimizer state, and a run that kept skipping would look alive while learning nothing.
+:meth:`FSDPTrainer.nonfinite` lets callers refuse to save or push weights that hold inf/nan.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ from nodes.trainer.loss import (
 )
 from nodes.trainer.microbatch import MicroBatch, build_microbatch
 
-__all__ = ["FSDPTrainer", "TrainConfig", "apply_fsdp", "build_optimizer", "lr_lambda"]
+__all__ = ["FSDPTrainer", "NonFiniteError", "TrainConfig", "apply_fsdp", "build_optimizer", "lr_lambda"]
 
 log = structlog.get_logger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Weights, optimizer state, a loss or a gradient hold inf or nan; raised on every rank."""
 
 
 @dataclass
@@ -200,11 +210,12 @@ class FSDPTrainer:
         maxes: dict[str, torch.Tensor] = {}
         mins: dict[str, torch.Tensor] = {}
         grad_norms = []
-        for groups, mini in zip(self.minibatches(batch), mbs, strict=True):
+        for i, (groups, mini) in enumerate(zip(self.minibatches(batch), mbs, strict=True)):
             global_loss_tokens = sum(
                 sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories
             )
             self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for k, mb in enumerate(mini):
                 if isinstance(self.model, FSDPModule):
                     self.model.set_requires_gradient_sync(k == len(mini) - 1)
@@ -212,6 +223,7 @@ class FSDPTrainer:
                 # FSDP averages gradients over ranks; the loss is a token mean over the global minibatch
                 scale = self.world / max(1, global_loss_tokens)
                 (out.loss_sum * scale).backward()
+                loss_sum += out.loss_sum.detach()
                 for key, v in out.sums.items():
                     sums[key] = sums[key] + v.double() if key in sums else v.double()
                 for key, v in out.maxes.items():
@@ -219,6 +231,7 @@ class FSDPTrainer:
                 for key, v in out.mins.items():
                     mins[key] = torch.minimum(mins[key], v.double()) if key in mins else v.double()
             grad_norms.append(self._clip_grads())
+            self._check_update(loss_sum, grad_norms[-1], f"minibatch {i + 1} of {len(mbs)}")
             lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
             self.optimizer.step()
             self.scheduler.step()
@@ -279,6 +292,43 @@ class FSDPTrainer:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
+
+    def _check_update(self, local_loss: torch.Tensor, grad_norm: float, where: str) -> None:
+        """Raise NonFiniteError on every rank, before the optimizer step, if any rank's loss or the
+        (global) gradient norm is not finite."""
+        bad_loss = (~torch.isfinite(local_loss)).to(torch.float32)
+        dist.all_reduce(bad_loss, op=dist.ReduceOp.MAX)
+        if not bad_loss.item() and math.isfinite(grad_norm):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        what = "loss" if bad_loss.item() else f"gradient (norm {grad_norm})"
+        weights = self.nonfinite()
+        cause = f"the weights already hold inf/nan in {', '.join(weights)}" if weights else "a bad batch"
+        raise NonFiniteError(
+            f"train step at policy version {self.version}, {where}: non-finite {what}, likely {cause}; "
+            "the update was not applied. Resume from the last checkpoint (never saved with inf/nan)"
+        )
+
+    def nonfinite(self, optimizer: bool = False) -> list[str]:
+        """Names of the parameters (and with ``optimizer``, optimizer states such as
+        ``lm_head.weight:exp_avg``) holding inf or nan on any rank; collective, same on every rank."""
+        names = {p: n for n, p in self.model.named_parameters()}
+        tensors = [(n, p) for p, n in names.items()]
+        if optimizer:
+            for p, st in self.optimizer.state.items():
+                tensors += [(f"{names[p]}:{k}", v) for k, v in st.items() if torch.is_tensor(v)]
+        flags = [
+            torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all().logical_not()
+            for _, t in tensors
+        ]
+        local = [n for (n, _), bad in zip(tensors, torch.stack(flags).tolist(), strict=True) if bad]
+        any_bad = torch.tensor(float(bool(local)), device=self.device)
+        dist.all_reduce(any_bad, op=dist.ReduceOp.MAX)
+        if not any_bad.item():
+            return []
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, local)
+        return sorted({n for names_ in every for n in names_})
 
     def _reduce_stats(self, sums, maxes, mins) -> dict[str, float]:
         """All-reduce the step's stats once per op: sums by SUM, maxima by MAX, minima by MIN.

@@ -109,9 +109,18 @@ class TrainerRank(rlactors.Actor):
 
     def push_weights(self, pause_mode: str | None = "", method: str = "") -> dict[str, float]:
         """Send the current weights to the connected servers with ``weight_version`` = the trainer's
-        version. ``pause_mode``/``method`` override the configured ones for this push ("" keeps)."""
+        version. ``pause_mode``/``method`` override the configured ones for this push ("" keeps).
+        Weights holding inf or nan are never pushed: NonFiniteError on every rank."""
+        from nodes.trainer.fsdp import NonFiniteError
+
         if self.pusher is None:
             raise RuntimeError("connect_servers() must run before push_weights()")
+        trainer = self._need()
+        if bad := trainer.nonfinite():  # servers given inf weights fail every request
+            raise NonFiniteError(
+                f"not pushing weights of policy version {trainer.version}: non-finite values in "
+                f"{', '.join(bad)}; the servers keep the previous version"
+            )
         cfg = self.pusher.cfg
         saved = cfg.pause_mode, cfg.method
         if pause_mode != "":
@@ -119,7 +128,7 @@ class TrainerRank(rlactors.Actor):
         if method:
             cfg.method = method
         try:
-            return self.pusher.push(self._need().version)
+            return self.pusher.push(trainer.version)
         finally:
             cfg.pause_mode, cfg.method = saved
 

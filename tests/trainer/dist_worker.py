@@ -220,6 +220,50 @@ def mixed_dtype_gather() -> dict:
     }
 
 
+def nonfinite_scenario(trainer, out: Path) -> None:
+    """inf in rank 1's shard of an optimizer state: save refuses it, the next update spreads it to
+    the weights, push refuses those, and the step after that stops on its non-finite loss."""
+    from nodes.trainer import checkpoint
+    from nodes.trainer.fsdp import NonFiniteError
+    from nodes.trainer.rank import TrainerRank
+
+    rank = dist.get_rank()
+    seen: dict = {}
+
+    def attempt(key: str, fn) -> None:
+        try:
+            fn()
+            seen[key] = None
+        except NonFiniteError as e:
+            seen[key] = str(e)
+
+    trainer.train_step(batch(1))
+    embed = trainer.model.get_input_embeddings().weight
+    if rank == 1:
+        with torch.no_grad():
+            trainer.optimizer.state[embed]["exp_avg"].to_local().view(-1)[0] = float("inf")
+    attempt("save", lambda: checkpoint.save(trainer, out / "bad_ckpt"))
+    trainer.train_step(batch(2))  # finite loss and gradients; the update makes the weights inf
+    seen["weights_after_update"] = trainer.nonfinite()
+
+    class Pusher:  # stands in for WeightPusher: records whether anything was sent
+        cfg = type("Cfg", (), {"pause_mode": "retract", "method": "distributed"})()
+        pushed = False
+
+        def push(self, version: int) -> dict:
+            Pusher.pushed = True
+            return {}
+
+    actor = TrainerRank()
+    actor.trainer, actor.pusher = trainer, Pusher()
+    attempt("push", actor.push_weights)
+    seen["pushed"] = Pusher.pushed
+    version = trainer.version
+    attempt("step", lambda: trainer.train_step(batch(3)))
+    seen["version_unchanged"] = trainer.version == version
+    (out / f"nonfinite_{rank}.json").write_text(json.dumps(seen))
+
+
 def main() -> None:
     scenario, out, model = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -265,6 +309,13 @@ def main() -> None:
             )
         trainer.train_step(batch(2, n_groups=1))
         save_full(trainer, out / "step2_resumed.safetensors")
+    elif scenario == "corrupt":  # OUT_DIR/ckpt had bytes changed after it was saved
+        try:
+            checkpoint.load(trainer, out / "ckpt")
+        except checkpoint.CheckpointError as e:
+            (out / f"load_error_{rank}.txt").write_text(str(e))
+    elif scenario == "nonfinite":
+        nonfinite_scenario(trainer, out)
     elif scenario == "gather":
         gather_scenario(trainer, out)
     elif scenario == "push":

@@ -1,9 +1,11 @@
-"""FSDP2 on 2 gloo ranks: one step equals a plain single-process step; checkpoint/resume is exact."""
+"""FSDP2 on 2 gloo ranks: one step equals a plain single-process step; checkpoint/resume is exact;
+corrupt checkpoints and inf/nan are errors, never saved or pushed."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,39 @@ def test_lr_reported_is_the_one_used_and_kl_defaults_to_the_initial_policy(tiny_
     assert first["lr"] == pytest.approx(1e-3 / 3) and second["lr"] == pytest.approx(2e-3 / 3)  # warm-up 3
     assert first["ref_kl"] == pytest.approx(0.0, abs=1e-9)  # the policy still is the reference
     assert second["ref_kl"] > 0
+
+
+@pytest.mark.slow
+def test_a_checkpoint_changed_after_saving_fails_to_load_naming_the_file(fresh_run, tiny_model, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(fresh_run / "ckpt", tmp_path / "ckpt")
+    # 8 bytes in the middle of an optimizer state, as the tester did (without checksums the run
+    # loaded them silently and had inf weights one step later)
+    meta = FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
+    where = next(
+        info
+        for idx, info in meta.storage_data.items()
+        if idx.fqn.startswith("optim.state.") and idx.fqn.endswith("exp_avg_sq") and "embed" in idx.fqn
+    )
+    shard = tmp_path / "ckpt" / where.relative_path
+    with shard.open("r+b") as f:
+        f.seek(where.offset + where.length // 2)
+        f.write(b"\xff" * 8)
+    run_ranks(HERE / "dist_worker.py", ["corrupt", str(tmp_path), tiny_model], world=2, timeout=240)
+    for rank in (0, 1):  # every rank raises, whichever rank hashed the file
+        error = (tmp_path / f"load_error_{rank}.txt").read_text()
+        assert str(shard) in error and "sha256" in error
+
+
+@pytest.mark.slow
+def test_inf_is_never_saved_or_pushed_and_stops_the_step(tiny_model, tmp_path):
+    run_ranks(HERE / "dist_worker.py", ["nonfinite", str(tmp_path), tiny_model], world=2, timeout=240)
+    for rank in (0, 1):  # rank 1 alone held the inf; both ranks agree
+        seen = json.loads((tmp_path / f"nonfinite_{rank}.json").read_text())
+        assert "model.embed_tokens.weight:exp_avg" in seen["save"]
+        assert seen["weights_after_update"] == ["model.embed_tokens.weight"]
+        assert "not pushing" in seen["push"] and "model.embed_tokens.weight" in seen["push"]
+        assert seen["pushed"] is False
+        assert "non-finite loss" in seen["step"] and seen["version_unchanged"]
+    assert not (tmp_path / "bad_ckpt").exists() and not (tmp_path / "bad_ckpt.tmp").exists()
