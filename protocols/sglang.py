@@ -19,7 +19,7 @@ ABORT_WAITING_MESSAGE = "Abort in waiting queue"
 ABORT_RUNNING_MESSAGE = "Aborted"  # FINISH_ABORT's default message
 
 # meta_info key of the reference server's per-token weight versions (an rlactors extension)
-OUTPUT_TOKEN_WEIGHT_VERSIONS = "output_token_weight_versions"
+WEIGHT_VERSIONS = "weight_versions"  # meta_info key of the per-token version spans (SGLang 0.5.23)
 
 
 class ProtocolError(ValueError):
@@ -318,9 +318,8 @@ class GenerateResult:
     e2e_latency: float
     output_token_logprobs: list[float] | None = None
     input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
-    # rlactors extension (real SGLang does not send it; SGLang clients ignore unknown meta keys):
-    # the weight_version that sampled each output token, aligned with output_ids. ``weight_version``
-    # stays SGLang's: the version when the request finished.
+    # the weight_version that sampled each output token, aligned with output_ids; sent as
+    # SGLang 0.5.23 sends it, ``meta_info.weight_versions`` spans (see :func:`weight_version_spans`)
     output_token_weight_versions: list[str] | None = None
     extra_meta: dict[str, Any] = field(default_factory=dict)
 
@@ -341,9 +340,22 @@ class GenerateResult:
             ]
             meta["input_token_logprobs"] = [list(x) for x in (self.input_token_logprobs or [])]
         if self.output_token_weight_versions is not None:
-            meta[OUTPUT_TOKEN_WEIGHT_VERSIONS] = list(self.output_token_weight_versions)
+            meta[WEIGHT_VERSIONS] = weight_version_spans(self.output_token_weight_versions, self.weight_version)
         meta.update(self.extra_meta)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def weight_version_spans(token_versions: list[str], current: str) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: ``[{"version", "start", "end"}, ...]``, one span per
+    run of output tokens sampled by the same weights (``end`` exclusive). No tokens: one empty
+    span of the current version, as SGLang sends it."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
 
 
 def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
@@ -354,8 +366,8 @@ def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
 __all__ = [
     "ABORT_RUNNING_MESSAGE",
     "ABORT_WAITING_MESSAGE",
-    "OUTPUT_TOKEN_WEIGHT_VERSIONS",
     "PAUSE_MODES",
+    "WEIGHT_VERSIONS",
     "AbortRequest",
     "BeginWeightUpdateRequest",
     "DestroyWeightsUpdateGroupRequest",
@@ -373,4 +385,5 @@ __all__ = [
     "finish_length",
     "finish_stop",
     "success_body",
+    "weight_version_spans",
 ]

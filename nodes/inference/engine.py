@@ -114,10 +114,9 @@ class Engine:
             ok, message = await self.backend.load_from_disk(req.model_path)
             if ok:
                 self.args.model_path = req.model_path
-                if req.flush_cache:
-                    self.cache.flush()
                 # label and weights change together, before the next step samples
                 self.set_weight_version(req.weight_version)
+                ok, message = self._flush_after_update(req.flush_cache, ok, message)
         if ok and req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
         log.info("weights_from_disk", ok=ok, path=req.model_path, weights_id=self.backend.weights_id)
@@ -177,13 +176,21 @@ class Engine:
                     f"Failed to update parameter online: {e}. The full weights of the ModelRunner are "
                     "partially updated. Please discard the whole weights."
                 )
-            if req.flush_cache:
-                self.cache.flush()
             self.set_weight_version(req.weight_version)  # with the weights, before the next step
-        message = "Succeeded to update parameter online."
-        if req.weight_version is not None:
+            ok, message = self._flush_after_update(req.flush_cache, True, "Succeeded to update parameter online.")
+        if ok and req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
-        return True, message
+        return ok, message
+
+    def _flush_after_update(self, flush: bool, ok: bool, message: str) -> tuple[bool, str]:
+        """As SGLang: a flush refused because requests still run fails the update call (the
+        weights stay updated)."""
+        if flush and not self.scheduler.flush_cache():
+            return False, (
+                "Weights were updated, but the cache was not flushed because requests are still "
+                "running or queued. Retract or finish them, then call /flush_cache."
+            )
+        return ok, message
 
     def destroy_group(self, name: str) -> tuple[bool, str]:
         """Leave a weight-update group."""

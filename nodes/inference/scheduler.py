@@ -10,7 +10,7 @@ requests put the KV of ``(prompt + output)[:-1]`` into the radix cache, so a res
 Every sampled token is recorded with the ``weight_version`` of the model that sampled it (read
 once per step; weight updates take ``step_lock``, so they land between steps). A request held
 across an update (pause ``retract`` / ``in_place``, or no pause at all) therefore reports which of
-its tokens came from which weights, in the additive ``meta_info.output_token_weight_versions``.
+its tokens came from which weights, in SGLang's ``meta_info.weight_versions`` spans.
 """
 
 from __future__ import annotations
@@ -165,8 +165,13 @@ class Scheduler:
         log.info("generation_continued")
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while requests are running or waiting."""
-        if self.running or self.waiting:
+        """Empty the prefix cache; refused (False) while requests run, or wait outside a pause.
+
+        SGLang's rule (``Scheduler.flush_cache``): requests retracted by a pause may wait, so a
+        flush works under ``abort`` and ``retract`` pauses, never under ``in_place`` or no pause
+        while anything runs.
+        """
+        if self.running or (self.waiting and not self.paused):
             return False
         self.cache.flush()
         return True

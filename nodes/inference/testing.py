@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import os
 import subprocess
 import sys
@@ -111,28 +110,41 @@ async def wait_load(
 
 
 class Trainer:
-    """The trainer side of a weight-update group: rank 0 of SGLang's prefixed TCP store (gloo)."""
+    """The trainer side of a weight-update group: rank 0, built as SGLang builds the group (gloo)."""
 
     def __init__(self, port: int, group_name: str, world_size: int = 2) -> None:
         self.port, self.group_name, self.world_size = port, group_name, world_size
-        self.store: Any = None
         self.pg: Any = None
 
     def join(self) -> None:
-        """Create the store (as master) and the group; blocks until the server joins."""
-        import torch.distributed as dist
+        """Host the store and form the group; blocks until the server joins."""
+        from nodes.weight_group import init_weight_update_group
 
-        timeout = datetime.timedelta(seconds=60)
-        self.store = dist.TCPStore("127.0.0.1", self.port, self.world_size, is_master=True, timeout=timeout)
-        self.pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(self.group_name, self.store), 0, self.world_size, timeout
+        self.pg = init_weight_update_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=self.port,
+            rank=0,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            timeout_s=60,
         )
 
     def broadcast(self, tensors: list[Any]) -> None:
         """Broadcast each tensor from rank 0."""
+        from nodes.weight_group import broadcast
+
         assert self.pg is not None
         for t in tensors:
-            self.pg.broadcast(t, 0).wait()
+            broadcast(t, self.pg).wait()
+
+    def close(self) -> None:
+        """Leave the group."""
+        from nodes.weight_group import destroy_weight_update_group
+
+        if self.pg is not None:
+            destroy_weight_update_group(self.pg)
+            self.pg = None
 
 
 async def join_group(client: httpx.AsyncClient) -> tuple[Trainer, str]:
@@ -180,7 +192,8 @@ async def push(
     }
     if flattened:
         body["load_format"] = "flattened_bucket"
-        tensors = [torch.cat([t.reshape(-1) for t in named.values()])]
+        # SGLang's FlattenedTensorBucket layout: every tensor's bytes back to back, as uint8
+        tensors = [torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in named.values()])]
     else:
         tensors = list(named.values())
     r = await client.post("/begin_weight_update", json={"selector": "all"})

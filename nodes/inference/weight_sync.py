@@ -1,15 +1,14 @@
 """Receiving weights: from a safetensors folder, or by broadcast over a weight-update group.
 
-The group is joined the way SGLang's ``init_custom_process_group`` does it: a ``TCPStore``
-client at the trainer's address wrapped in ``PrefixStore(group_name, ...)``, then a
-``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU) built directly on it. The trainer is
-rank 0; this server is ``rank_offset`` (tensor-parallel rank 0). Everything here blocks, so the
-server calls it from a worker thread. torch is imported lazily.
+The group is joined the way SGLang's ``init_custom_process_group`` joins it
+(:mod:`nodes.weight_group`). The trainer is rank 0; this server is ``rank_offset``
+(tensor-parallel rank 0). A flattened bucket arrives as SGLang's ``FlattenedTensorBucket``
+sends it: the tensors' bytes back to back in one uint8 tensor, dtypes may differ. Everything
+here blocks, so the server calls it from a worker thread. torch is imported lazily.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
 
 log = structlog.get_logger(__name__)
 
@@ -42,21 +43,16 @@ def join_group(
     backend: str,
     timeout_s: float = 300.0,
 ) -> UpdateGroup:
-    """Connect to the trainer's store (prefixed by ``group_name``) and build the process group."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
-    if backend == "nccl":
-        import torch
-
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        torch.cuda.synchronize()
-    else:
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    """Join the trainer's weight-update group as SGLang does (see nodes/weight_group.py)."""
+    pg = init_weight_update_group(
+        backend=backend,
+        master_address=master_address,
+        master_port=master_port,
+        rank=rank,
+        world_size=world_size,
+        group_name=group_name,
+        timeout_s=timeout_s,
+    )
     log.info("weight_group_joined", group=group_name, rank=rank, world_size=world_size, backend=backend)
     return UpdateGroup(name=group_name, pg=pg, rank=rank, world_size=world_size, backend=backend)
 
@@ -142,25 +138,27 @@ def receive_tensors(
     import torch
 
     if flattened_bucket:
-        dt = _dtype(dtypes[0])
-        if any(_dtype(d) != dt for d in dtypes):
-            raise ValueError("a flattened bucket must hold tensors of one dtype")
-        live = bucket_target(names, dt, shapes) if bucket_target is not None else None
+        dts = [_dtype(d) for d in dtypes]
+        live = bucket_target(names, dts[0], shapes) if bucket_target is not None and len(set(dts)) == 1 else None
         if live is not None:
-            group.pg.broadcast(live, 0).wait()
+            broadcast(live.view(torch.uint8), group.pg).wait()
             return []
-        sizes = [math.prod(s) for s in shapes]
-        nbytes = sum(sizes) * dt.itemsize
+        spans, nbytes = [], 0  # byte offsets, as SGLang lays the bucket out
+        for name, dt, shape in zip(names, dts, shapes, strict=True):
+            if nbytes % dt.itemsize:
+                raise ValueError(f"unaligned tensor {name} in flattened bucket: byte offset {nbytes}, {dt}")
+            size = math.prod(shape) * dt.itemsize
+            spans.append((nbytes, size))
+            nbytes += size
         st = group.staging
         if st is None or st.numel() < nbytes:  # a server keeps one device
             st = group.staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        flat = st[:nbytes].view(dt)
-        group.pg.broadcast(flat, 0).wait()
-        out, off = [], 0
-        for name, shape, n in zip(names, shapes, sizes, strict=True):
-            out.append((name, flat[off : off + n].view(*shape)))
-            off += n
-        return out
+        flat = st[:nbytes]
+        broadcast(flat, group.pg).wait()
+        return [
+            (name, flat[off : off + size].view(dt).view(*shape))
+            for name, dt, shape, (off, size) in zip(names, dts, shapes, spans, strict=True)
+        ]
     out, works = [], []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
         dt = _dtype(dtype)
@@ -168,20 +166,18 @@ def receive_tensors(
         if live is None:
             live = torch.empty(*shape, dtype=dt, device=device)
             out.append((name, live))
-        works.append(group.pg.broadcast(live, 0))
+        works.append(broadcast(live, group.pg))
     for w in works:
         w.wait()
     return out
 
 
 def destroy_group(group: UpdateGroup) -> None:
-    """Release the group's resources (best effort: gloo has no explicit shutdown)."""
-    shutdown = getattr(group.pg, "shutdown", None)
-    if callable(shutdown):
-        try:
-            shutdown()
-        except Exception:  # already broken; nothing to release
-            log.warning("weight_group_shutdown_failed", group=group.name)
+    """Leave the group (best effort: a broken group has nothing left to release)."""
+    try:
+        destroy_weight_update_group(group.pg)
+    except Exception as e:
+        log.warning("weight_group_destroy_failed", group=group.name, error=str(e))
 
 
 def read_safetensors_folder(path: str | Path) -> dict[str, Any]:

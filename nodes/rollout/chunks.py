@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
+from protocols.sglang import WEIGHT_VERSIONS
 
-__all__ = ["GenerationError", "parse_chunk", "resume_params", "token_versions"]
+__all__ = ["GenerationError", "parse_chunk", "resume_params", "token_versions", "versions_from_spans"]
 
 
 class GenerationError(RuntimeError):
@@ -36,6 +36,23 @@ def parse_chunk(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str,
     return ids, lps, meta
 
 
+def versions_from_spans(spans: Any, n: int) -> list[Any] | None:
+    """One label per output token from SGLang's ``weight_versions`` spans, or None when they are
+    absent or do not cover exactly ``n`` tokens (then nothing is labelled)."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    labels: list[Any] = []
+    try:
+        for s in spans:
+            start, end = int(s["start"]), int(s["end"])
+            if start != len(labels) or end < start:
+                return None
+            labels += [s["version"]] * (end - start)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return labels if len(labels) == n else None
+
+
 def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[int], int]:
     """The policy version of each of a chunk's ``n`` tokens, and how many the server labelled.
 
@@ -45,13 +62,14 @@ def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[i
     the episode posts): the governor's bound assumes it, and an older stamp gets a group dropped
     as stale for nothing.
 
-    - A server label (the reference server's ``meta_info.output_token_weight_versions``; the
-      version of the weights that sampled the token, set by the trainer with each push) is the
+    - A server label (SGLang 0.5.23's ``meta_info.weight_versions`` spans, which the reference
+      server sends too; the version of the weights that sampled the token, set by the trainer
+      with each push) is the
       truth for (1). It also satisfies (2) whenever the servers hold at least the admitted version,
       which holds because the governor's version is raised only after every server got the push.
       If a label is older than that anyway (a server restarted with old weights), the label wins:
       it is what the tokens are, and the buffer's staleness net should see it (a warning is logged).
-    - Without a label (real SGLang; an unparseable label such as "default"), the version the
+    - Without a label (SGLang before 0.5.23; an unparseable label such as "default"), the version the
       client knew when it *posted* the chunk: it satisfies (2) (it is at least the admission
       version) and (1) (``set_version`` is called only after the servers hold that version, and a
       server's weights only move forward during the chunk). The version at *arrival* would break
@@ -59,8 +77,8 @@ def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[i
       the old weights. An aborted chunk never spans an update (the pause aborts it first), so for
       ``abort`` pauses the post-time version is exact.
     """
-    labels = meta.get(OUTPUT_TOKEN_WEIGHT_VERSIONS)
-    if not isinstance(labels, list) or len(labels) != n:
+    labels = versions_from_spans(meta.get(WEIGHT_VERSIONS), n)
+    if labels is None:
         # the request's own weight_version (at its end) is newer than some tokens after an
         # update mid-chunk, but when it is *older* than posted_at the server missed a push
         # (restarted with old weights): then it is the truth, as a label would be

@@ -2,9 +2,10 @@
 
 Two paths:
 
-- **distributed**: rank 0 and every server form a weight-update group (SGLang's external group:
-  rank 0 hosts ``TCPStore`` as master and builds ``ProcessGroupGloo``/``ProcessGroupNCCL`` on
-  ``PrefixStore(group_name, store)``; server ``i`` joins as ranks ``rank_offset + tp_rank``).
+- **distributed**: rank 0 and every server form a weight-update group, built as SGLang builds it
+  (see nodes/weight_group.py; rank 0 hosts the store, server ``i`` joins as ranks
+  ``rank_offset + tp_rank``). A flattened bucket travels as its bytes (uint8), as SGLang
+  receives it.
   Every rank hands its shards of a bucket to rank 0 (shared memory on rank 0's host, else
   point-to-point sends; collective; see gather.py);
   rank 0 announces each bucket with ``/update_weights_from_distributed`` to every server and
@@ -38,8 +39,9 @@ import torch.distributed as dist
 
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
+from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
 
-__all__ = ["PushConfig", "WeightPushError", "WeightPusher"]
+__all__ = ["PushConfig", "WeightPushError", "WeightPusher", "flush_cache"]
 
 log = structlog.get_logger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -64,7 +66,10 @@ class PushConfig:
     dtype: str | None = None  # cast before sending, e.g. "bfloat16" (None: as trained)
     shared_memory: bool = True  # ranks on rank 0's host hand it their shards through /dev/shm
     pause_mode: str | None = "retract"  # abort | retract | in_place | None (push between decode steps)
-    flush_cache: bool = True
+    # Drop the servers' prefix cache (KV from the old weights) with the update. None: where SGLang
+    # allows it, i.e. under abort and retract; under in_place or no pause requests still run, and
+    # SGLang refuses to flush then (the update call fails), so those modes keep the cache.
+    flush_cache: bool | None = None
     weight_update_session: bool = True  # wrap in /begin_weight_update ... /end_weight_update
     group_name: str = ""  # "" -> a fresh unique name per connect
     backend: str = "gloo"  # gloo (CPU) | nccl (GPU)
@@ -74,6 +79,25 @@ class PushConfig:
     keep_disk_versions: int = 2
     http_timeout_s: float = 600.0
     group_timeout_s: float = 600.0
+
+
+def flush_cache(cfg: PushConfig) -> bool:
+    """Whether a push asks the servers to flush their prefix cache (see ``PushConfig.flush_cache``).
+
+    Raises ``ValueError`` for ``flush_cache=True`` with ``pause_mode`` ``in_place`` or ``None``:
+    requests still run during such a push, and SGLang answers the update with a failure after the
+    weights are loaded ("cache was not flushed because requests are still running").
+    """
+    allowed = cfg.pause_mode in ("abort", "retract")
+    if cfg.flush_cache is None:
+        return allowed
+    if cfg.flush_cache and not allowed:
+        raise ValueError(
+            f"trainer.push.flush_cache=true cannot be used with pause_mode={cfg.pause_mode!r}: requests "
+            "keep running through such a push and SGLang refuses to flush then. Use pause_mode "
+            "'retract' or 'abort', or flush_cache=false (or leave it unset)."
+        )
+    return bool(cfg.flush_cache)
 
 
 def _free_port() -> int:
@@ -90,13 +114,13 @@ class WeightPusher:
             raise ValueError(f"push method must be 'distributed' or 'disk', got {cfg.method!r}")
         if cfg.pause_mode is not None and cfg.pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES} or None, got {cfg.pause_mode!r}")
+        flush_cache(cfg)  # refuses a combination SGLang would fail mid-push
         self.model, self.cfg = model, cfg
         self.model_config_dir = model_config_dir
         self.rank = dist.get_rank()
         self.urls: list[str] = []
         self.group: Any = None
         self.group_name = ""
-        self._store: Any = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-push-http")
         self._http = httpx.Client(timeout=cfg.http_timeout_s) if self.rank == 0 else None
         self.send_dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
@@ -154,17 +178,16 @@ class WeightPusher:
             }
             futures.append(self._pool.submit(self._post, url, "/init_weights_update_group", body))
             offset += size
-        timeout = datetime.timedelta(seconds=self.cfg.group_timeout_s)
-        try:
-            # both block until every server has joined: the HTTP requests above are in flight
-            self._store = dist.TCPStore(addr, port, world, is_master=True, timeout=timeout)
-            prefixed = dist.PrefixStore(self.group_name, self._store)
-            if self.cfg.backend == "nccl":
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                self.group = dist.ProcessGroupNCCL(prefixed, 0, world, opts)
-            else:
-                self.group = dist.ProcessGroupGloo(prefixed, 0, world, timeout)
+        try:  # blocks until every server has joined: the HTTP requests above are in flight
+            self.group = init_weight_update_group(
+                backend=self.cfg.backend,
+                master_address=addr,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                group_name=self.group_name,
+                timeout_s=self.cfg.group_timeout_s,
+            )
             self._wait(futures)
         finally:
             dist.barrier()
@@ -178,7 +201,8 @@ class WeightPusher:
                     f.result(timeout=30)
                 except Exception as e:  # a dead server cannot leave; nothing else to do
                     log.warning("destroy_group_failed", error=str(e))
-            self.group, self._store = None, None
+            destroy_weight_update_group(self.group)
+            self.group = None
 
     def close(self) -> None:
         """Release the group, the HTTP client and the thread pool."""
@@ -331,16 +355,16 @@ class WeightPusher:
             "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
             "shapes": [list(t.shape) for _, t in named],
             "group_name": self.group_name,
-            "flush_cache": self.cfg.flush_cache,
+            "flush_cache": flush_cache(self.cfg),
             "weight_version": version,
         }
         if self.cfg.flattened_bucket:  # buckets hold one dtype
             body["load_format"] = "flattened_bucket"
-            send = [self.gatherer.flat(k)]
+            send = [self.gatherer.flat(k).view(torch.uint8)]  # SGLang receives the bytes as uint8
         else:
             send = [t for _, t in named]
         posts = self._post_all("/update_weights_from_distributed", body)
-        return [self.group.broadcast(t, 0) for t in send], posts
+        return [broadcast(t, self.group) for t in send], posts
 
     def _finish(self, inflight: tuple[list, list[Future]]) -> None:
         t0 = time.perf_counter()
@@ -380,7 +404,7 @@ class WeightPusher:
         body = {
             "model_path": str(folder),
             "weight_version": str(version),
-            "flush_cache": self.cfg.flush_cache,
+            "flush_cache": flush_cache(self.cfg),
             "abort_all_requests": False,
         }
         self._wait(self._post_all("/update_weights_from_disk", body))

@@ -7,7 +7,6 @@ import asyncio
 import httpx
 
 from nodes.inference.testing import wait_load
-from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
 
@@ -31,9 +30,8 @@ async def test_generate_response_shape(client: httpx.AsyncClient, is_reference: 
     assert meta["prompt_tokens"] == len(PROMPT)
     assert isinstance(meta["cached_tokens"], int) and 0 <= meta["cached_tokens"] < len(PROMPT)
     assert isinstance(meta["weight_version"], str)
-    # rlactors extension, if the server sends it (real SGLang does not): one label per output token
-    if is_reference or OUTPUT_TOKEN_WEIGHT_VERSIONS in meta:
-        assert meta[OUTPUT_TOKEN_WEIGHT_VERSIONS] == [meta["weight_version"]] * 8
+    # SGLang 0.5.23: which weights sampled which output tokens, as [start, end) spans
+    assert meta["weight_versions"] == [{"version": meta["weight_version"], "start": 0, "end": 8}]
     assert isinstance(meta["id"], str) and meta["id"]
     assert meta["e2e_latency"] >= 0
     lps = meta["output_token_logprobs"]

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nodes.inference.testing import join_group, push, start_reference_server, stop_server, wait_load
+from nodes.rollout.chunks import versions_from_spans
 
 PROMPTS = [list(range(100, 110)), list(range(200, 237)), list(range(300, 304)), list(range(400, 460))]
 
@@ -204,7 +205,7 @@ async def test_retract_across_a_real_weight_change(
         await hf.post("/continue_generation", json={})
     try:
         meta = (body := (await task).json())["meta_info"]
-        out, versions = body["output_ids"], meta["output_token_weight_versions"]
+        out, versions = body["output_ids"], versions_from_spans(meta["weight_versions"], n)
         k = versions.count("0")
         assert 0 < k < n and versions == ["0"] * k + ["1"] * (n - k) and meta["weight_version"] == "1"
         alt = AutoModelForCausalLM.from_pretrained(str(tiny_ckpt_alt), dtype=torch.float32).eval()

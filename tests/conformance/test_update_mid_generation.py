@@ -2,9 +2,8 @@
 
 For each pause mode (abort, retract, in_place; and, on the reference server, no pause at all):
 start a long greedy generation, pause mid-way, load the same checkpoint as weight version "1"
-without flushing the cache, continue. The output has every token; where the server sends the
-rlactors extension ``meta_info.output_token_weight_versions`` (the reference server does, real
-SGLang does not) the tokens read "0" up to the pause and "1" after it; a resumed (abort) or
+without flushing the cache, continue. The output has every token; SGLang's
+``meta_info.weight_versions`` spans say the tokens read "0" up to the pause and "1" after it; a resumed (abort) or
 re-prefilled (retract) request finds its prefix in the cache.
 """
 
@@ -17,7 +16,7 @@ import httpx
 import pytest
 
 from nodes.inference.testing import wait_load, wait_until
-from protocols.sglang import OUTPUT_TOKEN_WEIGHT_VERSIONS
+from nodes.rollout.chunks import versions_from_spans
 
 N = 300  # 0.6 s on the sim reference server (2 ms per decode step)
 PAUSED_AFTER = 20  # tokens generated before the pause
@@ -50,7 +49,7 @@ async def wait_generated(client: httpx.AsyncClient, prompt_len: int, k: int) -> 
 
 
 def versions_of(meta: dict) -> list[str] | None:
-    return meta.get(OUTPUT_TOKEN_WEIGHT_VERSIONS)
+    return versions_from_spans(meta.get("weight_versions"), meta["completion_tokens"])
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place", "none"])

@@ -17,6 +17,7 @@ from nodes.rollout.client import (
     NoServerAvailableError,
     SGLangClient,
 )
+from protocols.sglang import weight_version_spans
 
 A, B = "http://a:1", "http://b:1"
 FAST = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=2)
@@ -39,7 +40,7 @@ def reply(
         "output_token_logprobs": [[-0.25, t, None] for t in ids],
     }
     if versions is not None:
-        meta["output_token_weight_versions"] = versions
+        meta["weight_versions"] = weight_version_spans(versions, "w")  # as SGLang 0.5.23 sends them
     body: dict[str, Any] = {"text": "".join(chr(97 + t % 26) for t in ids), "meta_info": meta}
     if not legacy:
         body["output_ids"] = ids

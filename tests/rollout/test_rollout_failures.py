@@ -239,7 +239,7 @@ async def test_unlabelled_tokens_from_a_server_that_missed_a_push_carry_its_vers
     def handler(req: httpx.Request) -> httpx.Response:
         r = reply([1, 2, 3], "length")
         data = json.loads(r.content)
-        data["meta_info"].pop("output_token_weight_versions", None)  # as real SGLang answers
+        data["meta_info"].pop("weight_versions", None)  # as SGLang before 0.5.23 answers
         data["meta_info"]["weight_version"] = "3"  # restarted with version 3 while the others hold 5
         return httpx.Response(200, json=data)
 
