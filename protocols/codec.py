@@ -12,9 +12,11 @@ module, and torch is imported only when one is encoded or decoded.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, TypeVar
 
 import msgpack
@@ -23,9 +25,11 @@ __all__ = [
     "CodecError",
     "decode",
     "encode",
+    "import_trusted",
     "register",
     "register_type",
     "registered_name",
+    "trust_package",
 ]
 
 T = TypeVar("T")
@@ -49,6 +53,7 @@ class CodecError(ValueError):
 _dataclasses: dict[str, type] = {}
 _custom: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
 _custom_by_type: dict[type, str] = {}
+_trusted_packages: set[str] = set()  # top-level packages decoding may import from (trust_package)
 
 
 def _type_name(cls: type) -> str:
@@ -62,11 +67,13 @@ def register(cls: type[T]) -> type[T]:
     """Class decorator: let instances of this dataclass travel by value.
 
     Fields must themselves be wire types (msgpack types, arrays, tensors, registered
-    classes). The receiving process must be able to import the class by module path.
+    classes). The receiving process must have imported the class's module, or trust its
+    package (see :func:`trust_package`); its package becomes trusted here.
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls.__qualname__} is not a dataclass; decorate it with @dataclass first")
     _dataclasses[_type_name(cls)] = cls
+    trust_package(cls.__module__)
     return cls
 
 
@@ -84,32 +91,43 @@ def registered_name(cls: type) -> str | None:
     return name if name in _dataclasses else _custom_by_type.get(cls)
 
 
+def trust_package(module: str) -> None:
+    """Let decoding import modules of ``module``'s top-level package on demand.
+
+    A registered type (or a remote exception) may live in a module this process has not
+    imported yet. Decoding imports such a module only if its package is trusted: the package
+    of a type registered here, or one the process declares (a worker declares its actor
+    class's package). Any other name is refused: a peer cannot make us import what it likes.
+    """
+    top = module.partition(".")[0]
+    if top and module not in _MAIN_ALIASES:
+        _trusted_packages.add(top)
+
+
+def import_trusted(module: str) -> ModuleType | None:
+    """``module`` if already imported, or imported now if its package is trusted; else None."""
+    mod = sys.modules.get(module)
+    if mod is not None or module in _MAIN_ALIASES:
+        return mod
+    parts = module.split(".")
+    if parts[0] not in _trusted_packages or "__main__" in parts:
+        return None
+    try:
+        return importlib.import_module(module)
+    except Exception:  # a module that fails to import resolves to nothing, like an unknown one
+        return None
+
+
 def _lookup_dataclass(name: str) -> type:
     cls = _dataclasses.get(name)
-    if cls is not None:
-        return cls
-    module, _, qualname = name.partition(":")
-    candidates = ["__mp_main__", "__main__"] if module == "__main__" else [module]
-    for mod_name in candidates:
-        mod = sys.modules.get(mod_name)
-        if mod is None and mod_name not in _MAIN_ALIASES:
-            try:
-                __import__(mod_name)
-            except ImportError:
-                continue
-            mod = sys.modules.get(mod_name)
-        if mod is None:
-            continue
-        obj: Any = mod
-        for part in qualname.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
-            cls = _dataclasses.get(_type_name(obj))
-            if cls is not None:
-                return cls
-    raise CodecError(
-        f"unknown dataclass {name!r}: is it decorated with @protocols.codec.register and importable here?"
-    )
+    if cls is None and import_trusted(name.partition(":")[0]) is not None:
+        cls = _dataclasses.get(name)  # importing the module registered it
+    if cls is None:
+        raise CodecError(
+            f"unknown dataclass {name!r}: decorate it with @rlactors.register, in a module this process "
+            "has imported (or one of a package it trusts, see protocols.codec.trust_package)"
+        )
+    return cls
 
 
 # --- arrays -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import structlog
 from protocols import wire
 from protocols.wire import Flags, Kind
 from rlactors.errors import ActorDiedError, RuntimeShutdownError, exception_from_payload
+from rlactors.logging import Throttle
 from rlactors.security import Security
 from rlactors.transport import AsyncSocket, Outbox, connect_dealer
 
@@ -31,6 +32,7 @@ log = structlog.get_logger("rlactors.client")
 
 MAX_IN_FLIGHT = 65_536
 STREAM_ACK_EVERY = 64
+LOG_EVERY_S = 10.0  # a flood of undecodable replies logs one line per this many seconds
 
 
 class StreamCall(AsyncIterator[Any]):
@@ -117,6 +119,7 @@ class Connection:
         self._waiting: collections.deque[list[Any]] = collections.deque()
         self._closed_error: BaseException | None = None
         self._loop = asyncio.get_running_loop()
+        self._drop_log = Throttle(log, "dropped a reply that cannot be decoded", LOG_EVERY_S)
 
     @property
     def closed(self) -> bool:
@@ -202,7 +205,7 @@ class Connection:
         try:
             envelopes = wire.split_batch(frames)
         except wire.WireError as e:
-            log.warning("dropped malformed reply", peer=self.name, reason=str(e))
+            self._drop_log(peer=self.name, reason=str(e))
             return
         for env in envelopes:
             try:
@@ -247,7 +250,7 @@ class Connection:
 
     def _undecodable(self, env: Any, err: Exception) -> None:
         """A reply we cannot decode (e.g. an unknown dataclass): fail that call, keep serving."""
-        log.warning("undecodable reply", peer=self.name, reason=str(err))
+        self._drop_log(peer=self.name, reason=str(err))
         header = wire.peek_header(env)
         if header is None:
             return

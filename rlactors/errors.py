@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import builtins
-import importlib
-import sys
 import traceback
 from typing import Any
+
+from protocols import codec
 
 __all__ = [
     "ActorDiedError",
@@ -83,17 +83,15 @@ def exception_payload(exc: BaseException, *, where: str = "") -> dict[str, Any]:
 
 
 def _resolve_type(path: str) -> type | None:
+    """The exception class named ``path``, found only in modules already imported here or in
+    trusted packages (:func:`protocols.codec.import_trusted`): a reply never makes us import
+    arbitrary modules. A caller that can ``except`` a type has imported its module anyway."""
     module, _, qualname = path.partition(":")
     candidates = ["__main__", "__mp_main__"] if module == "__main__" else [module]
     for name in candidates:
-        mod = sys.modules.get(name)
+        mod = codec.import_trusted(name)
         if mod is None:
-            if name in ("__main__", "__mp_main__"):
-                continue
-            try:
-                mod = importlib.import_module(name)
-            except Exception:
-                continue
+            continue
         obj: Any = mod
         for part in qualname.split("."):
             obj = getattr(obj, part, None)

@@ -5,7 +5,8 @@ From it we derive, deterministically, one CURVE key pair for servers and one for
 A peer without the secret cannot complete a handshake (it does not know the server's
 public key) and a ZAP handler additionally admits only the derived client key, so a
 process without the secret can neither call actors nor register as a node. Rejected
-attempts are logged (without any key material) and dropped.
+attempts are dropped and logged, without key material and a few lines per flood, by the
+handshake monitor of each server socket (:mod:`rlactors.transport`).
 """
 
 from __future__ import annotations
@@ -106,10 +107,8 @@ class _Provider:
         self._allowed = allowed
 
     def callback(self, domain: str, key: bytes) -> bool:
-        ok = z85.encode(key) == self._allowed if len(key) == 32 else key == self._allowed
-        if not ok:
-            log.warning("rejected a peer whose CURVE key is not the cluster's", domain=domain)
-        return ok
+        # A refusal is logged by the server socket's handshake monitor (rlactors.transport).
+        return z85.encode(key) == self._allowed if len(key) == 32 else key == self._allowed
 
 
 class _ZapLog:

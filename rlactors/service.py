@@ -30,6 +30,7 @@ import structlog
 from protocols import codec, wire
 from protocols.wire import Flags, Kind
 from rlactors.errors import exception_payload
+from rlactors.logging import Throttle
 from rlactors.security import Security
 from rlactors.transport import AsyncSocket, Outbox, bind_router
 
@@ -38,6 +39,7 @@ _bind = structlog.contextvars.bind_contextvars
 
 STREAM_WINDOW = 256  # items a stream may run ahead of the consumer's acknowledgements
 STREAM_CREDIT_TIMEOUT_S = 600.0  # no acknowledgement for this long ends the stream
+LOG_EVERY_S = 10.0  # a flood of malformed messages logs one line per this many seconds
 
 ASYNC, SYNC, ASYNCGEN, GEN = "async", "sync", "asyncgen", "gen"
 
@@ -97,7 +99,8 @@ class Service:
         self._asock: AsyncSocket | None = None
         self._outbox: Outbox | None = None
         self.address = ""
-        self.dropped = 0  # malformed or unauthenticated messages dropped
+        self.dropped = 0  # malformed messages dropped
+        self._drop_log = Throttle(log, "dropped malformed messages", LOG_EVERY_S)
 
     @property
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -165,7 +168,7 @@ class Service:
 
     def _drop(self, reason: str) -> None:
         self.dropped += 1
-        log.warning("dropped malformed message", service=self.name, reason=reason)
+        self._drop_log(service=self.name, reason=reason, total=self.dropped)
 
     def _reject(self, ident: bytes, env: Any, err: Exception) -> None:
         """An envelope that failed to decode: answer its call if we can still read its id."""

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from protocols import wire
+from rlactors.logging import Throttle
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.transport")
@@ -30,6 +33,7 @@ log = structlog.get_logger("rlactors.transport")
 HWM = 100_000
 # Messages read per wake-up before yielding to other callbacks (fairness).
 DRAIN_BUDGET = 512
+REJECT_LOG_EVERY_S = 10.0  # peers refused by authentication: one log line per this many seconds
 
 _ctx: zmq.Context | None = None
 
@@ -62,6 +66,7 @@ class AsyncSocket:
         self._retry_handle: asyncio.TimerHandle | None = None
         self._drain_scheduled = False
         self.closed = False
+        self.monitor: AsyncSocket | None = None  # failed handshakes of a secured ROUTER (watch_handshakes)
         self._loop.add_reader(self._fd, self._on_readable)
         # Messages may already be queued before we started watching.
         self._schedule_drain()
@@ -159,6 +164,10 @@ class AsyncSocket:
             self._loop.remove_reader(self._fd)
         except (RuntimeError, ValueError):  # loop already closed
             pass
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close()
         self.sock.close(linger=linger)
 
 
@@ -208,7 +217,35 @@ def bind_router(
         address = address[:-2] + ":*"
     sock.bind(address)
     concrete = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return AsyncSocket(sock, on_message, name=name), concrete
+    asock = AsyncSocket(sock, on_message, name=name)
+    if security is not None:
+        _watch_handshakes(asock)
+    return asock, concrete
+
+
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "its handshake failed (wrong key or secret, or no security)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "its handshake failed",
+}
+
+
+def _watch_handshakes(asock: AsyncSocket) -> None:
+    """Log peers refused by authentication (ZeroMQ drops them silently), a few lines per flood."""
+    events = 0
+    for e in _HANDSHAKE_FAILED:
+        events |= e
+    rejected = Throttle(log, "rejected a peer that did not authenticate", REJECT_LOG_EVERY_S)
+
+    def on_event(frames: list[Any]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        rejected(
+            socket=asock.name,
+            endpoint=event["endpoint"].decode(),
+            why=_HANDSHAKE_FAILED.get(event["event"], "its handshake failed"),
+        )
+
+    asock.monitor = AsyncSocket(asock.sock.get_monitor_socket(events), on_event, name=f"{asock.name}-monitor")
 
 
 def connect_dealer(

@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from protocols import codec
 from rlactors import logging as rlog
 from rlactors.actor import ActorContext, _set_context, load_class
 from rlactors.client import Connection
@@ -75,6 +76,7 @@ async def main() -> int:
     client = RuntimeClient(spec["head_address"], security, name=name or actor_id)
     try:
         cls = load_class(spec["class"])
+        codec.trust_package(spec["class"]["module"])  # types the actor receives may live beside it
         address = service.bind(spec["bind"])
         await client.start()
         set_current(client)

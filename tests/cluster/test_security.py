@@ -12,6 +12,7 @@ import zmq.asyncio
 
 import rlactors
 from protocols import wire
+from rlactors import transport
 from rlactors.security import Security
 from tests.runtime.actors import Counter
 
@@ -137,3 +138,43 @@ async def test_plain_mechanism_authenticates_without_encryption() -> None:
         other = await rlactors.connect(cluster.address, secret_file=cluster.secret_file, security="plain")
         assert len(await other.nodes()) == 1
         await other._client.close()
+
+
+class _Warnings:
+    """Stands in for rlactors.transport's logger: keeps warnings, ignores the rest."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+        self.changed = asyncio.Event()
+
+    def warning(self, event: str, **fields: object) -> None:
+        self.lines.append((event, fields))
+        self.changed.set()
+
+    def __getattr__(self, level: str) -> object:
+        return lambda *args, **kwargs: None
+
+
+async def test_rejected_peers_are_logged_a_few_lines_per_flood(monkeypatch) -> None:
+    warnings = _Warnings()
+    monkeypatch.setattr(transport, "log", warnings)
+    monkeypatch.setattr(transport, "REJECT_LOG_EVERY_S", 0.5, raising=False)
+    async with rlactors.init(address="tcp://127.0.0.1:0", security="plain") as cluster:
+        ctx = zmq.asyncio.Context()
+        intruders = [ctx.socket(zmq.DEALER) for _ in range(20)]
+        try:
+            for sock in intruders:
+                Security(os.urandom(32), "plain").apply_client(sock)  # a token from another secret
+                sock.connect(cluster.address)
+            async with asyncio.timeout(15):  # the first refusal at once, then one line with the rest
+                while not any("repeats" in fields for _, fields in warnings.lines):
+                    warnings.changed.clear()
+                    await warnings.changed.wait()
+        finally:
+            for sock in intruders:
+                sock.close(linger=0)
+            ctx.term()
+        event, fields = warnings.lines[0]
+        assert event == "rejected a peer that did not authenticate" and fields["socket"] == "head"
+        assert len(warnings.lines) < 10
+        assert await cluster.nodes()  # still serving

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import weakref
 from collections.abc import Iterator
 
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocols import codec, wire
+from rlactors.errors import RemoteError, exception_from_payload
 
 
 @codec.register
@@ -185,3 +187,51 @@ def test_sent_buffers_are_released_once_the_frames_are_dropped(no_cyclic_gc: Non
     assert len(frames) == 2
     del frames
     assert freed() is None
+
+
+PROBE = """
+import dataclasses
+from protocols import codec
+IMPORTED = True
+
+@codec.register
+@dataclasses.dataclass
+class Probe:
+    x: int
+
+class ProbeError(Exception):
+    pass
+"""
+
+
+def _ext(name: str) -> bytes:
+    return msgpack.packb(msgpack.ExtType(codec.EXT_DATACLASS, msgpack.packb([name, {"x": 1}])))
+
+
+def test_decoding_never_imports_a_module_outside_trusted_packages(tmp_path, monkeypatch) -> None:
+    (tmp_path / "rlx_untrusted_probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(codec.CodecError, match="unknown dataclass 'rlx_untrusted_probe:Probe'"):
+        codec.decode([_ext("rlx_untrusted_probe:Probe")])
+    err = exception_from_payload({"type": "rlx_untrusted_probe:ProbeError", "message": "boom"})
+    assert isinstance(err, RemoteError) and err.type_name == "rlx_untrusted_probe:ProbeError"
+    assert "rlx_untrusted_probe" not in sys.modules
+
+
+def test_decoding_imports_registered_types_from_a_trusted_package(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "rlx_trusted_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "types.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(codec, "_trusted_packages", set(codec._trusted_packages))
+    monkeypatch.setattr(codec, "_dataclasses", dict(codec._dataclasses))
+    codec.trust_package("rlx_trusted_pkg.actors")
+    try:
+        probe = codec.decode([_ext("rlx_trusted_pkg.types:Probe")])
+        assert type(probe).__module__ == "rlx_trusted_pkg.types" and probe.x == 1
+        err = exception_from_payload({"type": "rlx_trusted_pkg.types:ProbeError", "message": "boom"})
+        assert type(err).__name__ == "ProbeError"
+    finally:
+        for name in ("rlx_trusted_pkg.types", "rlx_trusted_pkg"):
+            sys.modules.pop(name, None)

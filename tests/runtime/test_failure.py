@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.asyncio
 
 import rlactors
 from protocols import codec, wire
+from rlactors import service
 from tests.runtime.actors import Counter
 
 # Generous bound that turns a hang into a failure; the 1 s target is measured in bench/rpc.py.
@@ -115,3 +117,45 @@ async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(cluster
     finally:
         sock.close()
     assert await c.add(1) == 3
+
+
+class LogRecorder:
+    """Stands in for a module's structlog logger: keeps warnings, ignores the rest."""
+
+    def __init__(self) -> None:
+        self.warnings: list[tuple[str, dict[str, object]]] = []
+        self.changed = asyncio.Event()
+
+    def warning(self, event: str, **fields: object) -> None:
+        self.warnings.append((event, fields))
+        self.changed.set()
+
+    def __getattr__(self, level: str) -> object:
+        return lambda *args, **kwargs: None
+
+    async def wait_for(self, predicate, timeout: float = NO_HANG) -> None:
+        async with asyncio.timeout(timeout):
+            while not any(predicate(event, fields) for event, fields in self.warnings):
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def test_a_flood_of_garbage_is_logged_in_a_few_lines_that_count_it(monkeypatch) -> None:
+    recorder = LogRecorder()
+    monkeypatch.setattr(service, "log", recorder)
+    monkeypatch.setattr(service, "LOG_EVERY_S", 0.5, raising=False)
+    async with rlactors.init() as cluster:
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(cluster.address)
+        try:
+            for _ in range(2000):
+                await sock.send_multipart([b"garbage \xff"])
+            # Messages from one peer are handled in order: the answer to a ping comes after the flood.
+            await sock.send_multipart(wire.join_batch([wire.encode_envelope(wire.Kind.PING, 1)]))
+            await asyncio.wait_for(sock.recv_multipart(), NO_HANG)
+            assert len(recorder.warnings) < 50  # one line per message before: 2,000
+            # The end of the flood is reported with its count.
+            await recorder.wait_for(lambda event, fields: fields.get("total") == 2000)
+        finally:
+            sock.close()
