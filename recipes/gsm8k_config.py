@@ -1,17 +1,20 @@
 """Configuration of recipes/gsm8k_grpo.py: every knob, with defaults that run on a 2-core CPU machine.
 
-Loaded from TOML (recipes/configs/*.toml) with ``section.key=value`` overrides; a bad key or
-value is an error naming it and the file. ``recipes/configs/cpu.toml`` spells out these defaults.
+Loaded from TOML (recipes/configs/*.toml) with ``section.key=value`` overrides; a bad key, a
+wrong type or a number outside its range (:data:`RANGES`) is an error naming the key, the file
+(or the command line) and what is allowed. ``recipes/configs/cpu.toml`` spells out these defaults.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
-from rlactors.tomlconf import ConfigError, load_toml
+from rlactors.tomlconf import ConfigError, from_dict, load_toml
 
-__all__ = ["ConfigError", "RecipeConfig", "load_config"]
+__all__ = ["RANGES", "ConfigError", "RecipeConfig", "load_config"]
 
 
 @dataclass
@@ -62,7 +65,7 @@ class TrainerConfig:
     lr: float = 2e-6
     weight_decay: float = 0.01
     warmup_steps: int = 0
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     grad_clip: float = 1.0
     bf16: bool = False
     activation_checkpointing: bool = False
@@ -111,9 +114,80 @@ class RecipeConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
+def _at_least(lo: float) -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v >= lo), f">= {lo}"
+
+
+def _above(lo: float) -> tuple[Callable[[float], bool], str]:
+    return (lambda v: v > lo), f"> {lo}"
+
+
+# The allowed values of every number above, checked when the config loads: a value out of range
+# would otherwise surface minutes later as a traceback or a hang (batch_size 0, n_samples 0).
+RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "servers.n": _at_least(1),
+    "servers.gpus_per_server": _at_least(0),
+    "servers.max_running_requests": _at_least(1),
+    "servers.cache_tokens": _at_least(0),
+    "servers.threads": _at_least(1),
+    "servers.startup_timeout_s": _above(0),
+    "rollout.n_actors": _at_least(1),
+    "rollout.max_inflight": _at_least(1),
+    "rollout.n_samples": _at_least(1),
+    "rollout.max_new_tokens": _at_least(1),
+    "rollout.temperature": _at_least(0),
+    "async.batch_size": _at_least(1),
+    "async.max_staleness": _at_least(0),
+    "async.max_concurrent": _at_least(1),
+    "trainer.n_ranks": _at_least(1),
+    "trainer.threads": _at_least(1),
+    "trainer.lr": _at_least(0),
+    "trainer.weight_decay": _at_least(0),
+    "trainer.warmup_steps": _at_least(0),
+    "trainer.grad_clip": _at_least(0),  # 0 = no clipping
+    "trainer.max_tokens_per_mb": _at_least(1),
+    "trainer.n_minibatches": _at_least(1),
+    "data.train_limit": _at_least(0),  # 0 = all
+    "data.eval_size": _at_least(1),
+    "data.seed": _at_least(0),
+    "run.steps": _at_least(1),
+    "run.eval_every": _at_least(0),
+    "run.eval_temperature": _at_least(0),
+    "run.checkpoint_every": _at_least(0),
+    "run.batch_timeout_s": _above(0),
+    "run.seed": _at_least(0),
+}
+
+
+def _check_ranges(cfg: RecipeConfig, path: str | None, overrides: list[str]) -> None:
+    overridden = {o.partition("=")[0].strip() for o in overrides}
+    for key, (ok, allowed) in RANGES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, "async_" if section == "async" else section), name)
+        if not ok(value):
+            where = (
+                "command line" if key in overridden else str(Path(path).expanduser()) if path else "defaults"
+            )
+            raise ConfigError(f"{where}: '{key}' must be {allowed}, got {value!r}")
+
+
+def _check_trainer_tables(cfg: RecipeConfig, source: str) -> None:
+    """The ``trainer.loss``/``adv``/``push`` tables against the trainer's own dataclasses (keys,
+    types, and the ranges those check)."""
+    from nodes.trainer.loss import AdvantageConfig, LossConfig
+    from nodes.trainer.weights import PushConfig
+
+    for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("push", PushConfig)):
+        from_dict(cls, getattr(cfg.trainer, name), source=source, prefix=f"trainer.{name}")
+
+
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
-    """The TOML file (or the defaults) plus ``section.key=value`` overrides.
+    """The TOML file (or the defaults) plus ``section.key=value`` overrides, every value checked.
 
     The ``[async]`` table is ``async_`` in Python (``async`` is a keyword).
     """
-    return load_toml(RecipeConfig, path, overrides, renames={"async": "async_"})
+    cfg = load_toml(RecipeConfig, path, overrides, renames={"async": "async_"})
+    _check_ranges(cfg, path, overrides)
+    source = str(Path(path).expanduser()) if path else "defaults"
+    _check_trainer_tables(cfg, f"{source} (with overrides)" if overrides else source)
+    return cfg

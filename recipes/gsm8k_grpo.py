@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 import rlactors  # noqa: E402
+from nodes.trainer.manifest import CheckpointError, resume_point, write_latest  # noqa: E402
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config  # noqa: E402
 from recipes.gsm8k_parts import (  # noqa: E402
     Servers,
@@ -88,6 +89,8 @@ def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prep
     from nodes.trainer.rank import config_from_dict
 
     out = Path(cfg.run.out_dir).expanduser().resolve()
+    # the resume point first: a missing or corrupt checkpoint is an error before anything starts
+    start_step = resume_point(out / "checkpoints")[0] if resume else 0
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     model = resolve_model(cfg.model)
@@ -100,12 +103,6 @@ def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prep
     )
     print(f"data: {train_desc}")
     print(f"model: {model}")
-    start_step = 0
-    latest = out / "checkpoints" / "latest"
-    if resume:
-        if not latest.exists():
-            raise FileNotFoundError(f"--resume: no checkpoint under {latest.parent}")
-        start_step = int(latest.read_text().strip())
     target: tuple[str, str | None] | None = None
     if cluster_target and cluster_target.endswith(".toml"):
         from rlactors.config import load_cluster_config
@@ -129,7 +126,6 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
     out, model, start_step, version = prep.out, prep.model, prep.start_step, 0
     train_items, eval_items = prep.train_items, prep.eval_items
     ckpt_root = out / "checkpoints"
-    latest = ckpt_root / "latest"
     B, eta = cfg.async_.batch_size, cfg.async_.max_staleness
     if prep.cluster is None:
         cluster = await rlactors.init()
@@ -273,7 +269,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 trained = set(data["trained"])  # whole epochs are a number from now on
                 position = {"step": step + 1, "version": version, "data": data}
                 await on_ranks(ranks, "save", str(path), position)
-                latest.write_text(str(step + 1))
+                write_latest(ckpt_root, step + 1)
         if eval_task is not None:
             eval_task.cancel()
         await asyncio.gather(*(r.stop() for r in rollouts), return_exceptions=True)
@@ -308,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         prep = prepare(cfg, args.cluster, args.resume)
         asyncio.run(run(cfg, prep, args.resume))
         report(prep.out)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except rlactors.ActorDiedError as e:  # e.g. a trainer rank was killed: the run cannot go on

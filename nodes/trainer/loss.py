@@ -44,6 +44,10 @@ class AdvantageConfig:
     batch_norm: bool = False  # then normalise over all loss tokens of the batch
     eps: float = 1e-5
 
+    def __post_init__(self) -> None:
+        _require(self.reward_clip > 0, "reward_clip", "> 0", self.reward_clip)
+        _require(self.eps > 0, "eps", "> 0", self.eps)
+
 
 @dataclass
 class LossConfig:
@@ -55,6 +59,21 @@ class LossConfig:
     behav_imp_weight_cap: float | None = 5.0
     temperature: float = 1.0  # logits / T, as the server sampled
     kl_coef: float = 0.0  # k3 KL to a reference model, added to the loss
+
+    def __post_init__(self) -> None:
+        _require(0 < self.eps_clip < 1, "eps_clip", "in (0, 1)", self.eps_clip)
+        high = self.eps_clip_higher
+        _require(high is None or high > 0, "eps_clip_higher", "> 0 or unset", high)
+        _require(self.c_clip is None or self.c_clip > 1, "c_clip", "> 1 or unset", self.c_clip)
+        cap = self.behav_imp_weight_cap
+        _require(cap is None or cap > 0, "behav_imp_weight_cap", "> 0 or unset", cap)
+        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _require(self.kl_coef >= 0, "kl_coef", ">= 0", self.kl_coef)
+
+
+def _require(ok: bool, key: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"'{key}' must be {allowed}, got {value!r}")
 
 
 def group_advantages(rewards: Sequence[Sequence[float]], cfg: AdvantageConfig) -> list[list[float]]:

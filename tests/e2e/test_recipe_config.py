@@ -1,5 +1,6 @@
 """The recipe's configuration: shipped configs load, the CPU file equals the built-in defaults,
-bad keys and values are errors naming the key and the file."""
+bad keys, types and out-of-range values are errors naming the key, the file and what is allowed,
+and a bad resume point is an error (exit 2) before anything starts."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+
+from nodes.trainer.manifest import hash_files, write_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +46,58 @@ def test_overrides_and_errors() -> None:
         r.load_config(None, ["servers.backend=vllm"])
 
 
+def numeric_keys(cls: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name.rstrip('_')}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys += numeric_keys(hints[f.name], key + ".")
+        elif hints[f.name] in (int, float):
+            keys.append(key)
+    return keys
+
+
+def test_every_number_has_a_range_and_the_defaults_are_in_it() -> None:
+    r = recipe_module()
+    from recipes.gsm8k_config import RANGES
+
+    assert sorted(numeric_keys(r.RecipeConfig)) == sorted(RANGES)
+    r.load_config(None, [])  # the defaults pass their own checks
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [  # each of these started the cluster, then failed with a traceback or hung (issue 15, item 9)
+        ("async.batch_size=0", "command line: 'async.batch_size' must be >= 1, got 0"),
+        ("async.max_staleness=-1", "command line: 'async.max_staleness' must be >= 0, got -1"),
+        ("trainer.n_ranks=0", "command line: 'trainer.n_ranks' must be >= 1, got 0"),
+        ("servers.n=0", "command line: 'servers.n' must be >= 1, got 0"),
+        ("rollout.n_samples=0", "command line: 'rollout.n_samples' must be >= 1, got 0"),
+        ("run.batch_timeout_s=0", "command line: 'run.batch_timeout_s' must be > 0, got 0.0"),
+        ("trainer.lr_schedule=cos", "'trainer.lr_schedule' must be 'constant' or 'linear' or 'cosine'"),
+        ("trainer.loss.eps_clip=1.5", "[trainer.loss]: 'eps_clip' must be in (0, 1), got 1.5"),
+        ("trainer.loss.c_clip=0.5", "[trainer.loss]: 'c_clip' must be > 1 or unset, got 0.5"),
+        ("trainer.loss.eps_clipp=0.2", "unknown key 'trainer.loss.eps_clipp' (did you mean 'eps_clip'?)"),
+        ("trainer.push.bucket_bytes=big", "'trainer.push.bucket_bytes' must be an integer"),
+    ],
+)
+def test_values_out_of_range_are_errors_naming_key_and_range(override: str, message: str) -> None:
+    r = recipe_module()
+    with pytest.raises(r.ConfigError) as e:
+        r.load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_a_value_out_of_range_in_a_file_names_the_file(tmp_path: Path) -> None:
+    r = recipe_module()
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[async]\nbatch_size = 0\n")
+    with pytest.raises(r.ConfigError, match=f"^{toml}: 'async.batch_size' must be >= 1, got 0$"):
+        r.load_config(str(toml), [])
+    r.load_config(str(toml), ["async.batch_size=2"])  # the command line wins
+
+
 def test_cluster_example_is_a_valid_cluster_toml() -> None:
     from rlactors.config import load_cluster_config
 
@@ -63,9 +119,16 @@ def test_cluster_example_is_a_valid_cluster_toml() -> None:
             "no head answered",
         ),
         (["--config", "/nonexistent.toml"], "does not exist"),
+        (["rollout.n_samples=0"], "'rollout.n_samples' must be >= 1, got 0"),
     ],
 )
 def test_user_errors_are_clear_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    res = run_recipe(args, tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert message in res.stderr
+
+
+def run_recipe(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     if "+secret" in args:
         args = [a for a in args if a != "+secret"]
@@ -74,7 +137,7 @@ def test_user_errors_are_clear_and_exit_2(args: list[str], message: str, tmp_pat
         secret.chmod(0o600)
         env["RLACTORS_SECRET_FILE"] = str(secret)
         env["RLACTORS_CONNECT_TIMEOUT"] = "3"
-    res = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), *args, f"run.out_dir={tmp_path}"],
         capture_output=True,
         text=True,
@@ -82,5 +145,54 @@ def test_user_errors_are_clear_and_exit_2(args: list[str], message: str, tmp_pat
         cwd=ROOT,
         env=env,
     )
+
+
+def fake_checkpoint(folder: Path) -> Path:
+    """A step folder with a manifest, as nodes/trainer/checkpoint.py writes one."""
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    (folder / "trainer_state.json").write_text("{}")
+    write_manifest(folder, hash_files(folder))
+    return folder
+
+
+def corrupt(step: Path) -> None:
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100:108] = b"\xff" * 8
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("latest", "damage", "message"),
+    [
+        (None, None, "nothing to resume: {ckpts}/latest does not exist"),
+        ("", None, "{ckpts}/latest should hold the step of the last complete checkpoint, found ''"),
+        (
+            "7",
+            None,
+            "{ckpts}/latest names step 7, but {ckpts}/step-7 does not exist (checkpoint folders in {ckpts}: step-2)",
+        ),
+        ("2", corrupt, "checkpoint file {ckpts}/step-2/__0_0.distcp does not match its sha256"),
+        (
+            "2",
+            lambda step: (step / "manifest.json").unlink(),
+            "checkpoint {ckpts}/step-2 has no manifest.json",
+        ),
+    ],
+)
+def test_a_bad_resume_point_is_an_error_before_anything_starts(
+    latest, damage, message, tmp_path: Path
+) -> None:
+    # The bogus cluster address would be the error if the recipe started anything first.
+    ckpts = tmp_path / "checkpoints"
+    step = fake_checkpoint(ckpts / "step-2")
+    if latest is not None:
+        (ckpts / "latest").write_text(latest)
+    if damage is not None:
+        damage(step)
+    res = run_recipe(
+        ["--resume", "--cluster", "tcp://127.0.0.1:9", "model.tiny=true", "data.source=offline"], tmp_path
+    )
     assert res.returncode == 2, res.stderr[-2000:]
-    assert message in res.stderr
+    assert message.format(ckpts=ckpts) in res.stderr

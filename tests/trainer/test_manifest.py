@@ -3,6 +3,7 @@ resume point checked before a run starts anything."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 from nodes.trainer.manifest import (
     CheckpointError,
     hash_files,
+    resume_point,
     verify,
+    write_latest,
     write_manifest,
 )
 
@@ -57,3 +60,35 @@ def test_missing_file_or_manifest_is_an_error(tmp_path: Path) -> None:
     (ckpt / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"manifest\.json is unreadable"):
         verify(ckpt)
+
+
+def test_latest_is_replaced_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_latest(tmp_path, 2)
+    write_latest(tmp_path, 4)
+    assert (tmp_path / "latest").read_text() == "4\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+    def crash(src: object, dst: object) -> None:  # the process dies between write and rename
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        write_latest(tmp_path, 6)
+    assert (tmp_path / "latest").read_text() == "4\n"  # the old pointer, never an empty file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_resume_point_is_checked_and_errors_say_what_is_there(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path / "step-2")
+    make_checkpoint(tmp_path / "step-4")
+    write_latest(tmp_path, 4)
+    assert resume_point(tmp_path) == (4, tmp_path / "step-4")
+    (tmp_path / "latest").write_text("")
+    with pytest.raises(CheckpointError, match=r"found ''.*step-2, step-4"):
+        resume_point(tmp_path)
+    (tmp_path / "latest").write_text("9")
+    with pytest.raises(CheckpointError, match=r"names step 9, but .*step-9 does not exist"):
+        resume_point(tmp_path)
+    (tmp_path / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"nothing to resume"):
+        resume_point(tmp_path)
