@@ -317,8 +317,8 @@ class FSDPTrainer:
         if optimizer:
             for p, st in self.optimizer.state.items():
                 tensors += [(f"{names[p]}:{k}", v) for k, v in st.items() if torch.is_tensor(v)]
-        flags = [
-            torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all().logical_not()
+        flags = [  # one device sync for all of them; AdamW keeps its step counts on the CPU
+            torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all().logical_not().to(self.device)
             for _, t in tensors
         ]
         local = [n for (n, _), bad in zip(tensors, torch.stack(flags).tolist(), strict=True) if bad]
