@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from nodes.trainer.fsdp import NonFiniteError
+from nodes.trainer.fsdp import NonFiniteError, name_list
 from nodes.trainer.manifest import CheckpointError, hash_files, verify, write_manifest
 
 __all__ = ["CheckpointError", "TrainerState", "load", "save"]
@@ -77,7 +77,7 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
     if bad := trainer.nonfinite(optimizer=True):
         raise NonFiniteError(
             f"not saving checkpoint {path}: non-finite values at policy version {trainer.version} in "
-            f"{', '.join(bad)}; the last good checkpoint is kept"
+            f"{name_list(bad)}; the last good checkpoint is kept"
         )
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -130,7 +130,7 @@ def load(trainer: Any, path: str | Path) -> TrainerState:
         trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
     )
     if bad := trainer.nonfinite(optimizer=True):
-        raise CheckpointError(f"checkpoint {path} holds non-finite values in {', '.join(bad)}")
+        raise CheckpointError(f"checkpoint {path} holds non-finite values in {name_list(bad)}")
     extra = torch.load(path / f"rank{rank % state.world_size}.pt", weights_only=True)
     trainer.scheduler.load_state_dict(extra["scheduler"])
     _set_rng_state(extra["rng"])

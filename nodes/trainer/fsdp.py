@@ -38,13 +38,27 @@ from nodes.trainer.loss import (
 )
 from nodes.trainer.microbatch import MicroBatch, build_microbatch
 
-__all__ = ["FSDPTrainer", "NonFiniteError", "TrainConfig", "apply_fsdp", "build_optimizer", "lr_lambda"]
+__all__ = [
+    "FSDPTrainer",
+    "NonFiniteError",
+    "TrainConfig",
+    "apply_fsdp",
+    "build_optimizer",
+    "lr_lambda",
+    "name_list",
+]
 
 log = structlog.get_logger(__name__)
 
 
 class NonFiniteError(RuntimeError):
     """Weights, optimizer state, a loss or a gradient hold inf or nan; raised on every rank."""
+
+
+def name_list(names: list[str], limit: int = 4) -> str:
+    """``names`` for an error message: the first ``limit`` of them and how many more."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 @dataclass
@@ -303,7 +317,7 @@ class FSDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         what = "loss" if bad_loss.item() else f"gradient (norm {grad_norm})"
         weights = self.nonfinite()
-        cause = f"the weights already hold inf/nan in {', '.join(weights)}" if weights else "a bad batch"
+        cause = f"the weights already hold inf/nan in {name_list(weights)}" if weights else "a bad batch"
         raise NonFiniteError(
             f"train step at policy version {self.version}, {where}: non-finite {what}, likely {cause}; "
             "the update was not applied. Resume from the last checkpoint (never saved with inf/nan)"

@@ -111,7 +111,7 @@ class TrainerRank(rlactors.Actor):
         """Send the current weights to the connected servers with ``weight_version`` = the trainer's
         version. ``pause_mode``/``method`` override the configured ones for this push ("" keeps).
         Weights holding inf or nan are never pushed: NonFiniteError on every rank."""
-        from nodes.trainer.fsdp import NonFiniteError
+        from nodes.trainer.fsdp import NonFiniteError, name_list
 
         if self.pusher is None:
             raise RuntimeError("connect_servers() must run before push_weights()")
@@ -119,7 +119,7 @@ class TrainerRank(rlactors.Actor):
         if bad := trainer.nonfinite():  # servers given inf weights fail every request
             raise NonFiniteError(
                 f"not pushing weights of policy version {trainer.version}: non-finite values in "
-                f"{', '.join(bad)}; the servers keep the previous version"
+                f"{name_list(bad)}; the servers keep the previous version"
             )
         cfg = self.pusher.cfg
         saved = cfg.pause_mode, cfg.method
