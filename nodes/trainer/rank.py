@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 import rlactors
+from protocols.rl import Batch  # imported here so this worker can decode the batches it is sent
 
 __all__ = ["TrainerRank", "config_from_dict"]
 
@@ -90,8 +91,8 @@ class TrainerRank(rlactors.Actor):
             raise RuntimeError("TrainerRank.setup() must run first")
         return self.trainer
 
-    def train_step(self, batch: Any) -> dict[str, float]:
-        """One GRPO step on ``batch`` (a protocols.rl.Batch; every rank gets the whole batch)."""
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One GRPO step on ``batch`` (every rank gets the whole batch)."""
         return self._need().train_step(batch)
 
     def connect_servers(
