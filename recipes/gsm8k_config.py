@@ -159,15 +159,13 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 }
 
 
-def _check_ranges(cfg: RecipeConfig, path: str | None, overrides: list[str]) -> None:
+def _check_ranges(cfg: RecipeConfig, file: str, overrides: list[str]) -> None:
     overridden = {o.partition("=")[0].strip() for o in overrides}
     for key, (ok, allowed) in RANGES.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, "async_" if section == "async" else section), name)
         if not ok(value):
-            where = (
-                "command line" if key in overridden else str(Path(path).expanduser()) if path else "defaults"
-            )
+            where = "command line" if key in overridden else file
             raise ConfigError(f"{where}: '{key}' must be {allowed}, got {value!r}")
 
 
@@ -187,7 +185,7 @@ def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     The ``[async]`` table is ``async_`` in Python (``async`` is a keyword).
     """
     cfg = load_toml(RecipeConfig, path, overrides, renames={"async": "async_"})
-    _check_ranges(cfg, path, overrides)
-    source = str(Path(path).expanduser()) if path else "defaults"
-    _check_trainer_tables(cfg, f"{source} (with overrides)" if overrides else source)
+    file = str(Path(path).expanduser()) if path else "defaults"
+    _check_ranges(cfg, file, overrides)
+    _check_trainer_tables(cfg, f"{file} (with overrides)" if overrides else file)
     return cfg
