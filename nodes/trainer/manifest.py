@@ -53,7 +53,7 @@ def verify(folder: str | Path, share: tuple[int, int] = (0, 1)) -> None:
     except FileNotFoundError:
         raise CheckpointError(
             f"checkpoint {folder} has no {MANIFEST}: it is incomplete or from an older version "
-            "that did not record checksums, so its files cannot be trusted"
+            "that did not record checksums, so its files cannot be trusted; resume from another one"
         ) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{folder / MANIFEST} is unreadable ({type(e).__name__}: {e})") from None
@@ -97,6 +97,7 @@ def resume_point(root: str | Path) -> tuple[int, Path]:
     steps = sorted(int(p.name[5:]) for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
     found = ", ".join(f"step-{s}" for s in steps) or "none"
     there = f"checkpoint folders in {root}: {found}"
+    fix = "point it at one of those steps, or start without resuming"
     if not latest.is_file():
         raise CheckpointError(f"nothing to resume: {latest} does not exist ({there})")
     try:
@@ -105,11 +106,10 @@ def resume_point(root: str | Path) -> tuple[int, Path]:
         raise CheckpointError(f"cannot read {latest}: {e}") from None
     if not text.isdigit():
         raise CheckpointError(
-            f"{latest} should hold the step of the last complete checkpoint, found {text!r} ({there}); "
-            "write one of those steps into it, or start without --resume"
+            f"{latest} should hold the step of the last complete checkpoint, found {text!r} ({there}); {fix}"
         )
     path = root / f"step-{int(text)}"
     if not path.is_dir():
-        raise CheckpointError(f"{latest} names step {int(text)}, but {path} does not exist ({there})")
+        raise CheckpointError(f"{latest} names step {int(text)}, but {path} does not exist ({there}); {fix}")
     verify(path)
     return int(text), path
