@@ -14,6 +14,7 @@ from rlactors.collective import CollectiveGroup
 from rlactors.errors import (
     ActorDiedError,
     ActorNotFoundError,
+    ActorUnreachableError,
     ClusterError,
     PlacementError,
     RemoteError,
@@ -31,6 +32,7 @@ __all__ = [
     "ActorHandle",
     "ActorMethod",
     "ActorNotFoundError",
+    "ActorUnreachableError",
     "Cluster",
     "ClusterError",
     "CollectiveGroup",

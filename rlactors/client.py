@@ -23,16 +23,31 @@ import structlog
 
 from protocols import wire
 from protocols.wire import Flags, Kind
-from rlactors.errors import ActorDiedError, RuntimeShutdownError, exception_from_payload
+from rlactors.errors import (
+    ActorDiedError,
+    ActorUnreachableError,
+    RuntimeShutdownError,
+    exception_from_payload,
+)
 from rlactors.logging import Throttle
 from rlactors.security import Security
-from rlactors.transport import AsyncSocket, Outbox, connect_dealer
+from rlactors.transport import (
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    AsyncSocket,
+    Outbox,
+    connect_dealer,
+)
 
 log = structlog.get_logger("rlactors.client")
 
 MAX_IN_FLIGHT = 65_536
 STREAM_ACK_EVERY = 64
 LOG_EVERY_S = 10.0  # a flood of undecodable replies logs one line per this many seconds
+# After a connection is lost, its pending calls fail this much later: the head's word that the
+# actor died (ActorDiedError with the reason) usually comes first. Partition bound: heartbeat
+# interval + heartbeat timeout (rlactors.transport) + this.
+LINK_GRACE_S = 3.0
 
 
 class StreamCall(AsyncIterator[Any]):
@@ -112,13 +127,19 @@ class Connection:
     def __init__(self, address: str, security: Security | None, *, name: str = "") -> None:
         self.address = address
         self.name = name or address
-        self._asock: AsyncSocket = connect_dealer(address, self._on_message, security, name=self.name)
-        self._outbox = Outbox(self._asock, routed=False)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any] | StreamCall] = {}
         self._waiting: collections.deque[list[Any]] = collections.deque()
         self._closed_error: BaseException | None = None
         self._loop = asyncio.get_running_loop()
+        self._link_down = False  # the connection was lost and is not back yet
+        self._at_risk: set[int] = set()  # calls pending when it was lost: their replies are gone
+        self._link_timer: asyncio.TimerHandle | None = None
+        self._unreachable: ActorUnreachableError | None = None  # set while the peer stays unreachable
+        self._asock: AsyncSocket = connect_dealer(
+            address, self._on_message, security, name=self.name, on_link=self._on_link
+        )
+        self._outbox = Outbox(self._asock, routed=False)
         self._drop_log = Throttle(log, "dropped a reply that cannot be decoded", LOG_EVERY_S)
 
     @property
@@ -138,8 +159,8 @@ class Connection:
     ) -> asyncio.Future[Any]:
         """Send a call now; the future resolves with its result. Cancelling it cancels the remote call."""
         fut: asyncio.Future[Any] = self._loop.create_future()
-        if self._closed_error is not None:
-            fut.set_exception(self._closed_error)
+        if self._closed_error is not None or self._unreachable is not None:
+            fut.set_exception(self._closed_error or self._unreachable)  # type: ignore[arg-type]
             return fut
         call_id = next(self._ids)
         env = wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, 0)
@@ -157,8 +178,8 @@ class Connection:
         target: str | None = None,
     ) -> None:
         """Send a call whose result nobody waits for."""
-        if self._closed_error is not None:
-            raise self._closed_error
+        if self._closed_error is not None or self._unreachable is not None:
+            raise self._closed_error or self._unreachable  # type: ignore[misc]
         env = wire.encode_envelope(
             Kind.CALL, next(self._ids), target, method, list(args), kwargs, Flags.NO_REPLY
         )
@@ -174,8 +195,8 @@ class Connection:
     ) -> StreamCall:
         call_id = next(self._ids)
         s = StreamCall(self, call_id)
-        if self._closed_error is not None:
-            s._finish(self._closed_error)
+        if self._closed_error is not None or self._unreachable is not None:
+            s._finish(self._closed_error or self._unreachable)
             return s
         env = wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, Flags.STREAM)
         self._pending[call_id] = s
@@ -269,15 +290,54 @@ class Connection:
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every pending call (the peer is gone)."""
-        pending, self._pending = self._pending, {}
         self._waiting.clear()
-        for p in pending.values():
+        self._fail(list(self._pending), exc)
+
+    def _fail(self, call_ids: list[int], exc: BaseException) -> None:
+        for call_id in call_ids:
+            p = self._pending.pop(call_id, None)
             if isinstance(p, StreamCall):
                 p._finish(exc)
-            elif not p.done():
+            elif p is not None and not p.done():
                 p.set_exception(exc)
 
+    # --- liveness -------------------------------------------------------------------------------
+
+    def _on_link(self, up: bool) -> None:
+        """The connection came up (handshake done) or was lost (peer gone, or silent past the
+        heartbeat timeout, as in a network partition)."""
+        if up:
+            self._link_down, self._unreachable = False, None
+            return
+        # The peer knows a reconnected socket by a new identity: replies to calls sent before
+        # now never come. Fail them soon, leaving the head room to say first that the actor died.
+        self._link_down = True
+        self._at_risk.update(self._pending)
+        if self._link_timer is None and self._closed_error is None:
+            self._link_timer = self._loop.call_later(LINK_GRACE_S, self._link_lost)
+
+    def _link_lost(self) -> None:
+        self._link_timer = None
+        if self._closed_error is not None:
+            return
+        bound = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000 + LINK_GRACE_S
+        err = ActorUnreachableError(
+            f"{self.name} did not answer for about {bound:.0f}s (a network partition, or a stopped "
+            "process?); the call failed and may or may not have run there"
+        )
+        lost = list(self._pending) if self._link_down else [i for i in self._at_risk if i in self._pending]
+        self._at_risk.clear()
+        if self._link_down:  # still unreachable: later calls fail at once until it is back
+            self._unreachable = err
+            self._waiting.clear()
+        if lost:
+            log.warning("calls failed: the peer stopped answering", peer=self.name, calls=len(lost))
+        self._fail(lost, err)
+
     def close(self, exc: BaseException | None = None) -> None:
+        if self._link_timer is not None:
+            self._link_timer.cancel()
+            self._link_timer = None
         if self._closed_error is None:
             self._closed_error = exc or RuntimeShutdownError(f"connection to {self.name} closed")
         self.fail_all(self._closed_error)

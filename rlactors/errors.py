@@ -11,6 +11,7 @@ from protocols import codec
 __all__ = [
     "ActorDiedError",
     "ActorNotFoundError",
+    "ActorUnreachableError",
     "ClusterError",
     "PlacementError",
     "RemoteError",
@@ -28,6 +29,14 @@ class ActorDiedError(ClusterError):
     def __init__(self, message: str, actor_id: str | None = None) -> None:
         super().__init__(message)
         self.actor_id = actor_id
+
+
+class ActorUnreachableError(ActorDiedError):
+    """The peer stopped answering at the network level (a partition, or a stopped process).
+
+    Its pending calls failed: their replies can no longer arrive. A subclass of
+    :class:`ActorDiedError` because, to its callers, an unreachable actor is as good as dead.
+    """
 
 
 class ActorNotFoundError(ClusterError, LookupError):

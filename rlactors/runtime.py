@@ -198,10 +198,13 @@ class RuntimeClient:
 
     # --- actors ---------------------------------------------------------------------------------
 
-    def connection(self, address: str) -> Connection:
-        conn = self._conns.get(address)
+    def _actor_connection(self, st: ActorState) -> Connection:
+        conn = self._conns.get(st.address)
         if conn is None or conn.closed:
-            conn = self._conns[address] = Connection(address, self.security)
+            who = f"actor {st.name} ({st.actor_id})" if st.name else f"actor {st.actor_id}"
+            conn = self._conns[st.address] = Connection(
+                st.address, self.security, name=f"{who} at {st.address}"
+            )
         return conn
 
     def actor_state(self, actor_id: str, address: str) -> ActorState:
@@ -222,7 +225,7 @@ class RuntimeClient:
     ) -> asyncio.Future[Any]:
         st = self.actor_state(actor_id, address)
         if st.state == "ALIVE":
-            return self.connection(st.address).call(method, args, kwargs, target=target)
+            return self._actor_connection(st).call(method, args, kwargs, target=target)
         if st.state == "DEAD":
             fut = asyncio.get_running_loop().create_future()
             fut.set_exception(st.died_error())
@@ -238,7 +241,7 @@ class RuntimeClient:
         target: str | None = None,
     ) -> Any:
         await self.wait_alive(st)
-        return await self.connection(st.address).call(method, args, kwargs, target=target)
+        return await self._actor_connection(st).call(method, args, kwargs, target=target)
 
     async def wait_alive(self, st: ActorState, timeout: float = 300.0) -> None:
         """Wait while an actor restarts; raise ActorDiedError if it ends up dead."""
@@ -255,7 +258,7 @@ class RuntimeClient:
         if st.state == "DEAD":
             raise st.died_error()
         if st.state == "ALIVE":
-            self.connection(st.address).tell(method, args, kwargs)
+            self._actor_connection(st).tell(method, args, kwargs)
         else:
             task = asyncio.ensure_future(self._call_when_alive(st, method, args, kwargs))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -272,4 +275,4 @@ class RuntimeClient:
                 else ActorDiedError(f"actor {actor_id} is restarting", actor_id)
             )
             return s
-        return self.connection(st.address).stream(method, args, kwargs)
+        return self._actor_connection(st).stream(method, args, kwargs)

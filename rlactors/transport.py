@@ -9,6 +9,10 @@ from when many calls are in flight.
 ROUTER sockets set ``ROUTER_MANDATORY``: a reply to a peer that is gone raises instead of
 vanishing, and is logged. When ZeroMQ's high-water mark is reached, messages wait in a
 local backlog and are retried; nothing is dropped silently.
+
+Every connection carries ZMTP heartbeats (answered by ZeroMQ's I/O thread, not the event
+loop): a peer silent for ``HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS`` is disconnected, and
+a DEALER's ``on_link`` callback hears of it, which is how callers notice a partition.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +39,8 @@ log = structlog.get_logger("rlactors.transport")
 HWM = 100_000
 # Messages read per wake-up before yielding to other callbacks (fairness).
 DRAIN_BUDGET = 512
+HEARTBEAT_IVL_MS = 1000  # ZMTP ping to every peer this often
+HEARTBEAT_TIMEOUT_MS = 6000  # a connection silent this long after a ping is dropped
 REJECT_LOG_EVERY_S = 10.0  # peers refused by authentication: one log line per this many seconds
 
 _ctx: zmq.Context | None = None
@@ -202,15 +210,34 @@ class Outbox:
                 self._asock.send([to, *msg] if self._routed else msg)
 
 
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    # ZMTP heartbeats are answered by ZeroMQ's I/O thread, so a busy event loop still answers them;
+    # a peer that stays silent is disconnected, which the caller turns into failed calls.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def monitor(asock: AsyncSocket, events: int, on_event: Callable[[int, str], None]) -> None:
+    """Call ``on_event(event, endpoint)`` for the socket's connection ``events`` (ZeroMQ's monitor)."""
+
+    def handle(frames: list[Any]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        on_event(event["event"], event["endpoint"].decode(errors="replace"))
+
+    asock.monitor = AsyncSocket(asock.sock.get_monitor_socket(events), handle, name=f"{asock.name}-monitor")
+
+
 def bind_router(
     address: str, on_message: OnMessage, security: Security | None, *, name: str
 ) -> tuple[AsyncSocket, str]:
     """Bind a ROUTER socket; returns it and the concrete address (with the chosen port)."""
     sock = context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.setsockopt(zmq.LINGER, 0)
+    _configure(sock)
     if security is not None:
         security.apply_server(sock)
     if address.startswith("tcp://") and address.endswith(":0"):
@@ -219,7 +246,7 @@ def bind_router(
     concrete = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     asock = AsyncSocket(sock, on_message, name=name)
     if security is not None:
-        _watch_handshakes(asock)
+        _log_rejections(asock)
     return asock, concrete
 
 
@@ -230,34 +257,43 @@ _HANDSHAKE_FAILED = {
 }
 
 
-def _watch_handshakes(asock: AsyncSocket) -> None:
+def _log_rejections(asock: AsyncSocket) -> None:
     """Log peers refused by authentication (ZeroMQ drops them silently), a few lines per flood."""
-    events = 0
-    for e in _HANDSHAKE_FAILED:
-        events |= e
     rejected = Throttle(log, "rejected a peer that did not authenticate", REJECT_LOG_EVERY_S)
 
-    def on_event(frames: list[Any]) -> None:
-        event = parse_monitor_message([f.bytes for f in frames])
-        rejected(
-            socket=asock.name,
-            endpoint=event["endpoint"].decode(),
-            why=_HANDSHAKE_FAILED.get(event["event"], "its handshake failed"),
-        )
+    def on_event(event: int, endpoint: str) -> None:
+        why = _HANDSHAKE_FAILED.get(event, "its handshake failed")
+        rejected(socket=asock.name, endpoint=endpoint, why=why)
 
-    asock.monitor = AsyncSocket(asock.sock.get_monitor_socket(events), on_event, name=f"{asock.name}-monitor")
+    monitor(asock, functools.reduce(operator.or_, _HANDSHAKE_FAILED), on_event)
 
 
 def connect_dealer(
-    address: str, on_message: OnMessage, security: Security | None, *, name: str
+    address: str,
+    on_message: OnMessage,
+    security: Security | None,
+    *,
+    name: str,
+    on_link: Callable[[bool], None] | None = None,
 ) -> AsyncSocket:
-    """Connect a DEALER socket to a ROUTER at ``address``."""
+    """Connect a DEALER socket to a ROUTER at ``address``.
+
+    ``on_link(True)`` is called when a connection is established (handshake done),
+    ``on_link(False)`` when it is lost (peer gone, or silent past the heartbeat timeout).
+    """
     sock = context().socket(zmq.DEALER)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.setsockopt(zmq.LINGER, 0)
+    _configure(sock)
     sock.setsockopt(zmq.IMMEDIATE, 0)
+    # A connection attempt into a partition gives up and retries, so the link is back soon after it heals.
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if security is not None:
         security.apply_client(sock)
+    asock = AsyncSocket(sock, on_message, name=name)
+    if on_link is not None:
+        monitor(
+            asock,
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+            lambda event, _: on_link(event == zmq.EVENT_HANDSHAKE_SUCCEEDED),
+        )
     sock.connect(address)
-    return AsyncSocket(sock, on_message, name=name)
+    return asock

@@ -33,6 +33,13 @@ class Member(rlactors.Actor):
     def busy(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    async def call_other(self, other: rlactors.ActorHandle, method: str, *args: object) -> str:
+        """Call ``other.method(*args)`` from this actor; what happened, as text."""
+        try:
+            return repr(await getattr(other, method)(*args))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+
     async def node(self) -> str:
         return rlactors.get_context().node_id
 

@@ -55,6 +55,13 @@ class Hosts:
     def heal(self, i: int) -> None:
         sh("ip", "link", "set", self.veth(i), "up")
 
+    def blackhole(self, i: int, ip: str) -> None:
+        """Host ``i`` can no longer send to ``ip`` (a one-way partition); traffic to it still arrives."""
+        sh(*self.exec_prefix(i), "ip", "route", "add", "blackhole", f"{ip}/32")
+
+    def unblackhole(self, i: int, ip: str) -> None:
+        sh(*self.exec_prefix(i), "ip", "route", "del", "blackhole", f"{ip}/32")
+
     def teardown(self) -> None:
         for n in self.names:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)

@@ -164,6 +164,25 @@ async def test_partition_is_detected_and_the_host_rejoins(two_hosts) -> None:
     assert await again.node() == "h1"
 
 
+async def test_a_one_way_partition_between_caller_and_worker_fails_the_call(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    caller = await cluster.spawn(Member, node_id="h0")
+    worker = await cluster.spawn(Member, node_id="h1")
+    assert await caller.call_other(worker, "node") == "'h1'"
+    # h1 can no longer send to h0; both still talk to the head, which sees every node alive.
+    c2.hosts.blackhole(1, c2.hosts.ip(0))
+    try:
+        outcome = await asyncio.wait_for(caller.call_other(worker, "busy", 60), 40)
+        assert outcome.startswith("ActorUnreachableError"), outcome
+        assert {n["node_id"] for n in await cluster.nodes() if n["alive"]} == {"h0", "h1"}
+    finally:
+        c2.hosts.unblackhole(1, c2.hosts.ip(0))
+    # Healed: the caller reconnects and calls go through again.
+    async with asyncio.timeout(30):
+        while await caller.call_other(worker, "node") != "'h1'":  # noqa: ASYNC110 (remote state)
+            await asyncio.sleep(0.2)
+
+
 async def test_kill_9_of_a_node_agent_is_detected(two_hosts) -> None:
     cluster, c2 = two_hosts
     a = await cluster.spawn(Member, node_id="h0")

@@ -159,3 +159,24 @@ async def test_a_flood_of_garbage_is_logged_in_a_few_lines_that_count_it(monkeyp
             await recorder.wait_for(lambda event, fields: fields.get("total") == 2000)
         finally:
             sock.close()
+
+
+async def test_calls_to_a_stopped_worker_fail_as_unreachable_and_recover(cluster) -> None:
+    c = await cluster.spawn(Counter)
+    pid = await c.pid()
+    os.kill(pid, signal.SIGSTOP)  # alive to its agent and the head, but it answers nothing
+    try:
+        pending = c.sleep(60)
+        with pytest.raises(rlactors.ActorUnreachableError, match="did not answer"):
+            await asyncio.wait_for(pending, 30)
+        with pytest.raises(rlactors.ActorUnreachableError):  # while it stays silent, at once
+            await asyncio.wait_for(c.add(1), 1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    async with asyncio.timeout(30):  # the connection comes back; calls go through again
+        while True:
+            try:
+                assert await c.add(1) == 1
+                break
+            except rlactors.ActorUnreachableError:
+                await asyncio.sleep(0.2)
