@@ -23,7 +23,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from rlactors.config import ClusterConfig, ConfigError, agent_command, load_cluster_config, state_file
+from rlactors.config import (
+    ClusterConfig,
+    ConfigError,
+    agent_command,
+    load_cluster_config,
+    read_state,
+    state_file,
+)
 from rlactors.errors import ClusterError
 from rlactors.security import new_secret_file
 
@@ -60,10 +67,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg: ClusterConfig = load_cluster_config(args.config, args.set)
     sf = state_file()
     if sf.exists():
-        console.print(
-            f"[red]a cluster is already recorded in {sf}[/]: run `rlactors down` first (or delete the file if it is stale)"
-        )
-        return 1
+        state = _load_state()  # an unreadable record raises, naming the file and `rlactors down`
+        if _running(state.get("head_pid")):
+            console.print(
+                f"[red]a cluster is already running (recorded in {sf})[/]: run `rlactors down` first"
+            )
+            return 1
+        console.print(f"[yellow]removed a stale cluster record[/] {sf}: its head is not running")
+        sf.unlink()
     secret = Path(cfg.cluster.secret_file).expanduser()
     if not secret.exists():
         new_secret_file(secret)
@@ -175,7 +186,14 @@ def _load_state() -> dict[str, Any]:
     sf = state_file()
     if not sf.exists():
         raise ClusterError(f"no running cluster recorded in {sf}; start one with `rlactors up cluster.toml`")
-    return json.loads(sf.read_text())
+    return read_state(sf)
+
+
+def _running(pid: object) -> bool:
+    """Whether ``pid`` is a live process we started (pids of exited processes get reused)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    return any(k in _cmdline(pid) for k in ("rlactors.daemons", "ssh", "srun"))
 
 
 async def _status(
@@ -195,7 +213,16 @@ def _fmt_res(total: dict[str, float], used: dict[str, float]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    nodes, actors = asyncio.run(_status(args.address, args.secret_file))
+    try:
+        nodes, actors = asyncio.run(_status(args.address, args.secret_file))
+    except ClusterError as e:
+        sf = state_file()
+        if args.address is None and sf.exists() and not _running(_load_state().get("head_pid")):
+            raise ClusterError(
+                f"the cluster recorded in {sf} is not running (its head has exited); "
+                "`rlactors down` clears the record"
+            ) from e
+        raise
     t = Table(title="nodes")
     for col in ("node", "host", "state", "resources used/total"):
         t.add_column(col)
@@ -241,38 +268,61 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie whose parent has not reaped it counts as exited)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
 def _wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
+    while not _gone(pid):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    state = _load_state()
+    sf = state_file()
     try:
-        n = asyncio.run(_down(state["address"], state["secret_file"], state.get("security", "curve")))
-        console.print(f"stopped {n} node agent(s) and the head")
+        state = _load_state()
     except ClusterError as e:
+        if not sf.exists():
+            raise
+        console.print(f"[yellow]{e}[/]\nremoving it; look for leftover `rlactors.daemons` processes with ps")
+        sf.unlink()
+        return 1
+    head_answered = False
+    try:
+        n = asyncio.run(
+            _down(state.get("address", ""), state.get("secret_file", ""), state.get("security", "curve"))
+        )
+        console.print(f"stopped {n} node agent(s) and the head")
+        head_answered = True
+    except (ClusterError, OSError, ValueError) as e:
         console.print(f"[yellow]head not reachable ({e}); killing recorded processes[/]")
-    pids = [state["head_pid"], *(a["pid"] for a in state["agents"].values())]
+    agents = state.get("agents")
+    pids = [
+        state.get("head_pid"),
+        *(a.get("pid") for a in (agents.values() if isinstance(agents, dict) else [])),
+    ]
     # Only processes we started (a stale state file may name pids since reused by others).
-    pids = [p for p in pids if any(k in _cmdline(p) for k in ("rlactors.daemons", "ssh", "srun"))]
-    for pid in pids:
-        if not _wait_gone(pid, 10):
+    for pid in [p for p in pids if _running(p)]:
+        # Told to stop by the head, a process gets a while to exit on its own; else at once.
+        if not _wait_gone(pid, 10 if head_answered else 0):
             # SIGTERM first: srun ends its step and ssh's remote side gets a hang-up; then SIGKILL.
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, sig)
                 if _wait_gone(pid, 5):
                     break
-    state_file().unlink(missing_ok=True)
+    sf.unlink(missing_ok=True)
     console.print("[green]cluster down[/]")
     return 0
 

@@ -24,7 +24,7 @@ import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rlactors.errors import ClusterError
 from rlactors.tomlconf import ConfigError, load_toml
@@ -35,6 +35,7 @@ __all__ = [
     "HeadConfig",
     "NodeConfig",
     "load_cluster_config",
+    "read_state",
     "resolve_connect",
 ]
 
@@ -54,6 +55,14 @@ class HeadConfig:
     node_timeout: float = 5.0  # a node silent this long is declared dead
     python: str = ""  # interpreter for the head; defaults to cluster.python
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"'port' must be between 1 and 65535, got {self.port}")
+        if self.node_timeout <= 0:
+            raise ValueError(f"'node_timeout' must be > 0 seconds, got {self.node_timeout:g}")
+        if not self.host:
+            raise ValueError("'host' must be an address every node can reach")
+
 
 @dataclass
 class NodeConfig:
@@ -70,6 +79,13 @@ class NodeConfig:
     ssh_options: list[str] = field(default_factory=list)
     srun_options: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("'host' must not be empty")
+        negative = sorted(k for k, v in self.resources.items() if v < 0)
+        if negative:
+            raise ValueError(f"'resources' must not be negative: {', '.join(negative)}")
+
 
 @dataclass
 class ClusterSection:
@@ -80,13 +96,17 @@ class ClusterSection:
     start_timeout: float = 120.0  # seconds `rlactors up` waits for every node to register
     security: Literal["curve", "plain"] = "curve"  # plain: authenticated, not encrypted (trusted networks)
 
+    def __post_init__(self) -> None:
+        if self.start_timeout <= 0:
+            raise ValueError(f"'start_timeout' must be > 0 seconds, got {self.start_timeout:g}")
+
 
 @dataclass
 class ClusterConfig:
     """A whole cluster.toml."""
 
     nodes: list[NodeConfig]
-    head: HeadConfig = field(default_factory=HeadConfig)
+    head: HeadConfig  # required: where agents and clients reach the head is never guessed
     cluster: ClusterSection = field(default_factory=ClusterSection)
     source: str = ""
 
@@ -165,6 +185,19 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
     ]
 
 
+def read_state(path: Path) -> dict[str, Any]:
+    """The record `rlactors up` wrote; ClusterError (naming the file and the way out) if unreadable."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        state, why = None, str(e)
+    else:
+        why = "not a JSON object"
+    if not isinstance(state, dict):
+        raise ClusterError(f"the cluster record {path} is unreadable ({why}); `rlactors down` removes it")
+    return state
+
+
 def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, str | None, str | None]:
     """Head address, secret file and security mechanism for ``connect()``: arguments, then env,
     then ``rlactors up``'s state."""
@@ -173,7 +206,7 @@ def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, 
     mechanism = None
     sf = state_file()
     if addr is None and sf.exists():
-        state = json.loads(sf.read_text())
+        state = read_state(sf)
         addr = state.get("address")
         secret = secret or state.get("secret_file")
         mechanism = state.get("security")

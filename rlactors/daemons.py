@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -57,6 +58,15 @@ async def run_agent(args: argparse.Namespace) -> int:
     resources = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
     resources.update({k: float(v) for k, v in json.loads(args.resources or "{}").items()})
     session_dir = Path(tempfile.mkdtemp(prefix=f"rlx-{args.node_id}-", dir="/tmp"))
+    try:
+        return await _serve_agent(args, security, resources, session_dir)
+    finally:
+        shutil.rmtree(session_dir, ignore_errors=True)
+
+
+async def _serve_agent(
+    args: argparse.Namespace, security: Security, resources: dict[str, float], session_dir: Path
+) -> int:
     service = Service(name=f"agent-{args.node_id}", security=security)
     agent = NodeAgent(
         args.node_id,

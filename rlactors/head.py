@@ -9,6 +9,7 @@ actor fail fast everywhere. It is never on the data path of actor calls.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 import uuid
@@ -27,6 +28,7 @@ from rlactors.sessions import Sessions
 log = structlog.get_logger("rlactors.head")
 
 START_TIMEOUT_S = 3600.0  # safety net; a lost node fails its calls at once
+MAX_DEAD_ACTORS = 100  # records of dead actors kept (for status, and to say why a late call fails)
 AGENT_CALL_TIMEOUT_S = 30.0
 
 
@@ -40,10 +42,15 @@ class Head:
         node_timeout: float = 5.0,
         client_timeout: float | None = None,
     ) -> None:
+        if node_timeout <= 0 or (client_timeout is not None and client_timeout <= 0):
+            raise ValueError(
+                f"node_timeout and client_timeout must be > 0 seconds, got {node_timeout} and {client_timeout}"
+            )
         self.security = security
         self.node_timeout = node_timeout
         self.nodes: dict[str, NodeRecord] = {}
         self.actors: dict[str, ActorRecord] = {}
+        self._dead: collections.deque[str] = collections.deque()  # ids of dead actors, oldest first
         self.names: dict[str, str] = {}
         self.kv = KVStore()
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
@@ -280,6 +287,11 @@ class Head:
             del self.names[rec.name]
         rec.died.set()
         self._publish(rec)
+        self._dead.append(rec.actor_id)
+        while len(self._dead) > MAX_DEAD_ACTORS:
+            old = self.actors.get(self._dead.popleft())
+            if old is not None and old.state == "DEAD":
+                del self.actors[old.actor_id]
 
     async def actor_exited(self, actor_id: str, reason: str) -> None:
         """Called by a node agent the moment a worker process exits."""

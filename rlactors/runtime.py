@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import uuid
 from typing import Any
@@ -10,12 +11,13 @@ from typing import Any
 import structlog
 
 from rlactors.client import ActorState, Connection, StreamCall
-from rlactors.errors import ActorDiedError, ClusterError, RuntimeShutdownError
+from rlactors.errors import ActorDiedError, ActorNotFoundError, ClusterError, RuntimeShutdownError
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.runtime")
 
 _current: RuntimeClient | None = None
+MAX_DEAD_ACTORS = 10_000  # dead actors remembered, so calls through old handles fail fast
 
 
 def current_client() -> RuntimeClient:
@@ -42,6 +44,8 @@ class RuntimeClient:
         self.closed = False
         self._conns: dict[str, Connection] = {}
         self._actors: dict[str, ActorState] = {}
+        self._dead: collections.deque[str] = collections.deque()  # ids of dead actors, oldest first
+        self._checks: set[asyncio.Task[None]] = set()
         self._events_task: asyncio.Task[None] | None = None
         self._beat_task: asyncio.Task[None] | None = None
         self._events: StreamCall | None = None  # the current subscription to the head's events
@@ -181,10 +185,12 @@ class RuntimeClient:
     def _update(self, actor_id: str, state: str, address: str, reason: str, name: str | None = None) -> None:
         st = self._actors.get(actor_id)
         if st is None:
-            st = self._actors[actor_id] = ActorState(actor_id, address, state)
+            st = self._actors[actor_id] = ActorState(actor_id, address, "PENDING")
         st.name = name or st.name
-        old = st.address
+        old, old_state = st.address, st.state
         st.state, st.reason = state, reason
+        if state == "DEAD" and old_state != "DEAD":
+            self._forget_old_dead(actor_id)
         if state in ("DEAD", "RESTARTING"):
             st.alive.clear()
             conn = self._conns.pop(old, None)
@@ -207,11 +213,34 @@ class RuntimeClient:
             )
         return conn
 
+    def _forget_old_dead(self, actor_id: str) -> None:
+        self._dead.append(actor_id)
+        while len(self._dead) > MAX_DEAD_ACTORS:
+            old = self._actors.get(self._dead.popleft())
+            if old is not None and old.state == "DEAD":
+                del self._actors[old.actor_id]
+
     def actor_state(self, actor_id: str, address: str) -> ActorState:
         st = self._actors.get(actor_id)
         if st is None:
             st = self._actors[actor_id] = ActorState(actor_id, address, "ALIVE")
+            if self._synced.is_set():
+                # Every actor the head knows reached us with its events: ask about this stranger
+                # (a handle to an actor long dead and forgotten) rather than let calls to it hang.
+                task = asyncio.get_running_loop().create_task(self._check_known(st))
+                self._checks.add(task)
+                task.add_done_callback(self._checks.discard)
         return st
+
+    async def _check_known(self, st: ActorState) -> None:
+        try:
+            await asyncio.wait_for(self.head_call("get_actor", st.actor_id), 30)
+        except ActorNotFoundError:
+            if st.state != "DEAD":
+                reason = "unknown to the head (it died long ago, or never existed)"
+                self._update(st.actor_id, "DEAD", st.address, reason)
+        except Exception:  # the head is unreachable: the heartbeat reports that
+            pass
 
     def call_actor(
         self,

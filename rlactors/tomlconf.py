@@ -113,6 +113,8 @@ def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "<config>", p
             and f.default_factory is dataclasses.MISSING
         ):
             path = f"{prefix}.{name}" if prefix else name
+            if dataclasses.is_dataclass(hints[name]):
+                raise ConfigError(f"{source}: missing required table [{path}]")
             raise ConfigError(f"{source}: missing required key '{path}'")
     try:
         return cls(**kwargs)

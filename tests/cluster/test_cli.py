@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
+import rlactors.security
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,9 +77,11 @@ node_id = "hostB"
 resources = {{ cpu = 2 }}
 """,
     )
+    before = set(Path("/tmp").glob("rlx-host[AB]-*"))
     up = run_cli(["up", str(cfg)], cli_env)
     try:
         assert up.returncode == 0, up.stderr
+        assert set(Path("/tmp").glob("rlx-host[AB]-*")) - before  # the agents' session folders
         assert "cluster up" in up.stderr
         assert (tmp_path / "secret").stat().st_mode & 0o777 == 0o600
 
@@ -111,6 +115,7 @@ resources = {{ cpu = 2 }}
     assert down.returncode == 0, down.stderr
     assert "cluster down" in down.stderr
     assert not (Path(cli_env["RLACTORS_STATE_DIR"]) / "cluster.json").exists()
+    assert not set(Path("/tmp").glob("rlx-host[AB]-*")) - before  # removed when the agents stopped
     again = run_cli(["status"], cli_env)
     assert again.returncode == 1 and "no cluster address" in again.stderr
 
@@ -194,11 +199,19 @@ workdir = "/scratch/run"
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("nodes = []", "at least one node"),
+        ('[head]\nhost = "h"\n', "missing required key 'nodes'"),
+        ('[[nodes]]\nhost = "a"', "missing required table [head]"),
+        ('nodes = []\n[head]\nhost = "h"', "at least one node"),
+        ('[head]\nnode_timeout = -1\n[[nodes]]\nhost = "a"', "[head]: 'node_timeout' must be > 0 seconds"),
+        ('[head]\nport = 70000\n[[nodes]]\nhost = "a"', "[head]: 'port' must be between 1 and 65535"),
+        (
+            '[head]\n[cluster]\nstart_timeout = 0\n[[nodes]]\nhost = "a"',
+            "[cluster]: 'start_timeout' must be > 0",
+        ),
+        ('[head]\n[[nodes]]\nhost = "a"\nresources = { gpu = -1 }', "'resources' must not be negative: gpu"),
         ('[[nodes]]\nhost = "a"\nresources = { cpu = "many" }', "'nodes[0].resources.cpu' must be a float"),
         ('[[nodes]]\nhost = "a"\nlaunch = "telnet"', "'nodes[0].launch' must be 'local' or 'ssh' or 'slurm'"),
-        ("[head]\nport = 1\n", "missing required key 'nodes'"),
-        ('[[nodes]]\nhost = "a"\n[[nodes]]\nhost = "b"\nnode_id = "a"', "duplicate node_id"),
+        ('[head]\n[[nodes]]\nhost = "a"\n[[nodes]]\nhost = "b"\nnode_id = "a"', "duplicate node_id"),
         ("[[nodes]\nhost=", "not valid TOML"),
     ],
 )
@@ -209,3 +222,53 @@ def test_bad_cluster_toml_errors_name_the_key_and_file(tmp_path: Path, body: str
     with pytest.raises(ConfigError) as info:
         load_cluster_config(p)
     assert message in str(info.value) and str(p) in str(info.value)
+
+
+def _record(cli_env: dict[str, str], text: str) -> Path:
+    sf = Path(cli_env["RLACTORS_STATE_DIR"]) / "cluster.json"
+    sf.parent.mkdir(parents=True, exist_ok=True)
+    sf.write_text(text)
+    return sf
+
+
+def test_an_unreadable_cluster_record_is_reported_and_down_clears_it(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    sf = _record(cli_env, '{"address": "tcp://127.0.0.1:1", ')
+    cfg = write_config(tmp_path, '[head]\n[[nodes]]\nhost = "127.0.0.1"\n')
+    for args in (["status"], ["up", str(cfg)]):
+        res = run_cli(args, cli_env)
+        assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+        assert f"the cluster record {sf} is unreadable" in res.stderr.replace("\n", ""), res.stderr
+    down = run_cli(["down"], cli_env)
+    assert "Traceback" not in down.stderr and not sf.exists(), down.stderr
+
+
+def test_down_with_a_dead_head_stops_the_agents_at_once(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    secret = tmp_path / "secret"
+    rlactors.security.new_secret_file(secret)
+    # Stand-ins for agents whose head is gone (their command line names rlactors.daemons).
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(600)", "rlactors.daemons"], start_new_session=True
+        )
+        for _ in range(5)
+    ]
+    try:
+        state = {
+            "address": f"tcp://127.0.0.1:{free_port()}",
+            "secret_file": str(secret),
+            "head_pid": 2**22 + 1,  # no such process
+            "agents": {f"n{i}": {"pid": p.pid} for i, p in enumerate(agents)},
+        }
+        sf = _record(cli_env, json.dumps(state))
+        status = run_cli(["status"], cli_env)
+        assert status.returncode == 1 and "is not running" in status.stderr, status.stderr
+        down = run_cli(["down"], cli_env, timeout=40)  # before: 10 s of waiting per agent
+        assert down.returncode == 0 and "cluster down" in down.stderr, down.stderr
+        assert all(p.wait(10) is not None for p in agents) and not sf.exists()
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -13,7 +13,8 @@ import zmq.asyncio
 
 import rlactors
 from protocols import codec, wire
-from rlactors import service
+from rlactors import head, service
+from rlactors.runtime import RuntimeClient
 from tests.runtime.actors import Counter
 
 # Generous bound that turns a hang into a failure; the 1 s target is measured in bench/rpc.py.
@@ -180,3 +181,22 @@ async def test_calls_to_a_stopped_worker_fail_as_unreachable_and_recover(cluster
                 break
             except rlactors.ActorUnreachableError:
                 await asyncio.sleep(0.2)
+
+
+async def test_the_head_keeps_a_bounded_number_of_dead_actors(monkeypatch) -> None:
+    monkeypatch.setattr(head, "MAX_DEAD_ACTORS", 2)
+    async with rlactors.init() as cluster:
+        victims = [await cluster.spawn(Counter) for _ in range(4)]
+        for v in victims:
+            await cluster.kill(v)
+        listed = {a["actor_id"] for a in await cluster.actors()}
+        assert listed == {victims[2].actor_id, victims[3].actor_id}  # the two latest deaths
+        # A client that never heard of the first one still gets an error, not a hang.
+        stranger = RuntimeClient(cluster.address, name="stranger")
+        await stranger.start()
+        try:
+            call = stranger.call_actor(victims[0].actor_id, victims[0].address, "add", (1,), {})
+            with pytest.raises(rlactors.ActorDiedError, match="unknown to the head"):
+                await asyncio.wait_for(call, NO_HANG)
+        finally:
+            await stranger.close()
