@@ -53,7 +53,8 @@ class CodecError(ValueError):
 _dataclasses: dict[str, type] = {}
 _custom: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
 _custom_by_type: dict[type, str] = {}
-_trusted_packages: set[str] = set()  # top-level packages decoding may import from (trust_package)
+# Top-level packages decoding may import from (see trust_package); ours holds the wire contracts.
+_trusted_packages: set[str] = {__name__.partition(".")[0]}
 
 
 def _type_name(cls: type) -> str:

@@ -7,6 +7,7 @@ import gc
 import sys
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -235,3 +236,19 @@ def test_decoding_imports_registered_types_from_a_trusted_package(tmp_path, monk
     finally:
         for name in ("rlx_trusted_pkg.types", "rlx_trusted_pkg"):
             sys.modules.pop(name, None)
+
+
+def test_the_wire_contract_types_decode_where_their_module_was_never_imported() -> None:
+    import subprocess
+
+    script = (
+        "import msgpack, sys\n"
+        "from protocols import codec\n"
+        "assert 'protocols.rl' not in sys.modules\n"
+        "body = msgpack.packb(msgpack.ExtType(codec.EXT_DATACLASS, msgpack.packb(['protocols.rl:Batch', {}])))\n"
+        "try:\n"
+        "    codec.decode([body])\n"
+        "except codec.CodecError as e:\n"
+        "    assert 'cannot rebuild' in str(e), e\n"  # found and registered; the fields are what is missing
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).resolve().parents[2])
