@@ -183,6 +183,61 @@ async def test_a_one_way_partition_between_caller_and_worker_fails_the_call(two_
             await asyncio.sleep(0.2)
 
 
+# A driver on host h0 with an actor on h1: it prints the actor's id, then (told on stdin) calls it.
+DRIVER = """
+import asyncio, sys
+import rlactors
+from tests.cluster.actors import Member
+
+async def main():
+    cluster = await rlactors.connect()
+    m = await cluster.spawn(Member, node_id="h1")
+    print(m.actor_id, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    try:
+        print("answered", await asyncio.wait_for(m.node(), 30), flush=True)
+    except Exception as e:
+        print(type(e).__name__, e, flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_driver_cut_off_past_client_timeout_learns_its_actor_died(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "RLACTORS_ADDRESS": c2.address,
+        "RLACTORS_SECRET_FILE": c2.secret,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        *c2.hosts.exec_prefix(0),
+        sys.executable,
+        "-c",
+        DRIVER,
+        cwd=ROOT,
+        env=env,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        actor_id = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+        c2.hosts.partition(0)
+        try:  # the head gives the silent driver up and stops its actor
+            assert (await asyncio.wait_for(cluster.watch(actor_id), 60))["state"] == "DEAD"
+        finally:
+            c2.hosts.heal(0)
+        proc.stdin.write(b"go\n")
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        assert line.startswith("ActorDiedError") and "was silent" in line, line
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_kill_9_of_a_node_agent_is_detected(two_hosts) -> None:
     cluster, c2 = two_hosts
     a = await cluster.spawn(Member, node_id="h0")
