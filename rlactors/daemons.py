@@ -15,14 +15,13 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import structlog
 
 from rlactors import logging as rlog
 from rlactors.head import Head
-from rlactors.local import detect_gpus
+from rlactors.local import detect_gpus, new_session_dir
 from rlactors.node import NodeAgent
 from rlactors.security import Security, load_secret
 from rlactors.service import Service
@@ -57,7 +56,7 @@ async def run_agent(args: argparse.Namespace) -> int:
     security = Security(load_secret(args.secret_file), args.security)
     resources = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
     resources.update({k: float(v) for k, v in json.loads(args.resources or "{}").items()})
-    session_dir = Path(tempfile.mkdtemp(prefix=f"rlx-{args.node_id}-", dir="/tmp"))
+    session_dir = new_session_dir(f"rlx-{args.node_id}-")
     try:
         return await _serve_agent(args, security, resources, session_dir)
     finally:

@@ -15,7 +15,44 @@ from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret, new_secret_file
 from rlactors.service import Service
 
-__all__ = ["LocalCluster", "detect_gpus", "ensure_logging", "start_local"]
+__all__ = ["LocalCluster", "detect_gpus", "ensure_logging", "new_session_dir", "start_local"]
+
+SESSION_ROOT = Path("/tmp")
+
+
+def new_session_dir(prefix: str) -> Path:
+    """A private (mode 700) folder ``/tmp/<prefix>*`` for this process's sockets, marked with its pid.
+
+    Its owner removes it on a clean stop; folders whose owner died without doing so (SIGKILL)
+    are removed here, the next time a session starts.
+    """
+    _remove_orphaned_sessions()
+    session = Path(tempfile.mkdtemp(prefix=prefix, dir=SESSION_ROOT))
+    os.chmod(session, 0o700)
+    (session / "owner").write_text(f"{os.getpid()} {_pid_namespace()}")
+    return session
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _remove_orphaned_sessions() -> None:
+    ours = _pid_namespace()
+    for session in SESSION_ROOT.glob("rlx-*"):
+        try:
+            pid, namespace = (session / "owner").read_text().split(" ", 1)
+            # Only our own folders, and only where pids mean the same as here.
+            if session.stat().st_uid != os.getuid() or not ours or namespace != ours:
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(session, ignore_errors=True)
+        except (OSError, ValueError):  # no owner file, someone else's, or alive
+            continue
 
 
 def detect_gpus() -> int:
@@ -71,8 +108,7 @@ async def start_local(
     mechanism: str = "curve",
 ) -> tuple[RuntimeClient, LocalCluster]:
     ensure_logging()
-    session_dir = Path(tempfile.mkdtemp(prefix="rlx-", dir="/tmp"))
-    os.chmod(session_dir, 0o700)
+    session_dir = new_session_dir("rlx-")
     security = None
     if address.startswith("tcp://"):
         # Over TCP every peer must authenticate; make a secret for this session if none given.

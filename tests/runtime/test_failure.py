@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -200,3 +201,23 @@ async def test_the_head_keeps_a_bounded_number_of_dead_actors(monkeypatch) -> No
                 await asyncio.wait_for(call, NO_HANG)
         finally:
             await stranger.close()
+
+
+async def test_session_folders_of_killed_processes_are_removed_by_the_next_session() -> None:
+    import tempfile
+
+    from rlactors.local import _pid_namespace
+
+    dead = await asyncio.create_subprocess_exec("true")  # a pid whose process has exited
+    await dead.wait()
+    folders = {}
+    for owner, pid in (("dead", dead.pid), ("alive", os.getpid())):
+        folders[owner] = Path(tempfile.mkdtemp(prefix=f"rlx-test-{owner}-", dir="/tmp"))
+        (folders[owner] / "owner").write_text(f"{pid} {_pid_namespace()}")
+    try:
+        async with rlactors.init() as cluster:
+            assert await cluster.nodes()
+        assert not folders["dead"].exists() and folders["alive"].exists()
+    finally:
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)
