@@ -88,8 +88,8 @@ async def bench_resume(url: str, prompt_len: int, min_partial: int) -> tuple[int
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            load = (await c.get("/get_load")).json()[0]
-            if load["num_tokens"] >= prompt_len + min_partial:
+            load = (await c.get("/v1/loads")).json()["loads"][0]
+            if load["num_used_tokens"] >= prompt_len + min_partial:
                 break
             await asyncio.sleep(0.05)
         await c.post("/abort_request", json={"rid": "bench-resume"})

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -21,6 +23,7 @@ from nodes.inference.radix import RadixCache
 from nodes.inference.scheduler import Scheduler
 from protocols.sglang import (
     InitWeightsUpdateGroupRequest,
+    ProtocolError,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
 )
@@ -45,13 +48,19 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     random_seed: int = 0
     weight_version: str = "default"
-    strict_weight_update_session: bool = False  # refuse distributed updates outside begin/end (0.5.23)
+    # refuse distributed updates outside /begin_weight_update ... /end_weight_update, as SGLang
+    # 0.5.23 always does (--no-strict-weight-update-session: as SGLang before sessions)
+    strict_weight_update_session: bool = True
     sim_prefill_s_per_token: float = 0.0
     sim_decode_s_base: float = 0.0
     sim_decode_s_per_seq: float = 0.0
     sim_eos_prob: float = 0.0
     sim_vocab_size: int = 32000
     num_threads: int = 0  # torch intra-op threads (0: torch's default)
+    # prompt + max_new_tokens limit, as SGLang's --context-length (0: the model config's
+    # max_position_embeddings, else 32768); longer requests get 400 unless --allow-auto-truncate
+    context_length: int = 0
+    allow_auto_truncate: bool = False
     log_level: str = "warning"
 
 
@@ -82,6 +91,15 @@ def build_backend(args: ServerArgs) -> Backend:
     raise ValueError(f"unknown backend {args.backend!r}; use hf or sim")
 
 
+def _model_context_length(model_path: str) -> int:
+    """``max_position_embeddings`` from the model folder's config.json, else 32768."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        return int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 32768
+
+
 class Engine:
     """Backend + scheduler + prefix cache + weight-update groups of one server."""
 
@@ -95,6 +113,28 @@ class Engine:
         self.rng = random.Random(args.random_seed)
         self.groups: dict[str, weight_sync.UpdateGroup] = {}
         self.session_open = False
+        self.context_len = args.context_length or _model_context_length(args.model_path)
+
+    def check_length(self, input_ids: list[int], sp: Any) -> None:
+        """SGLang's length rules (``TokenizerManager``): a prompt must be shorter than the context
+        and prompt + ``max_new_tokens`` must fit in it; with ``allow_auto_truncate`` the prompt and
+        then ``max_new_tokens`` are cut instead (in place)."""
+        n, ctx = len(input_ids), self.context_len
+        if n >= ctx:
+            if not self.args.allow_auto_truncate:
+                raise ProtocolError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+            del input_ids[ctx:]
+            n = len(input_ids)
+        if sp.max_new_tokens is not None and sp.max_new_tokens + n > ctx:
+            if self.args.allow_auto_truncate:
+                sp.max_new_tokens = max(0, ctx - n)
+                return
+            raise ProtocolError(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {sp.max_new_tokens + n} tokens: {n} tokens from the input "
+                f"messages and {sp.max_new_tokens} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit."
+            )
 
     @property
     def weight_version(self) -> str:
@@ -208,9 +248,10 @@ class Engine:
         return t.detach().float().cpu()[:truncate_size].tolist()
 
     def server_info(self) -> dict[str, Any]:
-        """``/get_server_info``: arguments, limits, scheduler state, version."""
+        """``/server_info``: arguments, limits, scheduler state, version."""
         return {
             **dataclasses.asdict(self.args),
+            "tp_size": 1,
             "max_total_num_tokens": self.args.cache_tokens,
             "weights_id": self.backend.weights_id,
             "internal_states": [self.scheduler.stats()],

@@ -68,11 +68,22 @@ class ReferenceServerConfig:
         return cmd + list(self.extra_args)
 
 
+SGLANG_CPU_SHIM = REPO_ROOT / "scripts" / "sglang_cpu"  # the two sgl-kernel ops SGLang's CPU engine needs
+
+
 @dataclass
 class SGLangServerConfig:
-    """Arguments for ``python -m sglang.launch_server`` (real SGLang, on GPUs)."""
+    """Arguments for ``python -m sglang.launch_server`` (real, unmodified SGLang).
+
+    On GPUs SGLang is usually installed beside rlactors (``python`` empty: this interpreter). On
+    CPU (``device="cpu"``) it runs from its own venv (``scripts/sglang-setup.sh`` installs one
+    and prints its python) with SGLang's CPU engine, our pure-torch stand-in for the two
+    sgl-kernel ops it needs, and the flags measured to work here (../shared/FACTS.md).
+    """
 
     model_path: str
+    python: str = ""  # the interpreter that has sglang ("" = this one)
+    device: str = "cuda"  # cuda | cpu
     tp_size: int = 1
     mem_fraction_static: float | None = None
     dtype: str = "auto"
@@ -82,8 +93,9 @@ class SGLangServerConfig:
 
     def command(self, host: str, port: int) -> list[str]:
         """The command line that starts SGLang."""
+        cpu = self.device == "cpu"
         cmd = [
-            sys.executable,
+            self.python or sys.executable,
             "-m",
             "sglang.launch_server",
             "--model-path",
@@ -95,15 +107,24 @@ class SGLangServerConfig:
             "--tp-size",
             str(self.tp_size),
             "--dtype",
-            self.dtype,
+            "float32" if cpu and self.dtype == "auto" else self.dtype,
         ]
-        if self.mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        mem = self.mem_fraction_static if self.mem_fraction_static is not None else (0.2 if cpu else None)
+        if mem is not None:
+            cmd += ["--mem-fraction-static", str(mem)]
         if self.random_seed is not None:
             cmd += ["--random-seed", str(self.random_seed)]
         if self.context_length is not None:
             cmd += ["--context-length", str(self.context_length)]
+        if cpu:  # without --sleep-on-idle the idle scheduler busy-polls a core
+            cmd += ["--device", "cpu", "--disable-overlap-schedule", "--sleep-on-idle"]
         return cmd + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """Environment the server needs on top of the worker's."""
+        if self.device != "cpu":
+            return {}
+        return {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(SGLANG_CPU_SHIM)}
 
 
 ServerConfig = ReferenceServerConfig | SGLangServerConfig
@@ -170,7 +191,13 @@ class ServerSupervisor:
     async def _spawn(self) -> None:
         cmd = self.config.command(self.host, self.port)
         env = {**os.environ, **self.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        if isinstance(self.config, SGLangServerConfig):
+            extra = self.config.env()
+            env.update({k: v for k, v in extra.items() if k != "PYTHONPATH"})
+            paths = (extra.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
+        else:
+            paths = (str(REPO_ROOT), env.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         out = self._open_log()
         try:
             self.proc = await asyncio.create_subprocess_exec(

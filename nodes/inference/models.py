@@ -124,9 +124,18 @@ def ensure_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
 
 
 def ensure_tiny_checkpoint(
-    cache_dir: Path | None = None, seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+    cache_dir: Path | None = None,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    tied: bool = True,
 ) -> Path:
-    """A random-weight LlamaForCausalLM with SmolLM2's tokenizer (vocab 49152), cached; for fast tests."""
+    """A random-weight LlamaForCausalLM with SmolLM2's tokenizer (vocab 49152), cached; for fast tests.
+
+    With tied embeddings (SmolLM2's layout) such a small random model greedily repeats its last
+    input token whatever its seed; ``tied=False`` gives seed-dependent greedy outputs, for tests
+    that must tell two checkpoints apart by what they generate.
+    """
     root = cache_root(cache_dir)
 
     def build(dst: Path) -> None:
@@ -144,7 +153,7 @@ def ensure_tiny_checkpoint(
             max_position_embeddings=8192,
             rms_norm_eps=1e-5,
             rope_theta=100000.0,
-            tie_word_embeddings=True,
+            tie_word_embeddings=tied,
             bos_token_id=1,
             eos_token_id=2,
             pad_token_id=2,
@@ -157,7 +166,8 @@ def ensure_tiny_checkpoint(
             if f.is_file() and not f.name.startswith("."):
                 shutil.copy(f, dst / f.name)
 
-    return _build_once(root, f"tiny-llama-h{hidden_size}-l{num_layers}-s{seed}", build)
+    name = f"tiny-llama-h{hidden_size}-l{num_layers}-s{seed}" + ("" if tied else "-untied")
+    return _build_once(root, name, build)
 
 
 __all__ = [

@@ -53,6 +53,7 @@ class Req:
     abort_message: str | None = None
     finish_reason: dict[str, Any] | None = None
     stop_str_at: int | None = None
+    retractions: int = 0  # times a retract pause sent it back to the queue (SGLang's num_retractions)
 
     @property
     def rid(self) -> str:
@@ -153,6 +154,7 @@ class Scheduler:
                 self._reap_aborts()
             elif mode == "retract":
                 for req in reversed(self.running):
+                    req.retractions += 1
                     self._cache_kv(req)
                     self.waiting.appendleft(req)
                 self.running = []
@@ -252,9 +254,8 @@ class Scheduler:
         p = req.seq.params
         out = req.seq.output_ids
         if len(out) >= p.min_new_tokens:
-            if p.stop_token_ids and token in p.stop_token_ids:
-                return finish_stop(token)
-            if not p.ignore_eos and token in self.backend.eos_token_ids:
+            # SGLang (Req._check_token_based_finish): ignore_eos turns off stop_token_ids too
+            if not p.ignore_eos and (token in self.backend.eos_token_ids or token in (p.stop_token_ids or ())):
                 return finish_stop(token)
             if p.stop_strings:
                 tail = self.backend.detokenize(out[-16:], p.skip_special_tokens)
@@ -329,6 +330,7 @@ class Scheduler:
                 e2e_latency=time.monotonic() - req.created,
                 output_token_logprobs=list(seq.logprobs) if req.return_logprob else None,
                 output_token_weight_versions=list(req.token_versions),
+                extra_meta={"num_retractions": req.retractions},
             )
         )
 

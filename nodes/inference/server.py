@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from nodes.inference.backends.base import Seq
-from nodes.inference.engine import Engine, ServerArgs
+from nodes.inference.engine import VERSION, Engine, ServerArgs
 from protocols.sglang import (
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -86,6 +86,8 @@ def _build_seqs(engine: Engine, req: GenerateRequest) -> list[Seq]:
         if not ids or not all(isinstance(t, int) and 0 <= t < engine.backend.vocab_size for t in ids):
             raise ProtocolError("input_ids must be a non-empty list of token ids within the vocabulary")
         sp = SamplingParams.from_json(sp_raw)
+        ids = list(ids)
+        engine.check_length(ids, sp)
         for j in range(sp.n):
             if rid is None:
                 this_rid = uuid.uuid4().hex
@@ -188,10 +190,7 @@ def create_app(engine: Engine) -> FastAPI:
             status_code=200 if ok else 400,
         )
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if sched.alive else 503)
-
+    @app.get("/health")  # SGLang 0.5.23: /health runs the one-token probe too, by default
     @app.get("/health_generate")
     async def health_generate() -> Response:
         if not sched.alive:
@@ -212,8 +211,9 @@ def create_app(engine: Engine) -> FastAPI:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def get_model_info() -> JSONResponse:
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # deprecated in SGLang 0.5.23, still served
+    async def model_info() -> JSONResponse:
         return JSONResponse(
             {
                 "model_path": engine.args.model_path,
@@ -244,21 +244,23 @@ def create_app(engine: Engine) -> FastAPI:
             }
         )
 
-    @app.get("/get_server_info")
-    async def get_server_info() -> JSONResponse:
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # deprecated in SGLang 0.5.23, still served
+    async def server_info() -> JSONResponse:
         return JSONResponse(engine.server_info())
 
-    @app.get("/get_load")
-    async def get_load() -> JSONResponse:
+    @app.get("/v1/loads")  # SGLang 0.5.23's load report (it has no /get_load)
+    async def loads() -> JSONResponse:
+        load = {
+            "dp_rank": 0,
+            "num_running_reqs": len(sched.running),
+            "num_waiting_reqs": len(sched.waiting),
+            "num_used_tokens": sum(len(r.seq.ids) for r in sched.running),
+            "max_running_requests": engine.args.max_running_requests,
+            "max_total_num_tokens": engine.args.cache_tokens,
+        }
         return JSONResponse(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": len(sched.running) + len(sched.waiting),
-                    "num_waiting_reqs": len(sched.waiting),
-                    "num_tokens": sum(len(r.seq.ids) for r in sched.running),
-                }
-            ]
+            {"version": VERSION, "accelerator": None, "num_accelerators": 1, "loads": [load]}
         )
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
@@ -321,7 +323,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             typ = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=typ, default=f.default)

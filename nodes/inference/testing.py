@@ -1,7 +1,7 @@
 """Helpers for tests and benchmarks that need a running reference server.
 
 Blocking helpers (:func:`start_reference_server`, :func:`stop_server`, :func:`reference_server`)
-are for fixtures and scripts; the async ones poll a server's ``/get_load`` for conditions, with
+are for fixtures and scripts; the async ones poll a server's ``/v1/loads`` for conditions, with
 a timeout, instead of sleeping.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,12 +28,26 @@ from nodes.inference.launcher import REPO_ROOT, free_port
 def start_reference_server(args: list[str], timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
     """Start ``python -m nodes.inference.server`` with ``args`` on a free port; wait until healthy."""
     port = free_port()
+    cmd = [sys.executable, "-m", "nodes.inference.server", "--host", "127.0.0.1", "--port", str(port), *args]
+    return _start(cmd, port, {}, timeout_s)
+
+
+def start_sglang_server(
+    python: str, model_path: str, extra_args: list[str] | None = None, timeout_s: float = 600.0
+) -> tuple[subprocess.Popen, str]:
+    """Start real SGLang on CPU (``python``: the interpreter of SGLang's venv) with the launcher's
+    flags and environment (:class:`~nodes.inference.launcher.SGLangServerConfig`); wait until healthy."""
+    from nodes.inference.launcher import SGLangServerConfig
+
+    port = free_port()
+    cfg = SGLangServerConfig(model_path=model_path, python=python, device="cpu", extra_args=extra_args or [])
+    return _start(cfg.command("127.0.0.1", port), port, cfg.env(), timeout_s)
+
+
+def _start(cmd: list[str], port: int, env: dict[str, str], timeout_s: float) -> tuple[subprocess.Popen, str]:
     log = tempfile.NamedTemporaryFile(prefix=f"rlactors-server-{port}-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nodes.inference.server", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=REPO_ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
+        cmd, cwd=REPO_ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -47,17 +62,21 @@ def start_reference_server(args: list[str], timeout_s: float = 120.0) -> tuple[s
                     proc._rl_log = log  # type: ignore[attr-defined]
                     return proc, url
             time.sleep(0.2)  # start-up poll interval
+    proc._rl_log = log  # type: ignore[attr-defined]
     stop_server(proc)
     raise RuntimeError(f"server on port {port} not healthy after {timeout_s} s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """Terminate (then kill) a server started by :func:`start_reference_server`."""
-    proc.terminate()
+    """Terminate (then kill) a server started here, with its children (SGLang's scheduler and
+    detokenizer are processes of their own)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     log = getattr(proc, "_rl_log", None)
     if log is not None:
@@ -87,14 +106,11 @@ async def wait_until(pred: Callable[[], Awaitable[bool]], timeout_s: float = 30.
 
 
 async def load(client: httpx.AsyncClient) -> tuple[int, int]:
-    """(running, waiting) request counts from ``/get_load``."""
-    r = await client.get("/get_load")
+    """(running, waiting) request counts from SGLang's ``/v1/loads``."""
+    r = await client.get("/v1/loads")
     r.raise_for_status()
-    entries = r.json()
-    entries = entries if isinstance(entries, list) else [entries]
-    total = sum(e.get("num_reqs", 0) for e in entries)
-    waiting = sum(e.get("num_waiting_reqs", 0) for e in entries)
-    return total - waiting, waiting
+    entries = r.json()["loads"]
+    return sum(e["num_running_reqs"] for e in entries), sum(e["num_waiting_reqs"] for e in entries)
 
 
 async def wait_load(

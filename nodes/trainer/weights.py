@@ -164,7 +164,7 @@ class WeightPusher:
         addr = master_address or self.cfg.master_address
         port = master_port or self.cfg.master_port or _free_port()
         self.group_name = self.cfg.group_name or f"rlactors-weights-{uuid.uuid4().hex[:8]}"
-        tp = [int(self._http.get(u + "/get_server_info").json().get("tp_size", 1)) for u in self.urls]
+        tp = [int(self._http.get(u + "/server_info").json().get("tp_size", 1)) for u in self.urls]
         world = 1 + sum(tp)
         futures, offset = [], 1
         for url, size in zip(self.urls, tp, strict=True):

@@ -1,8 +1,10 @@
 """Fixtures for the SGLang-protocol conformance suite.
 
 By default the suite starts the reference server (sim backend, the tiny checkpoint as its model
-path) as a subprocess on 127.0.0.1. Set ``RLACTORS_CONFORMANCE_URL`` to run it against any
-server speaking SGLang's protocol (e.g. a real SGLang), with these optional variables:
+path) as a subprocess on 127.0.0.1. ``RLACTORS_CONFORMANCE_SGLANG=<python of SGLang's venv>``
+starts real SGLang on CPU instead, with the launcher's flags (``scripts/test-sglang.sh`` does
+this). ``RLACTORS_CONFORMANCE_URL`` runs it against any server already up that speaks SGLang's
+protocol, with these optional variables:
 ``RLACTORS_CONFORMANCE_ALT_MODEL`` / ``RLACTORS_CONFORMANCE_MODEL`` (two checkpoint folders of the
 served architecture, for the disk-update tests).
 """
@@ -18,24 +20,27 @@ import httpx
 import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.inference.testing import start_reference_server, stop_server
+from nodes.inference.testing import start_reference_server, start_sglang_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_URL = os.environ.get("RLACTORS_CONFORMANCE_URL")
+SGLANG_PYTHON = os.environ.get("RLACTORS_CONFORMANCE_SGLANG")
+# both servers run with this many requests at most, so a test can make one wait in the queue
+MAX_RUNNING = 4
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt() -> Path:
     """The tiny random Llama (seed 0), the reference server's model in this suite."""
     override = os.environ.get("RLACTORS_CONFORMANCE_MODEL")
-    return Path(override) if override else ensure_tiny_checkpoint(seed=0)
+    return Path(override) if override else ensure_tiny_checkpoint(seed=0, tied=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt_alt() -> Path:
     """Same architecture, other weights (seed 1), for weight updates."""
     override = os.environ.get("RLACTORS_CONFORMANCE_ALT_MODEL")
-    return Path(override) if override else ensure_tiny_checkpoint(seed=1)
+    return Path(override) if override else ensure_tiny_checkpoint(seed=1, tied=False)
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +48,13 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
     """URL of the server under test (external, or a sim reference server we start)."""
     if EXTERNAL_URL:
         yield EXTERNAL_URL.rstrip("/")
+        return
+    if SGLANG_PYTHON:
+        proc, url = start_sglang_server(SGLANG_PYTHON, str(tiny_ckpt), ["--max-running-requests", str(MAX_RUNNING)])
+        try:
+            yield url
+        finally:
+            stop_server(proc)
         return
     proc, url = start_reference_server(
         [
@@ -53,7 +65,7 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
             "--sim-decode-s-base",
             "0.002",
             "--max-running-requests",
-            "32",
+            str(MAX_RUNNING),
         ]
     )
     try:
@@ -65,7 +77,7 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
 @pytest.fixture
 def is_reference() -> bool:
     """True when the server under test is our reference server."""
-    return not EXTERNAL_URL
+    return not (EXTERNAL_URL or SGLANG_PYTHON)
 
 
 @pytest.fixture

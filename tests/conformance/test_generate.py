@@ -9,6 +9,7 @@ import httpx
 from nodes.inference.testing import wait_load
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
+LONG = 4000  # long enough to still run when aborted or paused; within the 8192-token context
 
 
 def greedy(max_new_tokens: int, **extra: object) -> dict:
@@ -60,15 +61,20 @@ async def test_stop_token_is_kept_in_output_ids(client: httpx.AsyncClient) -> No
         )
     ).json()
     out = ref["output_ids"]
-    i = next(k for k in range(2, 10) if out[k] not in out[:k])
+    i = next((k for k in range(1, 10) if out[k] not in out[:k]), 0)  # the first token of its kind
     r = await client.post(
-        "/generate",
-        json={"input_ids": PROMPT, "sampling_params": greedy(10, stop_token_ids=[out[i]], ignore_eos=True)},
+        "/generate", json={"input_ids": PROMPT, "sampling_params": greedy(10, stop_token_ids=[out[i]])}
     )
     body = r.json()
     assert body["output_ids"] == out[: i + 1]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": out[i]}
     assert body["meta_info"]["completion_tokens"] == i + 1
+    # as in SGLang, ignore_eos turns stop_token_ids off too
+    r = await client.post(
+        "/generate",
+        json={"input_ids": PROMPT, "sampling_params": greedy(10, stop_token_ids=[out[i]], ignore_eos=True)},
+    )
+    assert r.json()["output_ids"] == out
 
 
 async def test_unknown_sampling_key_is_400(client: httpx.AsyncClient) -> None:
@@ -85,7 +91,7 @@ async def test_bad_sampling_value_is_400(client: httpx.AsyncClient) -> None:
 
 
 async def test_duplicate_inflight_rid_is_400(client: httpx.AsyncClient) -> None:
-    long = {"input_ids": PROMPT, "rid": "dup-rid-1", "sampling_params": greedy(100000, ignore_eos=True)}
+    long = {"input_ids": PROMPT, "rid": "dup-rid-1", "sampling_params": greedy(LONG, ignore_eos=True)}
     first = asyncio.create_task(client.post("/generate", json=long))
     try:
         await wait_load(client, running=1)
@@ -121,7 +127,8 @@ async def test_text_input(client: httpx.AsyncClient) -> None:
 
 
 async def test_cached_tokens_sequence(client: httpx.AsyncClient) -> None:
-    """SGLang's own test_cache_tokens sequence (test_srt_endpoint.py)."""
+    """SGLang's own test_cache_tokens sequence (test_srt_endpoint.py), scaled down 10x to fit the
+    tiny model's 8192-token context."""
     assert (await client.post("/flush_cache")).status_code == 200
 
     async def cached(n0: int, n1: int) -> int:
@@ -131,11 +138,11 @@ async def test_cached_tokens_sequence(client: httpx.AsyncClient) -> None:
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]["cached_tokens"]
 
-    assert await cached(0, 100) == 0
-    assert await cached(0, 10000) == 100
-    assert await cached(0, 10000) == 9999
+    assert await cached(0, 10) == 0
+    assert await cached(0, 1000) == 10
     assert await cached(0, 1000) == 999
-    assert await cached(0, 11000) == 10000
+    assert await cached(0, 100) == 99
+    assert await cached(0, 1100) == 1000
 
 
 async def test_resumed_request_hits_prefix_cache(client: httpx.AsyncClient) -> None:
@@ -144,7 +151,7 @@ async def test_resumed_request_hits_prefix_cache(client: httpx.AsyncClient) -> N
     task = asyncio.create_task(
         client.post(
             "/generate",
-            json={"input_ids": prompt, "rid": "resume-1", "sampling_params": greedy(100000, ignore_eos=True)},
+            json={"input_ids": prompt, "rid": "resume-1", "sampling_params": greedy(LONG, ignore_eos=True)},
         )
     )
     await wait_load(client, running=1)
@@ -165,7 +172,7 @@ async def test_new_request_joins_a_running_batch(client: httpx.AsyncClient) -> N
             json={
                 "input_ids": PROMPT,
                 "rid": "join-long",
-                "sampling_params": greedy(100000, ignore_eos=True),
+                "sampling_params": greedy(LONG, ignore_eos=True),
             },
         )
     )
@@ -184,7 +191,7 @@ async def test_new_request_joins_a_running_batch(client: httpx.AsyncClient) -> N
 async def test_hundreds_of_concurrent_requests_are_batched(
     client: httpx.AsyncClient, is_reference: bool
 ) -> None:
-    info = (await client.get("/get_server_info")).json()
+    info = (await client.get("/server_info")).json()
     steps_before = info["internal_states"][0]["steps"] if is_reference else 0
     n, new = 300, 8
     limits = httpx.Limits(max_connections=n)
@@ -203,5 +210,5 @@ async def test_hundreds_of_concurrent_requests_are_batched(
         )
     assert all(r.status_code == 200 and len(r.json()["output_ids"]) == new for r in rs)
     if is_reference:
-        steps = (await client.get("/get_server_info")).json()["internal_states"][0]["steps"] - steps_before
-        assert steps < n * new / 4  # many requests advanced per decode step
+        steps = (await client.get("/server_info")).json()["internal_states"][0]["steps"] - steps_before
+        assert steps < n * new / 2  # several requests (up to MAX_RUNNING) advanced per decode step

@@ -88,7 +88,7 @@ async def test_inference_server_actor(cluster) -> None:
     url = await actor.url()
     assert await actor.health()
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-        assert (await c.get("/get_model_info")).status_code == 200
+        assert (await c.get("/model_info")).status_code == 200
     url2 = await actor.restart()
     assert url2 == url and await actor.health()
     await actor.stop()

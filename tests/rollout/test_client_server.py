@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from nodes.inference.testing import reference_server, start_reference_server, stop_server, wait_until
+from nodes.inference.testing import load, reference_server, start_reference_server, stop_server, wait_until
 from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
 
 PROMPT = [(7 * i + 3) % 30000 + 10 for i in range(200)]
@@ -43,8 +43,8 @@ async def admin(server_url: str) -> AsyncIterator[httpx.AsyncClient]:
 
 
 async def generated_tokens(admin: httpx.AsyncClient) -> int:
-    entries = (await admin.get("/get_load")).json()
-    return sum(e["num_tokens"] for e in entries)
+    entries = (await admin.get("/v1/loads")).json()["loads"]
+    return sum(e["num_used_tokens"] for e in entries)
 
 
 async def update_weights(admin: httpx.AsyncClient, client: SGLangClient, mode: str, prefix_len: int) -> None:
@@ -184,7 +184,7 @@ async def test_a_server_killed_mid_request_moves_the_request(server_url: str) ->
         async with httpx.AsyncClient(base_url=victim, timeout=10) as c:
 
             async def running() -> bool:
-                return sum(e["num_reqs"] for e in (await c.get("/get_load")).json()) == 1
+                return (await load(c))[0] == 1
 
             await wait_until(running, what="the request to start on the victim")
         os.kill(proc.pid, signal.SIGKILL)

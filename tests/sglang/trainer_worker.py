@@ -1,0 +1,48 @@
+"""A trainer rank pushing into SGLang's own receive code: ``python trainer_worker.py OUT MODEL URL``.
+
+Run by test_sglang_code.py with RANK/WORLD_SIZE/MASTER_* set. After one training step the ranks
+push the model twice, as a flattened bucket and one tensor at a time; after each push rank 0
+has the server save what it received, and saves the trainer's full weights beside it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    out, model, url = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    from safetensors.torch import save_file
+
+    from nodes.trainer.fsdp import FSDPTrainer, TrainConfig
+    from nodes.trainer.synthetic import synthetic_batch
+    from nodes.trainer.weights import PushConfig, WeightPusher
+
+    trainer = FSDPTrainer(TrainConfig(model_path=model, lr=1e-3, max_tokens_per_mb=64))
+    trainer.train_step(synthetic_batch(2, 2, seed=1, prompt_len=(3, 6), gen_len=(3, 8)))
+    # small buckets: several per push; no pause (the stand-in server runs no requests)
+    cfg = PushConfig(bucket_bytes=64 << 10, pause_mode=None)
+    pusher = WeightPusher(trainer.model, cfg, model_config_dir=model)
+    pusher.connect([url])
+    for flat in (True, False):
+        cfg.flattened_bucket = flat
+        pusher.push(trainer.version)
+        sd = trainer.full_state_dict()  # collective
+        if dist.get_rank() == 0:
+            httpx.post(url + "/dump", json={}, timeout=60).raise_for_status()
+            kind = "flat" if flat else "per-tensor"
+            (out / "received.safetensors").rename(out / f"received-{kind}.safetensors")
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(out / f"trainer-{kind}.safetensors"))
+    pusher.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
