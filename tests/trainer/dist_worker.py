@@ -94,7 +94,7 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
                 for j in range(2)
             ]
             deadline = time.monotonic() + 60
-            while client.get(url + "/get_load").json()[0]["num_reqs"] < 2:  # both admitted and running
+            while client.get(url + "/v1/loads").json()["loads"][0]["num_running_reqs"] < 2:  # both running
                 assert time.monotonic() < deadline, "requests never started"
                 time.sleep(0.005)
         stats = pusher.push(trainer.version)
