@@ -31,13 +31,7 @@ from rlactors.errors import (
 )
 from rlactors.logging import Throttle
 from rlactors.security import Security
-from rlactors.transport import (
-    HEARTBEAT_IVL_MS,
-    HEARTBEAT_TIMEOUT_MS,
-    AsyncSocket,
-    Outbox,
-    connect_dealer,
-)
+from rlactors.transport import HEARTBEAT_TIMEOUT_MS, AsyncSocket, Outbox, connect_dealer
 
 log = structlog.get_logger("rlactors.client")
 
@@ -320,10 +314,10 @@ class Connection:
         self._link_timer = None
         if self._closed_error is not None:
             return
-        bound = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000 + LINK_GRACE_S
         err = ActorUnreachableError(
-            f"{self.name} did not answer for about {bound:.0f}s (a network partition, or a stopped "
-            "process?); the call failed and may or may not have run there"
+            f"lost the connection to {self.name} (silent for {HEARTBEAT_TIMEOUT_MS / 1000:g}s, or gone) "
+            f"and it was not back {LINK_GRACE_S:g}s later: a network partition, or a stopped process? "
+            "The call failed; it may or may not have run there"
         )
         lost = list(self._pending) if self._link_down else [i for i in self._at_risk if i in self._pending]
         self._at_risk.clear()

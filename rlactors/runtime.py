@@ -11,7 +11,14 @@ from typing import Any
 import structlog
 
 from rlactors.client import ActorState, Connection, StreamCall
-from rlactors.errors import ActorDiedError, ActorNotFoundError, ClusterError, RuntimeShutdownError
+from rlactors.errors import (
+    ActorDiedError,
+    ActorNotFoundError,
+    ActorUnreachableError,
+    ClusterError,
+    RuntimeShutdownError,
+)
+from rlactors.logging import Throttle
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.runtime")
@@ -115,7 +122,7 @@ class RuntimeClient:
                         client=self.client_id,
                     )
                     self._events.cancel()
-            except TimeoutError:
+            except (TimeoutError, ActorUnreachableError):
                 missed += 1
                 if missed == 3:
                     log.error(
@@ -138,6 +145,7 @@ class RuntimeClient:
         """Follow the head's actor events for as long as this client lives, subscribing again
         whenever a stream ends (the head ends it when it gives a silent client up)."""
         backoff = 0.1
+        lost_stream = Throttle(log, "lost the head's event stream; subscribing again", 60.0)
         while not self.closed and self.head is not None and not self.head.closed:
             try:
                 await self._follow_stream()
@@ -145,7 +153,7 @@ class RuntimeClient:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("lost the head's event stream; subscribing again", error=repr(e))
+                lost_stream(error=repr(e))
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
             else:
