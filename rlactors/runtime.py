@@ -91,6 +91,8 @@ class RuntimeClient:
         self.closed = True
         if self._beat_task is not None:
             self._beat_task.cancel()
+        for task in self._checks:
+            task.cancel()
         if self._events_task is not None:
             self._events_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -178,16 +180,12 @@ class RuntimeClient:
     def _apply_snapshot(self, actors: list[dict[str, Any]]) -> None:
         for a in actors:
             self._update(a["actor_id"], a["state"], a["address"], a.get("reason", ""), a.get("name"))
-        # An actor the head no longer lists died (and was forgotten) while we were not following.
+        # An actor the head does not list may have died and been forgotten while we were not
+        # following (or be newer than this snapshot): ask about it.
         listed = {a["actor_id"] for a in actors}
         for actor_id, st in list(self._actors.items()):
             if actor_id not in listed and st.state != "DEAD":
-                self._update(
-                    actor_id,
-                    "DEAD",
-                    st.address,
-                    st.reason or "gone while this client was not following the head's events",
-                )
+                self._verify(st)
         self._synced.set()
 
     def _update(self, actor_id: str, state: str, address: str, reason: str, name: str | None = None) -> None:
@@ -235,17 +233,21 @@ class RuntimeClient:
             if self._synced.is_set():
                 # Every actor the head knows reached us with its events: ask about this stranger
                 # (a handle to an actor long dead and forgotten) rather than let calls to it hang.
-                task = asyncio.get_running_loop().create_task(self._check_known(st))
-                self._checks.add(task)
-                task.add_done_callback(self._checks.discard)
+                self._verify(st)
         return st
+
+    def _verify(self, st: ActorState) -> None:
+        """Ask the head whether an actor it did not tell us about exists; mark it dead if not."""
+        task = asyncio.get_running_loop().create_task(self._check_known(st))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     async def _check_known(self, st: ActorState) -> None:
         try:
             await asyncio.wait_for(self.head_call("get_actor", st.actor_id), 30)
         except ActorNotFoundError:
             if st.state != "DEAD":
-                reason = "unknown to the head (it died long ago, or never existed)"
+                reason = st.reason or "unknown to the head (it died long ago, or never existed)"
                 self._update(st.actor_id, "DEAD", st.address, reason)
         except Exception:  # the head is unreachable: the heartbeat reports that
             pass
