@@ -24,6 +24,7 @@ import structlog
 
 from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
+from rlactors.logging import Throttle
 from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.node")
@@ -120,6 +121,7 @@ class NodeAgent:
 
     async def _beat(self, interval: float) -> None:
         assert self._head is not None
+        beat_failed = Throttle(log, "heartbeat to head failed", 10.0)  # a few lines per head outage
         while True:
             await asyncio.sleep(interval)
             try:
@@ -131,7 +133,7 @@ class NodeAgent:
                     await self._kill_all()
                     await self._register()
             except (TimeoutError, ClusterError, OSError) as e:
-                log.warning("heartbeat to head failed", node=self.node_id, error=repr(e))
+                beat_failed(node=self.node_id, error=repr(e))
 
     # --- workers --------------------------------------------------------------------------------
 
