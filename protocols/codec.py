@@ -3,7 +3,9 @@
 A message is a list of frames. Frame 0 is msgpack; tensors and numpy arrays inside it are
 replaced by a small header (dtype, shape, frame index) and their bytes travel as their own
 frames, handed to ZeroMQ without a copy. Dataclasses registered with :func:`register`
-round-trip by name. There is no pickle: an unknown type is an error at the sender.
+round-trip by name. There is no pickle: an unknown type is an error at the sender, and the
+receiver resolves only registered names, importing a module for one only inside a trusted
+package (:func:`trust_package`), never any module a peer names.
 
 torch is never imported here at module load; a torch tensor is recognised by its type's
 module, and torch is imported only when one is encoded or decoded.
