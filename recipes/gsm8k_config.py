@@ -38,6 +38,9 @@ class ServersConfig:
     threads: int = 1  # torch threads per server process (CPU)
     startup_timeout_s: float = 600.0
     extra_args: list[str] = field(default_factory=list)
+    # kind = "sglang": the python that has sglang ("" = this one; on CPU, the venv
+    # scripts/sglang-setup.sh prints: SGLang pins its own torch)
+    python: str = ""
 
 
 @dataclass

@@ -37,6 +37,7 @@ from nodes.trainer.manifest import CheckpointError, resume_point, write_latest  
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config  # noqa: E402
 from recipes.gsm8k_parts import (  # noqa: E402
     Servers,
+    connect_servers,
     drop_dead_servers,
     get_batch,
     on_ranks,
@@ -148,7 +149,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             for i in range(cfg.trainer.n_ranks)
         ]
         await cluster.collective_group(ranks, backend="nccl" if gpu else "gloo")
-        _, urls = await start_servers(cluster, cfg, model)
+        _, urls = await start_servers(cluster, cfg, model, out)
         await on_ranks(ranks, "setup")
         data = {"done_epochs": 0, "trained": []}  # see nodes/rollout/prompts.py: trained_position
         if resume:
@@ -159,7 +160,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 f"resumed from step {start_step} (policy version {version}; data: {data['done_epochs']} epochs "
                 f"done, {len(data['trained'])} prompts of the next trained)"
             )
-        await on_ranks(ranks, "connect_servers", urls)
+        await connect_servers(cluster, ranks, urls)
         if version:
             await on_ranks(ranks, "push_weights")  # servers start from the base model
         print(
@@ -214,13 +215,13 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             stats = (await on_ranks(ranks, "train_step", batch))[0]
             trained.update(g.group_id for g in batch.groups)
             t_push = time.monotonic()
-            live = await drop_dead_servers(servers, live, ranks, rollouts)
+            live = await drop_dead_servers(cluster, servers, live, ranks, rollouts)
             await asyncio.gather(*(r.pause() for r in rollouts))
             try:
                 try:
                     push = (await on_ranks(ranks, "push_weights"))[0]
                 except Exception as e:  # a server died during the push: drop it and push again, once
-                    if (healthy := await drop_dead_servers(servers, live, ranks, rollouts)) == live:
+                    if (healthy := await drop_dead_servers(cluster, servers, live, ranks, rollouts)) == live:
                         raise
                     print(f"weight push failed ({type(e).__name__}); retrying without the dead server")
                     live = healthy

@@ -4,6 +4,7 @@ ranks' and workflows' configs, and the helpers that call the roles (see gsm8k_gr
 from __future__ import annotations
 
 import asyncio
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,10 @@ def resolve_model(cfg: ModelConfig) -> Path:
 
 
 async def start_servers(
-    cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path
+    cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path
 ) -> tuple[list[Any], list[str]]:
+    """Spawn the inference servers and wait until each is healthy; each writes its log to
+    ``<out>/servers/server-<i>.log`` on its host."""
     from nodes.inference.launcher import InferenceServerActor
 
     s = cfg.servers
@@ -42,8 +45,14 @@ async def start_servers(
             "device": s.device,
             "extra_args": s.extra_args,
         }
-    else:
-        server_cfg = {"model_path": str(model), "dtype": s.dtype, "extra_args": s.extra_args}
+    else:  # real SGLang: on GPUs from this environment, on CPU from its own venv (servers.python)
+        server_cfg = {
+            "model_path": str(model),
+            "python": s.python,
+            "device": "cuda" if s.gpus_per_server else "cpu",
+            "dtype": s.dtype,
+            "extra_args": ["--max-running-requests", str(s.max_running_requests), *s.extra_args],
+        }
     env = {"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {}
     handles = [
         await cluster.spawn(
@@ -56,6 +65,7 @@ async def start_servers(
             # group: let a dead server stay dead; the loop drops it and rollout fails over.
             server_max_restarts=0,
             name=f"server-{i}",
+            log_path=str(out / "servers" / f"server-{i}.log"),
             resources={"gpu": s.gpus_per_server},
         )
         for i in range(s.n)
@@ -105,14 +115,21 @@ def workflow_spec(cfg: RecipeConfig, model: Path, *, eval_mode: bool = False) ->
     }
 
 
+# SGLang 0.5.23's /health runs a one-token generation and gives up itself after 20 s
+# (SGLANG_HEALTH_CHECK_TIMEOUT), answering 503; under load it takes 1-20 s. Wait past that.
+HEALTH_TIMEOUT_S = 40.0
+
+
 class Servers:
     """The inference servers' URLs, with health checks and their reported weight versions."""
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
-        self.http = httpx.AsyncClient(timeout=10.0)
+        self.http = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
 
     async def healthy(self) -> list[str]:
+        """The servers whose ``/health`` (SGLang's recommended probe) answers 200."""
+
         async def ok(u: str) -> bool:
             try:
                 return (await self.http.get(f"{u}/health")).status_code == 200
@@ -128,7 +145,7 @@ class Servers:
     async def weight_versions(self, urls: list[str]) -> list[int]:
         """Weight versions of the servers that answer (one may die at any moment)."""
         infos = await asyncio.gather(
-            *(self.http.get(f"{u}/get_model_info") for u in urls), return_exceptions=True
+            *(self.http.get(f"{u}/model_info") for u in urls), return_exceptions=True
         )
         return [int(r.json().get("weight_version") or 0) for r in infos if isinstance(r, httpx.Response)]
 
@@ -155,7 +172,7 @@ async def on_ranks(ranks: list[Any], method: str, *args: Any) -> list[Any]:
 
 
 async def drop_dead_servers(
-    servers: Servers, live: list[str], ranks: list[Any], rollouts: list[Any]
+    cluster: rlactors.Cluster, servers: Servers, live: list[str], ranks: list[Any], rollouts: list[Any]
 ) -> list[str]:
     """Re-form the weight-update group without servers that stopped answering; rollout stops using them."""
     healthy = await servers.healthy()
@@ -167,8 +184,17 @@ async def drop_dead_servers(
         raise RuntimeError("every inference server is down")
     for url in gone:
         await asyncio.gather(*(r.retire_server(url) for r in rollouts))
-    await on_ranks(ranks, "connect_servers", healthy)
+    await connect_servers(cluster, ranks, healthy)
     return healthy
+
+
+async def connect_servers(cluster: rlactors.Cluster, ranks: list[Any], urls: list[str]) -> None:
+    """Form the weight-update group: its store on trainer rank 0's host, at the address that host
+    registered with (reachable from servers on other hosts), on a port its agent reserved."""
+    where = await cluster.rendezvous(
+        f"weights-{uuid.uuid4().hex[:8]}", 1 + len(urls), node_id=await cluster.node_of(ranks[0])
+    )
+    await on_ranks(ranks, "connect_servers", urls, where["master_address"], where["master_port"])
 
 
 async def get_batch(buffer: Any, rollouts: list[Any], size: int, version: int, timeout: float) -> Any:

@@ -218,6 +218,7 @@ class ServerSupervisor:
         """The server's stdout/stderr target: the log file (append) or /dev/null."""
         if self.log_path is None:
             return asyncio.subprocess.DEVNULL
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         return open(self.log_path, "ab")  # a local file open, not a network wait
 
     async def _wait_healthy(self) -> None:
@@ -303,47 +304,70 @@ except ImportError:
     _ActorBase = object
 
 
+async def _node_host() -> str:
+    """The address this actor's node registered with the head (127.0.0.1 outside a cluster)."""
+    try:
+        ctx = _rlactors.get_context()
+    except Exception:  # not in an actor's worker (or no runtime)
+        return "127.0.0.1"
+    for node in await ctx.cluster.nodes():
+        if node["node_id"] == ctx.node_id:
+            return str(node["host"])
+    return "127.0.0.1"
+
+
 class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     """An actor that runs one inference server on its node and exposes its URL.
 
     ``kind`` is ``"reference"`` or ``"sglang"``; ``config`` holds that kind's config fields.
     The actor's environment (``CUDA_VISIBLE_DEVICES`` from placement) is inherited by the server.
+    ``host`` None binds the server to its node's address (the one the node registered with, which
+    other hosts reach it by), so trainers and rollout actors on other hosts can connect; a local
+    cluster's node is on 127.0.0.1.
     """
 
     def __init__(
         self,
         kind: str = "reference",
         config: dict | None = None,
-        host: str = "127.0.0.1",
+        host: str | None = None,
         port: int | None = None,
         server_env: dict[str, str] | None = None,
         startup_timeout_s: float = 600.0,
         server_max_restarts: int = 3,
+        log_path: str | None = None,
     ) -> None:
         # (server_env / server_max_restarts: `env` and `max_restarts` are Cluster.spawn's own options.)
         cls = {"reference": ReferenceServerConfig, "sglang": SGLangServerConfig}[kind]
-        self._sup = ServerSupervisor(
-            cls(**(config or {})),
-            host=host,
-            port=port,
-            env=server_env,
-            startup_timeout_s=startup_timeout_s,
-            max_restarts=server_max_restarts,
-        )
+        self._config = cls(**(config or {}))
+        self._host, self._port = host, port
+        self._options = {
+            "env": server_env,
+            "startup_timeout_s": startup_timeout_s,
+            "max_restarts": server_max_restarts,
+            "log_path": log_path,
+        }
+        self._sup: ServerSupervisor | None = None
         self._started: asyncio.Task[str] | None = None
+        self._lock = asyncio.Lock()  # one supervisor, however many calls arrive while it is made
 
     async def on_start(self) -> None:
         """Begin launching as soon as the actor is up (``url()`` waits for readiness)."""
-        self._started = asyncio.create_task(self._sup.start())
+        await self._ensure_started(wait=False)
 
     async def on_stop(self) -> None:
         """Take the server down with the actor."""
-        await self._sup.stop()
+        if self._sup is not None:
+            await self._sup.stop()
 
-    async def _ensure_started(self) -> str:
-        if self._started is None:
-            self._started = asyncio.create_task(self._sup.start())
-        return await asyncio.shield(self._started)
+    async def _ensure_started(self, wait: bool = True) -> str:
+        async with self._lock:
+            if self._sup is None:
+                host = self._host or await _node_host()
+                self._sup = ServerSupervisor(self._config, host=host, port=self._port, **self._options)
+            if self._started is None:
+                self._started = asyncio.create_task(self._sup.start())
+        return await asyncio.shield(self._started) if wait else ""
 
     async def url(self) -> str:
         """The server's base URL (starts it on first call and waits until healthy)."""
@@ -361,5 +385,6 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
 
     async def stop(self) -> None:
         """Stop the server."""
-        await self._sup.stop()
+        if self._sup is not None:
+            await self._sup.stop()
         self._started = None

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The real-SGLang stage: install SGLang 0.5.23 in its own venv if missing (scripts/sglang-setup.sh),
+# then run the SGLang-protocol conformance suite against a real SGLang server on CPU (the tiny
+# model, SGLang's CPU engine; 1-2 min to start). tests/sglang (SGLang's own weight-sync code, and
+# the recipe with servers.kind = "sglang") runs in the main suite whenever that venv exists.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh >&2
+RLACTORS_CONFORMANCE_SGLANG=$(bash scripts/sglang-setup.sh)
+export RLACTORS_CONFORMANCE_SGLANG
+echo "[test-sglang] conformance suite against real SGLang ($RLACTORS_CONFORMANCE_SGLANG)"
+exec .venv/bin/python -m pytest tests/conformance/test_generate.py tests/conformance/test_abort_pause.py \
+  tests/conformance/test_update_mid_generation.py tests/conformance/test_weights.py "$@"
