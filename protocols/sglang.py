@@ -1,16 +1,18 @@
 """SGLang 0.5.x native HTTP protocol: request bodies, sampling parameters, response pieces.
 
-Pure data and validation, no I/O and no heavy imports, so the reference server, the rollout
-client and tests share one definition of field names, defaults and error wording. Parsing
-functions raise :class:`ProtocolError` (HTTP 400 in the server) on unknown or ill-typed fields,
-the way SGLang 0.5.23 rejects them.
+Pure data and validation (pydantic models), no I/O and no heavy imports, so the reference server,
+the rollout client and tests share one definition of field names, types, defaults and error
+wording. ``from_json`` raises :class:`ProtocolError` (HTTP 400 in the server) on unknown or
+ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, Self, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -31,47 +33,166 @@ def error_body(message: str) -> dict[str, Any]:
     return {"error": {"message": message}}
 
 
-T = TypeVar("T")
+# ---- schema machinery --------------------------------------------------------------------
+#
+# Every request body is a pydantic model. ``/generate`` and its sampling parameters are strict,
+# as SGLang 0.5.23's JSON contract (``sglang.api.v1``) is: no coercion, an integer is not a float's
+# stand-in for an int, a boolean is not an integer, NaN and infinities are refused. The admin
+# routes are lax, as FastAPI's pydantic parse of SGLang's ``io_struct`` classes is. A violation
+# becomes one :class:`ProtocolError` naming the field (``sampling_params.stop[0]: ...``) in serde's
+# wording, which SGLang's contract shares.
+
+_TAG = "*"  # prefix of the union tags below; they are dropped from error locations
 
 
-def _from_dict(cls: type[T], data: Any, what: str) -> T:
-    """Build dataclass ``cls`` from a JSON object, rejecting unknown fields by name."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ProtocolError(f"{what} must be a JSON object, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ProtocolError(f"unknown field(s) in {what}: {', '.join(unknown)}")
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise ProtocolError(f"bad {what}: {e}") from None
+def _one_or_list(item: Any) -> Any:
+    """``item | list[item]`` as SGLang decodes it: a JSON array is the list form, anything else
+    must be one ``item`` (so an error names one branch, not both)."""
+    return Annotated[
+        Union[Annotated[item, Tag(_TAG + "one")], Annotated[list[item], Tag(_TAG + "list")]],
+        Discriminator(lambda v: _TAG + ("list" if isinstance(v, list) else "one")),
+    ]
 
 
-class _Request:
-    """A request body parsed by field name; ``_wire`` names SGLang's struct in error messages."""
+def _is_batch_ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and isinstance(v[0], list)
 
+
+# ``input_ids``: one prompt ``[1, 2]`` or a batch ``[[1, 2], [3]]``, told apart by the first item
+TokenIdsOrBatch = Annotated[
+    Union[Annotated[list[int], Tag(_TAG + "ids")], Annotated[list[list[int]], Tag(_TAG + "batch")]],
+    Discriminator(lambda v: _TAG + ("batch" if _is_batch_ids(v) else "ids")),
+]
+
+_EXPECTED = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "list_type": "a sequence",
+    "dict_type": "a map",
+    "model_type": "a JSON object",
+    "literal_error": None,
+}
+
+
+def _unexpected(v: Any) -> str:
+    """serde's ``Unexpected`` text for a JSON value (as SGLang's contract errors print it)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        text = str(v) if abs(v) < 10**30 else f"{str(v)[:20]}..."
+        return f"integer `{text}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"' if len(v) <= 40 else f'string "{v[:40]}..."'
+    if isinstance(v, list):
+        return "sequence"
+    if isinstance(v, dict):
+        return "map"
+    return type(v).__name__
+
+
+def _where(loc: tuple[int | str, ...], root: str) -> str:
+    """``sampling_params.stop[0]`` from pydantic's location (union tags dropped)."""
+    out = root
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith(_TAG):
+            out += f".{part}" if out else part
+    return out
+
+
+def _message(err: Any, root: str) -> str:
+    """One pydantic error as a sentence that names the field."""
+    where = _where(err["loc"], root)
+    kind = err["type"]
+    if kind in ("unknown_field", "invalid_value"):
+        text = err["msg"]
+    elif kind == "missing":
+        text = "missing field"
+    elif kind == "finite_number":
+        text = f"invalid value: {_unexpected(err['input'])}, expected a finite number"
+    elif _EXPECTED.get(kind):
+        text = f"invalid type: {_unexpected(err['input'])}, expected {_EXPECTED[kind]}"
+    else:
+        text = err["msg"]
+    return f"{where}: {text}" if where else text
+
+
+class _Body(BaseModel):
+    """A request body: unknown keys refused by name; :meth:`from_json` raises :class:`ProtocolError`.
+
+    ``_wire`` names SGLang's struct in messages about the whole body; with ``_null_is_default`` a
+    JSON ``null`` means the field's default (SGLang's ``/generate`` contract and
+    ``SamplingParams.__post_init__``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_default=False)
     _wire: ClassVar[str] = ""
+    _null_is_default: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_keys(cls, data: Any) -> Any:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise PydanticCustomError(
+                "unknown_field", "invalid type: {got}, expected a JSON object", {"got": _unexpected(data)}
+            )
+        fields = cls.model_fields
+        for key in data:
+            if key not in fields:
+                listed = ", ".join(f"`{f}`" for f in fields)
+                raise PydanticCustomError(
+                    "unknown_field", "unknown field `{key}`, expected one of {listed}", {"key": str(key), "listed": listed}
+                )
+        if cls._null_is_default:
+            data = {k: v for k, v in data.items() if v is not None or fields[k].default is None}
+        return data
 
     @classmethod
-    def from_json(cls, data: Any) -> Any:
-        """Parse and validate."""
-        return _from_dict(cls, data, cls._wire)
+    def from_json(cls, data: Any, where: str = "") -> Self:
+        """Parse and validate a decoded JSON value; the first violation raises :class:`ProtocolError`
+        naming the field (``where`` prefixes its path, e.g. ``sampling_params``)."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            if not where and not err["loc"] and err["type"] != "invalid_value":
+                where = cls._wire  # a fault of the whole body: name SGLang's struct
+            raise ProtocolError(_message(err, where)) from None
 
 
-@dataclass
-class SamplingParams:
-    """The ``sampling_params`` object of ``/generate`` with SGLang's defaults."""
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", "{reason}", {"reason": message})
 
-    max_new_tokens: int = 128
+
+# ---- request bodies ----------------------------------------------------------------------
+
+
+class SamplingParams(_Body):
+    """The ``sampling_params`` object of ``/generate`` with SGLang's defaults.
+
+    ``max_new_tokens`` may be ``None`` (SGLang: up to the context length); the server resolves it
+    before scheduling (:meth:`~nodes.inference.engine.Engine.check_length`)."""
+
+    model_config = ConfigDict(strict=True)
+    _wire: ClassVar[str] = "SamplingParams"
+    _null_is_default: ClassVar[bool] = True
+
+    max_new_tokens: int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    stop: str | list[str] | None = None
+    stop: _one_or_list(str) | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: _one_or_list(str) | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -86,21 +207,24 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None
 
-    @classmethod
-    def from_json(cls, data: Any) -> SamplingParams:
-        """Parse and validate; unknown keys and out-of-range values raise :class:`ProtocolError`."""
-        sp = _from_dict(cls, data, "sampling_params")
-        sp.validate()
-        return sp
+    @model_validator(mode="after")
+    def _verify(self) -> Self:
+        try:
+            self.validate()
+        except ProtocolError as e:
+            raise _invalid(str(e)) from None
+        return self
 
-    def validate(self) -> None:
-        """Reject values SGLang's ``SamplingParams.verify`` rejects."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+    def validate(self) -> None:  # type: ignore[override]
+        """Reject values SGLang's ``SamplingParams.verify`` rejects (its wording)."""
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ProtocolError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if self.temperature < 0.0:
-            raise ProtocolError(f"temperature must be non-negative, got {self.temperature}.")
+            raise ProtocolError(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ProtocolError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1 or self.top_k == 0:
@@ -109,8 +233,22 @@ class SamplingParams:
             raise ProtocolError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.n < 1:
             raise ProtocolError(f"n must be at least 1, got {self.n}.")
-        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ProtocolError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ProtocolError(
+                f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}."
+            )
+        if self.min_new_tokens < 0 or (
+            self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens
+        ):
             raise ProtocolError("min_new_tokens must be in [0, max_new_tokens].")
+        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**63:
+            raise ProtocolError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {self.sampling_seed}.")
+        grammars = (self.json_schema, self.regex, self.ebnf, self.structural_tag)
+        if sum(g is not None for g in grammars) > 1:
+            raise ProtocolError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
 
     @property
     def stop_strings(self) -> list[str]:
@@ -125,27 +263,35 @@ class SamplingParams:
         return self.temperature < 1e-6 or self.top_k == 1
 
 
-@dataclass
-class GenerateRequest:
-    """The ``/generate`` body (the fields the reference server honours, plus accepted extras)."""
+_OptStrOrList = Union[str, list[Union[str, None]], None]
+_OptIntOrList = Union[int, list[Union[int, None]], None]
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
-    token_ids_logprob: list[int] | None = None
+
+class GenerateRequest(_Body):
+    """The ``/generate`` body (the fields the reference server honours, plus accepted extras),
+    typed as SGLang 0.5.23's contract types them."""
+
+    model_config = ConfigDict(strict=True)
+    _wire: ClassVar[str] = "GenerateReqInput"
+    _null_is_default: ClassVar[bool] = True
+
+    text: _one_or_list(str) | None = None
+    input_ids: TokenIdsOrBatch | None = None
+    sampling_params: _one_or_list(SamplingParams) | None = None
+    rid: _one_or_list(str) | None = None
+    return_logprob: _one_or_list(bool) = False
+    logprob_start_len: _one_or_list(int) = -1
+    top_logprobs_num: _one_or_list(int) = 0
+    token_ids_logprob: TokenIdsOrBatch | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
-    return_hidden_states: bool = False
-    lora_path: str | None = None
-    custom_logit_processor: str | None = None
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    return_hidden_states: _one_or_list(bool) = False
+    lora_path: Annotated[_OptStrOrList, Field(union_mode="left_to_right")] = None
+    custom_logit_processor: Annotated[_OptStrOrList, Field(union_mode="left_to_right")] = None
+    bootstrap_host: Annotated[_OptStrOrList, Field(union_mode="left_to_right")] = None
+    bootstrap_port: Annotated[_OptIntOrList, Field(union_mode="left_to_right")] = None
+    bootstrap_room: Annotated[_OptIntOrList, Field(union_mode="left_to_right")] = None
     data_parallel_rank: int | None = None
     priority: int | None = None
     image_data: Any = None
@@ -153,57 +299,79 @@ class GenerateRequest:
     video_data: Any = None
     input_embeds: Any = None
     session_params: Any = None
-    modalities: Any = None
+    modalities: list[str | None] | None = None
     routed_dp_rank: int | None = None
-    extra_key: str | None = None
+    extra_key: _one_or_list(str) | None = None
 
-    @classmethod
-    def from_json(cls, data: Any) -> GenerateRequest:
-        """Parse a ``/generate`` body; exactly one of ``text`` / ``input_ids`` must be given."""
-        req = _from_dict(cls, data, "GenerateReqInput")
-        if (req.text is None) == (req.input_ids is None):
-            raise ProtocolError("Either text or input_ids should be provided.")
-        return req
+    @model_validator(mode="after")
+    def _one_prompt_kind(self) -> Self:
+        if (self.text is None) == (self.input_ids is None):
+            raise _invalid("Either text or input_ids should be provided.")
+        return self
 
     @property
     def is_batch(self) -> bool:
         """True when the body carries a list of prompts (the response is then a list)."""
         if self.text is not None:
             return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+        return _is_batch_ids(self.input_ids)
+
+    @property
+    def prompt_count(self) -> int:
+        """How many prompts the body carries."""
+        prompts = self.text if self.text is not None else self.input_ids
+        return len(prompts) if self.is_batch else 1  # type: ignore[arg-type]
 
 
-@dataclass
-class AbortRequest(_Request):
+class AbortRequest(_Body):
     """``/abort_request``: abort in-flight requests whose rid starts with ``rid``, or all."""
+
+    _wire: ClassVar[str] = "AbortReq"
 
     rid: str = ""
     abort_all: bool = False
     finished_reason: Any = None
     abort_message: str | None = None
 
-    _wire: ClassVar[str] = "AbortReq"
 
-
-@dataclass
-class PauseGenerationRequest:
+class PauseGenerationRequest(_Body):
     """``/pause_generation``: ``abort`` returns every request, ``retract`` requeues running ones,
     ``in_place`` freezes them with their KV. An empty body means ``abort`` (older SGLang)."""
 
+    _wire: ClassVar[str] = "PauseGenerationReqInput"
+
     mode: str = "abort"
 
-    @classmethod
-    def from_json(cls, data: Any) -> PauseGenerationRequest:
-        """Parse and validate the mode."""
-        req = _from_dict(cls, data, "PauseGenerationReqInput")
-        if req.mode not in PAUSE_MODES:
-            raise ProtocolError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {req.mode!r}")
-        return req
+    @model_validator(mode="after")
+    def _known_mode(self) -> Self:
+        if self.mode not in PAUSE_MODES:
+            raise _invalid(f"mode must be one of {', '.join(PAUSE_MODES)}, got {self.mode!r}")
+        return self
 
 
-@dataclass
-class UpdateWeightsFromDiskRequest(_Request):
+class UpdateWeightVersionRequest(_Body):
+    """``/update_weight_version``: relabel the served weights (SGLang aborts everything first by
+    default; the reference server keeps requests unless ``abort_all_requests`` is true)."""
+
+    _wire: ClassVar[str] = "UpdateWeightVersionReqInput"
+
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class GetWeightsByNameRequest(_Body):
+    """``/get_weights_by_name``: the first ``truncate_size`` rows of a parameter."""
+
+    _wire: ClassVar[str] = "GetWeightsByNameReqInput"
+
+    name: str
+    truncate_size: int = 100
+
+
+class UpdateWeightsFromDiskRequest(_Body):
     """``/update_weights_from_disk``: reload weights from a safetensors folder."""
+
+    _wire: ClassVar[str] = "UpdateWeightFromDiskReqInput"
 
     model_path: str
     load_format: str | None = None
@@ -216,12 +384,11 @@ class UpdateWeightsFromDiskRequest(_Request):
     token_step: int = 0
     flush_cache: bool = True
 
-    _wire: ClassVar[str] = "UpdateWeightFromDiskReqInput"
 
-
-@dataclass
-class InitWeightsUpdateGroupRequest(_Request):
+class InitWeightsUpdateGroupRequest(_Body):
     """``/init_weights_update_group``: join the trainer's broadcast group (trainer is rank 0)."""
+
+    _wire: ClassVar[str] = "InitWeightsUpdateGroupReqInput"
 
     master_address: str
     master_port: int
@@ -230,16 +397,15 @@ class InitWeightsUpdateGroupRequest(_Request):
     group_name: str = "weight_update_group"
     backend: str = "nccl"
 
-    _wire: ClassVar[str] = "InitWeightsUpdateGroupReqInput"
 
-
-@dataclass
-class UpdateWeightsFromDistributedRequest:
+class UpdateWeightsFromDistributedRequest(_Body):
     """``/update_weights_from_distributed``: receive broadcasts of the named tensors from rank 0.
 
     With ``load_format == "flattened_bucket"`` the sender broadcasts one flat 1-D tensor of
     ``dtypes[0]`` holding all tensors back to back in the order of ``names``.
     """
+
+    _wire: ClassVar[str] = "UpdateWeightsFromDistributedReqInput"
 
     names: list[str]
     dtypes: list[str]
@@ -250,37 +416,32 @@ class UpdateWeightsFromDistributedRequest:
     weight_version: str | None = None
     load_format: str | None = None
 
-    @classmethod
-    def from_json(cls, data: Any) -> UpdateWeightsFromDistributedRequest:
-        """Parse and validate: the three lists must have equal lengths."""
-        req = _from_dict(cls, data, "UpdateWeightsFromDistributedReqInput")
-        if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
-            raise ProtocolError("names, dtypes and shapes must have the same length")
-        if req.load_format not in (None, "flattened_bucket"):
-            raise ProtocolError(f"unsupported load_format {req.load_format!r}")
-        return req
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise _invalid("names, dtypes and shapes must have the same length")
+        if self.load_format not in (None, "flattened_bucket"):
+            raise _invalid(f"unsupported load_format {self.load_format!r}")
+        return self
 
 
-@dataclass
-class DestroyWeightsUpdateGroupRequest(_Request):
+class DestroyWeightsUpdateGroupRequest(_Body):
     """``/destroy_weights_update_group``."""
-
-    group_name: str = "weight_update_group"
 
     _wire: ClassVar[str] = "DestroyWeightsUpdateGroupReqInput"
 
+    group_name: str = "weight_update_group"
 
-@dataclass
-class BeginWeightUpdateRequest(_Request):
+
+class BeginWeightUpdateRequest(_Body):
     """``/begin_weight_update`` (SGLang 0.5.23): open a weight-update session."""
-
-    selector: str = "all"
 
     _wire: ClassVar[str] = "BeginWeightUpdateReqInput"
 
+    selector: str = "all"
 
-@dataclass
-class EndWeightUpdateRequest(_Request):
+
+class EndWeightUpdateRequest(_Body):
     """``/end_weight_update`` (SGLang 0.5.23): close the weight-update session."""
 
     _wire: ClassVar[str] = "EndWeightUpdateReqInput"
@@ -374,10 +535,12 @@ __all__ = [
     "EndWeightUpdateRequest",
     "GenerateRequest",
     "GenerateResult",
+    "GetWeightsByNameRequest",
     "InitWeightsUpdateGroupRequest",
     "PauseGenerationRequest",
     "ProtocolError",
     "SamplingParams",
+    "UpdateWeightVersionRequest",
     "UpdateWeightsFromDiskRequest",
     "UpdateWeightsFromDistributedRequest",
     "error_body",

@@ -8,6 +8,7 @@ through :class:`Engine`, which serialises it against decode steps with the sched
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -61,6 +62,12 @@ class ServerArgs:
     # max_position_embeddings, else 32768); longer requests get 400 unless --allow-auto-truncate
     context_length: int = 0
     allow_auto_truncate: bool = False
+    # request limits (SGLang has none of these; they keep one request from stalling the server):
+    # bodies past max_request_bytes get 413, n past max_n and more than max_batch_size sequences
+    # (prompts x n) in one /generate get 400
+    max_request_bytes: int = 16 << 20
+    max_n: int = 64
+    max_batch_size: int = 256
     log_level: str = "warning"
 
 
@@ -100,6 +107,11 @@ def _model_context_length(model_path: str) -> int:
         return 32768
 
 
+# A token covers at most this many characters of text in the tokenizers we serve; a longer text is
+# over the context before it is tokenized (so a 10 MB prompt is refused at once, not after seconds)
+MAX_CHARS_PER_TOKEN = 64
+
+
 class Engine:
     """Backend + scheduler + prefix cache + weight-update groups of one server."""
 
@@ -114,18 +126,46 @@ class Engine:
         self.groups: dict[str, weight_sync.UpdateGroup] = {}
         self.session_open = False
         self.context_len = args.context_length or _model_context_length(args.model_path)
+        # one thread: tokenizers are not safe to share between threads, and a long text must not
+        # stall the event loop
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    async def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Tokenize prompts off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_thread, lambda: [self.backend.tokenize(t) for t in texts]
+        )
+
+    def fit_text(self, text: str) -> str:
+        """Refuse a text prompt that cannot fit in the context whatever it tokenizes to, before
+        spending time tokenizing it (``check_length`` judges the rest after tokenizing); with
+        ``allow_auto_truncate`` cut it to what can still matter instead."""
+        limit = self.context_len * MAX_CHARS_PER_TOKEN
+        if len(text) <= limit:
+            return text
+        if self.args.allow_auto_truncate:
+            return text[:limit]
+        raise ProtocolError(
+                f"The input text ({len(text)} characters) is longer than the model's context length "
+                f"({self.context_len} tokens) can hold."
+            )
 
     def check_length(self, input_ids: list[int], sp: Any) -> None:
         """SGLang's length rules (``TokenizerManager``): a prompt must be shorter than the context
         and prompt + ``max_new_tokens`` must fit in it; with ``allow_auto_truncate`` the prompt and
-        then ``max_new_tokens`` are cut instead (in place)."""
+        then ``max_new_tokens`` are cut instead (in place). ``max_new_tokens=None`` becomes what
+        is left of the context, as in SGLang."""
         n, ctx = len(input_ids), self.context_len
         if n >= ctx:
             if not self.args.allow_auto_truncate:
                 raise ProtocolError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
             del input_ids[ctx:]
             n = len(input_ids)
-        if sp.max_new_tokens is not None and sp.max_new_tokens + n > ctx:
+        if sp.max_new_tokens is None:
+            sp.max_new_tokens = ctx - n
+            return
+        if sp.max_new_tokens + n > ctx:
             if self.args.allow_auto_truncate:
                 sp.max_new_tokens = max(0, ctx - n)
                 return

@@ -11,6 +11,11 @@ Every sampled token is recorded with the ``weight_version`` of the model that sa
 once per step; weight updates take ``step_lock``, so they land between steps). A request held
 across an update (pause ``retract`` / ``in_place``, or no pause at all) therefore reports which of
 its tokens came from which weights, in SGLang's ``meta_info.weight_versions`` spans.
+
+A request whose processing raises fails alone (its future gets the exception); the loop goes on.
+Should the loop itself die, it logs why and fails every request in flight, ``alive`` turns false
+(``/health`` answers 503) and :meth:`Scheduler.submit` refuses new work with
+:class:`SchedulerStopped`.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from protocols.sglang import (
 )
 
 log = structlog.get_logger(__name__)
+
+
+class SchedulerStopped(RuntimeError):
+    """The scheduler loop is not running (it crashed, or the server is shutting down)."""
 
 
 @dataclass(eq=False)
@@ -83,6 +92,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._pending_aborts = False
         self._task: asyncio.Task[None] | None = None
+        self.crash: BaseException | None = None  # why the loop died, if it did
         self.steps = 0
         self.prefill_tokens = 0  # tokens actually computed in prefill (not served by the cache)
 
@@ -96,11 +106,15 @@ class Scheduler:
         """Stop the loop and fail everything still in flight."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # a crash was logged already
                 await self._task
+        self._fail_all(SchedulerStopped("server shutting down"))
+
+    def _fail_all(self, exc: Exception) -> None:
         for req in list(self.by_rid.values()):
-            if not req.future.done():
-                req.future.set_exception(RuntimeError("server shutting down"))
+            self._fail(req, exc)
+        self.waiting.clear()
+        self.running = []
 
     @property
     def alive(self) -> bool:
@@ -111,6 +125,10 @@ class Scheduler:
 
     def submit(self, seq: Seq, return_logprob: bool) -> asyncio.Future[GenerateResult]:
         """Queue a request; its future resolves when it finishes or is aborted."""
+        if self._task is not None and self._task.done():
+            raise SchedulerStopped(
+                f"the scheduler loop has stopped ({self.crash!r}); see the server log and restart the server"
+            )
         if seq.rid in self.by_rid:
             raise ProtocolError(f"Duplicate request ID detected: {seq.rid}")
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
@@ -184,6 +202,17 @@ class Scheduler:
         return self._pending_aborts or (not self.paused and bool(self.waiting or self.running))
 
     async def _loop(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.crash = e
+            log.exception("scheduler_loop_crashed", running=len(self.running), waiting=len(self.waiting))
+            self._fail_all(SchedulerStopped(f"the scheduler loop crashed: {e!r}"))
+            raise
+
+    async def _run(self) -> None:
         while True:
             did = False
             async with self.step_lock:
@@ -240,15 +269,19 @@ class Scheduler:
 
     def _advance(self, batch: list[Req], samples: list[Sample], version: str) -> None:
         for req, s in zip(batch, samples, strict=True):
-            req.seq.output_ids.append(s.token)
-            req.seq.logprobs.append(s.logprob)
-            req.token_versions.append(version)
-            reason = self._check_finish(req, s.token)
-            if reason is not None:
-                req.finish_reason = reason
-                self._cache_kv(req)
-                self.running.remove(req)
-                self._finish(req)
+            try:
+                req.seq.output_ids.append(s.token)
+                req.seq.logprobs.append(s.logprob)
+                req.token_versions.append(version)
+                reason = self._check_finish(req, s.token)
+                if reason is not None:
+                    req.finish_reason = reason
+                    self._cache_kv(req)
+                    self.running.remove(req)
+                    self._finish(req)
+            except Exception as e:  # this request's fault (or its data's): fail it, not the loop
+                log.exception("request_failed", rid=req.rid)
+                self._fail(req, e)
 
     def _check_finish(self, req: Req, token: int) -> dict[str, Any] | None:
         p = req.seq.params
@@ -275,7 +308,12 @@ class Scheduler:
         self._pending_aborts = False
         for req in [r for r in self.running if r.abort_message is not None]:
             self.running.remove(req)
-            self._cache_kv(req)
+            try:
+                self._cache_kv(req)
+            except Exception as e:
+                log.exception("request_failed", rid=req.rid)
+                self._fail(req, e)
+                continue
             req.finish_reason = finish_abort(req.abort_message or ABORT_RUNNING_MESSAGE)
             self._finish(req)
         for req in [r for r in self.waiting if r.abort_message is not None]:  # retracted, then aborted
@@ -315,7 +353,12 @@ class Scheduler:
         shown = seq.output_ids
         if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not p.no_stop_trim:
             shown = seq.output_ids[:-1]
-        text = self.backend.detokenize(shown, p.skip_special_tokens)
+        try:
+            text = self.backend.detokenize(shown, p.skip_special_tokens)
+        except Exception as e:
+            log.exception("detokenize_failed", rid=req.rid)
+            req.future.set_exception(e)
+            return
         if req.stop_str_at is not None and not p.no_stop_trim:
             text = text[: req.stop_str_at]
         req.future.set_result(

@@ -4,9 +4,15 @@ Run it the way SGLang is run::
 
     python -m nodes.inference.server --model-path P --host 127.0.0.1 --port 30000 --backend hf|sim
 
-Routes parse bodies with :mod:`protocols.sglang` (unknown fields -> 400
-``{"error": {"message": ...}}``), hand work to :class:`~nodes.inference.engine.Engine`, and render
-SGLang's response shapes and status codes.
+Routes parse bodies with the schemas of :mod:`protocols.sglang` (unknown or ill-typed fields ->
+400 ``{"error": {"message": ...}}`` naming the field), hand work to
+:class:`~nodes.inference.engine.Engine`, and render SGLang's response shapes and status codes.
+
+Limits SGLang does not have keep one request from stalling the rest: bodies past
+``--max-request-bytes`` get 413, ``n`` past ``--max-n`` and more than ``--max-batch-size``
+sequences per ``/generate`` get 400, text prompts are tokenized off the event loop. A request that
+fails while it runs gets 500 with the reason; if the scheduler loop dies, requests get 503 and so
+does ``/health``.
 """
 
 from __future__ import annotations
@@ -27,18 +33,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import VERSION, Engine, ServerArgs
+from nodes.inference.scheduler import SchedulerStopped
 from protocols.sglang import (
     AbortRequest,
     BeginWeightUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
+    GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
     ProtocolError,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightVersionRequest,
     error_body,
     success_body,
 )
@@ -46,6 +55,11 @@ from protocols.sglang import (
 log = structlog.get_logger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
+GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, requests still running after this are cut off
+
+
+class BodyTooLarge(Exception):
+    """A request body over ``--max-request-bytes`` (HTTP 413)."""
 
 
 def _bad(message: str) -> JSONResponse:
@@ -56,38 +70,71 @@ def _ok_or_400(ok: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse(success_body(ok, message, **extra), status_code=200 if ok else 400)
 
 
-async def _body(request: Request, allow_empty: bool = False) -> Any:
-    raw = await request.body()
+async def _body(request: Request, limit: int, allow_empty: bool = False) -> Any:
+    """The JSON body, read up to ``limit`` bytes (:class:`BodyTooLarge` past it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body of {declared} bytes is over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         if allow_empty:
             return {}
         raise ProtocolError("request body is empty; expected a JSON object")
     try:
         return json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ProtocolError(f"invalid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, nesting too deep
+        raise ProtocolError(f"invalid JSON body: {e}") from None
 
 
-def _build_seqs(engine: Engine, req: GenerateRequest) -> list[Seq]:
-    """Expand a (possibly batched, possibly n > 1) request into sequences."""
+def _per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
+    """A batch field: a list must have one entry per prompt; a single value applies to all."""
+    if not isinstance(value, list):
+        return [default if value is None else value] * count
+    if len(value) != count:
+        raise ProtocolError(f"{name}: {len(value)} entries for {count} prompts; give one per prompt")
+    return value
+
+
+async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, Seq]]:
+    """Expand a (possibly batched, possibly n > 1) request into sequences, within the limits;
+    each with the index of its prompt."""
+    count, args = req.prompt_count, engine.args
+    sps = _per_prompt(req.sampling_params, count, "sampling_params", SamplingParams())
+    rids = _per_prompt(req.rid, count, "rid", None)
+    for i, sp in enumerate(sps):
+        if sp.n > args.max_n:
+            where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
+            raise ProtocolError(f"{where}.n: {sp.n} is over this server's limit of {args.max_n} (--max-n)")
+    total = sum(sp.n for sp in sps)
+    if total > args.max_batch_size:
+        raise ProtocolError(
+            f"the request expands to {total} sequences (prompts x n), over this server's limit of "
+            f"{args.max_batch_size} (--max-batch-size); split it into smaller requests"
+        )
     if req.text is not None:
-        texts = req.text if isinstance(req.text, list) else [req.text]
-        prompts = [engine.backend.tokenize(t) for t in texts]
+        texts = [engine.fit_text(t) for t in (req.text if isinstance(req.text, list) else [req.text])]
+        prompts = await engine.tokenize(texts)
     else:
         prompts = req.input_ids if req.is_batch else [req.input_ids]  # type: ignore[list-item]
-    sps = (
-        req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
-    )
-    rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(prompts)
-    if len(sps) != len(prompts) or len(rids) != len(prompts):
-        raise ProtocolError("sampling_params and rid lists must match the number of prompts")
     seqs = []
-    for i, (ids, sp_raw, rid) in enumerate(zip(prompts, sps, rids, strict=True)):
-        if not ids or not all(isinstance(t, int) and 0 <= t < engine.backend.vocab_size for t in ids):
-            raise ProtocolError("input_ids must be a non-empty list of token ids within the vocabulary")
-        sp = SamplingParams.from_json(sp_raw)
+    for i, (ids, sp, rid) in enumerate(zip(prompts, sps, rids, strict=True)):
+        field = "text" if req.text is not None else "input_ids"
+        where = f"{field}[{i}]" if req.is_batch else field
+        if not ids:
+            raise ProtocolError(f"{where}: the prompt is empty")
+        sp = sp.model_copy()  # check_length may cut max_new_tokens of this prompt only
         ids = list(ids)
         engine.check_length(ids, sp)
+        vocab = engine.backend.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ProtocolError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
         for j in range(sp.n):
             if rid is None:
                 this_rid = uuid.uuid4().hex
@@ -96,7 +143,7 @@ def _build_seqs(engine: Engine, req: GenerateRequest) -> list[Seq]:
             else:
                 this_rid = str(rid)
             seed = sp.sampling_seed if sp.sampling_seed is not None else engine.rng.getrandbits(63)
-            seqs.append(Seq(rid=this_rid, input_ids=list(ids), params=sp, seed=seed + j))
+            seqs.append((i, Seq(rid=this_rid, input_ids=list(ids), params=sp, seed=seed + j)))
     return seqs
 
 
@@ -127,28 +174,55 @@ def create_app(engine: Engine) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan, openapi_url=None)
     sched = engine.scheduler
+    limit = engine.args.max_request_bytes
+
+    async def body(request: Request, allow_empty: bool = False) -> Any:
+        return await _body(request, limit, allow_empty)
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
         return _bad(str(exc))
 
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return JSONResponse(error_body(f"{exc} (--max-request-bytes)"), status_code=413)
+
+    @app.exception_handler(SchedulerStopped)
+    async def scheduler_stopped(request: Request, exc: SchedulerStopped) -> JSONResponse:
+        return JSONResponse(error_body(str(exc)), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not the client's fault: say what broke (the traceback goes to the log)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
-        req = GenerateRequest.from_json(await _body(request))
-        seqs = _build_seqs(engine, req)
+        req = GenerateRequest.from_json(await body(request))
+        indexed = await _build_seqs(engine, req)
+        seqs = [s for _, s in indexed]
         seen = set()
         for s in seqs:
             if s.rid in sched.by_rid or s.rid in seen:
                 raise ProtocolError(f"Duplicate request ID detected: {s.rid}")
             seen.add(s.rid)
-        logprob_flags = req.return_logprob if isinstance(req.return_logprob, list) else None
+        flags = _per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
+        rids = [s.rid for s in seqs]
         futs = []
-        for k, s in enumerate(seqs):
-            flag = bool(logprob_flags[k % len(logprob_flags)]) if logprob_flags else bool(req.return_logprob)
-            futs.append(sched.submit(s, flag))
-        watcher = asyncio.create_task(_abort_on_disconnect(engine, request, [s.rid for s in seqs]))
+        try:
+            for i, s in indexed:
+                futs.append(sched.submit(s, flags[i]))
+        except Exception:
+            for rid in rids[: len(futs)]:
+                sched.abort(rid=rid)
+            raise
+        watcher = asyncio.create_task(_abort_on_disconnect(engine, request, rids))
         try:
             results = await asyncio.gather(*futs)
+        except Exception:
+            for rid in rids:  # one sequence failed: stop its siblings too
+                sched.abort(rid=rid)
+            raise
         finally:
             watcher.cancel()
         bodies = [r.to_json() for r in results]
@@ -165,19 +239,19 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        req = AbortRequest.from_json(await _body(request, allow_empty=True))
+        req = AbortRequest.from_json(await body(request, allow_empty=True))
         sched.abort(rid=req.rid, abort_all=req.abort_all, message=req.abort_message)
         return Response(status_code=200)
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> JSONResponse:
-        req = PauseGenerationRequest.from_json(await _body(request, allow_empty=True))
+        req = PauseGenerationRequest.from_json(await body(request, allow_empty=True))
         await sched.pause(req.mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request) -> JSONResponse:
-        await _body(request, allow_empty=True)
+        await body(request, allow_empty=True)
         sched.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -203,9 +277,8 @@ def create_app(engine: Engine) -> FastAPI:
             params=SamplingParams(max_new_tokens=1, temperature=0.0),
             seed=0,
         )
-        fut = sched.submit(seq, False)
         try:
-            await asyncio.wait_for(fut, HEALTH_CHECK_TIMEOUT_S)
+            await asyncio.wait_for(sched.submit(seq, False), HEALTH_CHECK_TIMEOUT_S)
         except Exception:
             sched.abort(rid=seq.rid)
             return Response(status_code=503)
@@ -230,17 +303,15 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if not isinstance(body, dict) or "new_version" not in body:
-            raise ProtocolError("new_version is required")
-        if body.get("abort_all_requests"):
+        req = UpdateWeightVersionRequest.from_json(await body(request))
+        if req.abort_all_requests:
             sched.abort(abort_all=True)
-        engine.set_weight_version(body["new_version"])
+        engine.set_weight_version(req.new_version)
         return JSONResponse(
             {
                 "success": True,
-                "message": f"Weight version updated to {body['new_version']}",
-                "new_version": body["new_version"],
+                "message": f"Weight version updated to {req.new_version}",
+                "new_version": req.new_version,
             }
         )
 
@@ -265,38 +336,36 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
-        body = await _body(request)
-        if not isinstance(body, dict) or "name" not in body:
-            raise ProtocolError("name is required")
-        ret = engine.weights_by_name(body["name"], int(body.get("truncate_size", 100)))
+        req = GetWeightsByNameRequest.from_json(await body(request))
+        ret = engine.weights_by_name(req.name, req.truncate_size)
         if ret is None:
             return _bad("Get parameter by name failed")
         return JSONResponse(ret)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        req = UpdateWeightsFromDiskRequest.from_json(await _body(request))
+        req = UpdateWeightsFromDiskRequest.from_json(await body(request))
         ok, message = await engine.update_from_disk(req)
         return _ok_or_400(ok, message, num_paused_requests=0)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
-        req = InitWeightsUpdateGroupRequest.from_json(await _body(request))
+        req = InitWeightsUpdateGroupRequest.from_json(await body(request))
         return _ok_or_400(*await engine.init_group(req))
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
-        req = UpdateWeightsFromDistributedRequest.from_json(await _body(request))
+        req = UpdateWeightsFromDistributedRequest.from_json(await body(request))
         return _ok_or_400(*await engine.update_from_distributed(req))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
-        req = DestroyWeightsUpdateGroupRequest.from_json(await _body(request, allow_empty=True))
+        req = DestroyWeightsUpdateGroupRequest.from_json(await body(request, allow_empty=True))
         return _ok_or_400(*engine.destroy_group(req.group_name))
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
-        req = BeginWeightUpdateRequest.from_json(await _body(request, allow_empty=True))
+        req = BeginWeightUpdateRequest.from_json(await body(request, allow_empty=True))
         if engine.session_open:
             return _ok_or_400(False, "A weight update session is already in progress.")
         if req.selector != "all":
@@ -306,7 +375,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request) -> JSONResponse:
-        EndWeightUpdateRequest.from_json(await _body(request, allow_empty=True))
+        EndWeightUpdateRequest.from_json(await body(request, allow_empty=True))
         if not engine.session_open:
             return _ok_or_400(False, "No weight update session is in progress.")
         engine.session_open = False
@@ -355,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         loop=loop,
         timeout_keep_alive=30,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
 
 
