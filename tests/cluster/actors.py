@@ -47,3 +47,17 @@ class Member(rlactors.Actor):
         import socket
 
         return socket.gethostbyname(socket.gethostname())
+
+
+class Prober(rlactors.Actor):
+    """The rollout side of the multi-host RL test: our SGLang client, on its own host."""
+
+    async def generate(self, urls: list[str], version: int) -> dict:
+        from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
+
+        client = SGLangClient(urls, ClientConfig(), version=version)
+        try:
+            res = await client.agenerate(GenRequest([5, 6, 7], {"max_new_tokens": 8, "ignore_eos": True}, rid="p"))
+        finally:
+            await client.aclose()
+        return {"ids": res.output_ids, "versions": res.output_versions}

@@ -1,0 +1,71 @@
+"""The RL roles on three hosts (network namespaces): a reference server on h1 binds h1's address,
+the trainer on h0 forms the weight-update group with it (its store on h0, from the cluster's
+rendezvous) and pushes, and a rollout client on h2 generates from it and reads the new version.
+Nothing here works if a server binds loopback or the group's master address is 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import rlactors
+from nodes.inference.launcher import InferenceServerActor
+from nodes.inference.models import ensure_tiny_checkpoint
+from nodes.trainer.rank import TrainerRank
+from recipes.gsm8k_parts import connect_servers
+from tests.cluster.actors import Prober
+from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
+from tests.cluster.test_multihost import Cluster2, _wait_nodes
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+_why = netns_unavailable()
+if _why:
+    pytest.skip(f"network namespaces unavailable: {_why}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    h = make_hosts(3)
+    try:
+        yield h
+    finally:
+        h.teardown()
+
+
+@pytest.fixture
+async def three_hosts(hosts: Hosts, tmp_path: Path) -> AsyncIterator[tuple[rlactors.Cluster, Cluster2]]:
+    c = Cluster2(hosts, tmp_path)
+    try:
+        c.start_head()
+        for i in range(3):
+            c.start_agent(i)
+        cluster = await rlactors.connect(c.address, secret_file=c.secret, timeout=30)
+        await _wait_nodes(cluster, {"h0", "h1", "h2"})
+        yield cluster, c
+        await cluster.close()
+    finally:
+        c.stop()
+
+
+async def test_push_and_generation_across_hosts(three_hosts) -> None:
+    cluster, c = three_hosts
+    model = str(ensure_tiny_checkpoint())
+    server = await cluster.spawn(
+        InferenceServerActor, kind="reference", config={"model_path": model, "backend": "sim"}, node_id="h1"
+    )
+    url = await asyncio.wait_for(server.url(), 120)
+    assert url.startswith(f"http://{c.hosts.ip(1)}:")  # the node's address, not loopback
+    rank = await cluster.spawn(TrainerRank, {"model_path": model, "push": {"pause_mode": None}}, node_id="h0")
+    await cluster.collective_group([rank], backend="gloo", timeout=60)
+    await rank.setup()
+    await asyncio.wait_for(connect_servers(cluster, [rank], [url]), 120)
+    await asyncio.wait_for(rank.push_weights(), 120)
+    prober = await cluster.spawn(Prober, node_id="h2")
+    out = await asyncio.wait_for(prober.generate([url], 0), 60)
+    assert len(out["ids"]) == 8
+    # the tokens came from the weights the trainer pushed (version 0 -> server labels them "0")
+    assert out["versions"] == [0] * 8
