@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -124,6 +125,9 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
     from nodes.rollout.workflows import build_workflow
     from nodes.trainer.rank import TrainerRank
 
+    # SIGTERM (a scheduler stopping the job, `kill`) shuts down like Ctrl-C: cancelling this task
+    # unwinds every `finally` below, so actors, servers and the local cluster are stopped
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     out, model, start_step, version = prep.out, prep.model, prep.start_step, 0
     train_items, eval_items = prep.train_items, prep.eval_items
     ckpt_root = out / "checkpoints"
@@ -324,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except asyncio.CancelledError:  # SIGTERM (see run)
+        print("terminated: shut down cleanly; continue from the last checkpoint with --resume", file=sys.stderr)
+        return 143
     return 0
 
 

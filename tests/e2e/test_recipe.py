@@ -159,3 +159,25 @@ def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Pat
     # Nothing of the run is left behind: every worker it had is gone.
     assert len(workers) >= 5
     assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.worker" in _cmdline(p)]
+
+
+@pytest.mark.slow
+def test_sigterm_shuts_the_run_down_like_ctrl_c(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc, _ = start_until_first_step([*SMALL, f"run.out_dir={out}"], 50, subprocess.PIPE)
+    try:
+        left = [
+            p
+            for p in _descendants(proc.pid)
+            if "rlactors.worker" in _cmdline(p) or "nodes.inference" in _cmdline(p)
+        ]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)  # never a hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "terminated: shut down cleanly" in err and "Traceback" not in err
+    assert len(left) >= 7  # 2 trainer ranks, 2 server actors and their servers, governor, buffer, rollout
+    assert not [p for p in left if Path(f"/proc/{p}").exists() and _cmdline(p)]  # nothing left running
