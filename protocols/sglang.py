@@ -1,6 +1,6 @@
 """SGLang 0.5.x native HTTP protocol: request bodies, sampling parameters, response pieces.
 
-Pure data and validation (pydantic models), no I/O and no heavy imports, so the reference server,
+Pure data and validation (pydantic models), no I/O, so the reference server,
 the rollout client and tests share one definition of field names, types, defaults and error
 wording. ``from_json`` raises :class:`ProtocolError` (HTTP 400 in the server) on unknown or
 ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
@@ -36,8 +36,8 @@ def error_body(message: str) -> dict[str, Any]:
 # ---- schema machinery --------------------------------------------------------------------
 #
 # Every request body is a pydantic model. ``/generate`` and its sampling parameters are strict,
-# as SGLang 0.5.23's JSON contract (``sglang.api.v1``) is: no coercion, an integer is not a float's
-# stand-in for an int, a boolean is not an integer, NaN and infinities are refused. The admin
+# as SGLang 0.5.23's JSON contract (``sglang.api.v1``) is: no coercion (``1.0`` is no int, ``true``
+# no number, ``"2"`` no int), and NaN and infinities are refused (SGLang's ``verify`` does). The admin
 # routes are lax, as FastAPI's pydantic parse of SGLang's ``io_struct`` classes is. A violation
 # becomes one :class:`ProtocolError` naming the field (``sampling_params.stop[0]: ...``) in serde's
 # wording, which SGLang's contract shares.
