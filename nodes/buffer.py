@@ -250,6 +250,10 @@ class TrajectoryBuffer:
         """Ids of groups waiting to be handed out, in hand-out order."""
         return [r.group.group_id for r in self._ready]
 
+    def accepted_ids(self) -> list[str]:
+        """Ids of every group accepted (or trained before a resume): their ``begin`` is refused."""
+        return sorted(self._accepted_ids)
+
     def stats(self) -> dict[str, Any]:
         """Counters and sizes, flat, for logging."""
         return {**self._c, "ready": len(self._ready), "in_flight": len(self._in_flight),
@@ -322,7 +326,12 @@ class _GovernorProxy:
 
 
 class BufferActor(rlactors.Actor):
-    """The buffer as an actor. ``governor`` is the governor's handle or name (or None)."""
+    """The buffer as an actor. ``governor`` is the governor's handle or name (or None).
+
+    Not meant to be restarted: accepted groups not yet trained and the books of episodes in
+    flight exist only here, so a fresh one would lose groups and let replayed prompts be trained
+    twice. If it dies, the job stops and resumes from a checkpoint (``done_ids``).
+    """
 
     def __init__(
         self,
@@ -382,6 +391,10 @@ class BufferActor(rlactors.Actor):
     async def ready_group_ids(self) -> list[str]:
         """Ids of groups waiting to be handed out."""
         return self.core.ready_group_ids()
+
+    async def accepted_ids(self) -> list[str]:
+        """See :meth:`TrajectoryBuffer.accepted_ids` (a restarted rollout actor skips them)."""
+        return self.core.accepted_ids()
 
     async def lost(self) -> list[dict[str, Any]]:
         """Episodes of dead holders, in "report" mode."""

@@ -257,7 +257,12 @@ async def watch_holder(holder_id: str, actor_id: str, on_death: Any) -> None:
 
 
 class GovernorActor(rlactors.Actor):
-    """The governor as an actor: one per job; rollout actors register, then acquire."""
+    """The governor as an actor: one per job; rollout actors register, then acquire.
+
+    Not meant to be restarted: its ledger (leases of running episodes, accepted count) exists
+    only here, and a fresh one would admit past the staleness bound. If it dies, the job stops
+    and resumes from a checkpoint (:meth:`recover`).
+    """
 
     def __init__(
         self, batch_size: int, max_staleness: int = 2, max_concurrent: int = 1024, version: int = 0
@@ -287,6 +292,10 @@ class GovernorActor(rlactors.Actor):
     async def set_version(self, version: int) -> None:
         """The trainer published ``version``."""
         self.core.set_version(version)
+
+    async def version(self) -> int:
+        """The policy version the servers hold now (a restarted rollout actor starts from it)."""
+        return self.core.version
 
     async def holder_died(self, holder_id: str) -> int:
         """Release a holder's leases now (the death watch does this on its own)."""

@@ -13,7 +13,9 @@ The loop (everything else runs concurrently in actors):
              over the weight-update group (or from disk) -> continue
     publish: version + 1 to the governor and the rollout actors; log; eval; checkpoint
 
-Synchronous training is ``async.max_staleness=0``.
+Synchronous training is ``async.max_staleness=0``. A rollout actor that dies is restarted while
+training goes on (its episodes are re-queued, none lost or trained twice); a dead trainer rank,
+governor or buffer stops the run, to be continued with ``--resume``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ from recipes.gsm8k_parts import (  # noqa: E402
 )
 
 # --- the run -------------------------------------------------------------------------------------
+
+# A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
+# buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
+ROLLOUT_MAX_RESTARTS = 3
 
 
 async def evaluate(
@@ -120,7 +126,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
     from nodes.buffer import BufferActor
     from nodes.governor import GovernorActor
     from nodes.metrics import MetricsLogger, format_step_line
-    from nodes.rollout.actor import RolloutActor
+    from nodes.rollout.actor import RolloutActor, RolloutHandle
     from nodes.rollout.prompts import trained_position
     from nodes.rollout.workflows import build_workflow
     from nodes.trainer.rank import TrainerRank
@@ -192,21 +198,26 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
         }
         trained = set(data["trained"])
         rollouts = [
-            await cluster.spawn(
-                RolloutActor,
-                urls,
-                governor,
-                buffer,
-                prompts,
-                workflow_spec(cfg, model),
-                config={"max_inflight": cfg.rollout.max_inflight},
-                shard=i,
-                num_shards=cfg.rollout.n_actors,
-                version=version,
-                name=f"rollout-{i}",
+            RolloutHandle(  # its calls survive a restart: they wait for the new incarnation
+                await cluster.spawn(
+                    RolloutActor,
+                    urls,
+                    governor,
+                    buffer,
+                    prompts,
+                    workflow_spec(cfg, model),
+                    config={"max_inflight": cfg.rollout.max_inflight},
+                    shard=i,
+                    num_shards=cfg.rollout.n_actors,
+                    version=version,
+                    name=f"rollout-{i}",
+                    max_restarts=ROLLOUT_MAX_RESTARTS,
+                ),
+                ROLLOUT_MAX_RESTARTS,
             )
             for i in range(cfg.rollout.n_actors)
         ]
+        restarts = 0
         eval_wf = await asyncio.to_thread(build_workflow, workflow_spec(cfg, model, eval_mode=True))
         servers = Servers(urls)
         eval_task = asyncio.create_task(evaluate(eval_wf, urls, eval_items, version))
@@ -232,13 +243,16 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                     push = (await on_ranks(ranks, "push_weights"))[0]
                 version += 1
                 await governor.set_version(version)
-                await asyncio.gather(*(r.set_version(version) for r in rollouts))
+                await asyncio.gather(*(r.set_version(version, live) for r in rollouts))
             finally:
                 await asyncio.gather(*(r.resume() for r in rollouts))
             t_end = time.monotonic()
 
             trajs = batch.trajectories
             roll = await asyncio.gather(*(r.stats() for r in rollouts))
+            if (n := sum(r["restarts"] for r in roll)) > restarts:
+                print(f"rollout actors restarted after dying: {n} so far (their episodes re-queued)")
+                restarts = n
             m: dict[str, float] = {
                 "version": version,
                 "reward/mean": sum(t.reward for t in trajs) / len(trajs),
@@ -253,6 +267,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 "time/push_s": t_end - t_push,
                 "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
                 "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
+                "rollout/restarts": restarts,
                 **{f"train/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))},
                 **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
                 "data/groups": ",".join(g.group_id for g in batch.groups),
@@ -329,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except asyncio.CancelledError:  # SIGTERM (see run)
-        print("terminated: shut down cleanly; continue from the last checkpoint with --resume", file=sys.stderr)
+        print(
+            "terminated: shut down cleanly; continue from the last checkpoint with --resume", file=sys.stderr
+        )
         return 143
     return 0
 

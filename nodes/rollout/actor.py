@@ -4,7 +4,9 @@
 :class:`RolloutActor` wraps it as an rlactors actor that builds its client, workflow and
 prompt source from specs inside its own process and registers with the governor and the
 buffer, which watch it: if it dies, its leases are released and its in-flight episodes
-re-queued.
+re-queued. Spawned with ``max_restarts`` it is replaceable: the restarted incarnation registers as
+a new holder, starts at the governor's version, skips the groups the buffer accepted, and picks up
+the re-queued episodes; :class:`RolloutHandle` lets a driver's calls survive the restart.
 
 Order of an admission: acquire a batch of grants (one call for up to ``acquire_batch``
 episodes) -> raise the client's version to the grant's (token versions are never older
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,7 @@ from nodes.rollout.client import ClientConfig, SGLangClient
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import Workflow, build_workflow
 
-__all__ = ["Rollout", "RolloutActor", "RolloutConfig"]
+__all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
 
 log = structlog.get_logger(__name__)
 
@@ -90,9 +92,13 @@ class Rollout:
         self.client.resume()
         self._dispatch.set()
 
-    def set_version(self, version: int) -> None:
-        """The servers now hold ``version``."""
+    def set_version(self, version: int, servers: list[str] | None = None) -> None:
+        """The servers now hold ``version``; with ``servers``, only those do: stop routing to others
+        (a restarted actor began with the servers it was spawned with, some of them since dropped)."""
         self.client.set_version(version)
+        for url in self.client.urls if servers is not None else ():
+            if url not in {u.rstrip("/") for u in servers}:
+                self.client.retire(url)
 
     @property
     def stopping(self) -> bool:
@@ -304,9 +310,14 @@ class RolloutActor(rlactors.Actor):
         holder_id = f"{ctx.actor_id}:{ctx.restarts}"  # a restarted incarnation is a new holder
         await governor.register(holder_id, ctx.actor_id)
         await buffer.register(holder_id, ctx.actor_id)
+        # A restart re-runs this with the spawn's arguments: take the version the servers hold now
+        # from the governor, and skip what the buffer accepted (its shard starts again from the top;
+        # the episodes the dead incarnation held come back through the buffer's re-queue).
+        version = max(a["version"], await governor.version())
+        accepted = await buffer.accepted_ids()
         workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
-        client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=a["version"])
-        prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"])
+        client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=version)
+        prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"], skip=accepted)
         self.core = Rollout(
             holder_id, client, workflow, prompts, governor, buffer, RolloutConfig(**(a["config"] or {}))
         )
@@ -341,13 +352,15 @@ class RolloutActor(rlactors.Actor):
         """Resume after a weight update."""
         self._core.resume()
 
-    async def set_version(self, version: int) -> None:
-        """The servers now hold ``version``."""
-        self._core.set_version(version)
+    async def set_version(self, version: int, servers: list[str] | None = None) -> None:
+        """The servers now hold ``version`` (with ``servers``: only those, see :meth:`Rollout.set_version`)."""
+        self._core.set_version(version, servers)
 
     async def stats(self) -> dict[str, Any]:
-        """Counters: throughput, aborts, resumes, cached tokens, ... and ``failure`` if dispatch died."""
-        return {**self._core.stats(), "failure": self.failure}
+        """Counters of this incarnation: throughput, aborts, resumes, cached tokens, ...; ``restarts``
+        (how many incarnations came before it), and ``failure`` if dispatch died."""
+        restarts = rlactors.get_context().restarts
+        return {**self._core.stats(), "restarts": restarts, "failure": self.failure}
 
     async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the prompt source is exhausted and every episode finished; the final stats."""
@@ -375,3 +388,30 @@ class RolloutActor(rlactors.Actor):
         if self.core is None:
             raise RuntimeError("rollout actor not started")
         return self.core
+
+
+class RolloutHandle:
+    """A driver's handle to a rollout actor spawned with ``max_restarts``.
+
+    A call that the actor's death interrupted is made again, and reaches the restarted
+    incarnation (a call made while it restarts waits for it); once its restarts are spent, a call
+    raises :class:`rlactors.ActorDiedError` as a plain handle's does. Only for a replaceable
+    actor whose methods may be repeated: every public method of :class:`RolloutActor` may.
+    """
+
+    def __init__(self, handle: Any, max_restarts: int) -> None:
+        self.handle, self.max_restarts = handle, max_restarts
+
+    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            for _ in range(self.max_restarts):  # each death that interrupts a call spends a restart
+                try:
+                    return await getattr(self.handle, method)(*args, **kwargs)
+                except rlactors.ActorDiedError as e:
+                    log.warning("rollout.call_interrupted_by_restart", method=method, error=str(e))
+            return await getattr(self.handle, method)(*args, **kwargs)
+
+        return call

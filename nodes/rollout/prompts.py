@@ -1,8 +1,9 @@
 """Prompt sources a rollout actor builds in its own process from a small, msgpack-able spec.
 
 Each source yields ``(group_id, item)``. Group ids are deterministic (``name/e<epoch>/<index>``)
-so that a restarted rollout actor that replays its source re-creates the same ids, and the
-buffer's idempotent ``begin``/``put`` turn the replay into no-ops for groups already accepted.
+so that a restarted rollout actor that replays its source re-creates the same ids: it skips the
+groups the buffer already accepted (``skip``), and the buffer's idempotent ``begin``/``put`` turn
+any replay that slips through (accepted after the actor asked) into no-ops.
 Sharding (``shard`` of ``num_shards``) splits one data set across rollout actors.
 
 Spec kinds:
@@ -28,7 +29,7 @@ import itertools
 import json
 import random
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,12 @@ def _items(spec: Mapping[str, Any]) -> Iterable[Any]:
     raise ValueError(f"unknown prompt source kind {kind!r}; use items, jsonl, arithmetic or factory")
 
 
-def prompt_source(spec: Mapping[str, Any], shard: int = 0, num_shards: int = 1) -> Iterator[tuple[str, Any]]:
-    """Build the source described by ``spec``; yields ``(group_id, item)`` for this shard. Bad
-    specs and empty shards raise here, not at the first ``next``."""
+def prompt_source(
+    spec: Mapping[str, Any], shard: int = 0, num_shards: int = 1, skip: Collection[str] = ()
+) -> Iterator[tuple[str, Any]]:
+    """Build the source described by ``spec``; yields ``(group_id, item)`` for this shard, leaving
+    out the ids in ``skip`` (groups already accepted: a restarted actor must not ask for them one by
+    one). Bad specs and empty shards raise here, not at the first ``next``."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside [0, {num_shards})")
     items = list(_items(spec))
@@ -75,11 +79,11 @@ def prompt_source(spec: Mapping[str, Any], shard: int = 0, num_shards: int = 1) 
         raise ValueError(
             f"prompt source {name!r} has {len(items)} items: shard {shard} of {num_shards} is empty"
         )
-    return _iterate(items, name, spec, shard, num_shards)
+    return _iterate(items, name, spec, shard, num_shards, frozenset(skip))
 
 
 def _iterate(
-    items: list[Any], name: str, spec: Mapping[str, Any], shard: int, num_shards: int
+    items: list[Any], name: str, spec: Mapping[str, Any], shard: int, num_shards: int, skip: frozenset[str]
 ) -> Iterator[tuple[str, Any]]:
     epochs, start = spec.get("epochs", 1), int(spec.get("start_epoch", 0))
     for epoch in itertools.count(start) if epochs is None else range(start, int(epochs)):
@@ -87,7 +91,8 @@ def _iterate(
         if spec.get("shuffle"):
             random.Random(f"prompts/{spec.get('seed', 0)}/{epoch}").shuffle(order)  # str seeds hash stably
         for i in order[shard::num_shards]:
-            yield f"{name}/e{epoch}/{i}", items[i]
+            if (gid := f"{name}/e{epoch}/{i}") not in skip:
+                yield gid, items[i]
 
 
 _GROUP_ID = re.compile(r"[^/].*/e(\d+)/(\d+)")

@@ -181,3 +181,26 @@ def test_sigterm_shuts_the_run_down_like_ctrl_c(tmp_path: Path) -> None:
     assert "terminated: shut down cleanly" in err and "Traceback" not in err
     assert len(left) >= 7  # 2 trainer ranks, 2 server actors and their servers, governor, buffer, rollout
     assert not [p for p in left if Path(f"/proc/{p}").exists() and _cmdline(p)]  # nothing left running
+
+
+@pytest.mark.slow
+def test_run_finishes_after_kill_9_of_the_rollout_actor(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc, lines = start_until_first_step([*SMALL, f"run.out_dir={out}"], 4, subprocess.PIPE)
+    try:
+        rollout = [p for p in _descendants(proc.pid) if "rlactors.worker rollout-0" in _cmdline(p)]
+        assert len(rollout) == 1, "".join(lines)
+        os.kill(rollout[0], signal.SIGKILL)
+        rest, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, ("".join(lines) + rest + err)[-3000:]
+    assert "rollout actors restarted after dying: 1 so far" in rest
+    m = rows(out)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    assert m[-1]["rollout/restarts"] == 1
+    assert all(r["train/n_seqs"] == 4 for r in m)  # every step trained a full batch
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 8 and len(set(groups)) == 8  # no group lost or trained twice
