@@ -96,9 +96,11 @@ class Rollout:
         """The servers now hold ``version``; with ``servers``, only those do: stop routing to others
         (a restarted actor began with the servers it was spawned with, some of them since dropped)."""
         self.client.set_version(version)
-        for url in self.client.urls if servers is not None else ():
-            if url not in {u.rstrip("/") for u in servers}:
-                self.client.retire(url)
+        if servers is not None:
+            keep = {u.rstrip("/") for u in servers}
+            for url in self.client.urls:
+                if url not in keep:
+                    self.client.retire(url)
 
     @property
     def stopping(self) -> bool:
@@ -410,8 +412,8 @@ class RolloutHandle:
             for _ in range(self.max_restarts):  # each death that interrupts a call spends a restart
                 try:
                     return await getattr(self.handle, method)(*args, **kwargs)
-                except rlactors.ActorDiedError as e:
-                    log.warning("rollout.call_interrupted_by_restart", method=method, error=str(e))
+                except rlactors.ActorDiedError as e:  # dead for good: the last call raises at once
+                    log.warning("rollout.call_died_retrying", method=method, error=str(e))
             return await getattr(self.handle, method)(*args, **kwargs)
 
         return call
