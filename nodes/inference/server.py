@@ -199,6 +199,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         req = GenerateRequest.from_json(await body(request))
+        flags = _per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
         indexed = await _build_seqs(engine, req)
         seqs = [s for _, s in indexed]
         seen = set()
@@ -206,7 +207,6 @@ def create_app(engine: Engine) -> FastAPI:
             if s.rid in sched.by_rid or s.rid in seen:
                 raise ProtocolError(f"Duplicate request ID detected: {s.rid}")
             seen.add(s.rid)
-        flags = _per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
         rids = [s.rid for s in seqs]
         futs = []
         try:
