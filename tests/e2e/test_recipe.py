@@ -1,5 +1,5 @@
 """The main job end to end with a tiny model: asynchronous steps, weight versions, staleness,
-metrics, resume, and a server killed mid-run."""
+metrics, resume, and a server or the rollout actor killed mid-run."""
 
 from __future__ import annotations
 
@@ -202,5 +202,6 @@ def test_run_finishes_after_kill_9_of_the_rollout_actor(tmp_path: Path) -> None:
     assert [r["step"] for r in m] == [1, 2, 3, 4]
     assert m[-1]["rollout/restarts"] == 1
     assert all(r["train/n_seqs"] == 4 for r in m)  # every step trained a full batch
+    assert all(0 <= r["staleness/max"] <= 2 for r in m)  # the re-run episodes kept to the bound
     groups = [g for r in m for g in r["data/groups"].split(",")]
     assert len(groups) == 8 and len(set(groups)) == 8  # no group lost or trained twice
