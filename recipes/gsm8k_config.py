@@ -51,6 +51,8 @@ class RolloutConfig:
     max_new_tokens: int = 192
     temperature: float = 1.0
     workflow: Literal["rlvr", "multi_turn"] = "rlvr"
+    # the reward function, by import path: fn(completion: str, item: dict) -> float (sync or async)
+    reward: str = "nodes.rollout.reward:gsm8k_reward"
 
 
 @dataclass

@@ -104,7 +104,7 @@ def workflow_spec(cfg: RecipeConfig, model: Path, *, eval_mode: bool = False) ->
     return {
         "kind": "rlvr" if eval_mode else cfg.rollout.workflow,
         "tokenizer": str(model),
-        "reward": "nodes.rollout.reward:gsm8k_reward",
+        "reward": cfg.rollout.reward,
         "reward_timeout_s": 10.0,
         "config": {
             "n_samples": 1 if eval_mode else cfg.rollout.n_samples,

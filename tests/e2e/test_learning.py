@@ -1,0 +1,68 @@
+"""The trainer trains: through the real pipeline (a reference server with a real model, rollout,
+governor, buffer, an FSDP2 rank, weight pushes, asynchronous with staleness 1), a reward with an
+unambiguous optimum (tests/e2e/learning_reward.py) rises over a few steps, and the same run with
+the advantage negated (reward scaled by -10 instead of 10) does not rise (it falls, more slowly:
+minimising a 35% share of the vocabulary moves the near-uniform policy less than maximising it). This catches what unit tests of
+formulas cannot: a flipped sign, a lost weight push, a stale-policy mix-up, a broken normalisation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.learning_reward import TOKENS
+from tests.e2e.test_recipe import recipe, rows
+
+STEPS = 6
+
+
+def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    for split, n in (("train", 64), ("test", 8)):  # short prompts: the reward ignores them
+        lines = [json.dumps({"question": str(i), "answer": "#### 0"}) for i in range(n)]
+        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / name
+    args = [
+        "model.tiny=true",
+        "data.source=local",
+        f"data.path={data}",
+        "data.eval_size=8",
+        "servers.n=1",
+        "trainer.n_ranks=1",
+        "trainer.lr=0.15",  # a random-weight model learns this objective only with large steps
+        f"trainer.adv={{reward_bias=-0.5, reward_scaling={scaling}}}",
+        "async.batch_size=8",
+        "async.max_staleness=1",
+        "rollout.n_samples=4",
+        f"rollout.max_new_tokens={TOKENS}",
+        "rollout.reward=tests.e2e.learning_reward:no_space_share",
+        f"run.steps={STEPS}",
+        "run.checkpoint_every=0",
+        f"run.out_dir={out}",
+    ]
+    done = recipe(args, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    m = rows(out)
+    assert [r["step"] for r in m] == list(range(1, STEPS + 1))
+    return m
+
+
+def reward(m: list[dict], steps: slice) -> float:
+    xs = [r["reward/mean"] for r in m[steps]]
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.slow
+def test_reward_rises_and_falls_with_the_advantage_sign(tmp_path: Path) -> None:
+    up = run(tmp_path, "up", 10.0)
+    down = run(tmp_path, "down", -10.0)
+    start = reward(up, slice(0, 2))  # steps 1-2 train on version-0 samples in both runs
+    assert abs(reward(down, slice(0, 2)) - start) < 0.1
+    assert reward(up, slice(-2, None)) > start + 0.2, [r["reward/mean"] for r in up]
+    assert reward(down, slice(-2, None)) < start + 0.05, [r["reward/mean"] for r in down]
+    # held-out: the final weights, evaluated on the 8 test prompts, are far apart
+    assert up[-1]["eval/accuracy"] - down[-1]["eval/accuracy"] > 0.3
