@@ -305,8 +305,10 @@ class GenerateRequest(_Body):
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> Self:
-        if (self.text is None) == (self.input_ids is None):
+        if self.text is None and self.input_ids is None:
             raise _invalid("Either text or input_ids should be provided.")
+        if self.input_ids is not None:  # SGLang 0.5.23 takes input_ids when both are given
+            self.text = None
         return self
 
     @property

@@ -212,3 +212,12 @@ async def test_hundreds_of_concurrent_requests_are_batched(
     if is_reference:
         steps = (await client.get("/server_info")).json()["internal_states"][0]["steps"] - steps_before
         assert steps < n * new / 2  # several requests (up to MAX_RUNNING) advanced per decode step
+
+
+async def test_input_ids_win_over_text(client: httpx.AsyncClient) -> None:
+    """SGLang 0.5.23 accepts both and generates from ``input_ids``."""
+    r = await client.post(
+        "/generate", json={"input_ids": PROMPT, "text": "both", "sampling_params": greedy(2)}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["prompt_tokens"] == len(PROMPT)
