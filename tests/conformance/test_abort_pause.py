@@ -112,7 +112,7 @@ async def _uninterrupted(client: httpx.AsyncClient, prompt: list[int], n: int) -
 
 
 async def test_pause_retract_requeues_and_continue_finishes(client: httpx.AsyncClient) -> None:
-    prompt, n = list(range(3000, 3030)), 600
+    prompt, n = list(range(3000, 3030)), 3000  # long enough to be running when the pause lands
     task = asyncio.create_task(client.post("/generate", json=long_req("retract-1", prompt, n)))
     await wait_load(client, running=1)
     await client.post("/pause_generation", json={"mode": "retract"})
@@ -127,7 +127,7 @@ async def test_pause_retract_requeues_and_continue_finishes(client: httpx.AsyncC
 
 
 async def test_pause_in_place_keeps_requests_running(client: httpx.AsyncClient) -> None:
-    prompt, n = list(range(4000, 4030)), 600
+    prompt, n = list(range(4000, 4030)), 3000  # long enough to be running when the pause lands
     task = asyncio.create_task(client.post("/generate", json=long_req("inplace-1", prompt, n)))
     await wait_load(client, running=1)
     await client.post("/pause_generation", json={"mode": "in_place"})

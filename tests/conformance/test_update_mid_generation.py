@@ -18,7 +18,7 @@ import pytest
 from nodes.inference.testing import wait_load, wait_until
 from nodes.rollout.chunks import versions_from_spans
 
-N = 300  # 0.6 s on the sim reference server (2 ms per decode step)
+N = 1000  # 2 s on the sim reference server (2 ms per decode step), ~3 s on SGLang with the tiny model
 PAUSED_AFTER = 20  # tokens generated before the pause
 
 
