@@ -35,6 +35,7 @@ import structlog
 import rlactors
 from nodes.governor import watch_holder
 from protocols.rl import Batch, TrajectoryGroup
+from rlactors.aio import wait_for
 
 __all__ = ["BufferActor", "BufferConfig", "GovernorLink", "TrajectoryBuffer"]
 
@@ -229,7 +230,7 @@ class TrajectoryBuffer:
                     f"(ready {len(self._ready)}, in flight {len(self._in_flight)}, version {version})"
                 )
             try:
-                await asyncio.wait_for(changed.wait(), remaining)
+                await wait_for(changed.wait(), remaining)
             except TimeoutError:
                 continue
         return batch

@@ -33,6 +33,7 @@ import structlog
 
 import rlactors
 from protocols.codec import register
+from rlactors.aio import wait_for
 
 __all__ = ["GovernorActor", "GovernorConfig", "Grant", "StalenessGovernor", "watch_holder"]
 
@@ -136,7 +137,7 @@ class StalenessGovernor:
             try:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError
-                await asyncio.wait_for(changed.wait(), remaining)
+                await wait_for(changed.wait(), remaining)
             except TimeoutError:
                 self._stats.wait_timeouts += 1
                 return Grant(0, self.version)

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from rlactors.actor import class_spec
+from rlactors.aio import wait_for
 from rlactors.collective import CollectiveGroup, make_group
 from rlactors.handle import ActorGroup, ActorHandle
 from rlactors.local import LocalCluster, ensure_logging, start_local
@@ -179,7 +180,7 @@ class Cluster:
             await self._local.shutdown(self._client)
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._client.head_call("client_closed", self._client.client_id), 10)
+            await wait_for(self._client.head_call("client_closed", self._client.client_id), 10)
         await self._client.close()
 
     shutdown = close

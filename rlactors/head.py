@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from rlactors.aio import wait_for
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
@@ -192,7 +193,7 @@ class Head:
                 if request.get("get_if_exists"):
                     rec = self.actors[existing]
                     if rec.state != "ALIVE":  # another caller is still starting it
-                        await asyncio.wait_for(self._until_alive(rec), START_TIMEOUT_S)
+                        await wait_for(self._until_alive(rec), START_TIMEOUT_S)
                     if rec.state != "ALIVE":
                         raise ActorNotFoundError(f"actor {name!r} died while starting: {rec.reason}")
                     return rec.info()
@@ -249,12 +250,12 @@ class Head:
         rec.starting, rec.pending_exit = True, None
         try:
             call = node.conn.call("start_worker", (rec.actor_id, spec), {}, target="agent")
-            started = await asyncio.wait_for(call, START_TIMEOUT_S)
+            started = await wait_for(call, START_TIMEOUT_S)
         finally:
             rec.starting = False
         if rec.state == "DEAD" or rec.killed:  # killed while (re)starting
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
+                await wait_for(
                     node.conn.call("kill_worker", (rec.actor_id,), {}, target="agent"), AGENT_CALL_TIMEOUT_S
                 )
             raise ActorNotFoundError(f"actor {rec.name or rec.actor_id} was killed while starting")
@@ -325,7 +326,7 @@ class Head:
         if rec is None or rec.state == "DEAD":
             raise ActorNotFoundError(f"no live actor named {name!r}; alive: {sorted(self.names)}")
         if rec.state != "ALIVE":
-            await asyncio.wait_for(self._until_alive(rec), timeout=300)
+            await wait_for(self._until_alive(rec), timeout=300)
         return rec.info()
 
     async def _until_alive(self, rec: ActorRecord) -> None:
@@ -341,10 +342,10 @@ class Head:
         if node is not None and node.alive:
             died = rec.died
             call = node.conn.call("kill_worker", (actor_id,), {}, target="agent")
-            if await asyncio.wait_for(call, AGENT_CALL_TIMEOUT_S):
+            if await wait_for(call, AGENT_CALL_TIMEOUT_S):
                 # Return once the agent has seen the exit, so the kill is visible to everyone.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(died.wait(), 10)
+                    await wait_for(died.wait(), 10)
         else:
             self._mark_dead(rec, "killed")
         return True
@@ -411,7 +412,7 @@ class Head:
         n = self.nodes.get(node_id)
         if n is None or not n.alive:
             raise PlacementError(f"no alive node {node_id!r}")
-        port = await asyncio.wait_for(
+        port = await wait_for(
             n.conn.call("reserve_port", (), {}, target="agent"), AGENT_CALL_TIMEOUT_S
         )
         return {"host": n.host, "port": port}
@@ -438,7 +439,7 @@ class Head:
         """Stop every agent (and its workers), then the head process itself (`rlactors down`)."""
         alive = [n for n in self.nodes.values() if n.alive]
         await asyncio.gather(
-            *(asyncio.wait_for(n.conn.call("shutdown", (), {}, target="agent"), 10) for n in alive),
+            *(wait_for(n.conn.call("shutdown", (), {}, target="agent"), 10) for n in alive),
             return_exceptions=True,
         )
         for n in alive:

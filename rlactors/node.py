@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from rlactors.aio import wait_for
 from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
 from rlactors.logging import Throttle
@@ -111,7 +112,7 @@ class NodeAgent:
 
     async def _register(self) -> float:
         assert self._head is not None
-        reply = await asyncio.wait_for(
+        reply = await wait_for(
             self._head.call(
                 "register_node", (self.node_id, self.address, self.host, self.resources), {}, target="head"
             ),
@@ -125,7 +126,7 @@ class NodeAgent:
         while True:
             await asyncio.sleep(interval)
             try:
-                known = await asyncio.wait_for(
+                known = await wait_for(
                     self._head.call("heartbeat", (self.node_id,), {}, target="head"), interval * 3
                 )
                 if not known:
@@ -192,7 +193,7 @@ class NodeAgent:
         ]
         self._spawn_task(self._watch(actor_id, proc, ready, pumps, logfile), name=f"watch-{actor_id}")
         try:
-            return await asyncio.wait_for(asyncio.shield(ready), self.startup_timeout)
+            return await wait_for(asyncio.shield(ready), self.startup_timeout)
         except TimeoutError:
             proc.kill()
             raise ClusterError(
@@ -241,17 +242,17 @@ class NodeAgent:
         if not ready.done():
             # Let the traceback reach the log before reporting the failure.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*pumps), 2)
+                await wait_for(asyncio.gather(*pumps), 2)
             ready.set_exception(ActorDiedError(f"actor {actor_id} failed to start: {reason}", actor_id))
         elif self._head is not None and not self.stopped.is_set():
             try:
-                await asyncio.wait_for(
+                await wait_for(
                     self._head.call("actor_exited", (actor_id, reason), {}, target="head"), 30
                 )
             except Exception as e:
                 log.warning("could not report a worker's exit to the head", actor=actor_id, error=repr(e))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*pumps), 2)
+            await wait_for(asyncio.gather(*pumps), 2)
         if logfile is not None:
             logfile.close()
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlactors.aio import wait_for
 from rlactors.client import Connection
 from rlactors.placement import NodeResources
 
@@ -109,5 +110,5 @@ class KVStore:
             if left <= 0:
                 raise KeyError(key)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+                await wait_for(self._changed.wait(), left)
         return self._data[key]

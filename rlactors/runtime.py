@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from rlactors.aio import wait_for
 from rlactors.client import ActorState, Connection, StreamCall
 from rlactors.errors import (
     ActorDiedError,
@@ -63,7 +64,7 @@ class RuntimeClient:
         """Connect to the head and follow its actor events (returns once the first snapshot is in)."""
         self.head = Connection(self.head_address, self.security, name="head")
         try:
-            hello = await asyncio.wait_for(
+            hello = await wait_for(
                 self.head.call("hello", (self.client_id,), {}, target="head"), timeout
             )
         except TimeoutError:
@@ -79,7 +80,7 @@ class RuntimeClient:
             self._follow_events(), name="rlactors-events"
         )
         try:
-            await asyncio.wait_for(self._synced.wait(), timeout)
+            await wait_for(self._synced.wait(), timeout)
         except TimeoutError:
             raise ClusterError(
                 f"head at {self.head_address} did not send actor events within {timeout:.0f}s"
@@ -112,7 +113,7 @@ class RuntimeClient:
         missed = 0
         while self.head is not None and not self.head.closed:
             try:
-                known = await asyncio.wait_for(
+                known = await wait_for(
                     self.head.call("client_alive", (self.client_id,), {}, target="head"), 5 * interval
                 )
                 missed = 0
@@ -244,7 +245,7 @@ class RuntimeClient:
 
     async def _check_known(self, st: ActorState) -> None:
         try:
-            await asyncio.wait_for(self.head_call("get_actor", st.actor_id), 30)
+            await wait_for(self.head_call("get_actor", st.actor_id), 30)
         except ActorNotFoundError:
             if st.state != "DEAD":
                 reason = st.reason or "unknown to the head (it died long ago, or never existed)"

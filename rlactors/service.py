@@ -29,6 +29,7 @@ import structlog
 
 from protocols import codec, wire
 from protocols.wire import Flags, Kind
+from rlactors.aio import wait_for
 from rlactors.errors import exception_payload
 from rlactors.logging import Throttle
 from rlactors.security import Security
@@ -309,7 +310,7 @@ class Service:
         while credit.sent - credit.acked >= STREAM_WINDOW:
             credit.event.clear()
             # A consumer that acknowledges nothing for this long is gone (its process died).
-            await asyncio.wait_for(credit.event.wait(), STREAM_CREDIT_TIMEOUT_S)
+            await wait_for(credit.event.wait(), STREAM_CREDIT_TIMEOUT_S)
         credit.sent += 1
         self._send(ident, wire.encode_envelope(Kind.STREAM_ITEM, call_id, item))
 

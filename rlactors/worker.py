@@ -21,6 +21,7 @@ import structlog
 from protocols import codec
 from rlactors import logging as rlog
 from rlactors.actor import ActorContext, _set_context, load_class
+from rlactors.aio import wait_for
 from rlactors.client import Connection
 from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
@@ -56,7 +57,7 @@ async def main() -> int:
     mechanism = os.environ.get("RLACTORS_SECURITY", "curve")
     security = Security(load_secret(secret_file), mechanism) if secret_file else None
     agent = Connection(os.environ["RLACTORS_AGENT"], security, name="agent")
-    spec: dict[str, Any] = await asyncio.wait_for(
+    spec: dict[str, Any] = await wait_for(
         agent.call("worker_hello", (actor_id,), {}, target="agent"), 60
     )
     name = spec.get("name")
@@ -103,7 +104,7 @@ async def main() -> int:
     except BaseException as e:
         log.error("actor failed to start", error=repr(e))
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
+            await wait_for(
                 agent.call(
                     "worker_failed",
                     (actor_id, exception_payload(e, where=name or actor_id)),
@@ -121,7 +122,7 @@ async def main() -> int:
     on_stop = getattr(instance, "on_stop", None)
     if on_stop is not None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(on_stop(), 10)
+            await wait_for(on_stop(), 10)
     await service.close()
     await client.close()
     agent.close()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,25 @@ if str(ROOT) not in sys.path:
 
 # Keep torch (when a test imports it) to one thread per process on this small machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# pytest-timeout (and pytest's faulthandler_timeout) disarm their timers once a test has failed,
+# so a teardown that then hangs (a task that will not cancel) would hold the whole run until CI's
+# limit. Past this, every thread's stack goes to the real stderr and the run ends.
+TEARDOWN_LIMIT_S = 240
+_STDERR_FD: list[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _STDERR_FD.append(os.dup(2))  # capture is suspended here: fd 2 is the terminal / CI log
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    faulthandler.dump_traceback_later(TEARDOWN_LIMIT_S, exit=True, file=_STDERR_FD[0])
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture

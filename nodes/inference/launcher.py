@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import structlog
 
+from rlactors.aio import wait_for
+
 log = structlog.get_logger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -288,11 +290,11 @@ class ServerSupervisor:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            await wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            await asyncio.wait_for(proc.wait(), timeout_s)
+            await wait_for(proc.wait(), timeout_s)
         log.info("server_stopped", url=self.url, code=proc.returncode)
 
 

@@ -51,6 +51,7 @@ from protocols.sglang import (
     error_body,
     success_body,
 )
+from rlactors.aio import wait_for
 
 log = structlog.get_logger(__name__)
 
@@ -278,7 +279,7 @@ def create_app(engine: Engine) -> FastAPI:
             seed=0,
         )
         try:
-            await asyncio.wait_for(sched.submit(seq, False), HEALTH_CHECK_TIMEOUT_S)
+            await wait_for(sched.submit(seq, False), HEALTH_CHECK_TIMEOUT_S)
         except Exception:
             sched.abort(rid=seq.rid)
             return Response(status_code=503)

@@ -30,6 +30,7 @@ import rlactors
 from nodes.rollout.client import ClientConfig, SGLangClient
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import Workflow, build_workflow
+from rlactors.aio import wait_for
 
 __all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
 
@@ -140,6 +141,9 @@ class Rollout:
                 await self._admit(min(free, self.config.acquire_batch))
             if self._tasks and not self._stopping:
                 await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        except asyncio.CancelledError:  # cancelled from outside: stop as stop() would, episodes too
+            self._stopping = True
+            raise
         finally:
             if self._stopping:
                 await self._cancel_all()
@@ -367,7 +371,7 @@ class RolloutActor(rlactors.Actor):
     async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the prompt source is exhausted and every episode finished; the final stats."""
         if self._run is not None:
-            await asyncio.wait_for(asyncio.shield(self._run), timeout)
+            await wait_for(asyncio.shield(self._run), timeout)
         return self._core.stats()
 
     async def pid(self) -> int:

@@ -30,6 +30,7 @@ import structlog
 
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
 from nodes.rollout.pool import ServerPool
+from rlactors.aio import wait_for
 
 __all__ = [
     "ClientConfig",
@@ -200,7 +201,7 @@ class SGLangClient:
         idle_aborts = 0
         while True:
             if not self._resumed.is_set():
-                await asyncio.wait_for(self._resumed.wait(), cfg.pause_timeout_s)
+                await wait_for(self._resumed.wait(), cfg.pause_timeout_s)
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
                 "input_ids": list(request.input_ids) + ids,

@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import structlog
 
+from rlactors.aio import wait_for
+
 __all__ = ["RewardFn", "RewardRunner", "extract_answer", "gsm8k_reward"]
 
 log = structlog.get_logger(__name__)
@@ -193,11 +195,11 @@ class RewardRunner:
         self.counters["calls"] += 1
         try:
             if self._is_async:
-                value = await asyncio.wait_for(self.fn(completion, item), self.timeout_s)  # type: ignore[arg-type]
+                value = await wait_for(self.fn(completion, item), self.timeout_s)  # type: ignore[arg-type]
             else:
                 loop = asyncio.get_running_loop()
                 fut = loop.run_in_executor(self._pool, self.fn, completion, item)
-                value = await asyncio.wait_for(fut, self.timeout_s)
+                value = await wait_for(fut, self.timeout_s)
             return float(value)  # type: ignore[arg-type]
         except TimeoutError:
             self.counters["timeouts"] += 1

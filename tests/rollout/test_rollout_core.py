@@ -105,6 +105,10 @@ async def test_resume_trains_every_prompt_once_per_epoch(sim_server: str) -> Non
     rollout.prompts = prompt_source(spec)
     run = asyncio.create_task(rollout.run())
     first = await train(buf, gov, rollout, 3, B, eta)
+    for _ in range(500):  # the last batch may have been ready before the rollout admitted more
+        if buf.ready + buf.in_flight > 0:
+            break
+        await asyncio.sleep(0.01)
     assert buf.ready + buf.in_flight > 0  # admitted but not trained when the "checkpoint" is taken
     await rollout.stop()
     await asyncio.wait_for(run, 30)
@@ -138,6 +142,23 @@ async def test_resume_trains_every_prompt_once_per_epoch(sim_server: str) -> Non
     epoch1 = [g for g in second if "/e1/" in g]
     assert len(set(epoch1)) == len(epoch1)
     assert trained_position(first + second, n) == {"done_epochs": 1, "trained": sorted(epoch1)}
+
+
+async def test_cancelling_run_stops_it_and_its_episodes(sim_server: str) -> None:
+    """A cancel from outside (asyncio.run's teardown, an embedding service) ends run() and every
+    episode, and their leases go back, even when it lands as the governor wakes the loop."""
+    B, eta = 2, 1
+    gov, buf, client, rollout = make(sim_server, 40, B, eta, max_inflight=8)
+    run = asyncio.create_task(rollout.run())
+    await buf.get_batch(B, 0, timeout=60)
+    gov.set_version(1)  # wakes the loop's acquire ...
+    rollout.set_version(1)
+    run.cancel()  # ... in the same turn as the cancel
+    done, _ = await asyncio.wait({run}, timeout=10)
+    assert run in done and run.cancelled()
+    assert rollout.inflight == 0 and rollout.stopping
+    await client.aclose()
+    assert gov.running == 0 and buf.in_flight == 0  # abandoned episodes returned their leases
 
 
 def test_shuffled_epochs_are_reproducible_and_shards_partition_them() -> None:

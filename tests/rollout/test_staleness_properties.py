@@ -380,3 +380,31 @@ def test_recover_resets_capacity_exactly() -> None:
     gov.recover(7)
     assert gov.running == 0 and gov.accepted == 28 and gov.version == 7
     assert gov.capacity() == (2 + 1) * 4  # neither lost (leases gone) nor inflated (accepted reset)
+
+
+async def test_a_cancel_that_lands_as_the_version_moves_is_not_lost() -> None:
+    """The wake-up and the cancel in one loop turn: Python 3.11's asyncio.wait_for returned the
+    grant and dropped the cancel, so a rollout loop cancelled then never ended (CI hung on it)."""
+    gov = StalenessGovernor(GovernorConfig(batch_size=2, max_staleness=0, max_concurrent=100))
+    gov.try_acquire("a", 2)
+    gov.finish("a", k_accepted=2)
+    waiter = asyncio.create_task(gov.acquire("b", 1, timeout=10))
+    await asyncio.sleep(0)
+    gov.set_version(1)  # capacity: the waiter's wake-up is scheduled ...
+    waiter.cancel()  # ... and so is its cancel
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert gov.leases("b") == 0  # nothing granted to a caller that is gone
+
+
+async def test_buffer_get_batch_keeps_a_cancel_that_lands_with_a_batch() -> None:
+    gov = StalenessGovernor(GovernorConfig(batch_size=1, max_staleness=0, max_concurrent=100))
+    buf = TrajectoryBuffer(BufferConfig(max_staleness=0), governor=gov)
+    gov.try_acquire("h", 1)
+    buf.begin("h", "G", None, 0)
+    getter = asyncio.create_task(buf.get_batch(1, 0, timeout=10))
+    await asyncio.sleep(0)
+    buf.put("h", make_group("G", [0]))
+    getter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await getter
