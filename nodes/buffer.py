@@ -24,9 +24,11 @@ The buffer owns the release of every lease whose ``begin`` it saw: it tells the 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import heapq
 import itertools
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -75,17 +77,92 @@ class _InFlight:
     admit_version: int
 
 
-@dataclass
+@dataclass(eq=False)
 class _Ready:
     admit_version: int
     seq: int
     group: TrajectoryGroup
+    age_version: int  # staleness is measured from it: the oldest token's version, else the admission's
+    gone: bool = False  # taken or dropped; still referenced from a queue or the age heap until passed
 
-    @property
-    def age_version(self) -> int:
-        """The version staleness is measured from: the oldest token, else the admission."""
-        oldest = self.group.oldest_version
-        return oldest if oldest >= 0 else self.admit_version
+
+class _ReadyGroups:
+    """Ready groups in hand-out order (admission version, then arrival), with cheap stale drops.
+
+    Every wake-up of a waiting trainer asks for the eligible count and drops stale groups, so
+    neither may rescan the groups waiting: groups live in one FIFO per admission version (a few
+    versions at a time), a heap orders them by age, and a group that leaves is only marked, then
+    passed over once by each structure. Work per group is O(log n) over its stay, not per wake-up.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[int, deque[_Ready]] = {}  # admission version -> its groups by arrival
+        self._live: Counter[int] = Counter()  # admission version -> groups not gone
+        self._versions: list[int] = []  # admission versions with live groups, ascending
+        self._by_age: list[tuple[int, int, _Ready]] = []  # heap of (age_version, seq, group)
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[_Ready]:
+        for v in self._versions:
+            yield from (r for r in self._queues[v] if not r.gone)
+
+    def add(self, r: _Ready) -> None:
+        """Append ``r`` (its ``seq`` is the newest) behind the groups of its admission version."""
+        v = r.admit_version
+        if v not in self._queues:
+            self._queues[v] = deque()
+            bisect.insort(self._versions, v)
+        self._queues[v].append(r)
+        self._live[v] += 1
+        self._n += 1
+        heapq.heappush(self._by_age, (r.age_version, r.seq, r))
+        if len(self._by_age) > 2 * self._n + 64:  # mostly groups already gone: rebuild, amortised O(1)
+            self._by_age = [e for e in self._by_age if not e[2].gone]
+            heapq.heapify(self._by_age)
+
+    def eligible(self, horizon: int | None) -> int:
+        """Groups admitted at ``horizon`` or before (all of them with None)."""
+        if horizon is None:
+            return self._n
+        n = 0
+        for v in self._versions:
+            if v > horizon:
+                break
+            n += self._live[v]
+        return n
+
+    def drop_older_than(self, age: int) -> int:
+        """Drop the groups whose age version is below ``age``; how many."""
+        dropped = 0
+        while self._by_age and self._by_age[0][0] < age:
+            r = heapq.heappop(self._by_age)[2]
+            if not r.gone:
+                self._leave(r)
+                dropped += 1
+        return dropped
+
+    def take(self, n: int) -> list[_Ready]:
+        """The first ``n`` groups in hand-out order (fewer if fewer are ready), removed."""
+        out: list[_Ready] = []
+        while len(out) < n and self._versions:
+            q = self._queues[self._versions[0]]
+            r = q.popleft()
+            if not r.gone:
+                self._leave(r)
+                out.append(r)
+        return out
+
+    def _leave(self, r: _Ready) -> None:
+        r.gone = True
+        self._n -= 1
+        v = r.admit_version
+        self._live[v] -= 1
+        if not self._live[v]:  # its queue holds only gone groups now: forget it
+            del self._live[v], self._queues[v]
+            self._versions.remove(v)
 
 
 class TrajectoryBuffer:
@@ -100,7 +177,7 @@ class TrajectoryBuffer:
         """``done_ids``: groups trained before a restart; their ``begin`` is refused like an accepted one's."""
         self.config = config or BufferConfig()
         self._governor = governor
-        self._ready: list[_Ready] = []  # kept sorted by (admit_version, seq)
+        self._ready = _ReadyGroups()
         self._in_flight: dict[tuple[str, str], _InFlight] = {}  # (holder, group_id) -> episode
         self._flight_versions: Counter[int] = Counter()  # admission versions of episodes in flight
         self._accepted_ids: set[str] = set(done_ids)
@@ -144,10 +221,12 @@ class TrajectoryBuffer:
         if episode is None and holder_id in self._dead:
             self._c["late_puts"] += 1
             self._drop_requeued(group.group_id)
+        oldest = group.oldest_version  # the one scan of the group's tokens
         if admit_version is None:
-            admit_version = episode.admit_version if episode else max(group.oldest_version, 0)
+            admit_version = episode.admit_version if episode else max(oldest, 0)
         self._accepted_ids.add(group.group_id)
-        self._insert(_Ready(admit_version, next(self._seq), group))
+        age = oldest if oldest >= 0 else admit_version
+        self._ready.add(_Ready(admit_version, next(self._seq), group, age))
         self._c["accepted"] += 1
         self._tell_finish(holder_id, 1, 0)
         self._notify()
@@ -212,7 +291,7 @@ class TrajectoryBuffer:
         eligible = self._eligible_count()
         if eligible < batch_size:
             return None
-        taken, self._ready = self._ready[:batch_size], self._ready[batch_size:]
+        taken = self._ready.take(batch_size)
         self._c["batches"] += 1
         self._c["groups_out"] += batch_size
         return Batch([r.group for r in taken], version)
@@ -262,32 +341,17 @@ class TrajectoryBuffer:
 
     # -- internals -----------------------------------------------------------------
 
-    def _insert(self, r: _Ready) -> None:
-        key = (r.admit_version, r.seq)
-        i = len(self._ready)
-        while i > 0 and (self._ready[i - 1].admit_version, self._ready[i - 1].seq) > key:
-            i -= 1  # arrivals are nearly sorted: scan from the end
-        self._ready.insert(i, r)
-
     def _eligible_count(self) -> int:
         if self.config.order == "arrival" or not self._in_flight:
-            return len(self._ready)
-        horizon = min(self._flight_versions)
-        n = 0
-        for r in self._ready:
-            if r.admit_version > horizon:
-                break
-            n += 1
-        return n
+            return self._ready.eligible(None)
+        return self._ready.eligible(min(self._flight_versions))
 
     def _drop_stale(self, version: int) -> None:
         eta = self.config.max_staleness
         if eta is None:
             return
-        keep = [r for r in self._ready if r.age_version >= version - eta]
-        dropped = len(self._ready) - len(keep)
+        dropped = self._ready.drop_older_than(version - eta)
         if dropped:
-            self._ready = keep
             self._c["dropped_stale"] += dropped
             log.warning("buffer.dropped_stale", n=dropped, version=version, max_staleness=eta)
             if self._governor is not None:

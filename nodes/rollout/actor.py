@@ -11,8 +11,9 @@ the re-queued episodes; :class:`RolloutHandle` lets a driver's calls survive the
 Order of an admission: acquire a batch of grants (one call for up to ``acquire_batch``
 episodes) -> raise the client's version to the grant's (token versions are never older
 than the admission version: the staleness argument needs it) -> take re-queued episodes
-first, then fresh prompts -> ``begin`` each at the buffer -> run. Leases are released by
-the buffer on ``put``/``abandon``; grants left unused (source exhausted) are returned here.
+first, then fresh prompts -> ``begin`` them at the buffer, all at once -> run. Leases are
+released by the buffer on ``put``/``abandon``; grants left unused (source exhausted) are returned
+here.
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ class Rollout:
             await self._return_grants(grant.n)
             return
         self.client.set_version(grant.version)  # token versions must not predate the admission
-        settled = skipped = 0  # settled: grants turned into episodes, or released by the buffer
+        settled = 0  # settled: grants turned into episodes, or released by the buffer
+        picked: list[tuple[str, Any]] = []
+        began: list[bool | BaseException] = []
         try:
             work = list(await _aw(self.buffer.take_requeued(grant.n, self.holder_id, grant.version)))
             for w in work:  # already in flight for us at the buffer
@@ -174,34 +177,68 @@ class Rollout:
                     await self._abandon(w["group_id"])  # gives its lease back through the buffer
                 else:
                     self._start(w["group_id"], w["item"])
-            while settled < grant.n and not self._stopping:
-                nxt = next(self.prompts, None)
-                if nxt is None:
-                    self._exhausted = True
-                    break
-                gid, item = nxt
-                if gid in self._tasks:  # a source repeating a running id: skip it, but not for ever
-                    skipped += 1
-                    if skipped >= grant.n:
-                        break
-                    continue
-                try:
-                    began = await _aw(self.buffer.begin(self.holder_id, gid, item, grant.version))
-                except Exception:
-                    # the answer may be lost after the buffer recorded it: abandon settles that lease
-                    # (True) or finds nothing to settle (False: the grant is ours to return)
-                    settled += bool(await self._abandon(gid))
-                    raise
-                settled += 1
-                if not began:  # already trained (a replayed source): the buffer released the lease
-                    self.counters["refused_begin"] += 1
-                elif self._stopping:  # stop() came during the begin
-                    await self._abandon(gid)
-                else:
-                    self._start(gid, item)
+            if settled < grant.n and not self._stopping:
+                picked = self._next_prompts(grant.n - settled)
+                began = await self._begin_all(picked, grant.version)
         finally:
+            if picked:  # also when cancelled during the begins: then each is settled as a failed one
+                settled += await self._settle_begins(picked, began)
             if settled < grant.n:  # exhausted, stopping, or the buffer failed us: give the rest back
                 await self._return_grants(grant.n - settled)
+        failure = next((b for b in began if isinstance(b, BaseException)), None)
+        if failure is not None:
+            raise failure
+
+    def _next_prompts(self, n: int) -> list[tuple[str, Any]]:
+        """Up to ``n`` fresh prompts, in source order, none of them running already."""
+        picked: dict[str, Any] = {}
+        skipped = 0
+        while len(picked) < n:
+            nxt = next(self.prompts, None)
+            if nxt is None:
+                self._exhausted = True
+                break
+            gid, item = nxt
+            if gid in self._tasks or gid in picked:  # a source repeating a running id: skip it, not for ever
+                skipped += 1
+                if skipped >= n:
+                    break
+                continue
+            picked[gid] = item
+        return list(picked.items())
+
+    async def _begin_all(self, picked: list[tuple[str, Any]], version: int) -> list[bool | BaseException]:
+        """``begin`` each picked prompt at the buffer, all at once: with the buffer an actor, one at a
+        time would hold the episodes in flight to one per round trip. Each answer, or its error."""
+
+        async def begin(gid: str, item: Any) -> bool:
+            return bool(await _aw(self.buffer.begin(self.holder_id, gid, item, version)))
+
+        return await asyncio.gather(*(begin(gid, item) for gid, item in picked), return_exceptions=True)
+
+    async def _settle_begins(self, picked: list[tuple[str, Any]], began: list[bool | BaseException]) -> int:
+        """Start the episodes begun; how many grants that settled. If a begin failed (or was cancelled:
+        ``began`` is short) none is started and all are abandoned, as they are if stop() came."""
+        failed = len(began) < len(picked) or any(isinstance(b, BaseException) for b in began)
+        settled, unknown, drop = 0, [], []
+        for i, (gid, item) in enumerate(picked):
+            b = began[i] if i < len(began) else None
+            if b is None or isinstance(b, BaseException):
+                unknown.append(gid)  # the answer may be lost after the buffer recorded it
+            elif not b:  # already trained (a replayed source): the buffer released the lease
+                settled += 1
+                self.counters["refused_begin"] += 1
+            elif failed or self._stopping:
+                settled += 1  # the buffer holds the lease: the abandon gives it back
+                drop.append(gid)
+            else:
+                settled += 1
+                self._start(gid, item)
+        if unknown or drop:
+            found = await asyncio.shield(asyncio.gather(*(self._abandon(g) for g in [*unknown, *drop])))
+            # an unknown begin's abandon settles it (True) or finds nothing: that grant is ours to return
+            settled += sum(found[: len(unknown)])
+        return settled
 
     def _start(self, gid: str, item: Any) -> None:
         self.counters["episodes_started"] += 1

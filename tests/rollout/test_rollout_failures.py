@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -25,19 +26,40 @@ from nodes.rollout.workflows import (
     sample_rid,
 )
 from protocols.rl import Trajectory, TrajectoryGroup
+from rlactors.aio import wait_for
 from tests.rollout.test_client_mock import reply
 
 A, B = "http://a:1", "http://b:1"
 
 
-class FakeWorkflow:
+class Watched:
+    """Something a test waits on without polling: :meth:`until` re-checks on every :meth:`note`."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Event()
+
+    def note(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def until(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+        async def wait() -> None:
+            while not condition():
+                await self._changed.wait()
+
+        await wait_for(wait(), timeout)  # generous: the machine may be loaded
+
+
+class FakeWorkflow(Watched):
     """One trajectory per episode after ``delay`` seconds; records what it started."""
 
     def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
         self.delay, self.started = delay, []
 
     async def arun_episode(self, client: Any, item: Any, group_id: str | None = None) -> TrajectoryGroup:
         self.started.append(group_id)
+        self.note()
         await asyncio.sleep(self.delay)
         v = client.version
         return TrajectoryGroup(
@@ -74,7 +96,7 @@ async def test_stop_during_an_acquire_starts_nothing_more() -> None:
     assert wf.started == ["p/0"]
     await r.stop()  # p/0 is cancelled; dispatch is waiting in acquire (capacity 0)
     gov.set_version(1)  # capacity opens while that acquire still waits
-    await asyncio.wait_for(run, 2)
+    await wait_for(run, 2)
     assert wf.started == ["p/0"]
     assert gov.running == 0 and gov.leases("h0") == 0 and buf.in_flight == 0
 
@@ -97,7 +119,7 @@ async def test_a_put_that_keeps_failing_releases_its_lease_and_training_goes_on(
         gov.set_version(v + 1)
         r.set_version(v + 1)
     await r.stop()
-    await asyncio.wait_for(run, 5)
+    await wait_for(run, 5)
     assert r.stats()["episodes_failed"] == 1 and buf.stats()["abandoned"] == 1
     assert gov.leases("h0") == 0 and buf.in_flight == 0
 
@@ -258,14 +280,35 @@ async def test_a_non_json_answer_names_the_server() -> None:
     await client.aclose()
 
 
-class AsyncBuffer:
-    """A buffer behind an actor-like async interface: begins take a while, one answer can be lost."""
+class AsyncBuffer(Watched):
+    """A buffer behind an actor-like async interface: begins take a while (or wait for ``gate``),
+    one answer can be lost. ``begins_waiting`` and its peak count the begins on the wire."""
 
-    def __init__(self, core: TrajectoryBuffer, begin_delay: float = 0.0, lose_answer_of: str | None = None):
-        self.core, self.begin_delay, self.lose = core, begin_delay, lose_answer_of
+    def __init__(
+        self,
+        core: TrajectoryBuffer,
+        begin_delay: float = 0.0,
+        lose_answer_of: str | None = None,
+        gate: asyncio.Event | None = None,
+        fail_begin_of: str | None = None,
+    ):
+        super().__init__()
+        self.core, self.begin_delay, self.lose, self.gate = core, begin_delay, lose_answer_of, gate
+        self.fail = fail_begin_of
+        self.begins_waiting = self.peak_begins_waiting = 0
 
     async def begin(self, h, g, item, v):
-        await asyncio.sleep(self.begin_delay)
+        self.begins_waiting += 1
+        self.peak_begins_waiting = max(self.peak_begins_waiting, self.begins_waiting)
+        self.note()
+        try:
+            await asyncio.sleep(self.begin_delay)
+            if self.gate is not None:
+                await self.gate.wait()
+        finally:
+            self.begins_waiting -= 1
+        if g == self.fail:
+            raise ConnectionError("buffer unreachable (the begin never landed)")
         ok = self.core.begin(h, g, item, v)
         if g == self.lose:
             raise TimeoutError("buffer call timed out (the begin landed, its answer was lost)")
@@ -292,17 +335,53 @@ def make_async(n: int, wf: Any, wrap: Any, B: int = 8, **cfg):
     )
 
 
-async def test_stop_during_a_begin_starts_nothing_more() -> None:
+async def test_stop_during_the_begins_starts_nothing() -> None:
     wf = FakeWorkflow(delay=3.0)
+    gate = asyncio.Event()
+    gov, core, r = make_async(4, wf, lambda c: AsyncBuffer(c, gate=gate), max_inflight=4, acquire_batch=4)
+    run = asyncio.create_task(r.run())
+    await r.buffer.until(lambda: r.buffer.begins_waiting == 4)  # the grant's begins are all on the wire
+    await r.stop()
+    gate.set()  # they land after the stop
+    await wait_for(run, 5)
+    assert wf.started == []
+    assert gov.running == 0 and core.in_flight == 0 and gov.stats()["over_finish"] == 0
+
+
+async def test_the_begins_of_a_grant_overlap() -> None:
+    """Issue 14: with the buffer an actor each begin is a round trip; begun one at a time, episodes
+    in flight stayed far below the configured concurrency. A grant's begins must be on the wire
+    together, and its episodes all start after one round trip."""
+    wf = FakeWorkflow(delay=30.0)
     gov, core, r = make_async(
-        4, wf, lambda c: AsyncBuffer(c, begin_delay=0.2), max_inflight=4, acquire_batch=4
+        64, wf, lambda c: AsyncBuffer(c, begin_delay=0.05), B=16, max_inflight=32, acquire_batch=16
     )
     run = asyncio.create_task(r.run())
-    await asyncio.sleep(0.3)  # p/0 begun and started; the begin of p/1 in progress
+    await wf.until(lambda: len(wf.started) == 32)  # two grants of 16
+    assert r.buffer.peak_begins_waiting == 16  # one at a time, this was 1
+    assert wf.started == [f"p/{i}" for i in range(32)]  # prompts still taken in source order
+    assert gov.leases("h0") == core.in_flight == 32
     await r.stop()
-    await asyncio.wait_for(run, 2)  # its episodes are cancelled, not waited for
-    assert wf.started == ["p/0"]
-    assert gov.running == 0 and core.in_flight == 0
+    await wait_for(run, 5)
+    assert gov.running == 0 and core.in_flight == 0 and gov.stats()["over_finish"] == 0
+
+
+async def test_a_failed_begin_among_overlapping_ones_settles_every_grant_once() -> None:
+    """One begin of a grant fails, one is refused (already trained), the others land: nothing of the
+    grant starts, the landed ones are abandoned, only the failed one's grant comes back from us."""
+    gov = StalenessGovernor(GovernorConfig(8, 1, max_concurrent=64))
+    core = TrajectoryBuffer(BufferConfig(max_staleness=1), governor=gov, done_ids=["p/1"])
+    buf = AsyncBuffer(core, lose_answer_of="p/4", fail_begin_of="p/2")  # p/4 lands unanswered
+    wf = FakeWorkflow()
+    prompts = iter([(f"p/{i}", {"q": i}) for i in range(8)])
+    client = SGLangClient(["http://unused:1"])
+    r = Rollout("h0", client, wf, prompts, gov, buf, RolloutConfig(acquire_batch=6))
+    with pytest.raises(ConnectionError):
+        await r.run()
+    assert wf.started == [] and core.in_flight == 0
+    assert r.counters["refused_begin"] == 1 and r.counters["returned_grants"] == 1  # p/2's only
+    assert gov.running == 0 and gov.leases("h0") == 0 and gov.stats()["over_finish"] == 0
+    assert core.stats()["abandoned"] == 4  # p/0, p/3, p/5 begun; p/4 landed unanswered
 
 
 async def test_a_begin_whose_answer_was_lost_is_settled_once() -> None:
@@ -331,7 +410,7 @@ async def test_a_requeued_group_the_holder_already_runs_is_not_begun_twice() -> 
     assert sorted(core._in_flight) == [("h0", "p/0"), ("h0", "p/1"), ("h0", "p/2"), ("h0", "p/9")]
     assert gov.leases("h0") == core.in_flight
     await r.stop()
-    await asyncio.wait_for(run, 2)
+    await wait_for(run, 2)
 
 
 async def test_max_new_tokens_zero_is_kept() -> None:
