@@ -13,6 +13,8 @@ Sources:
 - ``"offline"``: reasoning-gym's ``gsm_symbolic`` generator. One pool is generated from the
   seed and split by index (train first, then test, test minus any question also in train),
   so the splits are disjoint and the same seed gives the same items in the same order.
+- ``"easy"``: single-digit sums and differences (117 problems: 64 held out, 53 to train on),
+  for models too small for GSM8K (the CPU default: SmolLM2-135M starts at ~0.2 on them).
 - ``"auto"``: local when a path is given, else hub, falling back to offline with a warning.
 
 :class:`PromptSource` serves the items forever, reshuffled every epoch, as ``(group_id, item)``
@@ -215,6 +217,29 @@ def _load_offline(split: str, seed: int, limit: int | None) -> tuple[list[dict[s
     )
 
 
+# -- easy: single-digit sums and differences -----------------------------------------------
+
+
+def easy_items() -> list[tuple[str, str]]:
+    """Every ``What is a + b?`` (a, b in 1..9) and ``What is a - b?`` (9 >= a > b >= 1): 117
+    problems ``(question, answer)``. With the tutor system prompt SmolLM2-135M-Instruct reasons
+    at length and gets ~0.2-0.3 of them right; it can learn to do better within minutes on CPU."""
+    plus = [(f"What is {a} + {b}?", str(a + b)) for a in range(1, 10) for b in range(1, 10)]
+    minus = [(f"What is {a} - {b}?", str(a - b)) for a in range(2, 10) for b in range(1, a)]
+    return plus + minus
+
+
+EASY_TEST_SIZE = 64
+
+
+def _load_easy(split: str, seed: int, limit: int | None) -> tuple[list[dict[str, str]], str]:
+    pool = easy_items()
+    random.Random(seed).shuffle(pool)  # one order from the seed, split by index: disjoint splits
+    rows = pool[:EASY_TEST_SIZE] if split == "test" else pool[EASY_TEST_SIZE:]
+    items = [_item("easy", split, i, q, a) for i, (q, a) in enumerate(rows)]
+    return items, f"single-digit sums and differences, generated offline ({split} split, seed {seed})"
+
+
 # -- entry point --------------------------------------------------------------------------
 
 
@@ -242,6 +267,8 @@ def load_gsm8k(
         items, desc = _load_hub(split, hub_timeout_s)
     elif source == "offline":
         items, desc = _load_offline(split, seed, limit)
+    elif source == "easy":
+        items, desc = _load_easy(split, seed, limit)
     elif source == "auto":
         try:
             items, desc = _load_hub(split, hub_timeout_s)
@@ -250,7 +277,7 @@ def load_gsm8k(
             items, desc = _load_offline(split, seed, limit)
             fallback = f"; used because {e}"
     else:
-        raise ValueError(f"unknown GSM8K source {source!r}; use auto, hub, local or offline")
+        raise ValueError(f"unknown GSM8K source {source!r}; use auto, hub, local, offline or easy")
     items = _limited(items, limit)
     if not items:
         raise DataUnavailableError(f"no GSM8K {split} items: {desc}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["MetricsLogger", "format_step_line", "plot_run", "read_metrics"]
+__all__ = ["MetricsLogger", "accuracy_interval", "format_step_line", "plot_run", "read_metrics"]
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +159,17 @@ def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [merged[s] for s in sorted(merged)]
 
 
+def accuracy_interval(correct: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of an accuracy of ``correct`` out of ``n`` (95% for z = 1.96):
+    unlike p +- z*sqrt(p(1-p)/n) it stays inside [0, 1] and is not zero-wide at 0 or 1."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], v) for r in rows if (v := _scalar(r.get(key))) is not None]
     return [p[0] for p in pts], [float(p[1]) for p in pts]
@@ -190,6 +201,12 @@ def plot_run(metrics_jsonl: Path, out_png: Path) -> Path:
             if xs:
                 ax.plot(xs, ys, style, label=label, markersize=4)
                 drawn += 1
+        if ax is axes[0, 1]:  # the eval's 95% intervals
+            pts = [(r["step"], lo, hi) for r in rows
+                   if (lo := _scalar(r.get("eval/ci_low"))) is not None and (hi := _scalar(r.get("eval/ci_high"))) is not None]  # fmt: skip
+            if pts:
+                ax.vlines([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color="tab:blue",
+                          alpha=0.5, linewidth=6, label="95% interval")  # fmt: skip
         if ax is axes[1, 1]:
             xs, ys = _series(rows, "throughput/samples_per_s")
             if xs:
@@ -230,7 +247,8 @@ def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -
     if (r := _num(metrics, "reward/mean")) is not None:
         parts.append(f"reward {r:.2f}")
     if (a := _num(metrics, "eval/accuracy")) is not None:
-        parts.append(f"acc {a:.2f}")
+        lo, hi = _num(metrics, "eval/ci_low"), _num(metrics, "eval/ci_high")
+        parts.append(f"acc {a:.2f}" + (f"±{(hi - lo) / 2:.2f}" if lo is not None and hi is not None else ""))
     mean, mx = _num(metrics, "staleness/mean"), _num(metrics, "staleness/max")
     if mean is not None or mx is not None:
         parts.append("stale " + "/".join(f"{v:.{n}f}" for v, n in ((mean, 1), (mx, 0)) if v is not None))

@@ -74,10 +74,37 @@ async def evaluate(
         return {"eval/accuracy": float("nan"), "eval/version": version}
     finally:
         await client.aclose()
+    from nodes.metrics import accuracy_interval
+
+    correct = sum(g.trajectories[0].reward for g in groups)
+    low, high = accuracy_interval(correct, len(groups))
     return {
-        "eval/accuracy": sum(g.trajectories[0].reward for g in groups) / max(1, len(groups)),
+        "eval/accuracy": correct / max(1, len(groups)),
+        "eval/ci_low": low,
+        "eval/ci_high": high,
+        "eval/n": len(groups),
         "eval/version": version,
     }
+
+
+def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
+    """``eval accuracy 0.23 (±0.07) → 0.45 (±0.09) ...``: the run's result in one line."""
+    a, b = first["eval/accuracy"], last["eval/accuracy"]
+
+    def pm(m: dict[str, float]) -> str:
+        return f"±{(m['eval/ci_high'] - m['eval/ci_low']) / 2:.2f}"
+
+    if b > first["eval/ci_high"] and a < last["eval/ci_low"]:
+        verdict = "higher, outside both intervals"
+    elif b < first["eval/ci_low"] and a > last["eval/ci_high"]:
+        verdict = "LOWER, outside both intervals"
+    else:
+        verdict = "no clear change: the intervals overlap"
+    return (
+        f"eval accuracy {a:.2f} ({pm(first)}) at version {first['eval/version']:.0f} → {b:.2f} ({pm(last)}) "
+        f"at version {last['eval/version']:.0f}: {verdict} "
+        f"({last['eval/n']:.0f} held-out problems, 95% intervals)"
+    )
 
 
 @dataclass
@@ -221,6 +248,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
         eval_wf = await asyncio.to_thread(build_workflow, workflow_spec(cfg, model, eval_mode=True))
         servers = Servers(urls)
         eval_task = asyncio.create_task(evaluate(eval_wf, urls, eval_items, version))
+        evals: list[dict[str, float]] = []
         live = list(urls)
 
         for step in range(start_step, cfg.run.steps):
@@ -274,13 +302,17 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             }
             last = step + 1 == cfg.run.steps
             if eval_task is not None and eval_task.done():
-                m.update(eval_task.result())
+                evals.append(eval_task.result())
+                m.update(evals[-1])
                 eval_task = None
-            if eval_task is None and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
+            if last:  # finish an earlier eval still running, then evaluate the final policy
+                if eval_task is not None:
+                    evals.append(await eval_task)
+                eval_task = None
+                evals.append(await evaluate(eval_wf, live, eval_items, version))
+                m.update(evals[-1])
+            elif eval_task is None and cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
                 eval_task = asyncio.create_task(evaluate(eval_wf, live, eval_items, version))
-            if last and eval_task is not None:
-                m.update(await eval_task)
-                eval_task = None
             metrics.log(step + 1, m)
             print(format_step_line(step + 1, cfg.run.steps, m), flush=True)
             if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
@@ -292,6 +324,9 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 write_latest(ckpt_root, step + 1)
         if eval_task is not None:
             eval_task.cancel()
+        done = [e for e in evals if e["eval/accuracy"] == e["eval/accuracy"]]  # not NaN (failed)
+        if len(done) >= 2:
+            print(eval_summary(done[0], done[-1]), flush=True)
         await asyncio.gather(*(r.stop() for r in rollouts), return_exceptions=True)
         await servers.http.aclose()
     finally:

@@ -98,7 +98,7 @@ def trainer_dict(cfg: RecipeConfig, model: Path, out: Path) -> dict[str, Any]:
 
 
 def workflow_spec(cfg: RecipeConfig, model: Path, *, eval_mode: bool = False) -> dict[str, Any]:
-    from nodes.data import PROMPT_SUFFIX, SYSTEM_PROMPT
+    from nodes.data import PROMPT_SUFFIX
 
     temperature = cfg.run.eval_temperature if eval_mode else cfg.rollout.temperature
     return {
@@ -108,7 +108,7 @@ def workflow_spec(cfg: RecipeConfig, model: Path, *, eval_mode: bool = False) ->
         "reward_timeout_s": 10.0,
         "config": {
             "n_samples": 1 if eval_mode else cfg.rollout.n_samples,
-            "system_prompt": SYSTEM_PROMPT,
+            "system_prompt": cfg.data.system_prompt or None,
             "prompt_suffix": PROMPT_SUFFIX,
             "sampling_params": {"max_new_tokens": cfg.rollout.max_new_tokens, "temperature": temperature},
         },

@@ -25,7 +25,7 @@ import structlog
 
 from rlactors.aio import wait_for
 
-__all__ = ["RewardFn", "RewardRunner", "extract_answer", "gsm8k_reward"]
+__all__ = ["RewardFn", "RewardRunner", "extract_answer", "final_number_reward", "gsm8k_reward"]
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +33,7 @@ RewardFn = Callable[[str, Any], "float | Awaitable[float]"]
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _NUMBER = re.compile(r"^[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?$")
+_ANY_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -80,6 +81,15 @@ def gsm8k_reward(completion: str, item: Mapping[str, Any]) -> float:
     except RuntimeError as e:  # no checker: this answer cannot be verified, so it does not score
         log.error("reward.symbolic_unavailable", error=str(e))
         return 0.0
+
+
+def final_number_reward(completion: str, item: Mapping[str, Any]) -> float:
+    """As :func:`gsm8k_reward`, but a completion without ``\\boxed{}`` or ``####`` is read by its
+    last number: how graders score small models, which rarely follow the answer format."""
+    if extract_answer(completion) is not None:
+        return gsm8k_reward(completion, item)
+    numbers = _ANY_NUMBER.findall(completion)
+    return gsm8k_reward(f"#### {numbers[-1]}", item) if numbers else 0.0
 
 
 MAX_SYMBOLIC_CHARS = 200

@@ -233,3 +233,19 @@ def test_prompt_source_refuses_other_data_on_resume() -> None:
     src.take(3)
     with pytest.raises(ValueError, match="differ from the checkpoint"):
         PromptSource.from_state(ITEMS[:-1], src.state())
+
+
+def test_easy_source_is_deterministic_disjoint_and_answers_are_right() -> None:
+    import re
+
+    from nodes.data import load_gsm8k
+
+    train, desc = load_gsm8k("train", source="easy", seed=0)
+    test, _ = load_gsm8k("test", source="easy", limit=64, seed=0)
+    assert "single-digit" in desc and "offline" in desc and (len(train), len(test)) == (53, 64)
+    assert load_gsm8k("train", source="easy", limit=10, seed=0)[0] == train[:10]
+    assert load_gsm8k("test", source="easy", seed=1)[0] != test  # another order, another split
+    assert not {t["question"] for t in train} & {t["question"] for t in test}  # held out for real
+    for it in train + test:  # the answer follows from the question
+        a, op, b = re.fullmatch(r"What is (\d) ([+-]) (\d)\?", it["question"]).groups()
+        assert int(it["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 1

@@ -39,6 +39,8 @@ def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
         "async.max_staleness=1",
         "rollout.n_samples=4",
         f"rollout.max_new_tokens={TOKENS}",
+        "rollout.temperature=1.0",  # pinned: the CPU default's values are tuned for SmolLM2
+        "run.eval_temperature=0.6",
         "rollout.reward=tests.e2e.learning_reward:no_space_share",
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",

@@ -32,7 +32,8 @@ def _write_run(out: Path, steps: int = 6, **kw: Any) -> MetricsLogger:
     for step in range(1, steps + 1):
         logger.log(step, _step_metrics(step))
         if step % 2 == 0:
-            logger.log(step, {"eval/accuracy": 0.05 * step})  # eval logged on its own line
+            acc = 0.05 * step  # eval logged on its own line, with its interval
+            logger.log(step, {"eval/accuracy": acc, "eval/ci_low": acc - 0.04, "eval/ci_high": acc + 0.05})
     return logger
 
 
@@ -149,3 +150,18 @@ def test_step_line_shows_the_values() -> None:
     assert format_step_line(1, None, {}) == "step 1"
     sparse = format_step_line(2, 5, {"reward/mean": 1, "throughput/samples_per_s": 4.5, "time/train_s": 3})
     assert sparse == "step 2/5 | reward 1.00 | 4.50 samples/s | train 3.0s"
+
+
+def test_accuracy_interval_is_wilsons() -> None:
+    from nodes.metrics import accuracy_interval
+
+    lo, hi = accuracy_interval(0, 10)
+    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-3)  # not zero-wide at 0
+    lo, hi = accuracy_interval(64, 128)
+    assert (lo, hi) == (pytest.approx(0.4142, abs=1e-3), pytest.approx(0.5858, abs=1e-3))
+    assert accuracy_interval(10, 10)[1] == 1.0 and accuracy_interval(3, 0) == (0.0, 1.0)
+
+
+def test_step_line_shows_the_eval_interval() -> None:
+    m = {"eval/accuracy": 0.5, "eval/ci_low": 0.414, "eval/ci_high": 0.586}
+    assert format_step_line(1, 2, m) == "step 1/2 | acc 0.50±0.09"

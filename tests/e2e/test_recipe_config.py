@@ -196,3 +196,18 @@ def test_a_bad_resume_point_is_an_error_before_anything_starts(
     )
     assert res.returncode == 2, res.stderr[-2000:]
     assert message.format(ckpts=ckpts) in res.stderr
+
+
+def test_eval_summary_says_whether_the_change_is_outside_the_intervals() -> None:
+    from recipes.gsm8k_grpo import eval_summary
+
+    def ev(acc: float, low: float, high: float, version: int) -> dict[str, float]:
+        return {"eval/accuracy": acc, "eval/ci_low": low, "eval/ci_high": high, "eval/n": 128, "eval/version": version}
+
+    start = ev(0.25, 0.18, 0.33, 0)
+    assert eval_summary(start, ev(0.50, 0.41, 0.59, 30)) == (
+        "eval accuracy 0.25 (±0.08) at version 0 → 0.50 (±0.09) at version 30: higher, outside both "
+        "intervals (128 held-out problems, 95% intervals)"
+    )
+    assert "no clear change" in eval_summary(start, ev(0.30, 0.23, 0.38, 30))
+    assert "LOWER" in eval_summary(start, ev(0.05, 0.02, 0.10, 30))

@@ -155,3 +155,16 @@ def test_a_runaway_symbolic_check_is_killed_and_the_next_one_works(monkeypatch) 
     assert time.monotonic() - t0 < 20 and not worker.is_alive()  # killed, not left spinning
     assert gsm8k_reward("\\boxed{\\frac{1}{3}}", {"answer": "\\frac{2}{6}"}) == 1.0  # a fresh worker
     assert gsm8k_reward("\\boxed{" + "1+" * 200 + "1}", {"answer": "x"}) == 0.0  # too long to try
+
+
+def test_final_number_reward_reads_boxed_else_the_last_number() -> None:
+    from nodes.rollout.reward import final_number_reward as reward
+
+    item = {"answer": "38"}
+    assert reward("19 + 19 = 38.", item) == 1.0
+    assert reward("He has 38 apples now", item) == 1.0  # the last number is what counts ...
+    assert reward("38 apples, then 1 more is 39", item) == 0.0
+    assert reward("so 19 + 19 = 38", item) == 1.0
+    assert reward("\\boxed{38} not 40", item) == 1.0  # ... unless the answer is boxed
+    assert reward("\\boxed{37}, surely 38", item) == 0.0
+    assert reward("1,038", {"answer": "1038"}) == 1.0 and reward("no number at all", item) == 0.0

@@ -1,0 +1,138 @@
+"""Does the CPU default learn? The default run against two controls, on the same seeds, in one go.
+
+    default  -- ``python recipes/gsm8k_grpo.py`` as shipped (asynchronous, max staleness 2)
+    frozen   -- the same with ``trainer.lr=0``: the whole pipeline runs, the weights never move,
+                so its eval accuracy must stay where it started (the control for "it learned")
+    sync     -- the same with ``async.max_staleness=0``: generate, then train (the control for
+                "asynchrony costs no accuracy and saves wall time")
+
+Each run is the real recipe as a subprocess (fresh embedded cluster, same data and seeds), one
+after another (they would share the two cores otherwise). Held-out accuracy is evaluated greedily
+on the same ``data.eval_size`` problems every ``--eval-every`` steps, with 95% Wilson intervals.
+It prints start and end accuracy and wall time per run and writes one PNG: eval accuracy against
+wall-clock minutes (and train reward against step) for the three runs.
+
+    python bench/learning.py                     # ~1 hour on 2 cores: 3 runs of the default
+    python bench/learning.py --steps 10 --only default,frozen
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
+sys.path.insert(0, str(ROOT))
+
+from nodes.metrics import read_metrics  # noqa: E402
+
+RUNS = {
+    "default": [],
+    "frozen": ["trainer.lr=0"],
+    "sync": ["async.max_staleness=0"],
+}
+COLOURS = {"default": "tab:blue", "frozen": "tab:gray", "sync": "tab:orange"}
+
+
+def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str]) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    args = [f"run.out_dir={out}", f"run.steps={steps}", f"run.eval_every={eval_every}",
+            "run.checkpoint_every=0", "metrics.tensorboard=false", *RUNS[name], *extra]  # fmt: skip
+    print(f"[{name}] python recipes/gsm8k_grpo.py {' '.join(args)}", flush=True)
+    t0 = time.time()
+    with (out / "recipe.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, str(RECIPE), *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=ROOT)  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:  # progress: the recipe's step lines, as they come
+            log.write(line)
+            log.flush()
+            if line.startswith(("step ", "eval accuracy", "error")):
+                print(f"[{name}] {line.rstrip()}", flush=True)
+        rc = proc.wait()
+    wall = time.time() - t0
+    if rc != 0:
+        raise SystemExit(f"[{name}] the recipe failed (exit {rc}); see {out / 'recipe.log'}")
+    rows = read_metrics(out / "metrics.jsonl")
+    start = rows[0]["time"] - rows[0].get("time/wait_s", 0) - rows[0].get("time/train_s", 0)
+    evals = [
+        {"step": r["step"], "minutes": (r["time"] - start) / 60, "version": r["eval/version"],
+         "acc": r["eval/accuracy"], "low": r["eval/ci_low"], "high": r["eval/ci_high"]}
+        for r in rows if r.get("eval/accuracy") is not None
+    ]  # fmt: skip
+    return {
+        "name": name,
+        "wall_s": wall,
+        "evals": evals,
+        "reward": [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None],
+    }
+
+
+def plot(results: list[dict], png: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.8), dpi=110, layout="constrained")
+    acc_ax, rew_ax = fig.subplots(1, 2)
+    for r in results:
+        c = COLOURS.get(r["name"])
+        xs = [e["minutes"] for e in r["evals"]]
+        acc_ax.plot(xs, [e["acc"] for e in r["evals"]], "o-", color=c, label=r["name"])
+        acc_ax.fill_between(xs, [e["low"] for e in r["evals"]], [e["high"] for e in r["evals"]],
+                            color=c, alpha=0.15)  # fmt: skip
+        steps, rewards = zip(*r["reward"], strict=True) if r["reward"] else ((), ())
+        rew_ax.plot(steps, rewards, "-", color=c, label=r["name"], alpha=0.8)
+    acc_ax.set(title="held-out accuracy (greedy, 95% intervals)", xlabel="wall-clock minutes", ylim=(0, 1))
+    rew_ax.set(title="train reward (mean per step)", xlabel="step", ylim=(0, 1))
+    for ax in (acc_ax, rew_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run (the default run's)")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--only", default="default,frozen,sync", help="comma-separated: default, frozen, sync")
+    ap.add_argument("--out", default="runs/bench_learning")
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every run")
+    args = ap.parse_args()
+    names = [n for n in args.only.split(",") if n]
+    if unknown := [n for n in names if n not in RUNS]:
+        ap.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
+    out = Path(args.out).resolve()
+    print(f"machine: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}")
+    results = [run_one(n, out / n, args.steps, args.eval_every, args.overrides) for n in names]
+
+    print(f"\n{'run':8} {'eval start':>18} {'eval end':>18} {'end - frozen end':>17} {'wall':>8}")
+    frozen = next((r for r in results if r["name"] == "frozen"), None)
+    for r in results:
+        a, b = r["evals"][0], r["evals"][-1]
+        diff = f"{b['acc'] - frozen['evals'][-1]['acc']:+.2f}" if frozen and r is not frozen else "-"
+        print(f"{r['name']:8} {a['acc']:.2f} [{a['low']:.2f}, {a['high']:.2f}] "
+              f"{b['acc']:.2f} [{b['low']:.2f}, {b['high']:.2f}] {diff:>17} {r['wall_s'] / 60:7.1f}m")  # fmt: skip
+    if frozen:
+        fb = frozen["evals"][-1]
+        for r in results:
+            if r is not frozen:
+                b = r["evals"][-1]
+                apart = b["low"] > fb["high"]
+                print(f"{r['name']}: trained - frozen = {b['acc'] - fb['acc']:+.2f}, "
+                      f"{'outside' if apart else 'NOT outside'} both intervals")  # fmt: skip
+    png = out / "learning.png"
+    plot(results, png)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"plot {png} | data {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
