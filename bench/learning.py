@@ -12,7 +12,7 @@ on the same ``data.eval_size`` problems every ``--eval-every`` steps, with 95% W
 It prints start and end accuracy and wall time per run and writes one PNG: eval accuracy against
 wall-clock minutes (and train reward against step) for the three runs.
 
-    python bench/learning.py                     # ~1 hour on 2 cores: 3 runs of the default
+    python bench/learning.py                     # ~30 minutes on 2 cores: 3 runs of the default
     python bench/learning.py --steps 10 --only default,frozen
 """
 
@@ -99,8 +99,8 @@ def plot(results: list[dict], png: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30, help="training steps per run (the default run's)")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="training steps per run (the default run's)")
+    ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--only", default="default,frozen,sync", help="comma-separated: default, frozen, sync")
     ap.add_argument("--out", default="runs/bench_learning")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every run")
