@@ -39,8 +39,13 @@ def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
         "async.max_staleness=1",
         "rollout.n_samples=4",
         f"rollout.max_new_tokens={TOKENS}",
-        "rollout.temperature=1.0",  # pinned: the CPU default's values are tuned for SmolLM2
+        # pinned: the CPU default's values are tuned for SmolLM2, this test's for its tiny model
+        "rollout.temperature=1.0",
         "run.eval_temperature=0.6",
+        "run.eval_every=0",
+        "servers.max_running_requests=64",
+        "async.max_concurrent=64",
+        "trainer.max_tokens_per_mb=4096",
         "rollout.reward=tests.e2e.learning_reward:no_space_share",
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",
