@@ -232,7 +232,7 @@ def easy_items() -> list[tuple[str, str]]:
 EASY_TEST_SIZE = 64
 
 
-def _load_easy(split: str, seed: int, limit: int | None) -> tuple[list[dict[str, str]], str]:
+def _load_easy(split: str, seed: int) -> tuple[list[dict[str, str]], str]:
     pool = easy_items()
     random.Random(seed).shuffle(pool)  # one order from the seed, split by index: disjoint splits
     rows = pool[:EASY_TEST_SIZE] if split == "test" else pool[EASY_TEST_SIZE:]
@@ -268,7 +268,7 @@ def load_gsm8k(
     elif source == "offline":
         items, desc = _load_offline(split, seed, limit)
     elif source == "easy":
-        items, desc = _load_easy(split, seed, limit)
+        items, desc = _load_easy(split, seed)
     elif source == "auto":
         try:
             items, desc = _load_hub(split, hub_timeout_s)

@@ -23,7 +23,14 @@ from typing import Any
 
 import structlog
 
-__all__ = ["MetricsLogger", "accuracy_interval", "format_step_line", "plot_run", "read_metrics"]
+__all__ = [
+    "MetricsLogger",
+    "accuracy_interval",
+    "format_step_line",
+    "interval_text",
+    "plot_run",
+    "read_metrics",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -170,6 +177,12 @@ def accuracy_interval(correct: float, n: int, z: float = 1.96) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def interval_text(metrics: Mapping[str, Any]) -> str:
+    """``"±0.09"``: half the width of the eval's interval in ``metrics``; ``""`` without one."""
+    lo, hi = _num(metrics, "eval/ci_low"), _num(metrics, "eval/ci_high")
+    return f"±{(hi - lo) / 2:.2f}" if lo is not None and hi is not None else ""
+
+
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], v) for r in rows if (v := _scalar(r.get(key))) is not None]
     return [p[0] for p in pts], [float(p[1]) for p in pts]
@@ -247,8 +260,7 @@ def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -
     if (r := _num(metrics, "reward/mean")) is not None:
         parts.append(f"reward {r:.2f}")
     if (a := _num(metrics, "eval/accuracy")) is not None:
-        lo, hi = _num(metrics, "eval/ci_low"), _num(metrics, "eval/ci_high")
-        parts.append(f"acc {a:.2f}" + (f"±{(hi - lo) / 2:.2f}" if lo is not None and hi is not None else ""))
+        parts.append(f"acc {a:.2f}{interval_text(metrics)}")
     mean, mx = _num(metrics, "staleness/mean"), _num(metrics, "staleness/max")
     if mean is not None or mx is not None:
         parts.append("stale " + "/".join(f"{v:.{n}f}" for v, n in ((mean, 1), (mx, 0)) if v is not None))

@@ -89,10 +89,9 @@ async def evaluate(
 
 def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
     """``eval accuracy 0.23 (±0.07) → 0.45 (±0.09) ...``: the run's result in one line."""
-    a, b = first["eval/accuracy"], last["eval/accuracy"]
+    from nodes.metrics import interval_text
 
-    def pm(m: dict[str, float]) -> str:
-        return f"±{(m['eval/ci_high'] - m['eval/ci_low']) / 2:.2f}"
+    a, b = first["eval/accuracy"], last["eval/accuracy"]
 
     if b > first["eval/ci_high"] and a < last["eval/ci_low"]:
         verdict = "higher, outside both intervals"
@@ -101,7 +100,7 @@ def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
     else:
         verdict = "no clear change: the intervals overlap"
     return (
-        f"eval accuracy {a:.2f} ({pm(first)}) at version {first['eval/version']:.0f} → {b:.2f} ({pm(last)}) "
+        f"eval accuracy {a:.2f} ({interval_text(first)}) at version {first['eval/version']:.0f} → {b:.2f} ({interval_text(last)}) "
         f"at version {last['eval/version']:.0f}: {verdict} "
         f"({last['eval/n']:.0f} held-out problems, 95% intervals)"
     )
