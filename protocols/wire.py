@@ -31,10 +31,13 @@ from protocols import codec
 __all__ = [
     "MAX_ENVELOPES_PER_MESSAGE",
     "PROTOCOL_VERSION",
+    "EncodedArgs",
     "Flags",
     "Kind",
     "WireError",
     "decode_envelope",
+    "encode_args",
+    "encode_call",
     "encode_envelope",
     "join_batch",
     "peek_header",
@@ -76,6 +79,46 @@ class WireError(ValueError):
 def encode_envelope(kind: int, call_id: int, *fields: Any) -> list[Any]:
     """Frames of one envelope."""
     return codec.encode([PROTOCOL_VERSION, kind, call_id, *fields])
+
+
+class EncodedArgs:
+    """A call's arguments, encoded once to go out in several CALL envelopes (a call to a group).
+
+    ``body`` is the msgpack of the args array followed by the kwargs map; ``buffers`` are their
+    raw array frames, numbered from 1 as in an envelope of their own. Like :func:`codec.encode`,
+    it holds the caller's buffers without a copy.
+    """
+
+    __slots__ = ("body", "buffers")
+
+    def __init__(self, body: bytes, buffers: list[Any]) -> None:
+        self.body = body
+        self.buffers = buffers
+
+
+def encode_args(args: Sequence[Any], kwargs: dict[str, Any]) -> EncodedArgs:
+    """Encode a call's arguments once, for :func:`encode_call`."""
+    frames = codec.encode([list(args), kwargs])
+    # A msgpack array is a header followed by its items' bytes: without the header (one byte for
+    # two items), the bytes are the two items, ready to be spliced into an envelope.
+    assert frames[0][0] == 0x92, "a two-item msgpack array starts with 0x92"
+    return EncodedArgs(frames[0][1:], frames[1:])
+
+
+def encode_call(call_id: int, target: str | None, method: str, args: EncodedArgs, flags: int) -> list[Any]:
+    """Frames of a CALL whose arguments were encoded by :func:`encode_args`.
+
+    Decodes exactly as ``encode_envelope(Kind.CALL, call_id, target, method, args, kwargs, flags)``;
+    only the small header is encoded per call, the arguments' bytes and buffers are shared.
+    """
+    head = [PROTOCOL_VERSION, Kind.CALL, call_id, target, method]
+    body = b"".join(
+        (_CALL_ARRAY, *(msgpack.packb(x, use_bin_type=True) for x in head), args.body, msgpack.packb(flags))
+    )
+    return [body, *args.buffers]
+
+
+_CALL_ARRAY = bytes([0x90 | (2 + _ARITY[Kind.CALL])])  # msgpack header of a CALL's 8-item array
 
 
 def decode_envelope(frames: Sequence[Any]) -> list[Any]:

@@ -8,7 +8,7 @@ Importing this package does not import torch.
 """
 
 from protocols.codec import register
-from rlactors.actor import Actor, ActorContext, get_context
+from rlactors.actor import Actor, ActorContext, blocking, get_context
 from rlactors.cluster import Cluster, PlacementGroup, connect, init
 from rlactors.collective import CollectiveGroup
 from rlactors.errors import (
@@ -20,7 +20,7 @@ from rlactors.errors import (
     RemoteError,
     RuntimeShutdownError,
 )
-from rlactors.handle import ActorGroup, ActorHandle, ActorMethod
+from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod
 
 __version__ = "0.1.0"
 
@@ -36,11 +36,13 @@ __all__ = [
     "Cluster",
     "ClusterError",
     "CollectiveGroup",
+    "GroupMethod",
     "PlacementError",
     "PlacementGroup",
     "RemoteError",
     "RuntimeShutdownError",
     "__version__",
+    "blocking",
     "connect",
     "get_context",
     "init",

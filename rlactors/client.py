@@ -44,6 +44,17 @@ LOG_EVERY_S = 10.0  # a flood of undecodable replies logs one line per this many
 LINK_GRACE_S = 3.0
 
 
+Args = tuple[Any, ...] | list[Any] | wire.EncodedArgs
+
+
+def _call_envelope(
+    call_id: int, target: str | None, method: str, args: Args, kwargs: dict[str, Any], flags: int
+) -> list[Any]:
+    if isinstance(args, wire.EncodedArgs):
+        return wire.encode_call(call_id, target, method, args, flags)
+    return wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, flags)
+
+
 class StreamCall(AsyncIterator[Any]):
     """The caller's end of a streaming method: ``async for item in handle.gen(...)``."""
 
@@ -146,18 +157,22 @@ class Connection:
     def call(
         self,
         method: str,
-        args: tuple[Any, ...] | list[Any],
+        args: Args,
         kwargs: dict[str, Any],
         *,
         target: str | None = None,
     ) -> asyncio.Future[Any]:
-        """Send a call now; the future resolves with its result. Cancelling it cancels the remote call."""
+        """Send a call now; the future resolves with its result. Cancelling it cancels the remote call.
+
+        ``args`` may be :class:`wire.EncodedArgs` (arguments encoded once for several calls; they
+        hold the keyword arguments too, and ``kwargs`` is ignored).
+        """
         fut: asyncio.Future[Any] = self._loop.create_future()
         if self._closed_error is not None or self._unreachable is not None:
             fut.set_exception(self._closed_error or self._unreachable)  # type: ignore[arg-type]
             return fut
         call_id = next(self._ids)
-        env = wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, 0)
+        env = _call_envelope(call_id, target, method, args, kwargs, 0)
         self._pending[call_id] = fut
         fut.add_done_callback(lambda f, cid=call_id: self._on_future_done(cid, f))
         self._put(env)
@@ -166,18 +181,15 @@ class Connection:
     def tell(
         self,
         method: str,
-        args: tuple[Any, ...] | list[Any],
+        args: Args,
         kwargs: dict[str, Any],
         *,
         target: str | None = None,
     ) -> None:
-        """Send a call whose result nobody waits for."""
+        """Send a call whose result nobody waits for (``args`` as in :meth:`call`)."""
         if self._closed_error is not None or self._unreachable is not None:
             raise self._closed_error or self._unreachable  # type: ignore[misc]
-        env = wire.encode_envelope(
-            Kind.CALL, next(self._ids), target, method, list(args), kwargs, Flags.NO_REPLY
-        )
-        self._put(env)
+        self._put(_call_envelope(next(self._ids), target, method, args, kwargs, Flags.NO_REPLY))
 
     def stream(
         self,

@@ -9,15 +9,16 @@ Handles are plain values: they can be passed to other actors as call arguments.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from protocols import codec
-from rlactors.client import StreamCall
+from protocols import codec, wire
+from rlactors.client import Args, StreamCall
+from rlactors.errors import ActorDiedError
 from rlactors.runtime import current_client
 from rlactors.service import ASYNCGEN, GEN
 
-__all__ = ["ActorGroup", "ActorHandle", "ActorMethod"]
+__all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod"]
 
 
 class ActorMethod:
@@ -48,12 +49,18 @@ class ActorMethod:
 
     def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         """Send the call now; cancelling the returned future cancels the remote coroutine."""
+        return self._submit(args, kwargs)
+
+    def tell(self, *args: Any, **kwargs: Any) -> None:
+        """Fire and forget: no result, errors are only logged by the actor."""
+        self._tell(args, kwargs)
+
+    def _submit(self, args: Args, kwargs: dict[str, Any]) -> asyncio.Future[Any]:
         self._not_a_generator(".submit()")
         h = self._handle
         return current_client().call_actor(h.actor_id, h.address, self._name, args, kwargs)
 
-    def tell(self, *args: Any, **kwargs: Any) -> None:
-        """Fire and forget: no result, errors are only logged by the actor."""
+    def _tell(self, args: Args, kwargs: dict[str, Any]) -> None:
         self._not_a_generator(".tell()")
         h = self._handle
         current_client().tell_actor(h.actor_id, h.address, self._name, args, kwargs)
@@ -134,10 +141,23 @@ codec.register_type(ActorHandle, "rlactors:ActorHandle", _to_wire, _from_wire)
 
 
 class ActorGroup(Sequence[ActorHandle]):
-    """Several actors of one class; calling a method calls every member and gathers the results."""
+    """Actors that work as one (e.g. the ranks of a collective group): a method call calls every member.
 
-    def __init__(self, handles: Sequence[ActorHandle]) -> None:
+    ``await group.step(batch)`` sends the call to every member at once, with the arguments
+    encoded once, and returns the results in member order. When a member fails, the others get
+    ``grace_s`` seconds to finish (a retry must not find a member still in the old call); any
+    still running then are cancelled, and the call raises. It raises an
+    :class:`ActorDiedError` in preference to its peers' errors: when one rank of a collective dies,
+    the others fail in their collectives with a transport error, and the dead one is the cause.
+    Cancelling the caller cancels every member's call. ``group.step.scatter([...])`` sends each
+    member its own arguments under the same rules; ``group.step.tell(...)`` sends without replies.
+    A cancelled member call stops an ``async`` method; a sync method already running finishes.
+    """
+
+    def __init__(self, handles: Sequence[ActorHandle], *, grace_s: float | None = 60.0) -> None:
+        """``grace_s``: how long members may finish after one failed (None: as long as they take)."""
         self.handles = list(handles)
+        self.grace_s = grace_s
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -145,33 +165,59 @@ class ActorGroup(Sequence[ActorHandle]):
     def __getitem__(self, i: int) -> ActorHandle:  # type: ignore[override]
         return self.handles[i]
 
-    def __getattr__(self, name: str) -> _GroupMethod:
+    def __getattr__(self, name: str) -> GroupMethod:
         if name.startswith("_"):
             raise AttributeError(name)
-        return _GroupMethod([getattr(h, name) for h in self.handles])
+        return GroupMethod([getattr(h, name) for h in self.handles], self.grace_s)
 
     def __repr__(self) -> str:
         return f"<ActorGroup of {len(self.handles)}>"
 
 
-class _GroupMethod:
-    def __init__(self, methods: list[ActorMethod]) -> None:
+class GroupMethod:
+    """One method of every member of an :class:`ActorGroup`."""
+
+    __slots__ = ("_grace_s", "_methods")
+
+    def __init__(self, methods: list[ActorMethod], grace_s: float | None) -> None:
         self._methods = methods
+        self._grace_s = grace_s
 
-    async def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call every member with the same arguments; results in member order."""
-        return list(await asyncio.gather(*(m.submit(*args, **kwargs) for m in self._methods)))
+    def __call__(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, list[Any]]:
+        """Send the call to every member now (the arguments encoded once); a coroutine for the
+        results, in member order, under the group's failure rules (see :class:`ActorGroup`)."""
+        encoded = wire.encode_args(args, kwargs)
+        return _gather([m._submit(encoded, {}) for m in self._methods], self._grace_s)
 
-    async def scatter(self, per_member_args: Sequence[Sequence[Any]]) -> list[Any]:
-        """Call member i with ``per_member_args[i]``."""
+    def scatter(self, per_member_args: Sequence[Sequence[Any]]) -> Coroutine[Any, Any, list[Any]]:
+        """Call member i with ``per_member_args[i]``; results and failures as for a call."""
         if len(per_member_args) != len(self._methods):
             raise ValueError(
                 f"scatter needs {len(self._methods)} argument tuples, got {len(per_member_args)}"
             )
-        return list(
-            await asyncio.gather(*(m.submit(*a) for m, a in zip(self._methods, per_member_args, strict=True)))
-        )
+        calls = [m._submit(tuple(a), {}) for m, a in zip(self._methods, per_member_args, strict=True)]
+        return _gather(calls, self._grace_s)
 
     def tell(self, *args: Any, **kwargs: Any) -> None:
+        """Send to every member without waiting for replies (the arguments encoded once)."""
+        encoded = wire.encode_args(args, kwargs)
         for m in self._methods:
-            m.tell(*args, **kwargs)
+            m._tell(encoded, {})
+
+
+async def _gather(calls: list[asyncio.Future[Any]], grace_s: float | None) -> list[Any]:
+    if not calls:
+        return []
+    try:
+        await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+        if not all(c.done() for c in calls):  # one failed: the others may still finish
+            await asyncio.wait(calls, timeout=grace_s)
+    finally:  # the caller was cancelled, or members still run after the grace: stop them
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+    errors = [e for c in calls if not c.cancelled() and (e := c.exception()) is not None]
+    if errors:
+        died = [e for e in errors if isinstance(e, ActorDiedError)]
+        raise (died or errors)[0]
+    return [c.result() for c in calls]

@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from rlactors.aio import wait_for
-from rlactors.client import ActorState, Connection, StreamCall
+from rlactors.client import ActorState, Args, Connection, StreamCall
 from rlactors.errors import (
     ActorDiedError,
     ActorNotFoundError,
@@ -258,7 +258,7 @@ class RuntimeClient:
         actor_id: str,
         address: str,
         method: str,
-        args: tuple[Any, ...],
+        args: Args,
         kwargs: dict[str, Any],
         *,
         target: str | None = None,
@@ -276,7 +276,7 @@ class RuntimeClient:
         self,
         st: ActorState,
         method: str,
-        args: tuple[Any, ...],
+        args: Args,
         kwargs: dict[str, Any],
         target: str | None = None,
     ) -> Any:
@@ -292,7 +292,7 @@ class RuntimeClient:
                 await st.changed.wait()
 
     def tell_actor(
-        self, actor_id: str, address: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, actor_id: str, address: str, method: str, args: Args, kwargs: dict[str, Any]
     ) -> None:
         st = self.actor_state(actor_id, address)
         if st.state == "DEAD":

@@ -7,7 +7,8 @@ method and runs it according to its kind:
 * ``async def`` — a task on this loop, at most ``max_concurrency`` at once; started in
   arrival order, so calls from one caller begin in the order they were made;
 * plain ``def`` — on one worker thread, strictly in order, so long compute never blocks
-  the loop (heartbeats and other calls keep being answered);
+  the loop (heartbeats and other calls keep being answered); or, for an actor declared with
+  ``sync_methods="loop"`` (see :class:`rlactors.Actor`), on the loop as an ``async`` one;
 * ``async def`` with ``yield`` (or a plain generator) — streamed item by item, with a
   credit window so a fast producer cannot flood a slow consumer.
 
@@ -29,6 +30,7 @@ import structlog
 
 from protocols import codec, wire
 from protocols.wire import Flags, Kind
+from rlactors.actor import runs_on_loop
 from rlactors.aio import wait_for
 from rlactors.errors import exception_payload
 from rlactors.logging import Throttle
@@ -67,6 +69,16 @@ def method_table(obj: Any) -> dict[str, str]:
         if callable(attr) and not isinstance(attr, type):
             table[name] = method_kind(attr)
     return table
+
+
+def _on_loop(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain method as an ``async`` one: it runs on the loop, in one go."""
+
+    @functools.wraps(fn)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return run
 
 
 class _Credit:
@@ -112,7 +124,10 @@ class Service:
         """Serve ``obj``'s public methods under ``target`` (None: the default target)."""
         table: dict[str, tuple[Callable[..., Any], str]] = {}
         for mname, kind in method_table(obj).items():
-            table[mname] = (getattr(obj, mname), kind)
+            fn = getattr(obj, mname)
+            if kind == SYNC and runs_on_loop(obj, fn):
+                fn, kind = _on_loop(fn), ASYNC
+            table[mname] = (fn, kind)
         self._targets[target] = table
         return {k: v[1] for k, v in table.items()}
 

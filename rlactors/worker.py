@@ -83,11 +83,10 @@ async def main() -> int:
         set_current(client)
         from rlactors.cluster import Cluster
 
-        _set_context(
-            ActorContext(
-                actor_id, name, spec.get("node_id", ""), Cluster(client), int(spec.get("restarts", 0))
-            )
+        ctx = ActorContext(
+            actor_id, name, spec.get("node_id", ""), Cluster(client), int(spec.get("restarts", 0))
         )
+        _set_context(ctx)
         instance = cls(*spec.get("args", []), **spec.get("kwargs", {}))
         on_start = getattr(instance, "on_start", None)
         if on_start is not None:
@@ -123,6 +122,7 @@ async def main() -> int:
     if on_stop is not None:
         with contextlib.suppress(Exception):
             await wait_for(on_stop(), 10)
+    await ctx._stop_watches()
     await service.close()
     await client.close()
     agent.close()

@@ -10,6 +10,8 @@ import time
 import numpy as np
 
 import rlactors
+from protocols import codec
+from rlactors.aio import wait_for
 
 
 class Counter(rlactors.Actor):
@@ -146,3 +148,111 @@ class Tricky(rlactors.Actor):
     def print_line(self, n: int) -> int:
         print("x" * n, flush=True)
         return n
+
+
+class Counted:
+    """A value that counts how often this process encodes it (a group call must encode once)."""
+
+    encoded = 0
+
+    def __init__(self, payload: np.ndarray) -> None:
+        self.payload = payload
+
+
+def _counted_to_wire(c: Counted) -> np.ndarray:
+    Counted.encoded += 1
+    return c.payload
+
+
+codec.register_type(Counted, "tests.runtime.actors:Counted", _counted_to_wire, Counted)
+
+
+class Member(rlactors.Actor):
+    """A group member whose part in a group call is chosen per rank by the call's ``plan``:
+    ``plan[rank]`` is ``[what, delay_s]``, what one of "ok", "raise" (a transport-like error) or "die"."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.finished = 0
+
+    async def act(self, plan: list[list]) -> int:
+        what, delay = plan[self.rank]
+        self.started.set()
+        try:
+            await asyncio.sleep(delay)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        if what == "die":
+            os._exit(1)
+        if what == "raise":
+            raise ConnectionError(f"rank {self.rank}: connection to a peer lost")
+        self.finished += 1
+        return self.rank
+
+    async def total(self, c: Counted) -> float:
+        return float(c.payload.sum()) + self.rank
+
+    async def finished_calls(self) -> int:
+        return self.finished
+
+    async def wait_started(self) -> bool:
+        await wait_for(self.started.wait(), 10)
+        return True
+
+    async def was_cancelled(self) -> bool:
+        await wait_for(self.cancelled.wait(), 10)
+        return True
+
+
+class Ledger:
+    """A plain object that lives on an event loop (it sets an asyncio.Event), as the nodes' cores do."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+        self.changed = asyncio.Event()
+
+    def add(self, x: int) -> str:
+        self.items.append(x)
+        self.changed.set()
+        return threading.current_thread().name
+
+    async def wait_len(self, n: int) -> list[int]:
+        while len(self.items) < n:
+            self.changed.clear()
+            await wait_for(self.changed.wait(), 10)
+        return self.items
+
+    @rlactors.blocking
+    def busy(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return threading.current_thread().name
+
+
+class LoopLedger(Ledger, rlactors.Actor, sync_methods="loop"):
+    """The ledger served as it is: its sync methods run on the worker's loop."""
+
+
+class Watcher(rlactors.Actor, sync_methods="loop"):
+    """Watches other actors and records their deaths."""
+
+    def __init__(self) -> None:
+        self.deaths: list[str] = []
+        self.changed = asyncio.Event()
+
+    def watch(self, actor_id: str, label: str) -> int:
+        ctx = rlactors.get_context()
+        ctx.watch(actor_id, self._died, label)
+        return len(ctx._watches)
+
+    def _died(self, label: str) -> None:
+        self.deaths.append(label)
+        self.changed.set()
+
+    async def wait_deaths(self, n: int) -> list[str]:
+        while len(self.deaths) < n:
+            self.changed.clear()
+            await wait_for(self.changed.wait(), 10)
+        return self.deaths

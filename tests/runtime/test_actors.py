@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import rlactors
-from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, Printer, Tricky
+from rlactors.aio import wait_for
+from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, LoopLedger, Printer, Tricky
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,6 +55,25 @@ async def test_long_sync_method_does_not_block_the_loop(cluster) -> None:
     assert pings == ["pong"] * 5
     assert not busy.done()
     assert (await busy).endswith("-sync_0")
+
+
+async def test_sync_methods_on_the_loop_serve_an_asyncio_object_as_it_is(cluster) -> None:
+    ledger = await cluster.spawn(LoopLedger)
+    waiting = ledger.wait_len(3)  # an async method waits on the event the sync ones set
+    assert await asyncio.gather(*(ledger.add(i) for i in range(3))) == ["MainThread"] * 3
+    assert await wait_for(waiting, 10) == [0, 1, 2]  # in arrival order
+    # A method marked blocking still runs on the worker thread; the loop keeps serving meanwhile.
+    busy = ledger.busy.submit(2.0)
+    assert [await wait_for(ledger.add(i), 1.5) for i in range(3, 6)] == ["MainThread"] * 3
+    assert not busy.done()
+    assert (await busy).endswith("-sync_0")
+
+
+def test_sync_methods_takes_thread_or_loop() -> None:
+    with pytest.raises(ValueError, match="sync_methods"):
+
+        class Wrong(rlactors.Actor, sync_methods="later"):  # type: ignore[call-arg]
+            pass
 
 
 async def test_streaming_method(cluster) -> None:

@@ -111,6 +111,20 @@ def test_envelope_validation() -> None:
         wire.decode_envelope(codec.encode([wire.PROTOCOL_VERSION, wire.Kind.CALL, 7, None, 5, [], {}, 0]))
 
 
+def test_a_call_with_arguments_encoded_once_is_the_same_envelope() -> None:
+    a = np.arange(5000, dtype=np.float32)  # a raw frame, numbered as in its own envelope
+    args, kwargs = [a, "x", Point(1, [2.0])], {"k": [np.arange(3)], "s": "y" * 40}
+    encoded = wire.encode_args(args, kwargs)
+    for call_id, target, flags in ((7, None, 0), (2**40, "system", wire.Flags.NO_REPLY)):
+        once = wire.encode_call(call_id, target, "method", encoded, flags)
+        each = wire.encode_envelope(wire.Kind.CALL, call_id, target, "method", args, kwargs, flags)
+        assert bytes(once[0]) == bytes(each[0]) and len(once) == len(each) == 2
+        assert once[1] is encoded.buffers[0]  # every call sends the same buffer, not a copy
+        got = wire.decode_envelope(once)
+        assert got[:4] == [wire.Kind.CALL, call_id, target, "method"] and got[6] == flags
+        assert np.array_equal(got[4][0], a) and got[4][1:] == ["x", Point(1, [2.0])]
+
+
 def test_batches_split_back_into_envelopes() -> None:
     envs = [wire.encode_envelope(wire.Kind.RESULT, i, np.arange(1000 * i)) for i in range(1, 4)]
     parts = wire.split_batch(wire.join_batch(envs))

@@ -15,8 +15,9 @@ import zmq.asyncio
 import rlactors
 from protocols import codec, wire
 from rlactors import head, service
+from rlactors.aio import wait_for
 from rlactors.runtime import RuntimeClient
-from tests.runtime.actors import Counter
+from tests.runtime.actors import Counter, Watcher
 
 # Generous bound that turns a hang into a failure; the 1 s target is measured in bench/rpc.py.
 NO_HANG = 10
@@ -81,6 +82,20 @@ async def test_watch_returns_on_death(cluster) -> None:
     await cluster.kill(c)
     info = await asyncio.wait_for(watcher, NO_HANG)
     assert info["state"] == "DEAD" and not info["restarting"]
+
+
+async def test_an_actor_watching_another_hears_of_its_death_once(cluster) -> None:
+    w = await cluster.spawn(Watcher)
+    a, b = await cluster.spawn(Counter), await cluster.spawn(Counter)
+    assert await w.watch(a.actor_id, "a") == 1
+    assert await w.watch(a.actor_id, "a") == 1  # the same watch again: still one
+    assert await w.watch(b.actor_id, "b") == 2
+    os.kill(await a.pid(), signal.SIGKILL)
+    assert await wait_for(w.wait_deaths(1), NO_HANG) == ["a"]
+    await cluster.kill(b)
+    assert await wait_for(w.wait_deaths(2), NO_HANG) == ["a", "b"]
+    assert await w.watch(b.actor_id, "b") == 1  # a finished watch is forgotten; this one ends at once
+    assert await wait_for(w.wait_deaths(3), NO_HANG) == ["a", "b", "b"]
 
 
 async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(cluster) -> None:
