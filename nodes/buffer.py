@@ -35,7 +35,6 @@ from typing import Any, Literal, Protocol
 import structlog
 
 import rlactors
-from nodes.governor import watch_holder
 from protocols.rl import Batch, TrajectoryGroup
 from rlactors.aio import wait_for
 
@@ -166,7 +165,7 @@ class _ReadyGroups:
 
 
 class TrajectoryBuffer:
-    """Plain-logic buffer; the actor wrapper adds death notices and forwards governor messages."""
+    """Plain-logic buffer; :class:`BufferActor` serves it with death notices and a governor link."""
 
     def __init__(
         self,
@@ -390,12 +389,13 @@ class _GovernorProxy:
         self.handle.discard.tell(k)
 
 
-class BufferActor(rlactors.Actor):
+class BufferActor(TrajectoryBuffer, rlactors.Actor, sync_methods="loop"):
     """The buffer as an actor. ``governor`` is the governor's handle or name (or None).
 
-    Not meant to be restarted: accepted groups not yet trained and the books of episodes in
-    flight exist only here, so a fresh one would lose groups and let replayed prompts be trained
-    twice. If it dies, the job stops and resumes from a checkpoint (``done_ids``).
+    Its methods are :class:`TrajectoryBuffer`'s, run on the actor's loop. Not meant to be
+    restarted: accepted groups not yet trained and the books of episodes in flight exist only
+    here, so a fresh one would lose groups and let replayed prompts be trained twice. If it
+    dies, the job stops and resumes from a checkpoint (``done_ids``).
     """
 
     def __init__(
@@ -406,69 +406,23 @@ class BufferActor(rlactors.Actor):
         on_holder_death: str = "requeue",
         done_ids: Sequence[str] = (),
     ) -> None:
-        self._governor_ref = governor
         config = BufferConfig(max_staleness, order, on_holder_death)  # type: ignore[arg-type]
-        self.core = TrajectoryBuffer(config, done_ids=done_ids)
-        self._watches: dict[str, asyncio.Task] = {}
+        super().__init__(config, done_ids=done_ids)
+        self._governor_ref = governor
 
     async def on_start(self) -> None:
         g = self._governor_ref
         if isinstance(g, str):
             g = await rlactors.get_context().cluster.get_actor(g)
         if g is not None:
-            self.core._governor = _GovernorProxy(g)
-            if self.core.config.max_staleness is None:  # the governor's bound, also at the batch
-                self.core.config.max_staleness = await g.max_staleness()
+            self._governor = _GovernorProxy(g)
+            if self.config.max_staleness is None:  # the governor's bound, also at the batch
+                self.config.max_staleness = await g.max_staleness()
 
-    async def register(self, holder_id: str, actor_id: str) -> None:
+    def register(self, holder_id: str, actor_id: str) -> None:
         """Watch the holder's actor: on its death its in-flight episodes are re-queued or reported."""
-        if holder_id not in self._watches:
-            self._watches[holder_id] = asyncio.get_running_loop().create_task(
-                watch_holder(holder_id, actor_id, self.core.holder_died), name=f"watch-{holder_id}"
-            )
+        rlactors.get_context().watch(actor_id, self.holder_died, holder_id)
 
-    async def begin(self, holder_id: str, group_id: str, item: Any, admit_version: int) -> bool:
-        """See :meth:`TrajectoryBuffer.begin`."""
-        return self.core.begin(holder_id, group_id, item, admit_version)
-
-    async def put(self, holder_id: str, group: TrajectoryGroup) -> bool:
-        """See :meth:`TrajectoryBuffer.put`."""
-        return self.core.put(holder_id, group)
-
-    async def abandon(self, holder_id: str, group_id: str) -> bool:
-        """See :meth:`TrajectoryBuffer.abandon`."""
-        return self.core.abandon(holder_id, group_id)
-
-    async def take_requeued(
-        self, n: int, holder_id: str | None = None, admit_version: int | None = None
-    ) -> list[dict[str, Any]]:
-        """See :meth:`TrajectoryBuffer.take_requeued`."""
-        return self.core.take_requeued(n, holder_id, admit_version)
-
-    async def get_batch(self, batch_size: int, version: int, timeout: float | None = 60.0) -> Batch:
-        """See :meth:`TrajectoryBuffer.get_batch`."""
-        return await self.core.get_batch(batch_size, version, timeout)
-
-    async def holder_died(self, holder_id: str) -> list[dict[str, Any]]:
-        """Take a holder's episodes off the books now (the death watch does this on its own)."""
-        return self.core.holder_died(holder_id)
-
-    async def ready_group_ids(self) -> list[str]:
-        """Ids of groups waiting to be handed out."""
-        return self.core.ready_group_ids()
-
-    async def accepted_ids(self) -> list[str]:
-        """See :meth:`TrajectoryBuffer.accepted_ids` (a restarted rollout actor skips them)."""
-        return self.core.accepted_ids()
-
-    async def lost(self) -> list[dict[str, Any]]:
-        """Episodes of dead holders, in "report" mode."""
-        return list(self.core.lost)
-
-    async def stats(self) -> dict[str, Any]:
-        """Counters for logging."""
-        return self.core.stats()
-
-    async def on_stop(self) -> None:
-        for t in self._watches.values():
-            t.cancel()
+    def lost_episodes(self) -> list[dict[str, Any]]:
+        """Episodes of dead holders, in "report" mode (:attr:`TrajectoryBuffer.lost`)."""
+        return list(self.lost)

@@ -18,8 +18,8 @@ drops, counted, anything older than the bound as a safety net (see nodes/buffer.
 
 Admissions are leases of the asking holder (a rollout actor): when it dies, its leases are
 released so capacity does not leak. :class:`StalenessGovernor` is plain logic (it only
-uses an asyncio.Event to let callers wait without polling); :class:`GovernorActor`
-wraps it as an rlactors actor and turns runtime death notices into ``holder_died``.
+uses an asyncio.Event to let callers wait without polling); :class:`GovernorActor` serves
+it as an rlactors actor and turns runtime death notices into ``holder_died``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import rlactors
 from protocols.codec import register
 from rlactors.aio import wait_for
 
-__all__ = ["GovernorActor", "GovernorConfig", "Grant", "StalenessGovernor", "watch_holder"]
+__all__ = ["GovernorActor", "GovernorConfig", "Grant", "StalenessGovernor"]
 
 log = structlog.get_logger(__name__)
 
@@ -246,78 +246,24 @@ class StalenessGovernor:
         self._changed = asyncio.Event()
 
 
-async def watch_holder(holder_id: str, actor_id: str, on_death: Any) -> None:
-    """Wait for the runtime's death notice of ``actor_id``, then call ``on_death(holder_id)``."""
-    try:
-        info = await rlactors.get_context().cluster.watch(actor_id)
-    except Exception as e:  # the head went away: treat the holder as dead rather than leak leases
-        log.warning("governor.watch_failed", holder=holder_id, error=repr(e))
-        info = {"reason": f"watch failed: {e!r}"}
-    log.info("holder.died", holder=holder_id, reason=info.get("reason"))
-    on_death(holder_id)
-
-
-class GovernorActor(rlactors.Actor):
+class GovernorActor(StalenessGovernor, rlactors.Actor, sync_methods="loop"):
     """The governor as an actor: one per job; rollout actors register, then acquire.
 
-    Not meant to be restarted: its ledger (leases of running episodes, accepted count) exists
-    only here, and a fresh one would admit past the staleness bound. If it dies, the job stops
-    and resumes from a checkpoint (:meth:`recover`).
+    Its methods are :class:`StalenessGovernor`'s, run on the actor's loop. Not meant to be
+    restarted: its ledger (leases of running episodes, accepted count) exists only here, and a
+    fresh one would admit past the staleness bound. If it dies, the job stops and resumes from a
+    checkpoint (:meth:`recover`).
     """
 
     def __init__(
         self, batch_size: int, max_staleness: int = 2, max_concurrent: int = 1024, version: int = 0
     ) -> None:
-        self.core = StalenessGovernor(GovernorConfig(batch_size, max_staleness, max_concurrent), version)
-        self._watches: dict[str, asyncio.Task] = {}
+        super().__init__(GovernorConfig(batch_size, max_staleness, max_concurrent), version)
 
-    async def register(self, holder_id: str, actor_id: str) -> None:
+    def register(self, holder_id: str, actor_id: str) -> None:
         """Watch the holder's actor: its death releases its leases. Idempotent."""
-        if holder_id not in self._watches:
-            self._watches[holder_id] = asyncio.get_running_loop().create_task(
-                watch_holder(holder_id, actor_id, self.core.holder_died), name=f"watch-{holder_id}"
-            )
+        rlactors.get_context().watch(actor_id, self.holder_died, holder_id)
 
-    async def acquire(self, holder_id: str, n_max: int = 1, timeout: float = 30.0) -> Grant:
-        """Between 1 and ``n_max`` admissions, or ``Grant(0, v)`` after ``timeout`` s without capacity."""
-        return await self.core.acquire(holder_id, n_max, timeout)
-
-    async def finish(self, holder_id: str, k_accepted: int = 0, k_rejected: int = 0) -> None:
-        """Release leases (see :meth:`StalenessGovernor.finish`)."""
-        self.core.finish(holder_id, k_accepted, k_rejected)
-
-    async def discard(self, k: int) -> None:
-        """Accepted episodes the buffer dropped as stale."""
-        self.core.discard(k)
-
-    async def set_version(self, version: int) -> None:
-        """The trainer published ``version``."""
-        self.core.set_version(version)
-
-    async def version(self) -> int:
-        """The policy version the servers hold now (a restarted rollout actor starts from it)."""
-        return self.core.version
-
-    async def holder_died(self, holder_id: str) -> int:
-        """Release a holder's leases now (the death watch does this on its own)."""
-        return self.core.holder_died(holder_id)
-
-    async def recover(self, version: int) -> None:
-        """Reset after a resume from a checkpoint at ``version``."""
-        self.core.recover(version)
-
-    async def leases(self, holder_id: str) -> int:
-        """Leases ``holder_id`` holds."""
-        return self.core.leases(holder_id)
-
-    async def stats(self) -> dict[str, Any]:
-        """Counters for logging."""
-        return self.core.stats()
-
-    async def max_staleness(self) -> int:
+    def max_staleness(self) -> int:
         """The bound eta (a buffer without its own bound takes this one)."""
-        return self.core.config.max_staleness
-
-    async def on_stop(self) -> None:
-        for t in self._watches.values():
-            t.cancel()
+        return self.config.max_staleness

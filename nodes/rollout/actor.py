@@ -1,7 +1,7 @@
 """Rollout: run many episodes at once, each admitted by the governor, results to the buffer.
 
 :class:`Rollout` is the plain core (testable with the in-process governor and buffer);
-:class:`RolloutActor` wraps it as an rlactors actor that builds its client, workflow and
+:class:`RolloutActor` serves it as an rlactors actor that builds its client, workflow and
 prompt source from specs inside its own process and registers with the governor and the
 buffer, which watch it: if it dies, its leases are released and its in-flight episodes
 re-queued. Spawned with ``max_restarts`` it is replaceable: the restarted incarnation registers as
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -314,11 +315,13 @@ class Rollout:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class RolloutActor(rlactors.Actor):
+class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
     """A rollout actor: builds its client, workflow and prompt shard in-process, then runs.
 
     ``governor`` and ``buffer`` are handles or actor names. ``prompts`` and ``workflow`` are
-    specs (see nodes/rollout/prompts.py and :func:`build_workflow`).
+    specs (see nodes/rollout/prompts.py and :func:`build_workflow`). Its methods are
+    :class:`Rollout`'s (pause, resume, set_version, stop, ...), run on the actor's loop, and
+    what this class adds.
     """
 
     def __init__(
@@ -338,11 +341,11 @@ class RolloutActor(rlactors.Actor):
         self._args = dict(servers=servers, governor=governor, buffer=buffer, prompts=prompts, workflow=workflow,
                           config=config, client=client, shard=shard, num_shards=num_shards, version=version)  # fmt: skip
         self._autostart = autostart
-        self.core: Rollout | None = None
         self._run: asyncio.Task | None = None
         self.failure: str | None = None
 
     async def on_start(self) -> None:
+        # The Rollout is initialised here, not in __init__: its parts come from the cluster.
         a = self._args
         ctx = rlactors.get_context()
         governor, buffer = a["governor"], a["buffer"]
@@ -356,81 +359,53 @@ class RolloutActor(rlactors.Actor):
         # A restart re-runs this with the spawn's arguments: take the version the servers hold now
         # from the governor, and skip what the buffer accepted (its shard starts again from the top;
         # the episodes the dead incarnation held come back through the buffer's re-queue).
-        version = max(a["version"], await governor.version())
+        version = max(a["version"], (await governor.stats())["version"])
         accepted = await buffer.accepted_ids()
         workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
         client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=version)
         prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"], skip=accepted)
-        self.core = Rollout(
-            holder_id, client, workflow, prompts, governor, buffer, RolloutConfig(**(a["config"] or {}))
-        )
+        config = RolloutConfig(**(a["config"] or {}))
+        super().__init__(holder_id, client, workflow, prompts, governor, buffer, config)
         if self._autostart:
-            await self.start()
+            self.start()
 
-    async def start(self) -> None:
+    def start(self) -> None:
         """Start dispatching (once)."""
         if self._run is None:
-            assert self.core is not None
-            self._run = asyncio.get_running_loop().create_task(self.core.run(), name="rollout-run")
+            self._run = asyncio.get_running_loop().create_task(self.run(), name="rollout-run")
             self._run.add_done_callback(self._run_ended)
 
     def _run_ended(self, task: asyncio.Task) -> None:
         """Dispatch must not die silently: the trainer would only see batches stop coming."""
         if not task.cancelled() and task.exception() is not None:
             self.failure = f"{type(task.exception()).__name__}: {task.exception()}"
-            if self.core is not None and self.core.stopping:  # e.g. the cluster closing under a stopped actor
+            if self.stopping:  # e.g. the cluster closing under a stopped actor
                 log.info("rollout.dispatch_ended_while_stopping", error=self.failure)
                 return
             log.error("rollout.dispatch_failed", error=self.failure)
 
-    async def retire_server(self, url: str) -> bool:
+    def retire_server(self, url: str) -> bool:
         """Stop routing to a server that is gone."""
-        return self._core.client.retire(url)
+        return self.client.retire(url)
 
-    async def pause(self) -> None:
-        """Stop dispatch and hold aborted requests for a weight update."""
-        self._core.pause()
-
-    async def resume(self) -> None:
-        """Resume after a weight update."""
-        self._core.resume()
-
-    async def set_version(self, version: int, servers: list[str] | None = None) -> None:
-        """The servers now hold ``version`` (with ``servers``: only those, see :meth:`Rollout.set_version`)."""
-        self._core.set_version(version, servers)
-
-    async def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Counters of this incarnation: throughput, aborts, resumes, cached tokens, ...; ``restarts``
         (how many incarnations came before it), and ``failure`` if dispatch died."""
-        restarts = rlactors.get_context().restarts
-        return {**self._core.stats(), "restarts": restarts, "failure": self.failure}
+        return {**super().stats(), "restarts": rlactors.get_context().restarts, "failure": self.failure}
 
     async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the prompt source is exhausted and every episode finished; the final stats."""
         if self._run is not None:
             await wait_for(asyncio.shield(self._run), timeout)
-        return self._core.stats()
+        return self.stats()
 
-    async def pid(self) -> int:
+    def pid(self) -> int:
         """This worker's process id (tests kill it)."""
-        import os
-
         return os.getpid()
 
-    async def stop(self) -> None:
-        """Stop dispatch and cancel running episodes."""
-        await self._core.stop()
-
     async def on_stop(self) -> None:
-        if self.core is not None:
-            await self.core.stop()
-            await self.core.client.aclose()
-
-    @property
-    def _core(self) -> Rollout:
-        if self.core is None:
-            raise RuntimeError("rollout actor not started")
-        return self.core
+        await self.stop()
+        await self.client.aclose()
 
 
 class RolloutHandle:
