@@ -41,6 +41,9 @@ class Actor:
     that lives on the loop (one that uses asyncio events or tasks), which may then be served as
     they are, without ``async`` wrappers. A method that may block is marked
     :func:`blocking` and still runs on the worker thread.
+
+    An actor that must act when another one dies (to release what it held) asks
+    ``rlactors.get_context().watch(other, callback, *args)``.
     """
 
     _sync_methods: Literal["thread", "loop"] = "thread"
@@ -78,7 +81,7 @@ class ActorContext:
     node_id: str
     cluster: Cluster
     restarts: int = 0
-    _watches: dict[Hashable, asyncio.Task[None]] = field(default_factory=dict, repr=False)
+    _watches: dict[Hashable, asyncio.Task[None]] = field(default_factory=dict, init=False, repr=False)
 
     def watch(self, actor: ActorHandle | str, on_death: Callable[..., Any], *args: Hashable) -> None:
         """Call ``on_death(*args)`` on this actor's loop when ``actor`` (its current incarnation) dies.
@@ -87,7 +90,8 @@ class ActorContext:
         release it when they die. If the head cannot be asked any more, ``actor`` is taken for
         dead: a false death costs less than a leak. ``on_death`` may be a coroutine function. The
         watch is a task of this actor, cancelled when it stops; while it waits, watching again with
-        the same actor, callback and arguments does nothing.
+        the same actor, callback and arguments does nothing. Call it on the actor's loop: from an
+        ``async`` method or hook, or a plain one of a ``sync_methods="loop"`` actor.
         """
         actor_id = actor if isinstance(actor, str) else actor.actor_id
         key = (actor_id, on_death, args)
