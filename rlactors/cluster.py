@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from protocols import codec
 from rlactors.actor import class_spec
 from rlactors.aio import wait_for
 from rlactors.collective import CollectiveGroup, make_group
@@ -70,8 +71,9 @@ class Cluster:
         _warn_shadowed_options(cls, kwargs)
         request = {
             "class": class_spec(cls),
-            "args": list(args),
-            "kwargs": kwargs,
+            # encoded here and decoded only by the worker, once it trusts the actor's package: the
+            # head and the agents pass them on without importing the modules of their types
+            "init": [bytes(f) for f in codec.encode((list(args), kwargs))],
             "name": name,
             "resources": resources or {},
             "max_concurrency": max_concurrency,

@@ -87,7 +87,8 @@ async def main() -> int:
             actor_id, name, spec.get("node_id", ""), Cluster(client), int(spec.get("restarts", 0))
         )
         _set_context(ctx)
-        instance = cls(*spec.get("args", []), **spec.get("kwargs", {}))
+        args, kwargs = codec.decode(spec["init"])
+        instance = cls(*args, **kwargs)
         on_start = getattr(instance, "on_start", None)
         if on_start is not None:
             await on_start()
