@@ -80,9 +80,10 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
     import torch
     import torch.distributed as dist
 
-    from nodes.trainer.fsdp import FSDPTrainer, TrainConfig
+    from nodes.trainer.config import TrainConfig
+    from nodes.trainer.fsdp import FSDPTrainer
     from nodes.trainer.gather import ParamGatherer
-    from nodes.trainer.synthetic import synthetic_batch
+    from nodes.trainer.synthetic import grpo_advantages, synthetic_batch
     from nodes.trainer.weights import PushConfig, WeightPusher
 
     torch.set_num_threads(1)
@@ -92,10 +93,9 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
     result: dict = {}
     if train:
         batch = synthetic_batch(4, 2, seed=0, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
-        trainer.train_step(batch)  # warm-up
-        stats = trainer.train_step(
-            synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
-        )
+        trainer.train_step(batch, grpo_advantages(batch))  # warm-up
+        batch = synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
+        stats = trainer.train_step(batch, grpo_advantages(batch))
         result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
 
     bucket = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "1024")) << 20

@@ -1,8 +1,16 @@
 """Configuration of recipes/gsm8k_grpo.py: every knob, with defaults that run on a 2-core CPU machine.
 
+The sections that configure a component are that component's own dataclass, imported from beside
+it: ``[rollout]`` (nodes/rollout/config.py), ``[reward]`` (nodes/rollout/reward.py),
+``[advantage]`` (nodes/advantage.py), ``[trainer]`` with ``[trainer.loss]`` and ``[trainer.push]``
+(nodes/trainer/config.py). The recipe passes them to the actors as they are. The rest is the
+recipe's own: the model, the servers, the run.
+
 Loaded from TOML (recipes/configs/*.toml) with ``section.key=value`` overrides; a bad key, a
-wrong type or a number outside its range (:data:`RANGES`) is an error naming the key, the file
-(or the command line) and what is allowed. ``recipes/configs/cpu.toml`` spells out these defaults.
+wrong type or a value outside its range is an error naming the key, the file (or the command
+line) and what is allowed; a misspelt key also names the closest valid one. Reward, advantage,
+loss and workflow are import paths, checked when the config loads.
+``recipes/configs/cpu.toml`` spells out these defaults.
 """
 
 from __future__ import annotations
@@ -12,7 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from nodes.advantage import AdvantageConfig
 from nodes.data import SYSTEM_PROMPT
+from nodes.rollout.config import RolloutConfig
+from nodes.rollout.reward import RewardConfig
+from nodes.trainer.config import TrainConfig
 from rlactors.tomlconf import ConfigError, from_dict, load_toml
 
 __all__ = ["RANGES", "ConfigError", "RecipeConfig", "load_config"]
@@ -45,41 +57,10 @@ class ServersConfig:
 
 
 @dataclass
-class RolloutConfig:
-    n_actors: int = 1
-    max_inflight: int = 64  # episodes per rollout actor at once
-    n_samples: int = 8  # completions per prompt (one GRPO group)
-    max_new_tokens: int = 96  # truncated rambling scores 0
-    temperature: float = 1.0
-    workflow: Literal["rlvr", "multi_turn"] = "rlvr"
-    # the reward function, by import path: fn(completion: str, item: dict) -> float (sync or async)
-    reward: str = "nodes.rollout.reward:final_number_reward"
-
-
-@dataclass
 class AsyncConfig:
     batch_size: int = 4  # prompt groups per training step
     max_staleness: int = 2  # eta: 0 = synchronous
     max_concurrent: int = 32  # episodes running at once, all rollout actors together
-
-
-@dataclass
-class TrainerConfig:
-    n_ranks: int = 2
-    device: Literal["cpu", "cuda"] = "cpu"
-    threads: int = 1  # torch threads per rank (CPU)
-    lr: float = 2e-5
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: float = 1.0
-    bf16: bool = False
-    activation_checkpointing: bool = False
-    max_tokens_per_mb: int = 2048
-    n_minibatches: int = 1
-    loss: dict[str, Any] = field(default_factory=dict)  # nodes/trainer/loss.py LossConfig keys
-    adv: dict[str, Any] = field(default_factory=lambda: {"reward_bias": -0.5, "reward_scaling": 10.0})
-    push: dict[str, Any] = field(default_factory=dict)  # nodes/trainer/weights.py PushConfig keys
 
 
 @dataclass
@@ -116,8 +97,10 @@ class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     servers: ServersConfig = field(default_factory=ServersConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -131,8 +114,9 @@ def _above(lo: float) -> tuple[Callable[[float], bool], str]:
     return (lambda v: v > lo), f"> {lo}"
 
 
-# The allowed values of every number above, checked when the config loads: a value out of range
-# would otherwise surface minutes later as a traceback or a hang (batch_size 0, n_samples 0).
+# The allowed values of every number of the recipe's own sections, checked when the config loads: a
+# value out of range would otherwise surface minutes later as a traceback or a hang (batch_size 0).
+# The components' sections check their own values when built.
 RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "servers.n": _at_least(1),
     "servers.gpus_per_server": _at_least(0),
@@ -140,22 +124,9 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "servers.cache_tokens": _at_least(0),
     "servers.threads": _at_least(1),
     "servers.startup_timeout_s": _above(0),
-    "rollout.n_actors": _at_least(1),
-    "rollout.max_inflight": _at_least(1),
-    "rollout.n_samples": _at_least(1),
-    "rollout.max_new_tokens": _at_least(1),
-    "rollout.temperature": _at_least(0),
     "async.batch_size": _at_least(1),
     "async.max_staleness": _at_least(0),
     "async.max_concurrent": _at_least(1),
-    "trainer.n_ranks": _at_least(1),
-    "trainer.threads": _at_least(1),
-    "trainer.lr": _at_least(0),
-    "trainer.weight_decay": _at_least(0),
-    "trainer.warmup_steps": _at_least(0),
-    "trainer.grad_clip": _at_least(0),  # 0 = no clipping
-    "trainer.max_tokens_per_mb": _at_least(1),
-    "trainer.n_minibatches": _at_least(1),
     "data.train_limit": _at_least(0),  # 0 = all
     "data.eval_size": _at_least(1),
     "data.seed": _at_least(0),
@@ -178,14 +149,34 @@ def _check_ranges(cfg: RecipeConfig, file: str, overrides: list[str]) -> None:
             raise ConfigError(f"{where}: '{key}' must be {allowed}, got {value!r}")
 
 
-def _check_trainer_tables(cfg: RecipeConfig, source: str) -> None:
-    """The ``trainer.loss``/``adv``/``push`` tables against the trainer's own dataclasses (keys,
-    types, and the ranges those check)."""
-    from nodes.trainer.loss import AdvantageConfig, LossConfig
-    from nodes.trainer.weights import PushConfig
+def _check_algorithm(cfg: RecipeConfig, source: str) -> None:
+    """The import paths resolve, the workflow's settings fit its config class, and the loss samples
+    at the temperature the servers sample with."""
+    from nodes.plugins import resolve
 
-    for name, cls in (("loss", LossConfig), ("adv", AdvantageConfig), ("push", PushConfig)):
-        from_dict(cls, getattr(cfg.trainer, name), source=source, prefix=f"trainer.{name}")
+    try:
+        for key, path in (
+            ("reward.fn", cfg.reward.fn),
+            ("advantage.fn", cfg.advantage.fn),
+            ("trainer.loss.fn", cfg.trainer.loss.fn),
+        ):
+            if not callable(resolve(path, key)):
+                raise ValueError(f"'{key}' = {path!r} is not a function")
+        workflow = resolve(cfg.rollout.workflow, "rollout.workflow")
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    if not isinstance(getattr(workflow, "config_class", None), type):
+        raise ConfigError(
+            f"{source}: 'rollout.workflow' = {cfg.rollout.workflow!r} has no config_class "
+            "(the dataclass of its settings; see nodes/rollout/workflows.py)"
+        )
+    from_dict(workflow.config_class, cfg.rollout.workflow_args, source=source, prefix="rollout.workflow_args")
+    loss_t, default_t = cfg.trainer.loss.temperature, TrainConfig().loss.temperature
+    if loss_t not in (default_t, cfg.rollout.temperature):
+        raise ConfigError(
+            f"{source}: 'trainer.loss.temperature' = {loss_t} differs from 'rollout.temperature' = "
+            f"{cfg.rollout.temperature}: the loss must use the sampling temperature; leave it unset"
+        )
 
 
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
@@ -196,5 +187,5 @@ def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     cfg = load_toml(RecipeConfig, path, overrides, renames={"async": "async_"})
     file = str(Path(path).expanduser()) if path else "defaults"
     _check_ranges(cfg, file, overrides)
-    _check_trainer_tables(cfg, f"{file} (with overrides)" if overrides else file)
+    _check_algorithm(cfg, f"{file} (with overrides)" if overrides else file)
     return cfg

@@ -7,11 +7,15 @@
 
 The loop (everything else runs concurrently in actors):
 
-    batch <- buffer (oldest admitted first; waits only when the governor's bound says so)
-    train  : trainer ranks recompute proximal log-probs, GRPO advantages, decoupled PPO update
-    push   : pause rollout dispatch -> servers pause (abort | retract | in_place) -> weights
-             over the weight-update group (or from disk) -> continue
-    publish: version + 1 to the governor and the rollout actors; log; eval; checkpoint
+    batch      <- buffer (oldest admitted first; waits only when the governor's bound says so)
+    advantages <- [advantage] fn over the [reward]-shaped rewards of each group (GRPO by default)
+    train      : every trainer rank: proximal log-probs, then [trainer.loss] fn (decoupled PPO)
+    publish    : pause rollout dispatch -> servers pause -> weights over the weight-update group
+                 (or from disk) -> version + 1 to the governor and rollout actors -> continue
+    then log, evaluate, checkpoint
+
+Reward, advantage estimator, loss and workflow are import paths in the config: change one there,
+or change the loop here. nodes/policy_sync.py does the publishing.
 
 Synchronous training is ``async.max_staleness=0``. A rollout actor that dies is restarted while
 training goes on (its episodes are re-queued, none lost or trained twice); a dead trainer rank,
@@ -39,14 +43,10 @@ import rlactors  # noqa: E402
 from nodes.trainer.manifest import CheckpointError, resume_point, write_latest  # noqa: E402
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config  # noqa: E402
 from recipes.gsm8k_parts import (  # noqa: E402
-    Servers,
-    connect_servers,
-    drop_dead_servers,
     get_batch,
-    on_ranks,
     resolve_model,
     start_servers,
-    trainer_dict,
+    train_config,
     workflow_spec,
 )
 
@@ -120,7 +120,6 @@ class Prepared:
 
 def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prepared:
     from nodes.data import load_gsm8k
-    from nodes.trainer.rank import config_from_dict
 
     out = Path(cfg.run.out_dir).expanduser().resolve()
     # the resume point first: a missing or corrupt checkpoint is an error before anything starts
@@ -128,7 +127,6 @@ def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prep
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     model = resolve_model(cfg.model)
-    config_from_dict(trainer_dict(cfg, model, out))  # validate trainer keys before starting anything
     train_items, train_desc = load_gsm8k(
         "train", cfg.data.source, cfg.data.path or None, cfg.data.train_limit or None, cfg.data.seed
     )
@@ -149,11 +147,14 @@ def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prep
 
 
 async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
+    from nodes.advantage import batch_advantages
     from nodes.buffer import BufferActor
     from nodes.governor import GovernorActor
     from nodes.metrics import MetricsLogger, format_step_line
+    from nodes.policy_sync import PolicySync
     from nodes.rollout.actor import RolloutActor, RolloutHandle
     from nodes.rollout.prompts import trained_position
+    from nodes.rollout.reward import shape_rewards
     from nodes.rollout.workflows import build_workflow
     from nodes.trainer.rank import TrainerRank
 
@@ -177,28 +178,31 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
     try:
         t0 = time.monotonic()
         # Trainer ranks: one torch.distributed world (gloo on CPU, nccl on GPU).
-        tcfg = trainer_dict(cfg, model, out)
-        tenv = {"OMP_NUM_THREADS": str(cfg.trainer.threads)} if cfg.trainer.device == "cpu" else {}
-        gpu = 1 if cfg.trainer.device == "cuda" else 0
-        ranks = [
-            await cluster.spawn(TrainerRank, tcfg, name=f"trainer-{i}", env=tenv, resources={"gpu": gpu})
-            for i in range(cfg.trainer.n_ranks)
-        ]
-        await cluster.collective_group(ranks, backend="nccl" if gpu else "gloo")
+        tcfg = train_config(cfg, model, out)
+        tenv = {"OMP_NUM_THREADS": str(tcfg.threads)} if tcfg.device == "cpu" else {}
+        gpu = 1 if tcfg.device == "cuda" else 0
+        ranks = rlactors.ActorGroup(
+            [
+                await cluster.spawn(TrainerRank, tcfg, name=f"trainer-{i}", env=tenv, resources={"gpu": gpu})
+                for i in range(tcfg.n_ranks)
+            ]
+        )
+        await cluster.collective_group(list(ranks), backend="nccl" if gpu else "gloo")
         _, urls = await start_servers(cluster, cfg, model, out)
-        await on_ranks(ranks, "setup")
+        await ranks.setup()
         data = {"done_epochs": 0, "trained": []}  # see nodes/rollout/prompts.py: trained_position
         if resume:
-            state = (await on_ranks(ranks, "load", str(ckpt_root / f"step-{start_step}")))[0]
+            state = (await ranks.load(str(ckpt_root / f"step-{start_step}")))[0]
             version = int(state["version"])
             data = (state.get("data_position") or {}).get("data", data)
             print(
                 f"resumed from step {start_step} (policy version {version}; data: {data['done_epochs']} epochs "
                 f"done, {len(data['trained'])} prompts of the next trained)"
             )
-        await connect_servers(cluster, ranks, urls)
+        sync = PolicySync(cluster, ranks, urls)
+        await sync.connect()
         if version:
-            await on_ranks(ranks, "push_weights")  # servers start from the base model
+            await ranks.push_weights()  # servers start from the base model
         print(
             f"cluster ready in {time.monotonic() - t0:.0f}s: {len(urls)} servers, {len(ranks)} trainer ranks"
         )
@@ -232,7 +236,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                     buffer,
                     prompts,
                     workflow_spec(cfg, model),
-                    config={"max_inflight": cfg.rollout.max_inflight},
+                    config=cfg.rollout,
                     shard=i,
                     num_shards=cfg.rollout.n_actors,
                     version=version,
@@ -243,36 +247,23 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             )
             for i in range(cfg.rollout.n_actors)
         ]
+        sync.governor, sync.rollouts = governor, rollouts
         restarts = 0
         eval_wf = await asyncio.to_thread(build_workflow, workflow_spec(cfg, model, eval_mode=True))
-        servers = Servers(urls)
         eval_task = asyncio.create_task(evaluate(eval_wf, urls, eval_items, version))
         evals: list[dict[str, float]] = []
-        live = list(urls)
 
         for step in range(start_step, cfg.run.steps):
             t_wait = time.monotonic()
             batch = await get_batch(buffer, rollouts, B, version, cfg.run.batch_timeout_s)
             t_train = time.monotonic()
-            stats = (await on_ranks(ranks, "train_step", batch))[0]
+            rewards = shape_rewards([g.rewards for g in batch.groups], cfg.reward)
+            advantages = batch_advantages(batch, rewards, cfg.advantage)
+            stats = (await ranks.train_step(batch, advantages))[0]
             trained.update(g.group_id for g in batch.groups)
             t_push = time.monotonic()
-            live = await drop_dead_servers(cluster, servers, live, ranks, rollouts)
-            await asyncio.gather(*(r.pause() for r in rollouts))
-            try:
-                try:
-                    push = (await on_ranks(ranks, "push_weights"))[0]
-                except Exception as e:  # a server died during the push: drop it and push again, once
-                    if (healthy := await drop_dead_servers(cluster, servers, live, ranks, rollouts)) == live:
-                        raise
-                    print(f"weight push failed ({type(e).__name__}); retrying without the dead server")
-                    live = healthy
-                    push = (await on_ranks(ranks, "push_weights"))[0]
-                version += 1
-                await governor.set_version(version)
-                await asyncio.gather(*(r.set_version(version, live) for r in rollouts))
-            finally:
-                await asyncio.gather(*(r.resume() for r in rollouts))
+            version += 1
+            push = await sync.publish(version)
             t_end = time.monotonic()
 
             trajs = batch.trajectories
@@ -286,7 +277,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 "staleness/max": batch.max_staleness,
                 "staleness/mean": stats.get("staleness_mean", 0.0),
                 "staleness/bound": eta,
-                "servers/min_weight_version": min(await servers.weight_versions(live), default=-1),
+                "servers/min_weight_version": min(await sync.weight_versions(), default=-1),
                 "throughput/samples_per_s": len(trajs) / (t_end - t_wait),
                 "throughput/tokens_per_s": sum(r["tokens_per_s"] for r in roll),
                 "time/wait_s": t_train - t_wait,
@@ -308,10 +299,10 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 if eval_task is not None:
                     evals.append(await eval_task)
                 eval_task = None
-                evals.append(await evaluate(eval_wf, live, eval_items, version))
+                evals.append(await evaluate(eval_wf, sync.live, eval_items, version))
                 m.update(evals[-1])
             elif eval_task is None and cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
-                eval_task = asyncio.create_task(evaluate(eval_wf, live, eval_items, version))
+                eval_task = asyncio.create_task(evaluate(eval_wf, sync.live, eval_items, version))
             metrics.log(step + 1, m)
             print(format_step_line(step + 1, cfg.run.steps, m), flush=True)
             if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
@@ -319,7 +310,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 data = trained_position(trained, len(train_items), data["done_epochs"])
                 trained = set(data["trained"])  # whole epochs are a number from now on
                 position = {"step": step + 1, "version": version, "data": data}
-                await on_ranks(ranks, "save", str(path), position)
+                await ranks.save(str(path), position)
                 write_latest(ckpt_root, step + 1)
         if eval_task is not None:
             eval_task.cancel()
@@ -327,7 +318,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
         if len(done) >= 2:
             print(eval_summary(done[0], done[-1]), flush=True)
         await asyncio.gather(*(r.stop() for r in rollouts), return_exceptions=True)
-        await servers.http.aclose()
+        await sync.aclose()
     finally:
         metrics.close()
         await cluster.close()

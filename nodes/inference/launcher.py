@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import structlog
 
+from protocols.codec import register
 from rlactors.aio import wait_for
 
 log = structlog.get_logger(__name__)
@@ -29,6 +30,7 @@ log = structlog.get_logger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@register
 @dataclass
 class ReferenceServerConfig:
     """Arguments for ``python -m nodes.inference.server``."""
@@ -73,6 +75,7 @@ class ReferenceServerConfig:
 SGLANG_CPU_SHIM = REPO_ROOT / "scripts" / "sglang_cpu"  # the two sgl-kernel ops SGLang's CPU engine needs
 
 
+@register
 @dataclass
 class SGLangServerConfig:
     """Arguments for ``python -m sglang.launch_server`` (real, unmodified SGLang).
@@ -321,7 +324,8 @@ async def _node_host() -> str:
 class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     """An actor that runs one inference server on its node and exposes its URL.
 
-    ``kind`` is ``"reference"`` or ``"sglang"``; ``config`` holds that kind's config fields.
+    ``config`` is a :class:`ReferenceServerConfig` (our server) or an :class:`SGLangServerConfig`
+    (real SGLang); it travels to the actor as it is.
     The actor's environment (``CUDA_VISIBLE_DEVICES`` from placement) is inherited by the server.
     ``host`` None binds the server to its node's address (the one the node registered with, which
     other hosts reach it by), so trainers and rollout actors on other hosts can connect; a local
@@ -330,8 +334,7 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
 
     def __init__(
         self,
-        kind: str = "reference",
-        config: dict | None = None,
+        config: ServerConfig,
         host: str | None = None,
         port: int | None = None,
         server_env: dict[str, str] | None = None,
@@ -340,8 +343,7 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
         log_path: str | None = None,
     ) -> None:
         # (server_env / server_max_restarts: `env` and `max_restarts` are Cluster.spawn's own options.)
-        cls = {"reference": ReferenceServerConfig, "sglang": SGLangServerConfig}[kind]
-        self._config = cls(**(config or {}))
+        self._config = config
         self._host, self._port = host, port
         self._options = {
             "env": server_env,

@@ -23,15 +23,15 @@ import inspect
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 import rlactors
 from nodes.rollout.client import ClientConfig, SGLangClient
+from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
-from nodes.rollout.workflows import Workflow, build_workflow
+from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
 from rlactors.aio import wait_for
 
 __all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
@@ -42,16 +42,6 @@ log = structlog.get_logger(__name__)
 async def _aw(x: Any) -> Any:
     """Await ``x`` if it is awaitable: the core talks to plain objects and actor handles alike."""
     return await x if inspect.isawaitable(x) else x
-
-
-@dataclass
-class RolloutConfig:
-    """Concurrency and admission settings of one rollout actor."""
-
-    max_inflight: int = 256  # episodes this actor runs at once
-    acquire_batch: int = 64  # grants asked for per governor call
-    acquire_timeout_s: float = 5.0  # a wait for capacity returns empty after this, to re-check pause/stop
-    put_retries: int = 3  # put is idempotent, so retrying a failed call is safe
 
 
 class Rollout:
@@ -318,8 +308,9 @@ class Rollout:
 class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
     """A rollout actor: builds its client, workflow and prompt shard in-process, then runs.
 
-    ``governor`` and ``buffer`` are handles or actor names. ``prompts`` and ``workflow`` are
-    specs (see nodes/rollout/prompts.py and :func:`build_workflow`). Its methods are
+    ``governor`` and ``buffer`` are handles or actor names. ``prompts`` is a spec (see
+    nodes/rollout/prompts.py), ``workflow`` a :class:`WorkflowSpec`, ``config`` the
+    :class:`~nodes.rollout.config.RolloutConfig` (only its dispatch settings matter here). Its methods are
     :class:`Rollout`'s (pause, resume, set_version, stop, ...), run on the actor's loop, and
     what this class adds.
     """
@@ -330,8 +321,8 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         governor: Any,
         buffer: Any,
         prompts: dict[str, Any],
-        workflow: dict[str, Any],
-        config: dict[str, Any] | None = None,
+        workflow: WorkflowSpec,
+        config: RolloutConfig | None = None,
         client: dict[str, Any] | None = None,
         shard: int = 0,
         num_shards: int = 1,
@@ -364,8 +355,7 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
         client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=version)
         prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"], skip=accepted)
-        config = RolloutConfig(**(a["config"] or {}))
-        super().__init__(holder_id, client, workflow, prompts, governor, buffer, config)
+        super().__init__(holder_id, client, workflow, prompts, governor, buffer, a["config"])
         if self._autostart:
             self.start()
 

@@ -11,6 +11,12 @@ TrajectoryGroup``. Two are provided, after AReaL's:
 
 Every sample of an episode reuses one request id per sample, so its later turns are routed
 to the server that already holds its prefix in cache.
+
+A workflow class is named by import path (``[rollout] workflow``); its ``config_class`` (a
+dataclass) holds its settings. :class:`WorkflowSpec` says which workflow to build, with which
+tokenizer, reward and settings; it travels to the rollout actors, which build the workflow in their
+own process (:func:`build_workflow`). A new workflow is a class in any importable module whose
+``__init__`` takes ``(tokenizer, reward: RewardRunner, config)``.
 """
 
 from __future__ import annotations
@@ -18,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import structlog
 
+from nodes.plugins import resolve
 from nodes.rollout.client import GenRequest, GenResult
-from nodes.rollout.reward import RewardFn, RewardRunner
+from nodes.rollout.reward import RewardConfig, RewardFn, RewardRunner
+from protocols.codec import register
 from protocols.rl import Trajectory, TrajectoryGroup
 
 __all__ = [
@@ -33,6 +41,7 @@ __all__ = [
     "RLVRConfig",
     "RLVRWorkflow",
     "Workflow",
+    "WorkflowSpec",
     "build_workflow",
     "chat_ids",
     "load_tokenizer",
@@ -89,6 +98,7 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prom
     return list(out)
 
 
+@register
 @dataclass
 class RLVRConfig:
     """Single-turn RL with verifiable rewards."""
@@ -100,7 +110,6 @@ class RLVRConfig:
     prompt_key: str = "question"
     prompt_suffix: str = ""  # e.g. "\nPlease put your final answer within \\boxed{}."
     system_prompt: str | None = None
-    reward_timeout_s: float = 10.0
 
 
 class _Sample:
@@ -140,16 +149,14 @@ class _Sample:
 class RLVRWorkflow:
     """Single-turn RLVR: ``n_samples`` completions of one prompt form one group."""
 
+    config_class: ClassVar[type] = RLVRConfig
+
     def __init__(
         self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: RLVRConfig | None = None
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config or RLVRConfig()
-        self.reward = (
-            reward_fn
-            if isinstance(reward_fn, RewardRunner)
-            else RewardRunner(reward_fn, self.config.reward_timeout_s)
-        )
+        self.reward = reward_fn if isinstance(reward_fn, RewardRunner) else RewardRunner(reward_fn)
 
     def prompt_messages(self, item: Any) -> list[dict[str, str]]:
         """The chat messages for ``item``."""
@@ -178,6 +185,7 @@ class RLVRWorkflow:
         return TrajectoryGroup(gid, trajs)
 
 
+@register
 @dataclass
 class MultiTurnConfig(RLVRConfig):
     """Retry-until-correct: up to ``max_turns`` answers, reward ``r * turn_discount**turn``."""
@@ -191,6 +199,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
     """After a wrong answer, append a feedback user turn and generate again (AReaL's multi-turn example)."""
 
     config: MultiTurnConfig
+    config_class: ClassVar[type] = MultiTurnConfig
 
     def __init__(
         self, tokenizer: Any, reward_fn: RewardFn | RewardRunner, config: MultiTurnConfig | None = None
@@ -299,22 +308,20 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(spec, local_files_only=True)
 
 
-def build_workflow(spec: dict[str, Any]) -> Workflow:
-    """A workflow from a msgpack-able spec, built inside the rollout actor's process::
+@register
+@dataclass
+class WorkflowSpec:
+    """Everything a rollout actor needs to build its workflow in its own process."""
 
-    {"kind": "rlvr" | "multi_turn", "tokenizer": "byte" | "/path/to/tokenizer",
-     "reward": "nodes.rollout.reward:gsm8k_reward", "reward_timeout_s": 10, "config": {...}}
-    """
-    import importlib
+    workflow: str = "nodes.rollout.workflows:RLVRWorkflow"  # the class, by import path
+    tokenizer: str = "byte"  # "byte" or a local Hugging Face tokenizer folder
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    config: Any = None  # an instance of the workflow's config_class (None: its defaults)
 
-    kind = spec.get("kind", "rlvr")
-    module, _, fn = str(spec.get("reward", "nodes.rollout.reward:gsm8k_reward")).partition(":")
-    reward = getattr(importlib.import_module(module), fn)
-    tokenizer = load_tokenizer(spec.get("tokenizer", "byte"))
-    cfg = dict(spec.get("config") or {})
-    runner = RewardRunner(reward, float(spec.get("reward_timeout_s", 10.0)))
-    if kind == "rlvr":
-        return RLVRWorkflow(tokenizer, runner, RLVRConfig(**cfg))
-    if kind == "multi_turn":
-        return MultiTurnWorkflow(tokenizer, runner, MultiTurnConfig(**cfg))
-    raise ValueError(f"unknown workflow kind {kind!r}; use rlvr or multi_turn")
+
+def build_workflow(spec: WorkflowSpec) -> Workflow:
+    """The workflow ``spec`` names, with its tokenizer, reward and settings."""
+    cls = resolve(spec.workflow, "rollout.workflow")
+    reward = RewardRunner(resolve(spec.reward.fn, "reward.fn"), spec.reward.timeout_s)
+    config = spec.config if spec.config is not None else cls.config_class()
+    return cls(load_tokenizer(spec.tokenizer), reward, config)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -26,16 +25,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from nodes.plugins import resolve
 from nodes.trainer.balance import plan_batch, split_across_ranks
-from nodes.trainer.loss import (
-    AdvantageConfig,
-    LossConfig,
-    LossSums,
-    batch_normalize,
-    decoupled_ppo_loss,
-    gather_logprobs_entropy,
-    group_advantages,
-)
+from nodes.trainer.config import TrainConfig
+from nodes.trainer.loss import LossSums, gather_logprobs_entropy
 from nodes.trainer.microbatch import MicroBatch, build_microbatch
 
 __all__ = [
@@ -59,32 +52,6 @@ def name_list(names: list[str], limit: int = 4) -> str:
     """``names`` for an error message: the first ``limit`` of them and how many more."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
-
-
-@dataclass
-class TrainConfig:
-    """Everything one trainer rank needs; defaults run on CPU."""
-
-    model_path: str = ""
-    ref_model_path: str | None = None  # the KL term's reference (loss.kl_coef > 0); None: model_path
-    device: str = "cpu"  # "cpu" (gloo) or "cuda" (nccl)
-    bf16: bool = False  # MixedPrecisionPolicy(param bf16, reduce fp32)
-    activation_checkpointing: bool = False
-    lr: float = 1.7e-5
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
-    lr_schedule: str = "constant"  # constant | linear | cosine (after warm-up)
-    total_steps: int = 1000  # optimizer steps, for the decaying schedules
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
-    max_tokens_per_mb: int = 10240
-    n_minibatches: int = 1  # optimizer steps per train_step
-    pad_id: int = 0
-    seed: int = 0
-    loss: LossConfig = field(default_factory=LossConfig)
-    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -158,6 +125,7 @@ class FSDPTrainer:
                 cfg.ref_model_path or cfg.model_path, cfg, self.mesh, train=False
             ).eval()
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        self.loss_fn = resolve(cfg.loss.fn, "trainer.loss.fn")
         self.version = version  # policy version the weights are at; +1 per train_step
         self.optim_steps = 0
         self.log = log.bind(rank=self.rank)
@@ -173,15 +141,6 @@ class FSDPTrainer:
         return logp
 
     # ---- the step ----------------------------------------------------------------------------
-    def advantages(self, batch: Any) -> list[float]:
-        """One advantage per trajectory of ``batch.trajectories`` (group norm, then batch norm)."""
-        per_group = group_advantages([g.rewards for g in batch.groups], self.cfg.adv)
-        flat = [a for g in per_group for a in g]
-        if self.cfg.adv.batch_norm:
-            n_loss = [max(0, sum(t.loss_mask[1:])) for t in batch.trajectories]
-            flat = batch_normalize(flat, n_loss, self.cfg.adv.eps)
-        return flat
-
     def minibatches(self, batch: Any) -> list[list[int]]:
         """Group indices of each minibatch (optimizer step), balanced by tokens."""
         n_mini = max(1, min(self.cfg.n_minibatches, len(batch.groups)))
@@ -200,11 +159,17 @@ class FSDPTrainer:
             out.append([[starts[groups[gi]] + s for gi, s in mb] for mb in p.ranks[self.rank]])
         return out
 
-    def train_step(self, batch: Any) -> dict[str, float]:
-        """Recompute proximal log-probs, then one optimizer step per minibatch; return global stats."""
+    def train_step(self, batch: Any, advantages: list[float]) -> dict[str, float]:
+        """Recompute proximal log-probs, then one optimizer step per minibatch; return global stats.
+
+        ``advantages`` has one value per trajectory of ``batch.trajectories`` (nodes/advantage.py),
+        put on each of its loss tokens.
+        """
         t0 = time.perf_counter()
         trajs = batch.trajectories
-        adv = self.advantages(batch)
+        if len(advantages) != len(trajs):
+            raise ValueError(f"{len(advantages)} advantages for a batch of {len(trajs)} trajectories")
+        adv = [float(a) for a in advantages]
         plan = self.plan(batch)
         mbs = [
             [build_microbatch(seqs, trajs, adv, self.cfg.pad_id).to(self.device) for seqs in mini]
@@ -250,11 +215,8 @@ class FSDPTrainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optim_steps += 1
-        stats = self._reduce_stats(sums, maxes, mins)
         loss_tokens = sum(sum(t.loss_mask[1:]) for t in trajs)
-        for key in list(stats):
-            if key in _SUM_KEYS or key == "ref_kl":  # global sums (a rank with only dummy
-                stats[key] /= max(1, loss_tokens)  # micro-batches has no local ones)
+        stats = self._reduce_stats(sums, maxes, mins, loss_tokens)
         stats.update(self._staleness(trajs))
         elapsed = time.perf_counter() - t0
         stats.update(
@@ -287,13 +249,13 @@ class FSDPTrainer:
             zero = logits.sum() * 0.0
             return LossSums(loss_sum=zero, n_tokens=torch.zeros((), dtype=torch.long))
         logp, entropy = gather_logprobs_entropy(logits, mb.labels, self.cfg.loss.temperature)
-        return decoupled_ppo_loss(
-            logp,
-            mb.prox_logp,
-            mb.behave_logp,
-            mb.advantages,
-            mb.loss_mask,
-            self.cfg.loss,
+        return self.loss_fn(
+            logp=logp,
+            prox_logp=mb.prox_logp,
+            behave_logp=mb.behave_logp,
+            advantages=mb.advantages,
+            loss_mask=mb.loss_mask,
+            cfg=self.cfg.loss,
             entropy=entropy,
             ref_logp=mb.ref_logp,
         )
@@ -344,19 +306,27 @@ class FSDPTrainer:
         dist.all_gather_object(every, local)
         return sorted({n for names_ in every for n in names_})
 
-    def _reduce_stats(self, sums, maxes, mins) -> dict[str, float]:
-        """All-reduce the step's stats once per op: sums by SUM, maxima by MAX, minima by MIN.
+    def _reduce_stats(self, sums, maxes, mins, loss_tokens: int) -> dict[str, float]:
+        """All-reduce the step's statistics once per table: sums by SUM (then per loss token),
+        maxima by MAX, minima by MIN.
 
-        The key lists are fixed, so a rank that only ran dummy micro-batches joins the same
-        collectives with neutral values.
+        The loss names its statistics; the ranks first agree on the names (a rank that ran only
+        dummy micro-batches has none of its own) and join each reduction with neutral values.
         """
-        sum_keys = list(_SUM_KEYS) + (["ref_kl"] if self.ref_model is not None else [])
+        local = [sorted(sums), sorted(maxes), sorted(mins)]
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, local)
         out: dict[str, float] = {}
-        for table, keys, op, fill in (
-            (sums, sum_keys, dist.ReduceOp.SUM, 0.0),
-            (maxes, _MAX_KEYS, dist.ReduceOp.MAX, -math.inf),
-            (mins, _MIN_KEYS, dist.ReduceOp.MIN, math.inf),
+        for i, (table, op, fill) in enumerate(
+            (
+                (sums, dist.ReduceOp.SUM, 0.0),
+                (maxes, dist.ReduceOp.MAX, -math.inf),
+                (mins, dist.ReduceOp.MIN, math.inf),
+            )
         ):
+            keys = sorted({k for rank_keys in every for k in rank_keys[i]})
+            if not keys:
+                continue
             vals = [
                 table[k].double().reshape(()).to(self.device)
                 if k in table
@@ -365,7 +335,8 @@ class FSDPTrainer:
             ]
             vec = torch.stack(vals)
             dist.all_reduce(vec, op=op)
-            out.update({k: float(v) for k, v in zip(keys, vec.tolist(), strict=True)})
+            scale = 1.0 / max(1, loss_tokens) if op == dist.ReduceOp.SUM else 1.0
+            out.update({k: float(v) * scale for k, v in zip(keys, vec.tolist(), strict=True)})
         return out
 
     def _staleness(self, trajs: list) -> dict[str, float]:
@@ -382,19 +353,3 @@ class FSDPTrainer:
         return get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-
-
-_SUM_KEYS = (
-    "loss",
-    "clip_frac",
-    "dual_clip_frac",
-    "ratio",
-    "approx_kl",
-    "behave_imp_weight",
-    "behave_approx_kl",
-    "behave_masked_frac",
-    "advantage",
-    "entropy",
-)
-_MAX_KEYS = ("ratio_max", "behave_imp_weight_max")
-_MIN_KEYS = ("ratio_min",)

@@ -1,4 +1,4 @@
-"""GRPO advantages and the decoupled PPO objective (AReaL's asynchronous-RL loss).
+"""The decoupled PPO objective (AReaL's asynchronous-RL loss), the default ``[trainer.loss] fn``.
 
 Three policies meet in the loss: the *behaviour* policy that sampled the tokens (its log-probs
 come back from the inference server, possibly several versions old), the *proximal* policy (the
@@ -8,108 +8,23 @@ off-policyness of the samples is corrected by the behaviour importance weight
 ``exp(prox - behave)``. Tokens whose behaviour weight exceeds ``behav_imp_weight_cap`` are masked
 out of the loss (they still count in the token-mean denominator), as AReaL does.
 
-Losses are returned as token *sums* plus the statistics as sums, maxima and minima, so a
-micro-batched, multi-rank step can divide by the global token count and reduce the statistics.
+A loss returns a :class:`LossSums`: the loss as a token *sum* and its statistics in three
+tables that say how each reduces over micro-batches and ranks (token sums, reported per loss
+token; maxima; minima), so a micro-batched, multi-rank step divides by the global token count and
+reduces statistics it has never heard of. Another loss is a function with
+:func:`decoupled_ppo_loss`'s keyword arguments, named in ``[trainer.loss] fn``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = [
-    "AdvantageConfig",
-    "LossConfig",
-    "LossSums",
-    "batch_normalize",
-    "decoupled_ppo_loss",
-    "gather_logprobs_entropy",
-    "group_advantages",
-]
+from nodes.trainer.config import LossConfig
 
-
-@dataclass
-class AdvantageConfig:
-    """How sequence rewards become advantages (GRPO: one scalar per sequence, on all its tokens)."""
-
-    reward_bias: float = 0.0
-    reward_scaling: float = 1.0
-    reward_clip: float = 20.0
-    group_mean: bool = True  # subtract the group's mean reward
-    group_std: bool = True  # divide by the group's reward std
-    leave_one_out: bool = False  # the mean excludes the sequence itself (RLOO baseline)
-    batch_norm: bool = False  # then normalise over all loss tokens of the batch
-    eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        _require(self.reward_clip > 0, "reward_clip", "> 0", self.reward_clip)
-        _require(self.eps > 0, "eps", "> 0", self.eps)
-
-
-@dataclass
-class LossConfig:
-    """The decoupled PPO objective's knobs (defaults follow AReaL's GSM8K GRPO recipe)."""
-
-    eps_clip: float = 0.4
-    eps_clip_higher: float | None = None  # asymmetric upper clip (DAPO's clip-higher)
-    c_clip: float | None = None  # dual clip for negative advantages; must be > 1
-    behav_imp_weight_cap: float | None = 5.0
-    temperature: float = 1.0  # logits / T, as the server sampled
-    kl_coef: float = 0.0  # k3 KL to a reference model, added to the loss
-
-    def __post_init__(self) -> None:
-        _require(0 < self.eps_clip < 1, "eps_clip", "in (0, 1)", self.eps_clip)
-        high = self.eps_clip_higher
-        _require(high is None or high > 0, "eps_clip_higher", "> 0 or unset", high)
-        _require(self.c_clip is None or self.c_clip > 1, "c_clip", "> 1 or unset", self.c_clip)
-        cap = self.behav_imp_weight_cap
-        _require(cap is None or cap > 0, "behav_imp_weight_cap", "> 0 or unset", cap)
-        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _require(self.kl_coef >= 0, "kl_coef", ">= 0", self.kl_coef)
-
-
-def _require(ok: bool, key: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"'{key}' must be {allowed}, got {value!r}")
-
-
-def group_advantages(rewards: Sequence[Sequence[float]], cfg: AdvantageConfig) -> list[list[float]]:
-    """Scale, clip and normalise each group's rewards into one advantage per sequence."""
-    out: list[list[float]] = []
-    for group in rewards:
-        r = [
-            min(max((x + cfg.reward_bias) * cfg.reward_scaling, -cfg.reward_clip), cfg.reward_clip)
-            for x in group
-        ]
-        n = len(r)
-        if cfg.group_mean and n > 1:
-            total = sum(r)
-            base = [(total - x) / (n - 1) for x in r] if cfg.leave_one_out else [total / n] * n
-        elif cfg.group_mean:  # a lone sample has no baseline to compare with: advantage 0
-            base = list(r)
-        else:
-            base = [0.0] * n
-        adv = [x - b for x, b in zip(r, base, strict=True)]
-        if cfg.group_std and n > 1:
-            mean = sum(r) / n
-            std = math.sqrt(sum((x - mean) ** 2 for x in r) / n)
-            adv = [a / (std + cfg.eps) for a in adv]
-        out.append(adv)
-    return out
-
-
-def batch_normalize(advantages: Sequence[float], n_tokens: Sequence[int], eps: float = 1e-5) -> list[float]:
-    """Normalise per-sequence advantages to zero mean, unit std over all loss tokens of a batch
-    (each sequence weighted by its count of loss tokens, as token-level normalisation would)."""
-    total = sum(n_tokens)
-    if total == 0:
-        return list(advantages)
-    mean = sum(a * n for a, n in zip(advantages, n_tokens, strict=True)) / total
-    var = sum(n * (a - mean) ** 2 for a, n in zip(advantages, n_tokens, strict=True)) / total
-    return [(a - mean) / (math.sqrt(var) + eps) for a in advantages]
+__all__ = ["LossConfig", "LossSums", "decoupled_ppo_loss", "gather_logprobs_entropy"]
 
 
 def gather_logprobs_entropy(

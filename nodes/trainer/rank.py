@@ -1,13 +1,11 @@
 """TrainerRank: one FSDP2 trainer rank as an rlactors actor (a thin wrapper; the logic lives in
 fsdp.py, weights.py and checkpoint.py).
 
-The driver spawns N of them, makes them one collective group (``cluster.collective_group``,
-which sets RANK/WORLD_SIZE/MASTER_* and initialises the default group), then calls the same
-method on every rank at once; every method here is collective. Methods are sync, so they run in
-order on the worker's sync thread while its event loop keeps answering heartbeats.
-
-Configuration travels as a plain dict (msgpack-friendly) mirroring :class:`TrainConfig`, with
-nested ``loss``, ``adv`` and ``push`` tables; an unknown key is an error that names it.
+The driver spawns N of them with one :class:`~nodes.trainer.config.TrainConfig` (it travels as
+it is), makes them one collective group (``cluster.collective_group``, which sets RANK/WORLD_SIZE/
+MASTER_* and initialises the default group), then calls the same method on all of them at once
+through an ``rlactors.ActorGroup``; every method here is collective. Methods are sync, so they
+run in order on the worker's sync thread while its event loop keeps answering heartbeats.
 """
 
 from __future__ import annotations
@@ -19,52 +17,24 @@ from typing import Any
 import structlog
 
 import rlactors
+from nodes.trainer.config import TrainConfig
 from protocols.rl import Batch  # imported here so this worker can decode the batches it is sent
 
-__all__ = ["TrainerRank", "config_from_dict"]
+__all__ = ["TrainerRank"]
 
 log = structlog.get_logger(__name__)
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"unknown trainer config key(s) {[f'{where}{k}' for k in unknown]}; "
-            f"valid under {where or 'top level'}: {sorted(fields)}"
-        )
-    return cls(**data)
-
-
-def config_from_dict(data: dict[str, Any] | None) -> tuple[Any, Any]:
-    """``(TrainConfig, PushConfig)`` from a dict like ``{"model_path": ..., "loss": {...},
-    "adv": {...}, "push": {...}}``."""
-    from nodes.trainer.fsdp import TrainConfig
-    from nodes.trainer.loss import AdvantageConfig, LossConfig
-    from nodes.trainer.weights import PushConfig
-
-    data = dict(data or {})
-    loss = _build(LossConfig, dict(data.pop("loss", {}) or {}), "loss.")
-    adv = _build(AdvantageConfig, dict(data.pop("adv", {}) or {}), "adv.")
-    push = _build(PushConfig, dict(data.pop("push", {}) or {}), "push.")
-    if "betas" in data:
-        data["betas"] = tuple(data["betas"])
-    train = _build(TrainConfig, data, "")
-    train.loss, train.adv = loss, adv
-    return train, push
 
 
 class TrainerRank(rlactors.Actor):
     """One trainer rank. Call ``setup`` on every rank (after the collective group exists), then
     ``train_step`` / ``push_weights`` / ``save`` / ``load`` on all ranks together."""
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
-        self.config = config
+    def __init__(self, config: TrainConfig | None = None) -> None:
+        self.config = config or TrainConfig()
         self.trainer: Any = None
         self.pusher: Any = None
 
-    def setup(self, config: dict[str, Any] | None = None, num_threads: int = 0) -> dict[str, Any]:
+    def setup(self) -> dict[str, Any]:
         """Join the default process group from the environment if not yet joined, build the model
         shard and optimizer. Returns ``{rank, world_size, version}``."""
         import torch
@@ -72,9 +42,9 @@ class TrainerRank(rlactors.Actor):
 
         from nodes.trainer.fsdp import FSDPTrainer
 
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        train_cfg, push_cfg = config_from_dict(config if config is not None else self.config)
+        train_cfg = self.config
+        if train_cfg.device == "cpu":
+            torch.set_num_threads(train_cfg.threads)
         if not dist.is_initialized():
             backend = "nccl" if train_cfg.device == "cuda" else "gloo"
             dist.init_process_group(backend, init_method="env://")
@@ -82,7 +52,6 @@ class TrainerRank(rlactors.Actor):
             # the node agent may narrow CUDA_VISIBLE_DEVICES to this actor's GPU(s)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         self.trainer = FSDPTrainer(train_cfg)
-        self.push_cfg = push_cfg
         log.info("trainer_rank_ready", rank=dist.get_rank(), world_size=dist.get_world_size())
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "version": self.trainer.version}
 
@@ -91,9 +60,10 @@ class TrainerRank(rlactors.Actor):
             raise RuntimeError("TrainerRank.setup() must run first")
         return self.trainer
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One GRPO step on ``batch`` (every rank gets the whole batch)."""
-        return self._need().train_step(batch)
+    def train_step(self, batch: Batch, advantages: list[float]) -> dict[str, float]:
+        """One policy update on ``batch`` (every rank gets the whole batch) with one advantage per
+        trajectory."""
+        return self._need().train_step(batch, advantages)
 
     def connect_servers(
         self, urls: list[str], master_address: str | None = None, master_port: int | None = None
@@ -104,7 +74,9 @@ class TrainerRank(rlactors.Actor):
 
         trainer = self._need()
         if self.pusher is None:
-            self.pusher = WeightPusher(trainer.model, self.push_cfg, model_config_dir=trainer.cfg.model_path)
+            self.pusher = WeightPusher(
+                trainer.model, self.config.push, model_config_dir=trainer.cfg.model_path
+            )
         self.pusher.connect(urls, master_address, master_port)
         return True
 

@@ -7,7 +7,7 @@ import random
 
 from protocols.rl import Batch, Trajectory, TrajectoryGroup
 
-__all__ = ["skewed_lengths", "synthetic_batch"]
+__all__ = ["grpo_advantages", "skewed_lengths", "synthetic_batch"]
 
 
 def skewed_lengths(
@@ -65,3 +65,11 @@ def synthetic_batch(
     batch = Batch(groups=groups, version=version)
     batch.validate()
     return batch
+
+
+def grpo_advantages(batch: Batch) -> list[float]:
+    """GRPO advantages of the batch's unshaped rewards (nodes/advantage.py), one per trajectory:
+    what tests and benchmarks that drive a trainer directly train with."""
+    from nodes.advantage import AdvantageConfig, batch_advantages
+
+    return batch_advantages(batch, [g.rewards for g in batch.groups], AdvantageConfig())

@@ -28,7 +28,6 @@ import socket
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from nodes.trainer.config import PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
 from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
@@ -44,41 +44,10 @@ from nodes.weight_group import broadcast, destroy_weight_update_group, init_weig
 __all__ = ["PushConfig", "WeightPushError", "WeightPusher", "flush_cache"]
 
 log = structlog.get_logger(__name__)
-PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class WeightPushError(RuntimeError):
     """A server refused or failed a step of the weight push (the message names server and step)."""
-
-
-@dataclass
-class PushConfig:
-    """How weights reach the servers."""
-
-    method: str = "distributed"  # distributed | disk
-    # per broadcast (distributed); AReaL's default. Rank 0 keeps up to two buckets between pushes.
-    # Smaller buckets let the next gather overlap a broadcast, which needs idle cores or copy
-    # engines: on 2 CPU cores 256 MiB buckets were 1.44x a raw broadcast, one bucket 1.36x.
-    bucket_bytes: int = 1 << 30
-    # one flat tensor per bucket: one collective per bucket instead of one per tensor (gloo: 0.2 s
-    # vs 0.13 s for SmolLM2's 272 tensors). SGLang before flattened-bucket support: set False.
-    flattened_bucket: bool = True
-    dtype: str | None = None  # cast before sending, e.g. "bfloat16" (None: as trained)
-    shared_memory: bool = True  # ranks on rank 0's host hand it their shards through /dev/shm
-    pause_mode: str | None = "retract"  # abort | retract | in_place | None (push between decode steps)
-    # Drop the servers' prefix cache (KV from the old weights) with the update. None: where SGLang
-    # allows it, i.e. under abort and retract; under in_place or no pause requests still run, and
-    # SGLang refuses to flush then (the update call fails), so those modes keep the cache.
-    flush_cache: bool | None = None
-    weight_update_session: bool = True  # wrap in /begin_weight_update ... /end_weight_update
-    group_name: str = ""  # "" -> a fresh unique name per connect
-    backend: str = "gloo"  # gloo (CPU) | nccl (GPU)
-    master_address: str = "127.0.0.1"
-    master_port: int = 0  # 0 -> a free port on this host
-    disk_dir: str = ""  # where the disk path writes versions (required for disk)
-    keep_disk_versions: int = 2
-    http_timeout_s: float = 600.0
-    group_timeout_s: float = 600.0
 
 
 def flush_cache(cfg: PushConfig) -> bool:
@@ -110,14 +79,12 @@ class WeightPusher:
     """One rank's side of the weight push; build it on every rank with the same config."""
 
     def __init__(self, model: torch.nn.Module, cfg: PushConfig, model_config_dir: str | None = None):
-        if cfg.method not in ("distributed", "disk"):
-            raise ValueError(f"push method must be 'distributed' or 'disk', got {cfg.method!r}")
-        if cfg.pause_mode is not None and cfg.pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {PAUSE_MODES} or None, got {cfg.pause_mode!r}")
         flush_cache(cfg)  # refuses a combination SGLang would fail mid-push
         self.model, self.cfg = model, cfg
         self.model_config_dir = model_config_dir
         self.rank = dist.get_rank()
+        on_cuda = next(iter(model.parameters())).device.type == "cuda"
+        self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if on_cuda else "gloo")
         self.urls: list[str] = []
         self.group: Any = None
         self.group_name = ""
@@ -174,13 +141,13 @@ class WeightPusher:
                 "rank_offset": offset,
                 "world_size": world,
                 "group_name": self.group_name,
-                "backend": self.cfg.backend,
+                "backend": self.backend,
             }
             futures.append(self._pool.submit(self._post, url, "/init_weights_update_group", body))
             offset += size
         try:  # blocks until every server has joined: the HTTP requests above are in flight
             self.group = init_weight_update_group(
-                backend=self.cfg.backend,
+                backend=self.backend,
                 master_address=addr,
                 master_port=port,
                 rank=0,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from nodes.inference.launcher import InferenceServerActor
+from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.rank import TrainerRank
 from recipes.gsm8k_parts import connect_servers
@@ -55,7 +55,7 @@ async def test_push_and_generation_across_hosts(three_hosts) -> None:
     cluster, c = three_hosts
     model = str(ensure_tiny_checkpoint())
     server = await cluster.spawn(
-        InferenceServerActor, kind="reference", config={"model_path": model, "backend": "sim"}, node_id="h1"
+        InferenceServerActor, ReferenceServerConfig(model_path=model, backend="sim"), node_id="h1"
     )
     url = await asyncio.wait_for(server.url(), 120)
     assert url.startswith(f"http://{c.hosts.ip(1)}:")  # the node's address, not loopback

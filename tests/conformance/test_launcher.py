@@ -84,7 +84,7 @@ def test_sglang_command_line() -> None:
 
 
 async def test_inference_server_actor(cluster) -> None:
-    actor = await cluster.spawn(InferenceServerActor, "reference", {"backend": "sim"}, name="inf-0")
+    actor = await cluster.spawn(InferenceServerActor, ReferenceServerConfig(backend="sim"), name="inf-0")
     url = await actor.url()
     assert await actor.health()
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:

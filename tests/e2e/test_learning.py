@@ -34,7 +34,8 @@ def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
         "servers.n=1",
         "trainer.n_ranks=1",
         "trainer.lr=0.08",  # a random-weight model learns this objective only with large steps
-        f"trainer.adv={{reward_bias=-0.5, reward_scaling={scaling}}}",
+        "reward.bias=-0.5",
+        f"reward.scale={scaling}",
         "async.batch_size=8",
         "async.max_staleness=1",
         "rollout.n_samples=4",
@@ -46,7 +47,7 @@ def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
         "servers.max_running_requests=64",
         "async.max_concurrent=64",
         "trainer.max_tokens_per_mb=4096",
-        "rollout.reward=tests.e2e.learning_reward:no_space_share",
+        "reward.fn=tests.e2e.learning_reward:no_space_share",
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",
         f"run.out_dir={out}",

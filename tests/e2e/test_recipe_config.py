@@ -47,18 +47,20 @@ def test_overrides_and_errors() -> None:
 
 
 def numeric_keys(cls: type, prefix: str = "") -> list[str]:
+    """Numeric keys of the recipe's own sections (the components' sections check themselves)."""
     hints = typing.get_type_hints(cls)
     keys = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name.rstrip('_')}"
         if dataclasses.is_dataclass(hints[f.name]):
-            keys += numeric_keys(hints[f.name], key + ".")
+            if hints[f.name].__module__.startswith("recipes."):
+                keys += numeric_keys(hints[f.name], key + ".")
         elif hints[f.name] in (int, float):
             keys.append(key)
     return keys
 
 
-def test_every_number_has_a_range_and_the_defaults_are_in_it() -> None:
+def test_every_number_of_the_recipes_sections_has_a_range_and_the_defaults_are_in_it() -> None:
     r = recipe_module()
     from recipes.gsm8k_config import RANGES
 
@@ -66,14 +68,71 @@ def test_every_number_has_a_range_and_the_defaults_are_in_it() -> None:
     r.load_config(None, [])  # the defaults pass their own checks
 
 
+def test_component_sections_are_the_components_own_classes() -> None:
+    """One config form: what the recipe loads is what the actors get."""
+    from nodes.advantage import AdvantageConfig
+    from nodes.rollout.config import RolloutConfig
+    from nodes.rollout.reward import RewardConfig
+    from nodes.trainer.config import TrainConfig
+
+    cfg = recipe_module().load_config(None, [])
+    assert type(cfg.trainer) is TrainConfig and type(cfg.rollout) is RolloutConfig
+    assert type(cfg.reward) is RewardConfig and type(cfg.advantage) is AdvantageConfig
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "reward.fn=nodes.rollout.reward:no_such_reward",
+            "'reward.fn' = 'nodes.rollout.reward:no_such_reward'",
+        ),
+        ("advantage.fn=no_such_module:grpo", "'advantage.fn' = 'no_such_module:grpo': cannot import"),
+        ("trainer.loss.fn=nodes.trainer.loss:LossSums.nope", "has no 'LossSums.nope'"),
+        ("rollout.workflow=nodes.rollout.workflows:chat_ids", "has no config_class"),
+        ("rollout.workflow_args={max_turnz=3}", "unknown key 'rollout.workflow_args.max_turnz'"),
+        (
+            "trainer.loss.temperature=0.5",
+            "'trainer.loss.temperature' = 0.5 differs from 'rollout.temperature'",
+        ),
+        ("reward.fn=final_number_reward", "'fn' must be an import path"),
+    ],
+)
+def test_algorithm_paths_are_checked_when_the_config_loads(override: str, message: str) -> None:
+    with pytest.raises(recipe_module().ConfigError) as e:
+        recipe_module().load_config(None, [override])
+    assert message in str(e.value)
+
+
+def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
+    from nodes.rollout.workflows import MultiTurnConfig
+
+    r = recipe_module()
+    cfg = r.load_config(
+        None,
+        [
+            "rollout.workflow=nodes.rollout.workflows:MultiTurnWorkflow",
+            "rollout.workflow_args={max_turns=4, turn_discount=0.5, feedback='Try again.'}",
+        ],
+    )
+    from recipes.gsm8k_parts import workflow_spec
+
+    spec = workflow_spec(cfg, tmp_path)
+    assert isinstance(spec.config, MultiTurnConfig)
+    assert (spec.config.max_turns, spec.config.turn_discount, spec.config.feedback) == (4, 0.5, "Try again.")
+    assert spec.config.n_samples == cfg.rollout.n_samples and spec.reward == cfg.reward
+    ev = workflow_spec(cfg, tmp_path, eval_mode=True)
+    assert ev.workflow.endswith(":RLVRWorkflow") and ev.config.n_samples == 1
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [  # each of these started the cluster, then failed with a traceback or hung (issue 15, item 9)
         ("async.batch_size=0", "command line: 'async.batch_size' must be >= 1, got 0"),
         ("async.max_staleness=-1", "command line: 'async.max_staleness' must be >= 0, got -1"),
-        ("trainer.n_ranks=0", "command line: 'trainer.n_ranks' must be >= 1, got 0"),
+        ("trainer.n_ranks=0", "[trainer]: 'n_ranks' must be >= 1, got 0"),
         ("servers.n=0", "command line: 'servers.n' must be >= 1, got 0"),
-        ("rollout.n_samples=0", "command line: 'rollout.n_samples' must be >= 1, got 0"),
+        ("rollout.n_samples=0", "[rollout]: 'n_samples' must be >= 1, got 0"),
         ("run.batch_timeout_s=0", "command line: 'run.batch_timeout_s' must be > 0, got 0.0"),
         ("trainer.lr_schedule=cos", "'trainer.lr_schedule' must be 'constant' or 'linear' or 'cosine'"),
         ("trainer.loss.eps_clip=1.5", "[trainer.loss]: 'eps_clip' must be in (0, 1), got 1.5"),
@@ -119,7 +178,7 @@ def test_cluster_example_is_a_valid_cluster_toml() -> None:
             "no head answered",
         ),
         (["--config", "/nonexistent.toml"], "does not exist"),
-        (["rollout.n_samples=0"], "'rollout.n_samples' must be >= 1, got 0"),
+        (["rollout.n_samples=0"], "[rollout]: 'n_samples' must be >= 1, got 0"),
     ],
 )
 def test_user_errors_are_clear_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
@@ -202,7 +261,13 @@ def test_eval_summary_says_whether_the_change_is_outside_the_intervals() -> None
     from recipes.gsm8k_grpo import eval_summary
 
     def ev(acc: float, low: float, high: float, version: int) -> dict[str, float]:
-        return {"eval/accuracy": acc, "eval/ci_low": low, "eval/ci_high": high, "eval/n": 128, "eval/version": version}
+        return {
+            "eval/accuracy": acc,
+            "eval/ci_low": low,
+            "eval/ci_high": high,
+            "eval/n": 128,
+            "eval/version": version,
+        }
 
     start = ev(0.25, 0.18, 0.33, 0)
     assert eval_summary(start, ev(0.50, 0.41, 0.59, 30)) == (

@@ -8,16 +8,13 @@ import httpx
 
 from nodes.buffer import BufferConfig, TrajectoryBuffer
 from nodes.governor import GovernorConfig, StalenessGovernor
-from nodes.rollout.actor import Rollout, RolloutConfig
+from nodes.rollout.actor import Rollout
 from nodes.rollout.client import SGLangClient
+from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
-from nodes.rollout.workflows import build_workflow
+from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow
 
-WORKFLOW = {
-    "kind": "rlvr",
-    "tokenizer": "byte",
-    "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 24}},
-}
+WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 24}))
 
 
 def make(url: str, n_prompts: int, B: int, eta: int, **cfg):

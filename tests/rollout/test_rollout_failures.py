@@ -14,8 +14,9 @@ import pytest
 
 from nodes.buffer import BufferConfig, TrajectoryBuffer
 from nodes.governor import GovernorConfig, StalenessGovernor
-from nodes.rollout.actor import Rollout, RolloutConfig
+from nodes.rollout.actor import Rollout
 from nodes.rollout.client import ClientConfig, GenerationError, GenRequest, SGLangClient
+from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import (
     ByteChatTokenizer,

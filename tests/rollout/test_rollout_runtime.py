@@ -12,20 +12,18 @@ from nodes.buffer import BufferActor
 from nodes.governor import GovernorActor
 from nodes.inference.testing import wait_until
 from nodes.rollout.actor import RolloutActor
+from nodes.rollout.config import RolloutConfig
+from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
 
 B, ETA, N = 2, 1, 16
-WORKFLOW = {
-    "kind": "rlvr",
-    "tokenizer": "byte",
-    "config": {"n_samples": 2, "sampling_params": {"max_new_tokens": 64}},
-}
+WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 64}))
 PROMPTS = {"kind": "arithmetic", "n": N}
 
 
 async def spawn_rollout(cluster, url: str, name: str):
     return await cluster.spawn(
         RolloutActor, [url], "gov", "buf", PROMPTS, WORKFLOW,
-        {"max_inflight": 4, "acquire_batch": 2, "acquire_timeout_s": 1.0}, name=name,
+        RolloutConfig(max_inflight=4, acquire_batch=2, acquire_timeout_s=1.0), name=name,
     )  # fmt: skip
 
 

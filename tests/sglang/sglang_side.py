@@ -81,7 +81,9 @@ class Server:
         if path == "/server_info":
             return 200, {"tp_size": 1}
         if path == "/dump":
-            save_file({k: v.contiguous() for k, v in self.received.items()}, f"{self.out_dir}/received.safetensors")
+            save_file(
+                {k: v.contiguous() for k, v in self.received.items()}, f"{self.out_dir}/received.safetensors"
+            )
             with open(f"{self.out_dir}/requests.json", "w") as f:
                 json.dump(self.log, f)
             return 200, {"success": True, "n": len(self.received)}

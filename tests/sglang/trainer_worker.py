@@ -21,12 +21,14 @@ def main() -> None:
     dist.init_process_group("gloo", init_method="env://")
     from safetensors.torch import save_file
 
-    from nodes.trainer.fsdp import FSDPTrainer, TrainConfig
-    from nodes.trainer.synthetic import synthetic_batch
+    from nodes.trainer.config import TrainConfig
+    from nodes.trainer.fsdp import FSDPTrainer
+    from nodes.trainer.synthetic import grpo_advantages, synthetic_batch
     from nodes.trainer.weights import PushConfig, WeightPusher
 
     trainer = FSDPTrainer(TrainConfig(model_path=model, lr=1e-3, max_tokens_per_mb=64))
-    trainer.train_step(synthetic_batch(2, 2, seed=1, prompt_len=(3, 6), gen_len=(3, 8)))
+    batch = synthetic_batch(2, 2, seed=1, prompt_len=(3, 6), gen_len=(3, 8))
+    trainer.train_step(batch, grpo_advantages(batch))
     # small buckets: several per push; no pause (the stand-in server runs no requests)
     cfg = PushConfig(bucket_bytes=64 << 10, pause_mode=None)
     pusher = WeightPusher(trainer.model, cfg, model_config_dir=model)

@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 
 def train_config(model: str):
-    from nodes.trainer.fsdp import TrainConfig
-    from nodes.trainer.loss import LossConfig
+    from nodes.trainer.config import LossConfig, TrainConfig
 
     # small micro-batch cap: several micro-batches per rank; a loose cap so some tokens are masked
     return TrainConfig(
@@ -29,6 +28,13 @@ def train_config(model: str):
         max_tokens_per_mb=40,
         loss=LossConfig(eps_clip=0.2, behav_imp_weight_cap=1.5),
     )
+
+
+def train(trainer, b):
+    """One step on ``b`` with GRPO advantages of its rewards."""
+    from nodes.trainer.synthetic import grpo_advantages
+
+    return trainer.train_step(b, grpo_advantages(b))
 
 
 def batch(seed: int, n_groups: int = 3):
@@ -83,7 +89,7 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
     client = httpx.Client(timeout=120)
     results = []
     for i, (method, mode, flat) in enumerate(PUSH_CASES):
-        trainer.train_step(batch(10 + i))
+        train(trainer, batch(10 + i))
         cfg.method, cfg.pause_mode, cfg.flattened_bucket = method, mode, flat
         futs = []
         if rank == 0:
@@ -174,7 +180,7 @@ def gather_scenario(trainer, out: Path) -> None:
         equal = []
         for step in range(2):  # the second pass reuses the buffers after the weights changed
             if step:
-                trainer.train_step(batch(20))
+                train(trainer, batch(20))
             got = {}
             for k in range(len(g.buckets)):
                 got.update({n: t.clone() for n, t in g.gather(k)})  # views live until k + 2
@@ -237,13 +243,13 @@ def nonfinite_scenario(trainer, out: Path) -> None:
         except NonFiniteError as e:
             seen[key] = str(e)
 
-    trainer.train_step(batch(1))
+    train(trainer, batch(1))
     embed = trainer.model.get_input_embeddings().weight
     if rank == 1:
         with torch.no_grad():
             trainer.optimizer.state[embed]["exp_avg"].to_local().view(-1)[0] = float("inf")
     attempt("save", lambda: checkpoint.save(trainer, out / "bad_ckpt"))
-    trainer.train_step(batch(2))  # finite loss and gradients; the update makes the weights inf
+    train(trainer, batch(2))  # finite loss and gradients; the update makes the weights inf
     seen["weights_after_update"] = trainer.nonfinite()
 
     class Pusher:  # stands in for WeightPusher: records whether anything was sent
@@ -259,7 +265,7 @@ def nonfinite_scenario(trainer, out: Path) -> None:
     attempt("push", actor.push_weights)
     seen["pushed"] = Pusher.pushed
     version = trainer.version
-    attempt("step", lambda: trainer.train_step(batch(3)))
+    attempt("step", lambda: train(trainer, batch(3)))
     seen["version_unchanged"] = trainer.version == version
     (out / f"nonfinite_{rank}.json").write_text(json.dumps(seen))
 
@@ -274,15 +280,13 @@ def main() -> None:
     trainer = FSDPTrainer(train_config(model))
     rank = dist.get_rank()
     if scenario == "fresh":
-        stats = trainer.train_step(batch(1))
+        stats = train(trainer, batch(1))
         if rank == 0:
             (out / "stats1.json").write_text(json.dumps(stats))
         save_full(trainer, out / "step1.safetensors")
         checkpoint.save(trainer, out / "ckpt", data_position=1)
         torch.rand(3)  # RNG advances after the checkpoint; resume must restore the saved state
-        stats = trainer.train_step(
-            batch(2, n_groups=1)
-        )  # one group on 2 ranks: rank 1 runs dummy micro-batches
+        stats = train(trainer, batch(2, n_groups=1))  # one group on 2 ranks: rank 1 runs dummy micro-batches
         (out / f"stats2_{rank}.json").write_text(json.dumps(stats))
         save_full(trainer, out / "step2.safetensors")
     elif scenario == "schedule":  # one rank: warm-up and a KL term with the default reference
@@ -293,7 +297,7 @@ def main() -> None:
         trainer = FSDPTrainer(
             dataclasses.replace(train_config(model), warmup_steps=3, loss=LossConfig(kl_coef=0.1))
         )
-        steps = [trainer.train_step(batch(s)) for s in (1, 2)]
+        steps = [train(trainer, batch(s)) for s in (1, 2)]
         (out / "schedule.json").write_text(json.dumps(steps))
     elif scenario == "resume":
         extra = checkpoint.load(trainer, out / "ckpt")
@@ -307,7 +311,7 @@ def main() -> None:
                     }
                 )
             )
-        trainer.train_step(batch(2, n_groups=1))
+        train(trainer, batch(2, n_groups=1))
         save_full(trainer, out / "step2_resumed.safetensors")
     elif scenario == "corrupt":  # OUT_DIR/ckpt had bytes changed after it was saved
         try:

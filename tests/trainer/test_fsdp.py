@@ -37,13 +37,13 @@ def plain_step(model_path: str, batch) -> tuple[dict[str, torch.Tensor], float]:
     """One step the obvious way: whole batch padded, token-mean loss, clip, AdamW."""
     from transformers import AutoModelForCausalLM
 
-    from nodes.trainer.fsdp import FSDPTrainer
+    from nodes.trainer.synthetic import grpo_advantages
 
     cfg = worker.train_config(model_path)
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     trajs = batch.trajectories
-    adv = FSDPTrainer.advantages(type("T", (), {"cfg": cfg})(), batch)
+    adv = grpo_advantages(batch)
     mb = build_microbatch(list(range(len(trajs))), trajs, adv)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
     logp, ent = gather_logprobs_entropy(logits, mb.labels, cfg.loss.temperature)

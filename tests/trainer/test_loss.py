@@ -1,4 +1,4 @@
-"""The decoupled PPO loss and GRPO advantages against direct hand-written computations."""
+"""The decoupled PPO loss against direct hand-written computations."""
 
 from __future__ import annotations
 
@@ -7,14 +7,7 @@ import math
 import pytest
 import torch
 
-from nodes.trainer.loss import (
-    AdvantageConfig,
-    LossConfig,
-    batch_normalize,
-    decoupled_ppo_loss,
-    gather_logprobs_entropy,
-    group_advantages,
-)
+from nodes.trainer.loss import LossConfig, decoupled_ppo_loss, gather_logprobs_entropy
 
 
 def _reference_loss(logits, labels, prox, behave, adv, mask, cfg: LossConfig, ref=None):
@@ -111,27 +104,6 @@ def test_fresh_samples_give_plain_policy_gradient():
     out = decoupled_ppo_loss(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3), LossConfig())
     assert math.isclose(float(out.loss_sum.detach()) / int(out.n_tokens), 0.0, abs_tol=1e-7)
     assert int(out.sums["clip_frac"]) == 0 and int(out.sums["behave_masked_frac"]) == 0
-
-
-def test_group_advantages_mean_std_and_leave_one_out():
-    cfg = AdvantageConfig(reward_scaling=5.0, reward_bias=-0.5)
-    adv = group_advantages([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0]], cfg)
-    # scaled to ±2.5, mean 0, std 2.5 -> ±1; a constant group has no signal
-    assert adv[0] == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-4)
-    assert adv[1] == [0.0, 0.0]
-    loo = group_advantages([[1.0, 0.0, 0.0]], AdvantageConfig(group_std=False, leave_one_out=True))
-    assert loo[0] == pytest.approx([1.0, -0.5, -0.5])
-    assert group_advantages([[3.0]], AdvantageConfig()) == [[0.0]]
-    clipped = group_advantages([[100.0, 0.0]], AdvantageConfig(reward_clip=10.0, group_std=False))
-    assert clipped[0] == pytest.approx([5.0, -5.0])
-
-
-def test_batch_normalize_weights_by_tokens():
-    out = batch_normalize([1.0, -1.0], [3, 1])
-    # token-level: values [1,1,1,-1] -> mean 0.5, std sqrt(0.75)
-    s = math.sqrt(0.75)
-    assert out == pytest.approx([0.5 / s, -1.5 / s], rel=1e-4)
-    assert sum(a * n for a, n in zip(out, [3, 1], strict=True)) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_greedy_temperature_means_unscaled_logprobs():

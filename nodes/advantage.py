@@ -1,0 +1,89 @@
+"""Advantage estimators: shaped rewards of each group in, one advantage per sequence out.
+
+The recipe computes advantages on the driver, between the batch and the trainer step (GRPO puts
+one scalar on every token of a sequence). The estimator is named by import path in
+``[advantage] fn``; three ship here:
+
+- :func:`grpo`: subtract the group mean, divide by the group std (GRPO, AReaL's default);
+- :func:`dr_grpo`: subtract the group mean only (Dr. GRPO: no std division, no length bias);
+- :func:`leave_one_out`: subtract the mean of the *other* samples of the group (RLOO).
+
+An estimator is ``fn(rewards: list[list[float]], cfg: AdvantageConfig) -> list[list[float]]``, one
+list per group, same shapes. ``batch_norm`` then normalises over all loss tokens of the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nodes.plugins import resolve
+from protocols.codec import register
+
+__all__ = ["AdvantageConfig", "batch_advantages", "batch_normalize", "dr_grpo", "grpo", "leave_one_out"]
+
+Groups = Sequence[Sequence[float]]
+
+
+@register
+@dataclass
+class AdvantageConfig:
+    fn: str = "nodes.advantage:grpo"  # grpo | dr_grpo | leave_one_out, or your own by import path
+    batch_norm: bool = False  # then normalise over all loss tokens of the batch
+    eps: float = 1e-5  # added to a std before dividing by it
+
+    def __post_init__(self) -> None:
+        if not self.eps > 0:
+            raise ValueError(f"'eps' must be > 0, got {self.eps!r}")
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def dr_grpo(rewards: Groups, cfg: AdvantageConfig) -> list[list[float]]:
+    """``r - mean(group)``. A lone sample has no baseline: advantage 0."""
+    return [[x - _mean(g) for x in g] for g in rewards]
+
+
+def grpo(rewards: Groups, cfg: AdvantageConfig) -> list[list[float]]:
+    """``(r - mean(group)) / (std(group) + eps)``; a group of equal rewards gets 0."""
+    out = []
+    for g, adv in zip(rewards, dr_grpo(rewards, cfg), strict=True):
+        m = _mean(g)
+        std = math.sqrt(sum((x - m) ** 2 for x in g) / len(g))
+        out.append([a / (std + cfg.eps) for a in adv])
+    return out
+
+
+def leave_one_out(rewards: Groups, cfg: AdvantageConfig) -> list[list[float]]:
+    """``r - mean(other samples of the group)`` (RLOO); a lone sample gets 0."""
+    n_total = [(len(g), sum(g)) for g in rewards]
+    return [
+        [x - (total - x) / (n - 1) if n > 1 else 0.0 for x in g]
+        for g, (n, total) in zip(rewards, n_total, strict=True)
+    ]
+
+
+def batch_normalize(advantages: Sequence[float], n_tokens: Sequence[int], eps: float = 1e-5) -> list[float]:
+    """Normalise per-sequence advantages to zero mean, unit std over all loss tokens of a batch
+    (each sequence weighted by its count of loss tokens, as token-level normalisation would)."""
+    total = sum(n_tokens)
+    if total == 0:
+        return list(advantages)
+    mean = sum(a * n for a, n in zip(advantages, n_tokens, strict=True)) / total
+    var = sum(n * (a - mean) ** 2 for a, n in zip(advantages, n_tokens, strict=True)) / total
+    return [(a - mean) / (math.sqrt(var) + eps) for a in advantages]
+
+
+def batch_advantages(batch: Any, rewards: Groups, cfg: AdvantageConfig) -> list[float]:
+    """One advantage per trajectory of ``batch.trajectories`` from the groups' (shaped) rewards."""
+    per_group = resolve(cfg.fn, "advantage.fn")(rewards, cfg)
+    if [len(a) for a in per_group] != [len(g.trajectories) for g in batch.groups]:
+        raise ValueError(f"advantage.fn={cfg.fn!r} returned groups of other sizes than the batch's")
+    flat = [float(a) for g in per_group for a in g]
+    if cfg.batch_norm:
+        flat = batch_normalize(flat, [max(0, sum(t.loss_mask[1:])) for t in batch.trajectories], cfg.eps)
+    return flat
