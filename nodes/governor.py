@@ -40,19 +40,19 @@ __all__ = ["GovernorActor", "GovernorConfig", "Grant", "StalenessGovernor"]
 log = structlog.get_logger(__name__)
 
 
+@register
 @dataclass
 class GovernorConfig:
-    """Admission limits. ``batch_size`` is in groups (episodes) per training step."""
+    """Admission limits (the recipe's ``[async]`` table)."""
 
-    batch_size: int
-    max_staleness: int = 2
-    max_concurrent: int = 1024
+    batch_size: int = 4  # groups (episodes) per training step
+    max_staleness: int = 2  # eta: no trained token older than this many versions; 0 = synchronous
+    max_concurrent: int = 32  # episodes running at once, all rollout actors together
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_staleness < 0 or self.max_concurrent < 1:
-            raise ValueError(
-                f"GovernorConfig needs batch_size >= 1, max_staleness >= 0, max_concurrent >= 1; got {self}"
-            )
+        for key, lo in (("batch_size", 1), ("max_staleness", 0), ("max_concurrent", 1)):
+            if getattr(self, key) < lo:
+                raise ValueError(f"'{key}' must be >= {lo}, got {getattr(self, key)!r}")
 
 
 @register
@@ -255,10 +255,8 @@ class GovernorActor(StalenessGovernor, rlactors.Actor, sync_methods="loop"):
     checkpoint (:meth:`recover`).
     """
 
-    def __init__(
-        self, batch_size: int, max_staleness: int = 2, max_concurrent: int = 1024, version: int = 0
-    ) -> None:
-        super().__init__(GovernorConfig(batch_size, max_staleness, max_concurrent), version)
+    def __init__(self, config: GovernorConfig, version: int = 0) -> None:
+        super().__init__(config, version)
 
     def register(self, holder_id: str, actor_id: str) -> None:
         """Watch the holder's actor: its death releases its leases. Idempotent."""

@@ -2,7 +2,7 @@
 
 The sections that configure a component are that component's own dataclass, imported from beside
 it: ``[rollout]`` (nodes/rollout/config.py), ``[reward]`` (nodes/rollout/reward.py),
-``[advantage]`` (nodes/advantage.py), ``[trainer]`` with ``[trainer.loss]`` and ``[trainer.push]``
+``[advantage]`` (nodes/advantage.py), ``[async]`` (nodes/governor.py), ``[trainer]`` with ``[trainer.loss]`` and ``[trainer.push]``
 (nodes/trainer/config.py). The recipe passes them to the actors as they are. The rest is the
 recipe's own: the model, the servers, the run.
 
@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from nodes.advantage import AdvantageConfig
 from nodes.data import SYSTEM_PROMPT
+from nodes.governor import GovernorConfig
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.reward import RewardConfig
 from nodes.trainer.config import TrainConfig
@@ -54,13 +55,6 @@ class ServersConfig:
     # kind = "sglang": the python that has sglang ("" = this one; on CPU, the venv
     # scripts/sglang-setup.sh prints: SGLang pins its own torch)
     python: str = ""
-
-
-@dataclass
-class AsyncConfig:
-    batch_size: int = 4  # prompt groups per training step
-    max_staleness: int = 2  # eta: 0 = synchronous
-    max_concurrent: int = 32  # episodes running at once, all rollout actors together
 
 
 @dataclass
@@ -99,7 +93,7 @@ class RecipeConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    async_: GovernorConfig = field(default_factory=GovernorConfig)
     trainer: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -124,9 +118,6 @@ RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "servers.cache_tokens": _at_least(0),
     "servers.threads": _at_least(1),
     "servers.startup_timeout_s": _above(0),
-    "async.batch_size": _at_least(1),
-    "async.max_staleness": _at_least(0),
-    "async.max_concurrent": _at_least(1),
     "data.train_limit": _at_least(0),  # 0 = all
     "data.eval_size": _at_least(1),
     "data.seed": _at_least(0),

@@ -207,9 +207,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             f"cluster ready in {time.monotonic() - t0:.0f}s: {len(urls)} servers, {len(ranks)} trainer ranks"
         )
 
-        governor = await cluster.spawn(
-            GovernorActor, B, eta, cfg.async_.max_concurrent, version, name="governor"
-        )
+        governor = await cluster.spawn(GovernorActor, cfg.async_, version, name="governor")
         if resume:
             await governor.recover(version)
         # On resume the buffer refuses prompts trained before the checkpoint; groups admitted but not

@@ -119,6 +119,12 @@ def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "<config>", p
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
+        # a class checking its own values names the field: name the whole key instead
+        msg = str(e)
+        for name in fields:
+            if msg.startswith(f"'{name}'"):
+                key = f"{prefix}.{name}" if prefix else name
+                raise ConfigError(f"{source}: '{key}'{msg[len(name) + 2 :]}") from e
         raise ConfigError(f"{source}{' [' + prefix + ']' if prefix else ''}: {e}") from e
 
 
@@ -184,6 +190,11 @@ def load_toml(
         return from_dict(cls, data, source=source)
     except ConfigError as e:
         msg = str(e)
+        # a bad value that came from an override: say so rather than naming the file
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            if msg.startswith(f"{source}: '{key}'"):
+                msg = "command line" + msg[len(source) :]
         for old, new in renames.items():
             msg = msg.replace(f"'{new}.", f"'{old}.").replace(f"'{new}'", f"'{old}'")
         raise ConfigError(msg) from None

@@ -71,6 +71,7 @@ def test_every_number_of_the_recipes_sections_has_a_range_and_the_defaults_are_i
 def test_component_sections_are_the_components_own_classes() -> None:
     """One config form: what the recipe loads is what the actors get."""
     from nodes.advantage import AdvantageConfig
+    from nodes.governor import GovernorConfig
     from nodes.rollout.config import RolloutConfig
     from nodes.rollout.reward import RewardConfig
     from nodes.trainer.config import TrainConfig
@@ -78,6 +79,7 @@ def test_component_sections_are_the_components_own_classes() -> None:
     cfg = recipe_module().load_config(None, [])
     assert type(cfg.trainer) is TrainConfig and type(cfg.rollout) is RolloutConfig
     assert type(cfg.reward) is RewardConfig and type(cfg.advantage) is AdvantageConfig
+    assert type(cfg.async_) is GovernorConfig
 
 
 @pytest.mark.parametrize(
@@ -95,7 +97,7 @@ def test_component_sections_are_the_components_own_classes() -> None:
             "trainer.loss.temperature=0.5",
             "'trainer.loss.temperature' = 0.5 differs from 'rollout.temperature'",
         ),
-        ("reward.fn=final_number_reward", "'fn' must be an import path"),
+        ("reward.fn=final_number_reward", "command line: 'reward.fn' must be an import path"),
     ],
 )
 def test_algorithm_paths_are_checked_when_the_config_loads(override: str, message: str) -> None:
@@ -130,13 +132,13 @@ def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
     [  # each of these started the cluster, then failed with a traceback or hung (issue 15, item 9)
         ("async.batch_size=0", "command line: 'async.batch_size' must be >= 1, got 0"),
         ("async.max_staleness=-1", "command line: 'async.max_staleness' must be >= 0, got -1"),
-        ("trainer.n_ranks=0", "[trainer]: 'n_ranks' must be >= 1, got 0"),
+        ("trainer.n_ranks=0", "command line: 'trainer.n_ranks' must be >= 1, got 0"),
         ("servers.n=0", "command line: 'servers.n' must be >= 1, got 0"),
-        ("rollout.n_samples=0", "[rollout]: 'n_samples' must be >= 1, got 0"),
+        ("rollout.n_samples=0", "command line: 'rollout.n_samples' must be >= 1, got 0"),
         ("run.batch_timeout_s=0", "command line: 'run.batch_timeout_s' must be > 0, got 0.0"),
         ("trainer.lr_schedule=cos", "'trainer.lr_schedule' must be 'constant' or 'linear' or 'cosine'"),
-        ("trainer.loss.eps_clip=1.5", "[trainer.loss]: 'eps_clip' must be in (0, 1), got 1.5"),
-        ("trainer.loss.c_clip=0.5", "[trainer.loss]: 'c_clip' must be > 1 or unset, got 0.5"),
+        ("trainer.loss.eps_clip=1.5", "command line: 'trainer.loss.eps_clip' must be in (0, 1), got 1.5"),
+        ("trainer.loss.c_clip=0.5", "command line: 'trainer.loss.c_clip' must be > 1 or unset, got 0.5"),
         ("trainer.loss.eps_clipp=0.2", "unknown key 'trainer.loss.eps_clipp' (did you mean 'eps_clip'?)"),
         ("trainer.push.bucket_bytes=big", "'trainer.push.bucket_bytes' must be an integer"),
     ],
@@ -178,7 +180,7 @@ def test_cluster_example_is_a_valid_cluster_toml() -> None:
             "no head answered",
         ),
         (["--config", "/nonexistent.toml"], "does not exist"),
-        (["rollout.n_samples=0"], "[rollout]: 'n_samples' must be >= 1, got 0"),
+        (["rollout.n_samples=0"], "command line: 'rollout.n_samples' must be >= 1, got 0"),
     ],
 )
 def test_user_errors_are_clear_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:

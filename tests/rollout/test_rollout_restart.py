@@ -13,7 +13,7 @@ import pytest
 
 import rlactors
 from nodes.buffer import BufferActor
-from nodes.governor import GovernorActor
+from nodes.governor import GovernorActor, GovernorConfig
 from nodes.inference.testing import wait_until
 from nodes.rollout.actor import Rollout, RolloutActor, RolloutHandle
 from nodes.rollout.client import SGLangClient
@@ -34,7 +34,7 @@ async def spawn_rollout(cluster, url: str, **kw) -> RolloutHandle:
 
 
 async def test_a_restarted_rollout_actor_loses_and_repeats_no_group(cluster, sim_server: str) -> None:
-    gov = await cluster.spawn(GovernorActor, B, ETA, 8, name="gov")
+    gov = await cluster.spawn(GovernorActor, GovernorConfig(B, ETA, 8), name="gov")
     buf = await cluster.spawn(BufferActor, "gov", name="buf")
     r = await spawn_rollout(cluster, sim_server)
     seen: list[str] = []
@@ -78,7 +78,7 @@ async def test_a_restarted_rollout_actor_loses_and_repeats_no_group(cluster, sim
 
 
 async def test_a_restarted_rollout_actor_starts_at_the_governors_version(cluster) -> None:
-    gov = await cluster.spawn(GovernorActor, B, ETA, 8, name="gov")
+    gov = await cluster.spawn(GovernorActor, GovernorConfig(B, ETA, 8), name="gov")
     await cluster.spawn(BufferActor, "gov", name="buf")
     r = await spawn_rollout(cluster, "http://127.0.0.1:9", autostart=False)  # admits nothing
     await gov.set_version(3)

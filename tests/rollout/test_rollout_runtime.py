@@ -9,7 +9,7 @@ import signal
 import httpx
 
 from nodes.buffer import BufferActor
-from nodes.governor import GovernorActor
+from nodes.governor import GovernorActor, GovernorConfig
 from nodes.inference.testing import wait_until
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import RolloutConfig
@@ -28,7 +28,7 @@ async def spawn_rollout(cluster, url: str, name: str):
 
 
 async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -> None:
-    gov = await cluster.spawn(GovernorActor, B, ETA, 8, name="gov")
+    gov = await cluster.spawn(GovernorActor, GovernorConfig(B, ETA, 8), name="gov")
     buf = await cluster.spawn(BufferActor, "gov", name="buf")
     assert (await buf.stats())["max_staleness"] == ETA  # no bound given: the governor's
     async with httpx.AsyncClient(base_url=sim_server, timeout=30) as admin:
