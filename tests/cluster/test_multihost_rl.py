@@ -14,8 +14,9 @@ import pytest
 import rlactors
 from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig
 from nodes.inference.models import ensure_tiny_checkpoint
+from nodes.policy_sync import PolicySync
+from nodes.trainer.config import PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
-from recipes.gsm8k_parts import connect_servers
 from tests.cluster.actors import Prober
 from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
 from tests.cluster.test_multihost import Cluster2, _wait_nodes
@@ -59,13 +60,17 @@ async def test_push_and_generation_across_hosts(three_hosts) -> None:
     )
     url = await asyncio.wait_for(server.url(), 120)
     assert url.startswith(f"http://{c.hosts.ip(1)}:")  # the node's address, not loopback
-    rank = await cluster.spawn(TrainerRank, {"model_path": model, "push": {"pause_mode": None}}, node_id="h0")
+    # the config dataclass goes through the head and h0's agent (daemons that never import it)
+    cfg = TrainConfig(model_path=model, push=PushConfig(pause_mode=None))
+    rank = await cluster.spawn(TrainerRank, cfg, node_id="h0")
     await cluster.collective_group([rank], backend="gloo", timeout=60)
     await rank.setup()
-    await asyncio.wait_for(connect_servers(cluster, [rank], [url]), 120)
+    sync = PolicySync(cluster, rlactors.ActorGroup([rank]), [url])
+    await asyncio.wait_for(sync.connect(), 120)
     await asyncio.wait_for(rank.push_weights(), 120)
     prober = await cluster.spawn(Prober, node_id="h2")
     out = await asyncio.wait_for(prober.generate([url], 0), 60)
     assert len(out["ids"]) == 8
     # the tokens came from the weights the trainer pushed (version 0 -> server labels them "0")
     assert out["versions"] == [0] * 8
+    await sync.aclose()
