@@ -8,29 +8,34 @@ that server's radix cache. Every output token is stamped with a policy version (
 server does; it is exact when a request was held across a weight update by a ``retract`` or
 ``in_place`` pause), else the version the client knew when it posted the chunk.
 
-Compared with AReaL's client (see shared/FACTS.md): pooled keep-alive connections per
-server; a resumed request waits on an event set by :meth:`SGLangClient.resume` instead of
-polling a flag; a request id is sent (and a rid reused across an episode's turns keeps the
-episode on one server); new requests go to the least-loaded healthy server; a server that
-keeps failing is marked down and the request moves, with its tokens so far, elsewhere.
+Compared with AReaL's client (see shared/FACTS.md): keep-alive connections to each server
+(aiohttp, bodies encoded and decoded with orjson; nodes/rollout/pool.py); a resumed request
+waits on an event set by :meth:`SGLangClient.resume` instead of polling a flag; a request id
+is sent (and a rid reused across an episode's turns keeps the episode on one server); new
+requests go to the least-loaded healthy server; a server that keeps failing is marked down and
+the request moves, with its tokens so far, elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+import orjson
 import structlog
 
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
-from nodes.rollout.pool import ServerPool
+from nodes.rollout.pool import ServerPool, Session, WireError
 from rlactors.aio import wait_for
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "ClientConfig",
@@ -42,8 +47,6 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-
-_RETRYABLE = (httpx.TransportError,)  # connect/read/write errors, timeouts, protocol errors
 
 
 class NoServerAvailableError(GenerationError):
@@ -60,8 +63,7 @@ class ClientConfig:
     backoff_base_s: float = 0.05
     backoff_max_s: float = 2.0
     down_cooldown_s: float = 10.0  # a failed server is skipped this long before being tried again
-    max_connections_per_server: int = 1024
-    connections_per_lane: int = 4  # connections per httpx client; see Lane
+    max_connections_per_server: int = 1024  # keep-alive connections; more requests queue for one
     pause_timeout_s: float = 3600.0  # a resumed request waits at most this long for resume()
     max_idle_aborts: int = 64  # consecutive aborts that returned no tokens before giving up
     sticky_entries: int = 65536  # rid -> server entries kept (LRU) for multi-turn episodes
@@ -109,12 +111,12 @@ class SGLangClient:
         version: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """``transport`` replaces the network (tests use httpx.MockTransport)."""
+        """``transport`` (an httpx transport) replaces the network: tests use httpx.MockTransport."""
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         self.config = config or ClientConfig()
-        ssl_context = httpx.create_ssl_context() if any(u.startswith("https") for u in urls) else False
-        self._servers = {u.rstrip("/"): ServerPool(u, self.config, transport, ssl_context) for u in urls}
+        self._session = Session(self.config) if transport is None else None
+        self._servers = {u.rstrip("/"): ServerPool(u, self.config, self._session, transport) for u in urls}
         self._retired: list[ServerPool] = []  # retired servers' pools, closed with the client
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
@@ -161,12 +163,14 @@ class SGLangClient:
         return {u: s.inflight for u, s in self._servers.items()}
 
     async def aclose(self) -> None:
-        """Cancel background aborts and close every connection pool."""
+        """Cancel background aborts and close every connection."""
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(s.aclose() for s in [*self._servers.values(), *self._retired]))
         self._retired.clear()
+        if self._session is not None:
+            await self._session.aclose()
 
     # -- generation ----------------------------------------------------------------
 
@@ -204,7 +208,7 @@ class SGLangClient:
                 await wait_for(self._resumed.wait(), cfg.pause_timeout_s)
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
-                "input_ids": list(request.input_ids) + ids,
+                "input_ids": [*request.input_ids, *ids],
                 "sampling_params": resume_params(sp, budget, len(ids)),
                 "return_logprob": True,
                 "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
@@ -320,29 +324,29 @@ class SGLangClient:
                 delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 body = {**body, "rid": f"{body['rid']}-t{attempt}"}  # never collide with a lingering attempt
-            lane = server.take_lane()
             self.counters["posts"] += 1
+            server.inflight += 1
             try:
-                r = await lane.http.post("/generate", json=body)
-            except _RETRYABLE as e:
-                last = f"{type(e).__name__}: {e}"
-                if isinstance(e, httpx.TimeoutException):
+                status, content = await server.post("/generate", orjson.dumps(body))
+            except WireError as e:
+                last = str(e)
+                if e.timed_out:
                     self._spawn(self._abort_quietly(server, body["rid"]))
                 continue
             finally:
-                server.give_lane(lane)
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                server.inflight -= 1
+            if status >= 500:
+                last = f"HTTP {status}: {_text(content, 200)}"
                 continue
-            if r.status_code != 200:
+            if status != 200:
                 self.counters["errors"] += 1
-                raise GenerationError(f"{server.url}/generate answered {r.status_code}: {r.text[:500]}")
+                raise GenerationError(f"{server.url}/generate answered {status}: {_text(content, 500)}")
             try:
-                return r.json()
-            except ValueError:  # a proxy's page, a truncated body: say where it came from
+                return orjson.loads(content)
+            except orjson.JSONDecodeError:  # a proxy's page, a truncated body: say where it came from
                 self.counters["errors"] += 1
                 raise GenerationError(
-                    f"{server.url}/generate answered 200 with a non-JSON body: {r.text[:200]!r}"
+                    f"{server.url}/generate answered 200 with a non-JSON body: {_text(content, 200)!r}"
                 ) from None
         raise ServerPoolDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
 
@@ -353,13 +357,15 @@ class SGLangClient:
 
     async def _abort_quietly(self, server: ServerPool, rid: str) -> None:
         """Best effort: a timed-out request may still run on a hung-but-alive server."""
-        try:
-            await server.any_lane().http.post(
-                "/abort_request", json={"rid": rid}, timeout=self.config.connect_timeout_s
+        with contextlib.suppress(WireError):
+            await server.post(
+                "/abort_request", orjson.dumps({"rid": rid}), timeout=self.config.connect_timeout_s
             )
-        except httpx.HTTPError:
-            pass
 
 
 class ServerPoolDown(Exception):
     pass
+
+
+def _text(content: bytes, limit: int) -> str:
+    return content[:limit].decode(errors="replace")

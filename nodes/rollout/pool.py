@@ -1,80 +1,123 @@
-"""Connections to one inference server, split over many small httpx pools ("lanes")."""
+"""The wire to one inference server: POST a JSON body, get the status and the body back.
+
+Production posts go through one shared aiohttp session (keep-alive connections, C HTTP parser):
+it costs about a third of httpx's client CPU per ``/generate`` call, and its cost does not grow
+with the number of connections (bench/RESULTS.md, "Rollout client"). Tests and embedders pass
+an ``httpx`` transport instead (``httpx.MockTransport``); both raise :class:`WireError`.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import httpx
+import aiohttp
 
 if TYPE_CHECKING:
+    import httpx
+
     from nodes.rollout.client import ClientConfig
 
-__all__ = ["Lane", "ServerPool"]
+__all__ = ["ServerPool", "Session", "WireError"]
+
+_JSON = {"Content-Type": "application/json"}
 
 
-class Lane:
-    """One httpx.AsyncClient with a small pool. httpx's pool does work linear in its number of
-    connections on every request; many small pools keep that cheap (10x fewer CPU us per call
-    at 256 concurrent requests on this machine, see bench/RESULTS.md)."""
+class WireError(Exception):
+    """The post did not get an HTTP answer (refused, reset, timed out): worth retrying.
 
-    __slots__ = ("http", "inflight")
+    ``timed_out``: the request may still be running on the server (abort it there)."""
 
-    def __init__(self, http: httpx.AsyncClient) -> None:
-        self.http = http
-        self.inflight = 0
+    def __init__(self, message: str, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class Session:
+    """The aiohttp session every server's posts share, opened at the first post (aiohttp binds it
+    to the running loop): up to ``max_connections_per_server`` keep-alive connections per server."""
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        self._cfg = cfg
+        self._session: aiohttp.ClientSession | None = None
+
+    def get(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            cfg = self._cfg
+            connector = aiohttp.TCPConnector(
+                limit=0,
+                limit_per_host=cfg.max_connections_per_server,
+                ttl_dns_cache=None,
+                # SGLang's uvicorn closes a connection idle for 5 s: a post racing that close would fail
+                keepalive_timeout=4.0,
+            )
+            # sock_connect bounds the TCP connect alone: a wait for a free connection is not a dead server
+            timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 class ServerPool:
-    """One server: its lanes of pooled connections, requests in flight, and when it is next tried."""
+    """One server: how to post to it, requests in flight there, and when it is next tried."""
 
     def __init__(
-        self, url: str, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None, ssl_context: Any
+        self,
+        url: str,
+        cfg: ClientConfig,
+        session: Session | None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """Posts go through ``session``, or through ``transport`` (httpx) when one is given."""
         self.url = url.rstrip("/")
-        self._cfg = cfg
-        self._transport = transport
-        self._ssl = ssl_context
-        self._max_lanes = max(1, cfg.max_connections_per_server // cfg.connections_per_lane)
-        self.lanes: list[Lane] = []
         self.inflight = 0
         self.down_until = 0.0
+        self._session = session
+        self._httpx: httpx.AsyncClient | None = None
+        if transport is not None:
+            import httpx
+
+            self._httpx = httpx.AsyncClient(
+                base_url=self.url,
+                transport=transport,
+                timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            )
 
     def healthy(self, now: float) -> bool:
         return now >= self.down_until
 
-    def take_lane(self) -> Lane:
-        """A lane with a free connection (a new lane if all are busy and the cap allows)."""
-        per = self._cfg.connections_per_lane
-        lane = next((ln for ln in self.lanes if ln.inflight < per), None)
-        if lane is None:
-            if len(self.lanes) < self._max_lanes:
-                lane = self._new_lane()
-            else:
-                lane = min(self.lanes, key=lambda ln: ln.inflight)
-        lane.inflight += 1
-        self.inflight += 1
-        return lane
+    async def post(self, path: str, payload: bytes, timeout: float | None = None) -> tuple[int, bytes]:
+        """POST ``payload`` (JSON bytes) to ``path``: (status, body). ``timeout`` (seconds) bounds
+        the whole request instead of the client's request timeout."""
+        if self._httpx is not None:
+            return await self._post_httpx(path, payload, timeout)
+        assert self._session is not None
+        # aiohttp reads timeout=None as "no timeout": leave it out to keep the session's
+        kw = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
+        try:
+            async with self._session.get().post(self.url + path, data=payload, headers=_JSON, **kw) as r:
+                return r.status, await r.read()
+        except TimeoutError as e:  # before ClientError: aiohttp's timeouts are both
+            raise WireError(f"{type(e).__name__}: {e}", timed_out=True) from None
+        except aiohttp.ClientError as e:  # refused, reset, closed mid-answer, bad HTTP
+            raise WireError(f"{type(e).__name__}: {e}", timed_out=False) from None
 
-    def give_lane(self, lane: Lane) -> None:
-        lane.inflight -= 1
-        self.inflight -= 1
+    async def _post_httpx(self, path: str, payload: bytes, timeout: float | None) -> tuple[int, bytes]:
+        import httpx
 
-    def any_lane(self) -> Lane:
-        return self.lanes[0] if self.lanes else self._new_lane()
-
-    def _new_lane(self) -> Lane:
-        cfg = self._cfg
-        lane = Lane(httpx.AsyncClient(
-            base_url=self.url,
-            transport=self._transport,
-            verify=self._ssl,  # one shared context: building one loads the CA bundle (~20 ms each)
-            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=cfg.connections_per_lane,
-                                max_keepalive_connections=cfg.connections_per_lane),
-        ))  # fmt: skip
-        self.lanes.append(lane)
-        return lane
+        assert self._httpx is not None
+        try:
+            r = await self._httpx.post(path, content=payload, headers=_JSON, timeout=timeout)
+        except httpx.TransportError as e:
+            raise WireError(f"{type(e).__name__}: {e}", isinstance(e, httpx.TimeoutException)) from None
+        return r.status_code, r.content
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(ln.http.aclose() for ln in self.lanes))
+        """Close this server's own connections (the shared session is the client's to close)."""
+        if self._httpx is not None:
+            await self._httpx.aclose()
