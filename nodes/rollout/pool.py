@@ -25,7 +25,7 @@ _JSON = {"Content-Type": "application/json"}
 class WireError(Exception):
     """The post did not get an HTTP answer (refused, reset, timed out): worth retrying.
 
-    ``timed_out``: the request may still be running on the server (abort it there)."""
+    ``timed_out``: the request reached the server and may still run there (abort it there)."""
 
     def __init__(self, message: str, timed_out: bool) -> None:
         super().__init__(message)
@@ -103,7 +103,9 @@ class ServerPool:
             async with self._session.get().post(self.url + path, data=payload, headers=_JSON, **kw) as r:
                 return r.status, await r.read()
         except TimeoutError as e:  # before ClientError: aiohttp's timeouts are both
-            raise WireError(f"{type(e).__name__}: {e}", timed_out=True) from None
+            # a connect that timed out never reached the server: nothing runs there to abort
+            running = not isinstance(e, aiohttp.ConnectionTimeoutError)
+            raise WireError(f"{type(e).__name__}: {e}", timed_out=running) from None
         except aiohttp.ClientError as e:  # refused, reset, closed mid-answer, bad HTTP
             raise WireError(f"{type(e).__name__}: {e}", timed_out=False) from None
 

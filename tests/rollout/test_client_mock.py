@@ -18,6 +18,7 @@ from nodes.rollout.client import (
     SGLangClient,
 )
 from protocols.sglang import weight_version_spans
+from rlactors.aio import wait_for
 
 A, B = "http://a:1", "http://b:1"
 FAST = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=2)
@@ -115,14 +116,14 @@ async def test_a_paused_client_holds_the_resumed_request_until_resume_and_stamps
     await asyncio.sleep(0)
     assert not script.posts  # a new request waits too
     client.resume()
-    await asyncio.wait_for(first_done.wait(), 5)
+    await wait_for(first_done.wait(), 5)
     for _ in range(20):
         await asyncio.sleep(0)
     # the aborted request has not re-posted: it waits on the event, not on a timer
     assert len(script.posts) == 1
     client.set_version(1)
     client.resume()
-    res = await asyncio.wait_for(task, 5)
+    res = await wait_for(task, 5)
     assert res.output_ids == [5, 6, 7] and res.output_versions == [0, 0, 1]
     await client.aclose()
 
@@ -140,10 +141,10 @@ async def test_an_unlabelled_chunk_held_across_an_update_keeps_the_version_it_wa
     script = Script(a=[held, lambda b: reply([8], "length")])
     client = SGLangClient([A], FAST, transport=script.transport())
     task = asyncio.create_task(client.agenerate(GenRequest([1], {"max_new_tokens": 3})))
-    await asyncio.wait_for(posted.wait(), 5)
+    await wait_for(posted.wait(), 5)
     client.set_version(1)  # the servers were updated while the request was held
     gate.set()
-    res = await asyncio.wait_for(task, 5)
+    res = await wait_for(task, 5)
     assert res.output_versions == [0, 0, 0] and client.counters["labelled_tokens"] == 0
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": 1}))  # posted after the update
     assert res.output_versions == [1]
@@ -239,7 +240,7 @@ async def test_new_requests_go_to_the_least_loaded_server_and_rids_stick() -> No
     script = Script(a=[held], b=[held])
     client = SGLangClient([A, B], FAST, transport=script.transport())
     tasks = [asyncio.create_task(client.agenerate(GenRequest([i], {"max_new_tokens": 1}))) for i in range(6)]
-    await asyncio.wait_for(all_posted.wait(), 5)
+    await wait_for(all_posted.wait(), 5)
     assert client.load() == {A: 3, B: 3}
     gate.set()
     results = await asyncio.gather(*tasks)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -20,6 +21,7 @@ import pytest
 
 from nodes.inference.testing import load, reference_server, start_reference_server, stop_server, wait_until
 from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
+from rlactors.aio import wait_for
 
 PROMPT = [(7 * i + 3) % 30000 + 10 for i in range(200)]
 N_NEW = 80
@@ -81,7 +83,7 @@ async def test_generation_survives_a_weight_update_pause(
     client = SGLangClient([server_url])
     task = asyncio.create_task(client.agenerate(GenRequest(prompt, SP, rid=f"pause-{mode}")))
     await update_weights(admin, client, mode, len(prompt))
-    res = await asyncio.wait_for(task, 60)
+    res = await wait_for(task, 60)
     await client.aclose()
 
     assert len(res.output_ids) == N_NEW and res.finish_reason == "length"
@@ -128,7 +130,7 @@ async def test_resume_after_flush_reports_no_cache_hit(server_url: str, admin: h
     assert (await admin.post("/flush_cache")).status_code == 200
     await admin.post("/continue_generation", json={})
     client.resume()
-    res = await asyncio.wait_for(task, 60)
+    res = await wait_for(task, 60)
     await client.aclose()
     assert len(res.output_ids) == N_NEW and res.aborts == 1
     assert res.cached_tokens[1] == 0
@@ -189,8 +191,40 @@ async def test_a_server_killed_mid_request_moves_the_request(server_url: str) ->
             await wait_until(running, what="the request to start on the victim")
         os.kill(proc.pid, signal.SIGKILL)
         client._servers[server_url].inflight = 0
-        res = await asyncio.wait_for(task, 60)
+        res = await wait_for(task, 60)
         assert res.server == server_url and len(res.output_ids) == 40 and res.failovers == 1
         await client.aclose()
     finally:
         stop_server(proc)
+
+
+async def test_thousands_of_requests_at_once_on_a_busy_loop_need_no_retry() -> None:
+    """Issue 14's retry storm: thousands of requests finishing at once keep the event loop busy
+    for seconds (here 2 ms of loop CPU after each), and a connect that the kernel completed at
+    once was seen after its timeout, so a healthy server got ConnectTimeouts, retries and
+    aborts. The httpx client (anyio: a thread hop to resolve even an IP literal, ~3x the CPU per
+    call) retried 221-473 of 4,096 posts in this setup; every post must succeed first time."""
+    proc, url = await asyncio.to_thread(
+        start_reference_server,
+        ["--backend", "sim", "--sim-decode-s-base", "0.005", "--max-running-requests", "4096"],
+    )
+    client = SGLangClient([url], ClientConfig(connect_timeout_s=1.0))
+
+    async def one(i: int) -> None:
+        res = await client.agenerate(
+            GenRequest([i % 100 + 10] * 20, {"max_new_tokens": 4, "ignore_eos": True})
+        )
+        assert len(res.output_ids) == 4
+        busy_until = time.perf_counter() + 0.002  # the rest of an episode: workflow, reward, buffer
+        while time.perf_counter() < busy_until:
+            pass
+
+    try:
+        for _ in range(2):
+            await asyncio.gather(*(one(i) for i in range(2048)))
+        assert {k: client.counters[k] for k in ("posts", "retries", "failovers", "errors")} == {
+            "posts": 4096, "retries": 0, "failovers": 0, "errors": 0,
+        }  # fmt: skip
+    finally:
+        await client.aclose()
+        await asyncio.to_thread(stop_server, proc)
