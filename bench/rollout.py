@@ -35,7 +35,7 @@ from nodes.inference.testing import start_reference_server, stop_server  # noqa:
 from nodes.rollout.actor import Rollout, RolloutConfig  # noqa: E402
 from nodes.rollout.client import ClientConfig, SGLangClient  # noqa: E402
 from nodes.rollout.prompts import prompt_source  # noqa: E402
-from nodes.rollout.workflows import build_workflow  # noqa: E402
+from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 NEW_TOKENS = 16
@@ -76,8 +76,9 @@ async def plane(urls: list[str], episodes: int, seconds: float, pause_every: int
     gov = StalenessGovernor(GovernorConfig(B, eta, max_concurrent=episodes))
     buf = TrajectoryBuffer(BufferConfig(max_staleness=eta, order="arrival"), governor=gov)
     client = SGLangClient(urls, ClientConfig(max_connections_per_server=4096))
-    wf = build_workflow({"kind": "rlvr", "tokenizer": "byte",
-                         "config": {"n_samples": 1, "sampling_params": {"max_new_tokens": NEW_TOKENS}}})  # fmt: skip
+    wf = build_workflow(
+        WorkflowSpec(config=RLVRConfig(n_samples=1, sampling_params={"max_new_tokens": NEW_TOKENS}))
+    )
     rollout = Rollout("bench", client, wf, prompt_source({"kind": "arithmetic", "n": 1000, "epochs": None}), gov, buf,
                       RolloutConfig(max_inflight=episodes, acquire_batch=256))  # fmt: skip
     admins = [httpx.AsyncClient(base_url=u, timeout=60) for u in urls]
@@ -127,7 +128,7 @@ async def governor_actor_grants_per_s(seconds: float = 5.0) -> float:
     from nodes.governor import GovernorActor
 
     async with rlactors.init() as cluster:
-        gov = await cluster.spawn(GovernorActor, 1 << 30, 0, 1 << 30)
+        gov = await cluster.spawn(GovernorActor, GovernorConfig(1 << 30, 0, 1 << 30))
         granted, t = 0, time.monotonic()
         while time.monotonic() - t < seconds:
             g = await gov.acquire("h", 64, 5.0)
