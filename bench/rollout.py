@@ -1,198 +1,327 @@
-"""Rollout-plane benchmark with sim servers, against a baseline measured in the same run.
+"""The rollout plane through actors, as the recipe runs it, beside AReaL 1.0.4's client, on sim servers.
 
-1. Baseline: a bare asyncio httpx loop (pooled connections, same concurrency, same request
-   shape) posting ``/generate`` to the same servers: calls/s and client CPU per call.
-2. The rollout plane in one process: Rollout core + SGLangClient + governor + buffer + a
-   trainer loop that takes batches, bumps the version and, every few steps, pauses the
-   servers (abort) for a "weight update": generate calls/s, episodes/s, client CPU per call,
-   aborts, resumes, and the share of resumed prefixes served from cache.
-3. Governor grants/s: the plain core (acquire + finish cycles), and through the runtime
-   (GovernorActor, batched acquire of 64 + a finish tell).
+Ours: an embedded ``rlactors.init()`` cluster with a GovernorActor, a BufferActor and N RolloutActors
+(each a process, sharding the prompt source and, with ``--shard-servers``, the servers), and a driver
+loop that does what recipes/gsm8k_grpo.py does with the trainer taken out: ``buffer.get_batch`` ->
+every ``--pause-every`` steps the publish sequence (rollouts ``pause`` -> servers
+``/pause_generation`` (abort) -> ``/continue_generation`` -> governor and rollouts ``set_version`` ->
+rollouts ``resume``), else the version bump alone. AReaL (``--areal PYTHON``): bench/areal_client.py
+in its own venv, same servers, prompts, K, max new tokens, batch, eta, concurrency and pauses.
+Variants run one after another in each repeat, on the same servers (bench/simfarm.py: many sim
+servers per process).
 
-    python bench/rollout.py                       # 16 servers, 2048 concurrent episodes, writes RESULTS.md
-    python bench/rollout.py --servers 4 --episodes 512 --seconds 10 --no-write
+Measured after ``--warmup-steps`` batches, for ``--seconds``:
+- calls/s: ``/generate`` requests the servers received (counted server-side, the same for both);
+- client CPU per call: CPU time of the plane's processes (rollout actors + governor + buffer) per
+  call; also the driver and runtime daemons, reported apart; for AReaL its whole process tree
+  (trainer loop, executor thread, reward process pool);
+- resume gap: ``/continue_generation`` -> the next ``/generate`` at that server (median, max);
+- cached share: prefix tokens of resumed requests (input = an aborted request's tokens) served
+  from the server's cache; requests in flight (server-side, max over steps); staleness max; errors.
+
+    python bench/rollout.py --servers 16 --actors 1 2 --areal /tmp/areal14/V/bin/python
+    python bench/rollout.py --servers 64 --batch 1024 --eta 1 --concurrency 4096 --n-samples 1   # the stall
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import httpx
+import aiohttp
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from nodes.buffer import BufferConfig, TrajectoryBuffer  # noqa: E402
-from nodes.governor import GovernorConfig, StalenessGovernor  # noqa: E402
-from nodes.inference.testing import start_reference_server, stop_server  # noqa: E402
-from nodes.rollout.actor import Rollout, RolloutConfig  # noqa: E402
-from nodes.rollout.client import ClientConfig, SGLangClient  # noqa: E402
-from nodes.rollout.prompts import prompt_source  # noqa: E402
-from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow  # noqa: E402
+from simfarm import Farm, probe_stats  # noqa: E402
+
+import rlactors  # noqa: E402
+from nodes.buffer import BufferActor  # noqa: E402
+from nodes.governor import GovernorActor, GovernorConfig  # noqa: E402
+from nodes.rollout.actor import RolloutActor  # noqa: E402
+from nodes.rollout.config import RolloutConfig  # noqa: E402
+from nodes.rollout.prompts import arithmetic_items  # noqa: E402
+from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow, WorkflowSpec  # noqa: E402
+from rlactors.aio import wait_for  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
-NEW_TOKENS = 16
-SERVER_ARGS = ["--backend", "sim", "--sim-decode-s-base", "0.01", "--max-running-requests", "4096"]
 
 
-async def baseline(urls: list[str], concurrency: int, seconds: float, per_client: int) -> dict[str, float]:
-    """Bare httpx: ``concurrency`` loops each posting a 1-sample request, spread over the servers,
-    through AsyncClients of ``per_client`` connections each (one client per server when huge)."""
-    n_clients = max(len(urls), concurrency // per_client)
-    clients = [httpx.AsyncClient(base_url=urls[i % len(urls)], timeout=600,
-                                 limits=httpx.Limits(max_connections=per_client, max_keepalive_connections=per_client))
-               for i in range(n_clients)]  # fmt: skip
-    calls = 0
-    stop = time.monotonic() + seconds
-    prompt = list(b"<user>What is 12 + 30?<eos>\n<assistant>")
-
-    async def loop(i: int) -> None:
-        nonlocal calls
-        c = clients[i % len(clients)]  # loop i -> server i % len(urls): even spread
-        while time.monotonic() < stop:
-            r = await c.post("/generate", json={"input_ids": prompt, "rid": f"b{i}-{calls}", "return_logprob": True,
-                                                "sampling_params": {"max_new_tokens": NEW_TOKENS}})  # fmt: skip
-            r.json()
-            calls += 1
-
-    cpu, t = time.process_time(), time.monotonic()
-    await asyncio.gather(*(loop(i) for i in range(concurrency)))
-    wall, cpu = time.monotonic() - t, time.process_time() - cpu
-    for c in clients:
-        await c.aclose()
-    return {"calls_per_s": calls / wall, "cpu_us_per_call": 1e6 * cpu / max(calls, 1), "calls": calls}
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (and their live children)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in [p, *p.children(recursive=True)]:
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
-async def plane(urls: list[str], episodes: int, seconds: float, pause_every: int) -> dict[str, float]:
-    """The rollout plane with a no-op trainer that pauses the servers every ``pause_every`` steps."""
-    B, eta = max(1, episodes // 4), 3  # (eta + 1) * B == episodes: capacity allows them all in flight
-    gov = StalenessGovernor(GovernorConfig(B, eta, max_concurrent=episodes))
-    buf = TrajectoryBuffer(BufferConfig(max_staleness=eta, order="arrival"), governor=gov)
-    client = SGLangClient(urls, ClientConfig(max_connections_per_server=4096))
-    wf = build_workflow(
-        WorkflowSpec(config=RLVRConfig(n_samples=1, sampling_params={"max_new_tokens": NEW_TOKENS}))
+class Sampler:
+    """Server-side counters between ``start`` and ``stop``, and requests in flight per step."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls, self.inflight = urls, 0
+
+    async def start(self) -> None:
+        await probe_stats(self.urls, reset=True)
+        self.t = time.monotonic()
+
+    async def sample(self) -> None:
+        self.inflight = max(self.inflight, (await probe_stats(self.urls))["inflight"])
+
+    async def stop(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t
+        s = await probe_stats(self.urls)
+        gaps = s["gaps"]
+        return {"wall_s": wall, "calls": s["generates"], "calls_per_s": s["generates"] / wall,
+                "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else float("nan"),
+                "gap_ms_max": 1e3 * max(gaps) if gaps else float("nan"), "pauses_seen": len(gaps),
+                "resumed": s["resumed"], "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
+                "requests_inflight_max": max(self.inflight, s["inflight"])}  # fmt: skip
+
+
+async def servers_post(
+    session: aiohttp.ClientSession, urls: list[str], path: str, body: dict[str, Any]
+) -> None:
+    async def one(u: str) -> None:
+        async with session.post(u + path, json=body) as r:
+            r.raise_for_status()
+
+    await asyncio.gather(*(one(u) for u in urls))
+
+
+def driver_cpu_s(exclude: list[int]) -> float:
+    """CPU of this process and its children (the embedded cluster's daemons), less ``exclude``'s trees."""
+    return cpu_s([os.getpid()]) - cpu_s(exclude)
+
+
+async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids: list[int]) -> dict[str, Any]:
+    """The plane through actors, driven as the recipe drives it."""
+    B, K, eta, C = a.batch, a.n_samples, a.eta, a.concurrency
+    prompts = {"kind": "arithmetic", "n": a.prompts, "epochs": None, "shuffle": True}
+    wf = WorkflowSpec(config=RLVRConfig(n_samples=K, sampling_params={"max_new_tokens": a.max_new_tokens,
+                                                                      "temperature": 1.0}))  # fmt: skip
+    per_actor = -(-C // n_actors)
+    cfg = RolloutConfig(
+        n_actors=n_actors, max_inflight=per_actor, acquire_batch=min(per_actor, a.acquire_batch)
     )
-    rollout = Rollout("bench", client, wf, prompt_source({"kind": "arithmetic", "n": 1000, "epochs": None}), gov, buf,
-                      RolloutConfig(max_inflight=episodes, acquire_batch=256))  # fmt: skip
-    admins = [httpx.AsyncClient(base_url=u, timeout=60) for u in urls]
-    run = asyncio.create_task(rollout.run())
-    version, pauses = 0, 0
-    cpu, t = time.process_time(), time.monotonic()
-    while time.monotonic() - t < seconds:
-        await buf.get_batch(B, version, timeout=120)
-        if pause_every and version % pause_every == pause_every - 1:
-            rollout.pause()
-            await asyncio.gather(*(a.post("/pause_generation", json={"mode": "abort"}) for a in admins))
-            await asyncio.gather(*(a.post("/continue_generation", json={}) for a in admins))
-            rollout.set_version(version + 1)
-            rollout.resume()
-            pauses += 1
-        version += 1
-        gov.set_version(version)
-    wall, cpu = time.monotonic() - t, time.process_time() - cpu
-    s = rollout.stats()
-    await rollout.stop()
-    run.cancel()
-    await asyncio.gather(run, return_exceptions=True)
-    await client.aclose()
-    for a in admins:
-        await a.aclose()
-    posts = s["client_posts"]
-    resumed_posts = s["client_resumes"]
-    return {
-        "calls_per_s": posts / wall, "cpu_us_per_call": 1e6 * cpu / max(posts, 1), "calls": posts,
-        "episodes_per_s": s["episodes_done"] / wall, "aborts": s["client_aborts"], "resumes": resumed_posts,
-        "pauses": pauses, "versions": version, "dropped_stale": buf.stats()["dropped_stale"],
-        "cached_tokens": s["client_cached_tokens"],
-    }  # fmt: skip
+    client = {"max_connections_per_server": a.connections}
+    async with rlactors.init() as cluster, aiohttp.ClientSession() as http:
+        gov = await cluster.spawn(GovernorActor, GovernorConfig(B, eta, C), name="governor")
+        buf = await cluster.spawn(BufferActor, gov, max_staleness=eta, name="buffer")
+        rollouts = []
+        for i in range(n_actors):
+            mine = urls[i::n_actors] if a.shard_servers and len(urls) >= n_actors else urls
+            rollouts.append(await cluster.spawn(RolloutActor, mine, gov, buf, prompts, wf, config=cfg, client=client,
+                                                shard=i, num_shards=n_actors, name=f"rollout-{i}"))  # fmt: skip
+        actors = {x["name"]: x["pid"] for x in await cluster.actors()}
+        plane = [actors["governor"], actors["buffer"], *(actors[f"rollout-{i}"] for i in range(n_actors))]
+        sampler = Sampler(urls)
+        version, staleness, in_flight = 0, 0, 0
+
+        async def step() -> None:
+            nonlocal version, staleness, in_flight
+            batch = await buf.get_batch(B, version, a.batch_timeout)
+            staleness = max(staleness, batch.max_staleness)
+            in_flight = max(in_flight, (await buf.stats())["in_flight"])
+            if a.pause_every and version % a.pause_every == 0:  # PolicySync.publish, no weights
+                await asyncio.gather(*(r.pause() for r in rollouts))
+                await servers_post(http, urls, "/pause_generation", {"mode": "abort"})
+                await servers_post(http, urls, "/continue_generation", {})
+                await gov.set_version(version + 1)
+                await asyncio.gather(*(r.set_version(version + 1) for r in rollouts))
+                await asyncio.gather(*(r.resume() for r in rollouts))
+            else:
+                await gov.set_version(version + 1)
+                await asyncio.gather(*(r.set_version(version + 1) for r in rollouts))
+            version += 1
+
+        for _ in range(a.warmup_steps):
+            await step()
+        await sampler.start()
+        cpu0, drv0 = [cpu_s([p]) for p in plane], driver_cpu_s([*plane, *farm_pids])
+        steps = 0
+        while time.monotonic() - sampler.t < a.seconds:
+            await step()
+            await sampler.sample()
+            steps += 1
+        out = await sampler.stop()
+        cpu1, drv1 = [cpu_s([p]) for p in plane], driver_cpu_s([*plane, *farm_pids])
+        stats = await asyncio.gather(*(r.stats() for r in rollouts))
+        bstats = await buf.stats()
+        for r in rollouts:
+            await r.stop()
+    calls = max(1, out["calls"])
+    cpu = [b - c for b, c in zip(cpu1, cpu0, strict=True)]
+    errors = sum(
+        s["client_errors"] + s["client_retries"] + s["client_failovers"] + s["episodes_failed"] for s in stats
+    )
+    return {**out, "variant": f"ours, {n_actors} rollout actor{'s' if n_actors > 1 else ''}", "steps": steps,
+            "cpu_us_per_call": 1e6 * sum(cpu) / calls, "rollout_us_per_call": 1e6 * sum(cpu[2:]) / calls,
+            "buffer_us_per_call": 1e6 * cpu[1] / calls, "governor_us_per_call": 1e6 * cpu[0] / calls,
+            "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
+            "episodes_inflight_max": in_flight, "dropped_stale": bstats["dropped_stale"],
+            "failures": [s["failure"] for s in stats if s.get("failure")]}  # fmt: skip
 
 
-def governor_core_grants_per_s(n: int = 200_000) -> float:
-    gov = StalenessGovernor(GovernorConfig(batch_size=1 << 30, max_staleness=0, max_concurrent=1 << 30))
-    t = time.perf_counter()
-    for _ in range(n // 64):
-        gov.try_acquire("h", 64)
-        gov.finish("h", k_rejected=64)
-    return n / (time.perf_counter() - t)
+def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
+    """The same prompts (our byte tokenizer's chat ids), K, tokens, batch, eta and concurrency, as JSON."""
+    wf = RLVRWorkflow(ByteChatTokenizer(), lambda *_: 0.0)
+    from nodes.rollout.workflows import chat_ids
+
+    items = arithmetic_items(a.prompts)
+    prompts = [{"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "answer": it["answer"].split()[-1]}
+               for it in items]  # fmt: skip
+    spec = {"urls": urls, "prompts": prompts, "n_samples": a.n_samples, "max_new_tokens": a.max_new_tokens,
+            "batch_size": a.batch, "max_staleness": a.eta, "max_concurrent": a.concurrency,
+            "pause_every": a.pause_every, "warmup_steps": a.warmup_steps, "seconds": a.seconds}  # fmt: skip
+    path = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump(spec, path)
+    path.close()
+    return path.name
 
 
-async def governor_actor_grants_per_s(seconds: float = 5.0) -> float:
-    import rlactors
-    from nodes.governor import GovernorActor
+async def areal(urls: list[str], a: argparse.Namespace) -> dict[str, Any]:
+    """bench/areal_client.py in AReaL's venv; CPU of its whole process tree between 'warm' and 'done'."""
+    spec = areal_spec(urls, a)
+    run_dir = tempfile.mkdtemp(prefix="areal-run-")  # AReaL must not run where a folder is named 'ray'
+    log = open(Path(run_dir) / "stderr.log", "w+")  # noqa: ASYNC230 (one file, before anything runs)
+    proc = await asyncio.create_subprocess_exec(a.areal, str(ROOT / "bench" / "areal_client.py"), "--spec", spec,
+                                                cwd=run_dir, stdout=asyncio.subprocess.PIPE, stderr=log)  # fmt: skip
+    sampler = Sampler(urls)
+    result: dict[str, Any] = {}
+    try:
 
-    async with rlactors.init() as cluster:
-        gov = await cluster.spawn(GovernorActor, GovernorConfig(1 << 30, 0, 1 << 30))
-        granted, t = 0, time.monotonic()
-        while time.monotonic() - t < seconds:
-            g = await gov.acquire("h", 64, 5.0)
-            gov.finish.tell("h", 0, g.n)
-            granted += g.n
-        return granted / (time.monotonic() - t)
+        async def lines() -> Any:
+            while line := await wait_for(proc.stdout.readline(), a.batch_timeout * 3):
+                yield line.decode().strip()
+
+        async for line in lines():
+            if line == "warm":
+                await sampler.start()
+                cpu0 = cpu_s([proc.pid])
+                sampling = asyncio.create_task(_sample_every(sampler, 1.0))
+            elif line.startswith("done "):
+                cpu1 = cpu_s([proc.pid])
+                sampling.cancel()
+                out = await sampler.stop()
+                result = {**out, **json.loads(line[5:])}
+                result["cpu_us_per_call"] = 1e6 * (cpu1 - cpu0) / max(1, out["calls"])
+                break
+        await wait_for(proc.wait(), 60)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        os.unlink(spec)
+    log.seek(0)
+    err = log.read()
+    log.close()
+    if not result:
+        raise RuntimeError(f"AReaL adapter failed (exit {proc.returncode}):\n{err[-3000:]}")
+    result["errors"] = sum(1 for ln in err.splitlines() if "error" in ln.lower() or "retry" in ln.lower())
+    result["variant"] = "AReaL 1.0.4"
+    return result
+
+
+async def _sample_every(sampler: Sampler, period: float) -> None:
+    while True:
+        await asyncio.sleep(period)  # AReaL's steps run in its process: sample server load on a clock
+        await sampler.sample()
+
+
+def row(r: dict[str, Any]) -> str:
+    parts = f"{r['rollout_us_per_call']:.0f} / {r['buffer_us_per_call']:.0f} / {r['governor_us_per_call']:.0f}" \
+        if "rollout_us_per_call" in r else "-"  # fmt: skip
+    drv = f"{r['driver_us_per_call']:.0f}" if "driver_us_per_call" in r else "(in the tree)"
+    return (f"| {r['variant']} | {r['calls_per_s']:.0f} | {r['cpu_us_per_call']:.0f} | {parts} | {drv} | "
+            f"{r['gap_ms_median']:.1f} / {r['gap_ms_max']:.1f} | {100 * r['cached_share']:.1f}% ({r['resumed']}) | "
+            f"{r['requests_inflight_max']} | {r['staleness_max']} | {r['errors']} |")  # fmt: skip
+
+
+HEADER = ("| variant | calls/s | client CPU/call, µs | rollout / buffer / governor µs | driver + runtime µs |"
+          " resume gap ms (median / max) | cached share of resumed prefixes (requests) | requests in flight (max)"
+          " | staleness max | errors |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--servers", type=int, default=16)
-    ap.add_argument("--episodes", type=int, default=2048)
+    ap.add_argument("--farm-procs", type=int, default=2, help="processes serving the sim servers")
+    ap.add_argument("--actors", type=int, nargs="+", default=[1], help="rollout actor counts to run")
+    ap.add_argument("--shard-servers", action="store_true", help="actor i uses servers i, i+N, ...")
+    ap.add_argument("--areal", help="python of AReaL 1.0.4's venv: run its client too")
+    ap.add_argument("--batch", type=int, default=32, help="groups per step (B)")
+    ap.add_argument("--n-samples", type=int, default=4, help="K")
+    ap.add_argument("--eta", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=256, help="episodes (groups) running at once")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=4096)
+    ap.add_argument("--acquire-batch", type=int, default=256)
+    ap.add_argument("--connections", type=int, default=1024, help="per server, per rollout actor")
+    ap.add_argument("--pause-every", type=int, default=1, help="steps per pause (0: version bumps only)")
+    ap.add_argument("--decode-s", type=float, default=0.01, help="sim server seconds per decode step")
+    ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--pause-every", type=int, default=4)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batch-timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--write", metavar="TITLE", help="append the table to bench/RESULTS.md under this heading"
+    )
+    a = ap.parse_args()
 
-    with ThreadPoolExecutor(args.servers) as pool:
-        started = list(pool.map(lambda _: start_reference_server(SERVER_ARGS), range(args.servers)))
-    urls = [u for _, u in started]
-    try:
-        natural = asyncio.run(baseline(urls, args.episodes, args.seconds, per_client=1 << 20))
-        base = asyncio.run(baseline(urls, args.episodes, args.seconds, per_client=4))
-        ours = asyncio.run(plane(urls, args.episodes, args.seconds, args.pause_every))
-    finally:
-        for proc, _ in started:
-            stop_server(proc)
-    core = governor_core_grants_per_s()
-    actor = asyncio.run(governor_actor_grants_per_s())
-    load = os.getloadavg()[0]
-    lines = [
-        "## Rollout",
-        "",
-        f"Command: `python bench/rollout.py --servers {args.servers} --episodes {args.episodes} --seconds {args.seconds}"
-        f" --pause-every {args.pause_every}`. Machine: {platform.machine()}, {os.cpu_count()} cores (shared with the"
-        f" {args.servers} sim server processes), Python {platform.python_version()}, 1-min load {load:.1f} at end."
-        f" Date: {time.strftime('%Y-%m-%d')}. Sim servers: 10 ms per decode step, {NEW_TOKENS} new tokens per request;"
-        " client CPU is the bench process's CPU time per /generate post (governor, buffer and trainer loop included"
-        " for the plane).",
-        "",
-        "| what | bare httpx loop, one pooled AsyncClient per server | bare httpx loop, 4-connection"
-        " AsyncClients (the client's lane layout) | rollout plane | plane / bare 4-conn |",
-        "| --- | --- | --- | --- | --- |",
-        f"| /generate calls/s | {natural['calls_per_s']:.0f} | {base['calls_per_s']:.0f} | {ours['calls_per_s']:.0f} |"
-        f" {ours['calls_per_s'] / base['calls_per_s']:.2f}x |",
-        f"| client CPU per call | {natural['cpu_us_per_call']:.0f} µs | {base['cpu_us_per_call']:.0f} µs |"
-        f" {ours['cpu_us_per_call']:.0f} µs | {ours['cpu_us_per_call'] / base['cpu_us_per_call']:.2f}x |",
-        "",
-        f"Plane: {ours['episodes_per_s']:.0f} episodes/s, {ours['versions']} versions, {ours['pauses']} abort-mode"
-        f" pauses, {ours['aborts']} aborted requests resumed ({ours['resumes']} re-posts), cached tokens"
-        f" {ours['cached_tokens']}, {ours['dropped_stale']} groups dropped as stale.",
-        f"Governor grants/s: plain core {core:,.0f}; through the runtime (GovernorActor, acquire batches of 64 +"
-        f" finish tell) {actor:,.0f}.",
-        "",
+    server_argv = [
+        "--backend",
+        "sim",
+        "--sim-decode-s-base",
+        str(a.decode_s),
+        "--max-running-requests",
+        "16384",
     ]
-    text = "\n".join(lines)
+    farm = Farm(a.servers, a.farm_procs, server_argv)
+    results: list[dict[str, Any]] = []
+    try:
+        farm.wait_ready()
+        for rep in range(a.repeats):
+            for variant in [*(("ours", n) for n in a.actors), *((("areal", 0),) if a.areal else ())]:
+                t = time.monotonic()
+                r = asyncio.run(
+                    ours(farm.urls, a, variant[1], farm.pids())
+                    if variant[0] == "ours"
+                    else areal(farm.urls, a)
+                )
+                r["repeat"] = rep
+                results.append(r)
+                print(row(r), f"({time.monotonic() - t:.0f} s)", flush=True)
+    finally:
+        farm.close()
+    cmd = "python bench/rollout.py " + " ".join(sys.argv[1:])
+    text = "\n".join([
+        f"Command: `{cmd}`. Machine: {platform.machine()}, {os.cpu_count()} cores (shared with the sim servers,"
+        f" {a.farm_procs} processes), Python {platform.python_version()}, 1-min load {os.getloadavg()[0]:.1f} at end,"
+        f" {time.strftime('%Y-%m-%d')}. {a.servers} sim servers ({a.decode_s * 1e3:.0f} ms per decode step), B={a.batch},"
+        f" K={a.n_samples}, eta={a.eta}, {a.concurrency} episodes at once, {a.max_new_tokens} new tokens, pause every"
+        f" {a.pause_every} step(s).", "", HEADER, *map(row, results), ""])  # fmt: skip
     print(text)
-    if not args.no_write:
-        old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-        start = old.find("## Rollout")
-        if start >= 0:
-            end = old.find("\n## ", start + 1)
-            old = old[:start] + (old[end + 1 :] if end >= 0 else "")
-        RESULTS.write_text(old.rstrip("\n") + "\n\n" + text)
+    print(json.dumps(results, default=str), file=sys.stderr)
+    if a.write:
+        RESULTS.write_text(RESULTS.read_text().rstrip("\n") + f"\n\n#### {a.write}\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,231 @@
+"""Many sim reference servers in one process, one port each (bench only).
+
+A sim server process holds ~56 MiB, so 256 of them would need 14 GiB and 256 interpreters on 2
+cores; here each port gets its own Engine (scheduler, radix cache) and its own uvicorn server,
+all on one event loop. Requests see exactly the reference server's app (``create_app``).
+
+Each server also records, for the benchmark, what only the server can see the same way for
+every client: the gap from ``/continue_generation`` to the next ``/generate`` (how soon a client
+re-posts after a pause), and the share of a resumed request's prefix served from the cache (a
+request whose input is exactly the tokens of a request aborted by a pause). ``GET /bench_stats``
+returns them; ``POST /bench_reset`` clears them.
+
+    python bench/simfarm.py --count 64 --port-file ports.txt -- --backend sim --sim-decode-s-base 0.01
+
+or, from a benchmark, ``Farm(n, procs, server_argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class _Probe:
+    """Resume gaps and resumed-prefix cache hits of one server's scheduler (wraps three methods)."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.gaps: list[float] = []
+        self.resumed_prefix = self.resumed_cached = self.resumed = self.generates = 0
+        self._continued_at: float | None = None
+        self._aborted: set[int] = set()
+        pause, resume, submit = sched.pause, sched.resume, sched.submit
+
+        async def pause_(mode: str) -> None:
+            if mode == "abort":  # what a client will re-post: prompt + what was generated
+                self._aborted |= {hash(tuple(r.seq.ids)) for r in sched.by_rid.values() if r.seq.output_ids}
+            await pause(mode)
+
+        def resume_() -> None:
+            self._continued_at = time.monotonic()
+            resume()
+
+        def submit_(seq: Any, return_logprob: bool) -> asyncio.Future:
+            self.generates += 1
+            if self._continued_at is not None:
+                self.gaps.append(time.monotonic() - self._continued_at)
+                self._continued_at = None
+            fut = submit(seq, return_logprob)
+            key = hash(tuple(seq.input_ids)) if self._aborted else None
+            if key is not None and key in self._aborted:
+                self._aborted.discard(key)
+                req = sched.by_rid.get(seq.rid)
+                if req is not None:
+                    fut.add_done_callback(lambda _f, r=req, n=len(seq.input_ids) - 1: self._hit(r, n))
+            return fut
+
+        sched.pause, sched.resume, sched.submit = pause_, resume_, submit_
+
+    def _hit(self, req: Any, prefix: int) -> None:
+        self.resumed += 1
+        self.resumed_prefix += prefix
+        self.resumed_cached += min(prefix, req.cached_tokens or 0)
+
+    def stats(self) -> dict[str, Any]:
+        return {"gaps": self.gaps, "resumed": self.resumed, "resumed_prefix": self.resumed_prefix,
+                "resumed_cached": self.resumed_cached, "generates": self.generates,
+                "inflight": len(self.sched.by_rid)}  # fmt: skip
+
+    def reset(self) -> None:
+        self.gaps, self._continued_at, self._aborted = [], None, set()
+        self.resumed_prefix = self.resumed_cached = self.resumed = self.generates = 0
+
+
+def _routes(app: Any, probe: _Probe) -> None:
+    from fastapi.responses import JSONResponse
+
+    async def stats() -> JSONResponse:
+        return JSONResponse(probe.stats())
+
+    async def reset() -> JSONResponse:
+        probe.reset()
+        return JSONResponse({})
+
+    app.add_api_route("/bench_stats", stats, methods=["GET"])
+    app.add_api_route("/bench_reset", reset, methods=["POST"])
+
+
+async def serve(count: int, port_file: str, server_argv: list[str]) -> None:
+    """Serve ``count`` servers on ports the kernel picks (bound here, so none is taken twice);
+    write the ports to ``port_file`` once every server is up."""
+    import socket
+
+    import uvicorn
+
+    from nodes.inference.engine import Engine
+    from nodes.inference.server import create_app, parse_args
+
+    servers, socks = [], []
+    for _ in range(count):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        socks.append(sock)
+        engine = Engine(parse_args([*server_argv, "--port", str(sock.getsockname()[1])]))
+        app = create_app(engine)
+        probe = _Probe(engine.scheduler)
+        _routes(app, probe)
+        cfg = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30,
+                             lifespan="on", loop="none")  # fmt: skip
+        servers.append(uvicorn.Server(cfg))
+    for s in servers:  # uvicorn installs signal handlers per server: one SIGTERM handler for all
+        s.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    tasks = [asyncio.create_task(s.serve([k])) for s, k in zip(servers, socks, strict=True)]
+    while not all(s.started for s in servers):  # noqa: ASYNC110 (uvicorn's started is a flag, no event)
+        await asyncio.sleep(0.05)
+    Path(port_file + ".tmp").write_text(  # noqa: ASYNC240 (once, at start-up)
+        " ".join(str(k.getsockname()[1]) for k in socks)
+    )
+    os.replace(port_file + ".tmp", port_file)
+    await stop.wait()
+    for s in servers:
+        s.should_exit = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Farm:
+    """``n`` sim servers over ``procs`` processes of this module; ``urls`` once started."""
+
+    def __init__(self, n: int, procs: int, server_argv: list[str]) -> None:
+        self.urls: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self._logs = []
+        self._dir = tempfile.mkdtemp(prefix="simfarm-")
+        procs = min(procs, n)
+        for i in range(procs):
+            log = tempfile.NamedTemporaryFile(prefix="simfarm-", suffix=".log", delete=False)
+            count = n // procs + (i < n % procs)
+            cmd = [sys.executable, __file__, "--count", str(count), "--port-file", f"{self._dir}/{i}", "--",
+                   *server_argv]  # fmt: skip
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))  # fmt: skip
+            self._logs.append(log)
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        files = [Path(self._dir, str(i)) for i in range(len(self.procs))]
+        while not all(f.exists() for f in files):
+            for p, log in zip(self.procs, self._logs, strict=True):
+                if p.poll() is not None:
+                    raise RuntimeError(f"simfarm exited: {Path(log.name).read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"simfarm: not up after {timeout_s} s")
+            time.sleep(0.1)  # start-up poll
+        by_proc = [[f"http://127.0.0.1:{p}" for p in f.read_text().split()] for f in files]
+        self.urls = [u for i in range(max(map(len, by_proc))) for urls in by_proc for u in urls[i : i + 1]]
+        with httpx.Client(timeout=10) as c:
+            assert c.get(self.urls[-1] + "/health").status_code == 200
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in self._logs:
+            log.close()
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
+
+
+async def probe_stats(urls: list[str], reset: bool = False) -> dict[str, Any]:
+    """Every server's probe, summed: resume gaps (all of them, seconds) and resumed-prefix hits."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+
+        async def one(u: str) -> dict[str, Any]:
+            async with s.request(
+                "POST" if reset else "GET", u + ("/bench_reset" if reset else "/bench_stats")
+            ) as r:
+                return await r.json()
+
+        got = await asyncio.gather(*(one(u) for u in urls))
+    if reset:
+        return {}
+    return {"gaps": sorted(g for x in got for g in x["gaps"]),
+            **{k: sum(x[k] for x in got) for k in ("resumed", "resumed_prefix", "resumed_cached", "generates", "inflight")}}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--port-file", required=True)
+    ap.add_argument("server_args", nargs=argparse.REMAINDER, help="after --: the reference server's flags")
+    args = ap.parse_args()
+    argv = [a for a in args.server_args if a != "--"]
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(args.count, args.port_file, argv))
+
+
+if __name__ == "__main__":
+    main()
