@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import structlog
 
 import rlactors
 
 __all__ = ["HEALTH_TIMEOUT_S", "PolicySync"]
+
+log = structlog.get_logger(__name__)
 
 # SGLang 0.5.23's /health runs a one-token generation and gives up itself after 20 s
 # (SGLANG_HEALTH_CHECK_TIMEOUT), answering 503; under load it takes 1-20 s. Wait past that.
@@ -26,15 +30,27 @@ HEALTH_TIMEOUT_S = 40.0
 
 class PolicySync:
     """Weights from ``ranks`` (an ``rlactors.ActorGroup`` of TrainerRank) to the servers at ``urls``;
-    versions to ``governor`` and ``rollouts``. ``live`` is the servers still in use."""
+    versions to ``governor`` and ``rollouts`` (set them with :meth:`attach` once they exist).
+    ``live`` is the servers still in use. ``report`` gets a line for each thing a user should
+    see (a server dropped, a push retried); by default it is logged as a warning."""
 
     def __init__(
-        self, cluster: rlactors.Cluster, ranks: Any, urls: list[str], governor: Any = None, rollouts: Any = ()
+        self,
+        cluster: rlactors.Cluster,
+        ranks: Any,
+        urls: list[str],
+        report: Callable[[str], Any] | None = None,
     ) -> None:
         self.cluster, self.ranks = cluster, ranks
         self.urls, self.live = list(urls), list(urls)
-        self.governor, self.rollouts = governor, list(rollouts)
+        self.governor: Any = None
+        self.rollouts: list[Any] = []
+        self.report = report or (lambda line: log.warning(line))
         self.http = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+
+    def attach(self, governor: Any, rollouts: list[Any]) -> None:
+        """The rollout plane that :meth:`publish` pauses, resumes and tells new versions to."""
+        self.governor, self.rollouts = governor, list(rollouts)
 
     async def connect(self) -> None:
         """Form the weight-update group with the live servers: its store on trainer rank 0's host,
@@ -58,7 +74,7 @@ class PolicySync:
             except Exception as e:  # a server died during the push: drop it and push again, once
                 if not await self.drop_dead_servers():
                     raise
-                print(f"weight push failed ({type(e).__name__}); retrying without the dead server")
+                self.report(f"weight push failed ({type(e).__name__}); retrying without the dead server")
                 push = (await self.ranks.push_weights())[0]
             if self.governor is not None:
                 await self.governor.set_version(version)
@@ -74,7 +90,7 @@ class PolicySync:
         if healthy == self.live:
             return False
         gone = sorted(set(self.live) - set(healthy))
-        print(f"servers down: {gone}; re-forming the weight-update group with {len(healthy)}")
+        self.report(f"servers down: {gone}; re-forming the weight-update group with {len(healthy)}")
         if not healthy:
             raise RuntimeError("every inference server is down")
         for url in gone:

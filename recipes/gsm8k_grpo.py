@@ -199,7 +199,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
                 f"resumed from step {start_step} (policy version {version}; data: {data['done_epochs']} epochs "
                 f"done, {len(data['trained'])} prompts of the next trained)"
             )
-        sync = PolicySync(cluster, ranks, urls)
+        sync = PolicySync(cluster, ranks, urls, report=print)
         await sync.connect()
         if version:
             await ranks.push_weights()  # servers start from the base model
@@ -245,7 +245,7 @@ async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
             )
             for i in range(cfg.rollout.n_actors)
         ]
-        sync.governor, sync.rollouts = governor, rollouts
+        sync.attach(governor, rollouts)
         restarts = 0
         eval_wf = await asyncio.to_thread(build_workflow, workflow_spec(cfg, model, eval_mode=True))
         eval_task = asyncio.create_task(evaluate(eval_wf, urls, eval_items, version))
