@@ -102,6 +102,7 @@ def main() -> None:
         if spec["pause_every"] and version % spec["pause_every"] == 0:
             engine.pause()  # the trainer's weight update, without weights
             engine.pause_generation()
+            time.sleep(spec["push_s"])  # the weight push
             engine.continue_generation()
             engine.set_version(version + 1)
             engine.resume()

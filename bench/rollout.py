@@ -143,6 +143,7 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
             if a.pause_every and version % a.pause_every == 0:  # PolicySync.publish, no weights
                 await asyncio.gather(*(r.pause() for r in rollouts))
                 await servers_post(http, urls, "/pause_generation", {"mode": "abort"})
+                await asyncio.sleep(a.push_s)  # the weight push
                 await servers_post(http, urls, "/continue_generation", {})
                 await gov.set_version(version + 1)
                 await asyncio.gather(*(r.set_version(version + 1) for r in rollouts))
@@ -190,7 +191,7 @@ def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
                for it in items]  # fmt: skip
     spec = {"urls": urls, "prompts": prompts, "n_samples": a.n_samples, "max_new_tokens": a.max_new_tokens,
             "batch_size": a.batch, "max_staleness": a.eta, "max_concurrent": a.concurrency,
-            "pause_every": a.pause_every, "warmup_steps": a.warmup_steps, "seconds": a.seconds}  # fmt: skip
+            "pause_every": a.pause_every, "push_s": a.push_s, "warmup_steps": a.warmup_steps, "seconds": a.seconds}  # fmt: skip
     path = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     json.dump(spec, path)
     path.close()
@@ -276,6 +277,7 @@ def main() -> None:
     ap.add_argument("--acquire-batch", type=int, default=256)
     ap.add_argument("--connections", type=int, default=1024, help="per server, per rollout actor")
     ap.add_argument("--pause-every", type=int, default=1, help="steps per pause (0: version bumps only)")
+    ap.add_argument("--push-s", type=float, default=0.0, help="a weight push's time: pause -> continue")
     ap.add_argument("--decode-s", type=float, default=0.01, help="sim server seconds per decode step")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -317,7 +319,7 @@ def main() -> None:
         f" {a.farm_procs} processes), Python {platform.python_version()}, 1-min load {os.getloadavg()[0]:.1f} at end,"
         f" {time.strftime('%Y-%m-%d')}. {a.servers} sim servers ({a.decode_s * 1e3:.0f} ms per decode step), B={a.batch},"
         f" K={a.n_samples}, eta={a.eta}, {a.concurrency} episodes at once, {a.max_new_tokens} new tokens, pause every"
-        f" {a.pause_every} step(s).", "", HEADER, *map(row, results), ""])  # fmt: skip
+        f" {a.pause_every} step(s), {a.push_s} s from pause to continue.", "", HEADER, *map(row, results), ""])  # fmt: skip
     print(text)
     print(json.dumps(results, default=str), file=sys.stderr)
     if a.write:
