@@ -17,7 +17,12 @@ Measured after ``--warmup-steps`` batches, for ``--seconds``:
   (trainer loop, executor thread, reward process pool);
 - resume gap: ``/continue_generation`` -> the next ``/generate`` at that server (median, max);
 - cached share: prefix tokens of resumed requests (input = an aborted request's tokens) served
-  from the server's cache; requests in flight (server-side, max over steps); staleness max; errors.
+  from the server's cache; requests in flight (server-side, max over steps, and the farm-wide peak
+  from bench/simfarm.py's per-process counts: ``farm_inflight_peak``, lower and upper bound);
+  staleness max; errors;
+- where the resume gap goes (printed under each row): the driver's continue fan-out, its end ->
+  ``resume()`` in each rollout actor, and ``resume()`` -> the first, every server's first, and the
+  last held request re-posted (the client's ``reposts``).
 
     python bench/rollout.py --servers 16 --actors 1 2 --areal /tmp/areal14/V/bin/python
     python bench/rollout.py --servers 64 --batch 1024 --eta 1 --concurrency 4096 --n-samples 1   # the stall
@@ -93,7 +98,8 @@ class Sampler:
                 "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else float("nan"),
                 "gap_ms_max": 1e3 * max(gaps) if gaps else float("nan"), "pauses_seen": len(gaps),
                 "resumed": s["resumed"], "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
-                "requests_inflight_max": max(self.inflight, s["inflight"])}  # fmt: skip
+                "requests_inflight_max": max(self.inflight, s["inflight"]),
+                "farm_inflight_peak": s["farm_inflight_peak"], "farm_inflight_hwm_sum": s["farm_inflight_hwm_sum"]}  # fmt: skip
 
 
 async def servers_post(
@@ -134,6 +140,7 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
         plane = [actors["governor"], actors["buffer"], *(actors[f"rollout-{i}"] for i in range(n_actors))]
         sampler = Sampler(urls)
         version, staleness, in_flight = 0, 0, 0
+        pauses: list[dict[str, Any]] = []  # driver's times (monotonic) per pause, to split the resume gap
 
         async def step() -> None:
             nonlocal version, staleness, in_flight
@@ -144,18 +151,25 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
                 await asyncio.gather(*(r.pause() for r in rollouts))
                 await servers_post(http, urls, "/pause_generation", {"mode": "abort"})
                 await asyncio.sleep(a.push_s)  # the weight push
+                p = {"measured": sampler_started, "cont0": time.monotonic()}
                 await servers_post(http, urls, "/continue_generation", {})
+                p["cont1"] = time.monotonic()
                 await gov.set_version(version + 1)
                 await asyncio.gather(*(r.set_version(version + 1) for r in rollouts))
+                p["res0"] = time.monotonic()
                 await asyncio.gather(*(r.resume() for r in rollouts))
+                p["res1"] = time.monotonic()
+                pauses.append(p)
             else:
                 await gov.set_version(version + 1)
                 await asyncio.gather(*(r.set_version(version + 1) for r in rollouts))
             version += 1
 
+        sampler_started = False
         for _ in range(a.warmup_steps):
             await step()
         await sampler.start()
+        sampler_started = True
         cpu0, drv0 = [cpu_s([p]) for p in plane], driver_cpu_s([*plane, *farm_pids])
         steps = 0
         while time.monotonic() - sampler.t < a.seconds:
@@ -178,7 +192,32 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
             "buffer_us_per_call": 1e6 * cpu[1] / calls, "governor_us_per_call": 1e6 * cpu[0] / calls,
             "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
             "episodes_inflight_max": in_flight, "dropped_stale": bstats["dropped_stale"],
-            "failures": [s["failure"] for s in stats if s.get("failure")]}  # fmt: skip
+            "failures": [s["failure"] for s in stats if s.get("failure")],
+            **resume_split(pauses, [s["resume_reposts"] for s in stats])}  # fmt: skip
+
+
+def resume_split(pauses: list[dict[str, Any]], reposts: list[list[list[float]]]) -> dict[str, Any]:
+    """Where the resume gap goes, per measured pause (medians / maxima over pauses and actors, ms):
+    the driver's /continue_generation fan-out; its end -> resume() running in the rollout actor (the
+    set_version RPCs, then the actor's loop getting to the call); resume() -> the first and the last
+    held request re-posted, and until every server with held requests had its first (client-side)."""
+    rows = []
+    for actor in reposts:
+        for p, r in zip(pauses[-len(actor) :] if actor else [], actor, strict=True):
+            if p["measured"]:
+                rows.append((1e3 * (p["cont1"] - p["cont0"]), 1e3 * (p["res0"] - p["cont1"]),
+                             1e3 * (r[0] - p["cont1"]), r[1], r[4], r[2], r[3]))  # fmt: skip
+    if not rows:
+        return {}
+    cols = list(zip(*rows, strict=True))
+    keys = ("continue_fanout", "continue_to_resume_call", "continue_to_resume_in_actor", "resume_to_first_repost",
+            "resume_to_every_server_reposted", "resume_to_last_repost")  # fmt: skip
+    out = {
+        f"{k}_ms": (round(statistics.median(c), 1), round(max(c), 1))
+        for k, c in zip(keys, cols, strict=False)
+    }
+    out["reposts_per_resume"] = (statistics.median(cols[6]), max(cols[6]))
+    return out
 
 
 def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
@@ -311,6 +350,10 @@ def main() -> None:
                 r["repeat"] = rep
                 results.append(r)
                 print(row(r), f"({time.monotonic() - t:.0f} s)", flush=True)
+                extra = {
+                    k: v for k, v in r.items() if k.startswith(("farm_", "continue_", "resume_", "reposts_"))
+                }
+                print("   ", json.dumps({**extra, "errors": r["errors"]}), flush=True)
     finally:
         farm.close()
     cmd = "python bench/rollout.py " + " ".join(sys.argv[1:])

@@ -33,11 +33,63 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+class _Load:
+    """Requests in flight in this process (all its servers), with its high-water mark and, per
+    ``BUCKET_S`` of time, the lowest and highest count and the count at the bucket's end: summing the
+    processes' lows over the same bucket gives a farm-wide count that held at one instant (a lower
+    bound on the farm's peak), summing their highs an upper bound."""
+
+    BUCKET_S = 0.01
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """A new measurement: requests in flight now stay counted."""
+        self.hwm = self.n
+        self.buckets: dict[int, list[int]] = {int(time.monotonic() / self.BUCKET_S): [self.n] * 3}
+
+    def add(self, d: int) -> None:
+        self.n += d
+        self.hwm = max(self.hwm, self.n)
+        k = int(time.monotonic() / self.BUCKET_S)
+        b = self.buckets.get(k)
+        if b is None:
+            self.buckets[k] = [min(self.n, self.n - d), max(self.n, self.n - d), self.n]
+        else:
+            b[0], b[1], b[2] = min(b[0], self.n), max(b[1], self.n), self.n
+
+    def stats(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "hwm": self.hwm, "buckets": self.buckets}
+
+
+_LOAD = _Load()
+
+
+def farm_inflight(loads: list[dict[str, Any]]) -> tuple[int, int]:
+    """Farm-wide requests in flight at the peak, from each process's buckets: (lower, upper) bound.
+    A process with no change in a bucket held the count it ended its last bucket with."""
+    keys = sorted({int(k) for x in loads for k in x["buckets"]})
+    last = [0] * len(loads)
+    lo = hi = 0
+    for k in keys:
+        mins = maxs = 0
+        for i, x in enumerate(loads):
+            b = x["buckets"].get(str(k)) or x["buckets"].get(k)
+            if b is None:
+                mins, maxs = mins + last[i], maxs + last[i]
+            else:
+                mins, maxs, last[i] = mins + b[0], maxs + b[1], b[2]
+        lo, hi = max(lo, mins), max(hi, maxs)
+    return lo, hi
+
+
 class _Probe:
     """Resume gaps and resumed-prefix cache hits of one server's scheduler (wraps three methods)."""
 
-    def __init__(self, sched: Any) -> None:
-        self.sched = sched
+    def __init__(self, sched: Any, report_load: bool) -> None:
+        self.sched, self.report_load = sched, report_load
         self.gaps: list[float] = []
         self.resumed_prefix = self.resumed_cached = self.resumed = self.generates = 0
         self._continued_at: float | None = None
@@ -59,6 +111,8 @@ class _Probe:
                 self.gaps.append(time.monotonic() - self._continued_at)
                 self._continued_at = None
             fut = submit(seq, return_logprob)
+            _LOAD.add(1)
+            fut.add_done_callback(lambda _f: _LOAD.add(-1))
             key = hash(tuple(seq.input_ids)) if self._aborted else None
             if key is not None and key in self._aborted:
                 self._aborted.discard(key)
@@ -77,7 +131,8 @@ class _Probe:
     def stats(self) -> dict[str, Any]:
         return {"gaps": self.gaps, "resumed": self.resumed, "resumed_prefix": self.resumed_prefix,
                 "resumed_cached": self.resumed_cached, "generates": self.generates,
-                "inflight": len(self.sched.by_rid)}  # fmt: skip
+                "inflight": len(self.sched.by_rid),
+                **({"load": _LOAD.stats()} if self.report_load else {})}  # fmt: skip
 
     def reset(self) -> None:
         self.gaps, self._continued_at, self._aborted = [], None, set()
@@ -92,6 +147,7 @@ def _routes(app: Any, probe: _Probe) -> None:
 
     async def reset() -> JSONResponse:
         probe.reset()
+        _LOAD.reset()
         return JSONResponse({})
 
     app.add_api_route("/bench_stats", stats, methods=["GET"])
@@ -116,7 +172,7 @@ async def serve(count: int, port_file: str, server_argv: list[str]) -> None:
         socks.append(sock)
         engine = Engine(parse_args([*server_argv, "--port", str(sock.getsockname()[1])]))
         app = create_app(engine)
-        probe = _Probe(engine.scheduler)
+        probe = _Probe(engine.scheduler, report_load=not servers)  # one server reports the process's load
         _routes(app, probe)
         cfg = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30,
                              lifespan="on", loop="none")  # fmt: skip
@@ -207,7 +263,10 @@ async def probe_stats(urls: list[str], reset: bool = False) -> dict[str, Any]:
         got = await asyncio.gather(*(one(u) for u in urls))
     if reset:
         return {}
-    return {"gaps": sorted(g for x in got for g in x["gaps"]),
+    loads = [x["load"] for x in got if "load" in x]  # one per farm process
+    lo, hi = farm_inflight(loads)
+    return {"gaps": sorted(g for x in got for g in x["gaps"]), "farm_inflight_peak": (lo, hi),
+            "farm_inflight_hwm_sum": sum(x["hwm"] for x in loads),
             **{k: sum(x[k] for x in got) for k in ("resumed", "resumed_prefix", "resumed_cached", "generates", "inflight")}}  # fmt: skip
 
 

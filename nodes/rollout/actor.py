@@ -112,7 +112,8 @@ class Rollout:
         out.update(inflight=len(self._tasks), paused=not self._dispatch.is_set(), version=self.client.version,
                    exhausted=self._exhausted, elapsed_s=elapsed,
                    episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
-                   tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0)  # fmt: skip
+                   tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0,
+                   resume_reposts=[list(r) for r in self.client.reposts])  # fmt: skip
         return out
 
     # -- the loop ------------------------------------------------------------------

@@ -10,7 +10,8 @@ server does; it is exact when a request was held across a weight update by a ``r
 
 Compared with AReaL's client (see shared/FACTS.md): keep-alive connections to each server
 (aiohttp, bodies encoded and decoded with orjson; nodes/rollout/pool.py); a resumed request
-waits on an event set by :meth:`SGLangClient.resume` instead of polling a flag; a request id
+waits on a future that :meth:`SGLangClient.resume` completes instead of polling a flag, woken one
+server at a time in turn so that every server gets its first re-post within the first lap; a request id
 is sent (and a rid reused across an episode's turns keeps the episode on one server); new
 requests go to the least-loaded healthy server; a server that keeps failing is marked down and
 the request moves, with its tokens so far, elsewhere.
@@ -23,7 +24,7 @@ import contextlib
 import random
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -120,10 +121,15 @@ class SGLangClient:
         self._retired: list[ServerPool] = []  # retired servers' pools, closed with the client
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+        self._paused = False
+        # requests held over a pause, per server: resume() wakes them a server at a time, in turn
+        self._held: dict[str, deque[asyncio.Future[None]]] = {}
+        self._lap_end: asyncio.Future[None] | None = None  # the last of resume()'s first lap
         self._background: set[asyncio.Task] = set()  # best-effort aborts on timed-out servers
         self.version = version
+        # per resume(): [when (monotonic), first re-post ms after it, last re-post ms, re-posts,
+        # ms until every server with held requests had its first re-post]
+        self.reposts: deque[list[float]] = deque(maxlen=256)
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "posts", "aborts", "resumes", "retries", "failovers", "errors", "cached_tokens",
              "prompt_tokens", "output_tokens", "idle_aborts", "labelled_tokens"), 0,
@@ -138,16 +144,31 @@ class SGLangClient:
 
     def pause(self) -> None:
         """Hold aborted requests (and new ones) until :meth:`resume`: the servers are being updated."""
-        self._resumed.clear()
+        self._paused = True
 
     def resume(self) -> None:
-        """Let held requests re-post at once (no polling delay)."""
-        self._resumed.set()
+        """Let held requests re-post at once (no polling delay). They were held in the order their
+        abort answers came back, a server's all together; wake them round-robin over the servers
+        instead, so the last server does not wait for every other server's re-posts (they all run
+        in the next loop turn, in this order)."""
+        self.reposts.append([time.monotonic(), 0.0, 0.0, 0, 0.0])
+        self._paused = False
+        queues, self._held = list(self._held.values()), {}
+        first_lap = True
+        while queues:
+            for q in queues:
+                fut = q.popleft()
+                if not fut.done():  # done: its wait timed out or its task was cancelled
+                    fut.set_result(None)
+                    if first_lap:
+                        self._lap_end = fut
+            first_lap = False
+            queues = [q for q in queues if q]
 
     @property
     def paused(self) -> bool:
         """True between :meth:`pause` and :meth:`resume`."""
-        return not self._resumed.is_set()
+        return self._paused
 
     @property
     def urls(self) -> list[str]:
@@ -204,8 +225,17 @@ class SGLangClient:
         texts: list[str] = []
         idle_aborts = 0
         while True:
-            if not self._resumed.is_set():
-                await wait_for(self._resumed.wait(), cfg.pause_timeout_s)
+            if self._paused:
+                held = asyncio.get_running_loop().create_future()
+                self._held.setdefault(server.url, deque()).append(held)
+                await wait_for(held, cfg.pause_timeout_s)
+                if self.reposts:  # held over a pause: how soon after resume() it goes out
+                    r = self.reposts[-1]
+                    r[2] = 1e3 * (time.monotonic() - r[0])
+                    r[1] = r[1] if r[3] else r[2]
+                    r[3] += 1
+                    if held is self._lap_end:
+                        r[4], self._lap_end = r[2], None
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
                 "input_ids": [*request.input_ids, *ids],
@@ -252,7 +282,7 @@ class SGLangClient:
                 raise GenerationError(
                     f"{server.url} aborted request {rid} {idle_aborts} times without progress"
                 )
-            if idle_aborts and self._resumed.is_set():  # aborted, not for a pause: do not hammer it
+            if idle_aborts and not self._paused:  # aborted, not for a pause: do not hammer it
                 await asyncio.sleep(min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (idle_aborts - 1)))
             self.counters["resumes"] += 1
         res.text = "".join(texts)

@@ -252,3 +252,24 @@ async def test_new_requests_go_to_the_least_loaded_server_and_rids_stick() -> No
     again = await client.agenerate(GenRequest([0, 1, 2], {"max_new_tokens": 1}, rid=first.rid))
     assert again.server == first.server != other
     await client.aclose()
+
+
+async def test_resume_wakes_held_requests_a_server_at_a_time_in_turn() -> None:
+    """Held in the order their aborts came back (a server's all together), requests re-post
+    round-robin over the servers: the last server does not wait for every other server's re-posts."""
+    script = Script(a=[lambda b: reply([7], "length")], b=[lambda b: reply([7], "length")])
+    client = SGLangClient([A, B], FAST, transport=script.transport())
+    client.pause()
+    tasks = []
+    for rid, url in [("a0", A), ("a1", A), ("a2", A), ("b0", B), ("b1", B), ("b2", B)]:
+        client._sticky[rid] = url  # route each request to its server
+        tasks.append(asyncio.create_task(client.agenerate(GenRequest([1], {"max_new_tokens": 1}, rid=rid))))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not script.posts  # all held
+    client.resume()
+    await wait_for(asyncio.gather(*tasks), 5)
+    assert [h for h, _ in script.posts] == ["a", "b", "a", "b", "a", "b"]
+    _, first, last, reposts, every_server = client.reposts[-1]
+    assert reposts == 6 and first <= every_server <= last
+    await client.aclose()
