@@ -76,9 +76,10 @@ class PolicySync:
                     raise
                 self.report(f"weight push failed ({type(e).__name__}); retrying without the dead server")
                 push = (await self.ranks.push_weights())[0]
-            if self.governor is not None:
-                await self.governor.set_version(version)
-            await asyncio.gather(*(r.set_version(version, self.live) for r in self.rollouts))
+            # at once: a rollout actor raises its client's version to any grant's, so the order
+            # between the governor and the (still paused) rollout actors does not matter
+            governor = [self.governor.set_version(version)] if self.governor is not None else []
+            await asyncio.gather(*governor, *(r.set_version(version, self.live) for r in self.rollouts))
         finally:
             await asyncio.gather(*(r.resume() for r in self.rollouts))
         return push
