@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
+from rlactors.aio import wait_for
 from rlactors.security import new_secret_file
 from tests.cluster.actors import Member
 from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
@@ -152,10 +153,10 @@ async def test_partition_is_detected_and_the_host_rejoins(two_hosts) -> None:
     c2.hosts.partition(1)
     try:
         with pytest.raises(rlactors.ActorDiedError, match="stopped answering"):
-            await asyncio.wait_for(pending, NO_HANG)
+            await wait_for(pending, NO_HANG)
         await _wait_nodes(cluster, {"h0"})
         with pytest.raises(rlactors.ActorDiedError):
-            await asyncio.wait_for(b.node(), NO_HANG)
+            await wait_for(b.node(), NO_HANG)
     finally:
         c2.hosts.heal(1)
     # The agent comes back: it is told it was declared dead, drops its workers, registers again.
@@ -172,7 +173,7 @@ async def test_a_one_way_partition_between_caller_and_worker_fails_the_call(two_
     # h1 can no longer send to h0; both still talk to the head, which sees every node alive.
     c2.hosts.blackhole(1, c2.hosts.ip(0))
     try:
-        outcome = await asyncio.wait_for(caller.call_other(worker, "busy", 60), 40)
+        outcome = await wait_for(caller.call_other(worker, "busy", 60), 40)
         assert outcome.startswith("ActorUnreachableError"), outcome
         assert {n["node_id"] for n in await cluster.nodes() if n["alive"]} == {"h0", "h1"}
     finally:
@@ -187,6 +188,7 @@ async def test_a_one_way_partition_between_caller_and_worker_fails_the_call(two_
 DRIVER = """
 import asyncio, sys
 import rlactors
+from rlactors.aio import wait_for
 from tests.cluster.actors import Member
 
 async def main():
@@ -195,7 +197,7 @@ async def main():
     print(m.actor_id, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     try:
-        print("answered", await asyncio.wait_for(m.node(), 30), flush=True)
+        print("answered", await wait_for(m.node(), 30), flush=True)
     except Exception as e:
         print(type(e).__name__, e, flush=True)
 
@@ -223,14 +225,14 @@ async def test_a_driver_cut_off_past_client_timeout_learns_its_actor_died(two_ho
     )
     assert proc.stdin is not None and proc.stdout is not None
     try:
-        actor_id = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+        actor_id = (await wait_for(proc.stdout.readline(), 60)).decode().strip()
         c2.hosts.partition(0)
         try:  # the head gives the silent driver up and stops its actor
-            assert (await asyncio.wait_for(cluster.watch(actor_id), 60))["state"] == "DEAD"
+            assert (await wait_for(cluster.watch(actor_id), 60))["state"] == "DEAD"
         finally:
             c2.hosts.heal(0)
         proc.stdin.write(b"go\n")
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        line = (await wait_for(proc.stdout.readline(), 60)).decode()
         assert line.startswith("ActorDiedError") and "was silent" in line, line
     finally:
         if proc.returncode is None:
@@ -244,7 +246,7 @@ async def test_kill_9_of_a_node_agent_is_detected(two_hosts) -> None:
     pending = a.busy.submit(60)
     os.kill(c2.procs["h0"].pid, signal.SIGKILL)
     with pytest.raises(rlactors.ActorDiedError):
-        await asyncio.wait_for(pending, NO_HANG)
+        await wait_for(pending, NO_HANG)
     await _wait_nodes(cluster, {"h1"})
     b = await cluster.spawn(Member)  # placement skips the dead host
     assert await b.node() == "h1"

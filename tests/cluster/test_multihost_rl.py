@@ -5,7 +5,6 @@ Nothing here works if a server binds loopback or the group's master address is 1
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.policy_sync import PolicySync
 from nodes.trainer.config import PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
+from rlactors.aio import wait_for
 from tests.cluster.actors import Prober
 from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
 from tests.cluster.test_multihost import Cluster2, _wait_nodes
@@ -58,7 +58,7 @@ async def test_push_and_generation_across_hosts(three_hosts) -> None:
     server = await cluster.spawn(
         InferenceServerActor, ReferenceServerConfig(model_path=model, backend="sim"), node_id="h1"
     )
-    url = await asyncio.wait_for(server.url(), 120)
+    url = await wait_for(server.url(), 120)
     assert url.startswith(f"http://{c.hosts.ip(1)}:")  # the node's address, not loopback
     # the config dataclass goes through the head and h0's agent (daemons that never import it)
     cfg = TrainConfig(model_path=model, push=PushConfig(pause_mode=None))
@@ -66,10 +66,10 @@ async def test_push_and_generation_across_hosts(three_hosts) -> None:
     await cluster.collective_group([rank], backend="gloo", timeout=60)
     await rank.setup()
     sync = PolicySync(cluster, rlactors.ActorGroup([rank]), [url])
-    await asyncio.wait_for(sync.connect(), 120)
-    await asyncio.wait_for(rank.push_weights(), 120)
+    await wait_for(sync.connect(), 120)
+    await wait_for(rank.push_weights(), 120)
     prober = await cluster.spawn(Prober, node_id="h2")
-    out = await asyncio.wait_for(prober.generate([url], 0), 60)
+    out = await wait_for(prober.generate([url], 0), 60)
     assert len(out["ids"]) == 8
     # the tokens came from the weights the trainer pushed (version 0 -> server labels them "0")
     assert out["versions"] == [0] * 8

@@ -13,6 +13,7 @@ import zmq.asyncio
 import rlactors
 from protocols import wire
 from rlactors import transport
+from rlactors.aio import wait_for
 from rlactors.security import Security
 from tests.runtime.actors import Counter
 
@@ -21,13 +22,13 @@ NO_REPLY_WINDOW = 1.0  # how long we listen for a reply that must never come
 
 async def _send_and_listen(sock: zmq.asyncio.Socket, frames: list[bytes]) -> list[object]:
     try:  # once the server has refused the handshake the socket has no peer and a send waits forever
-        await asyncio.wait_for(sock.send_multipart(frames), NO_REPLY_WINDOW)
+        await wait_for(sock.send_multipart(frames), NO_REPLY_WINDOW)
     except TimeoutError:
         return []
     replies = []
     try:
         while True:
-            replies.append(await asyncio.wait_for(sock.recv_multipart(), NO_REPLY_WINDOW))
+            replies.append(await wait_for(sock.recv_multipart(), NO_REPLY_WINDOW))
     except TimeoutError:
         return replies
 

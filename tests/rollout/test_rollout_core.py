@@ -13,6 +13,7 @@ from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow
+from rlactors.aio import wait_for
 
 WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 24}))
 
@@ -46,7 +47,7 @@ async def test_every_prompt_trained_on_exactly_once(sim_server: str) -> None:
     gov, buf, client, rollout = make(sim_server, n, B, eta, max_inflight=8, acquire_batch=4)
     run = asyncio.create_task(rollout.run())
     seen = await train(buf, gov, rollout, n // B, B, eta)
-    await asyncio.wait_for(run, 30)
+    await wait_for(run, 30)
     await client.aclose()
     assert sorted(seen) == sorted(f"arithmetic/e0/{i}" for i in range(n))
     s = rollout.stats()
@@ -71,7 +72,7 @@ async def test_pause_for_weight_updates_mid_run(sim_server: str) -> None:
             rollout.resume()
 
         seen = await train(buf, gov, rollout, n // B, B, eta, on_step=weight_update)
-    await asyncio.wait_for(run, 30)
+    await wait_for(run, 30)
     await client.aclose()
     assert sorted(seen) == sorted(f"arithmetic/e0/{i}" for i in range(n))
     assert gov.running == 0 and buf.in_flight == 0
@@ -85,7 +86,7 @@ async def test_a_failing_episode_releases_its_lease(sim_server: str) -> None:
             raise RuntimeError("reward server down")
 
     rollout.workflow = Broken()
-    await asyncio.wait_for(rollout.run(), 30)
+    await wait_for(rollout.run(), 30)
     await client.aclose()
     assert rollout.stats()["episodes_failed"] == 4
     assert gov.running == 0 and gov.accepted == 0 and buf.in_flight == 0 and buf.stats()["abandoned"] == 4
@@ -108,7 +109,7 @@ async def test_resume_trains_every_prompt_once_per_epoch(sim_server: str) -> Non
         await asyncio.sleep(0.01)
     assert buf.ready + buf.in_flight > 0  # admitted but not trained when the "checkpoint" is taken
     await rollout.stop()
-    await asyncio.wait_for(run, 30)
+    await wait_for(run, 30)
     await client.aclose()
     pos = trained_position(first, n)
     assert pos == {"done_epochs": 0, "trained": sorted(first)}
@@ -132,7 +133,7 @@ async def test_resume_trains_every_prompt_once_per_epoch(sim_server: str) -> Non
         rollout.set_version(v)
         assert v < 12, "epoch 0 never completed"
     await rollout.stop()
-    await asyncio.wait_for(run, 30)
+    await wait_for(run, 30)
     await client.aclose()
     epoch0 = [g for g in first + second if "/e0/" in g]
     assert sorted(epoch0) == sorted(f"arithmetic/e0/{i}" for i in range(n))  # each once, none skipped

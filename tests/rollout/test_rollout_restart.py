@@ -4,7 +4,6 @@ and its driver's calls survive the restart."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
@@ -19,6 +18,7 @@ from nodes.rollout.actor import Rollout, RolloutActor, RolloutHandle
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
+from rlactors.aio import wait_for
 
 B, ETA, N = 2, 1, 16
 WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 64}))
@@ -87,7 +87,7 @@ async def test_a_restarted_rollout_actor_starts_at_the_governors_version(cluster
     assert s["restarts"] == 1 and s["version"] == 3  # spawned at version 0
     os.kill(await r.pid(), signal.SIGKILL)  # its one restart is spent: calls fail as before
     with pytest.raises(rlactors.ActorDiedError, match="SIGKILL"):
-        await asyncio.wait_for(r.stats(), 30)
+        await wait_for(r.stats(), 30)
 
 
 class DyingHandle:

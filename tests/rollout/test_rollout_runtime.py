@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
@@ -14,6 +13,7 @@ from nodes.inference.testing import wait_until
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
+from rlactors.aio import wait_for
 
 B, ETA, N = 2, 1, 16
 WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 64}))
@@ -42,7 +42,7 @@ async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -
 
             await wait_until(episodes_in_flight, timeout_s=30, what="episodes in flight on r0")
             os.kill(await victim.pid(), signal.SIGKILL)
-            await asyncio.wait_for(cluster.watch(victim), 10)
+            await wait_for(cluster.watch(victim), 10)
         finally:
             await admin.post("/continue_generation", json={})
 

@@ -36,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from nodes.buffer import BufferConfig, TrajectoryBuffer
 from nodes.governor import GovernorConfig, StalenessGovernor
 from protocols.rl import Trajectory, TrajectoryGroup
+from rlactors.aio import wait_for
 
 
 def make_group(gid: str, versions: list[int]) -> TrajectoryGroup:
@@ -356,7 +357,7 @@ async def test_acquire_waits_without_polling_and_wakes_on_version(n_max: int) ->
     await asyncio.sleep(0)
     assert not waiter.done()
     gov.set_version(1)
-    grant = await asyncio.wait_for(waiter, 5)
+    grant = await wait_for(waiter, 5)
     assert grant.n == min(n_max, 2) and grant.version == 1
 
 
@@ -368,7 +369,7 @@ async def test_acquire_wakes_when_a_slot_frees_and_times_out_otherwise() -> None
     waiter = asyncio.create_task(gov.acquire("b", 3, timeout=10))
     await asyncio.sleep(0)
     gov.finish("a", k_rejected=1)
-    assert (await asyncio.wait_for(waiter, 5)).n == 1
+    assert (await wait_for(waiter, 5)).n == 1
     gov.holder_died("a")
     assert gov.running == 1 and gov.leases("b") == 1
 

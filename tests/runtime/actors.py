@@ -74,11 +74,11 @@ class Cancellable(rlactors.Actor):
             raise
 
     async def wait_started(self) -> bool:
-        await asyncio.wait_for(self.started.wait(), 10)
+        await wait_for(self.started.wait(), 10)
         return True
 
     async def was_cancelled(self) -> bool:
-        await asyncio.wait_for(self.cancelled.wait(), 10)
+        await wait_for(self.cancelled.wait(), 10)
         return True
 
 

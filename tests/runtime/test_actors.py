@@ -51,7 +51,7 @@ async def test_long_sync_method_does_not_block_the_loop(cluster) -> None:
     a = await cluster.spawn(Compute)
     busy = a.busy.submit(2.0)
     # While the worker thread sleeps, the loop answers async calls.
-    pings = [await asyncio.wait_for(a.ping(), 1.5) for _ in range(5)]
+    pings = [await wait_for(a.ping(), 1.5) for _ in range(5)]
     assert pings == ["pong"] * 5
     assert not busy.done()
     assert (await busy).endswith("-sync_0")
@@ -121,7 +121,7 @@ async def test_cancelling_a_future_cancels_the_remote_coroutine(cluster) -> None
     fut = a.wait_forever.submit()
     assert await a.wait_started()
     fut.cancel()
-    assert await asyncio.wait_for(a.was_cancelled(), 10)
+    assert await wait_for(a.was_cancelled(), 10)
 
 
 async def test_cancelling_the_awaiting_task_cancels_the_remote_coroutine(cluster) -> None:
@@ -131,7 +131,7 @@ async def test_cancelling_the_awaiting_task_cancels_the_remote_coroutine(cluster
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await asyncio.wait_for(a.was_cancelled(), 10)
+    assert await wait_for(a.was_cancelled(), 10)
 
 
 async def test_max_concurrency_bounds_running_async_calls(cluster) -> None:
@@ -295,7 +295,7 @@ async def test_worker_exits_when_the_driver_is_killed(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        worker_pid = int((await asyncio.wait_for(proc.stdout.readline(), 60)).decode())
+        worker_pid = int((await wait_for(proc.stdout.readline(), 60)).decode())
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
         for _ in range(100):
@@ -316,7 +316,7 @@ async def test_worker_exits_when_the_driver_is_killed(tmp_path: Path) -> None:
 async def test_cancellation_inside_the_actor_reaches_the_caller_as_an_error(cluster) -> None:
     t = await cluster.spawn(Tricky)
     with pytest.raises(RuntimeError, match="cancelled inside the actor"):
-        await asyncio.wait_for(t.cancelled_inside(), 10)
+        await wait_for(t.cancelled_inside(), 10)
     assert await t.ping() == "pong"
 
 
@@ -336,10 +336,10 @@ async def test_abandoned_stream_frees_the_actor(cluster) -> None:
         if x == 3:
             break
     # The dropped stream is cancelled remotely and holds no concurrency slot.
-    assert await asyncio.wait_for(t.ping(), 10) == "pong"
+    assert await wait_for(t.ping(), 10) == "pong"
     async with t.gen(10**6) as s:
         assert await s.__anext__() == 0
-    assert await asyncio.wait_for(t.ping(), 10) == "pong"
+    assert await wait_for(t.ping(), 10) == "pong"
 
 
 async def test_very_long_output_lines_do_not_block_the_worker() -> None:
@@ -347,7 +347,7 @@ async def test_very_long_output_lines_do_not_block_the_worker() -> None:
     async with rlactors.init(log_sink=lines.append) as cluster:
         t = await cluster.spawn(Tricky, name="loud")
         for n in (70_000, 100_000, 100_000, 100_000, 10):
-            assert await asyncio.wait_for(t.print_line(n), 20) == n
+            assert await wait_for(t.print_line(n), 20) == n
     assert sum(line.count("x") for line in lines) >= 370_000
 
 

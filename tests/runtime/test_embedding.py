@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 import rlactors
+from rlactors.aio import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +67,7 @@ async def test_fastapi_service_embeds_actors_over_tcp_with_curve() -> None:
             assert await tally.get() == 55
         finally:
             proc.terminate()
-            await asyncio.wait_for(proc.wait(), 20)
+            await wait_for(proc.wait(), 20)
         # Detached: it outlives the service that spawned it.
         assert await (await cluster.get_actor("tally")).add(1) == 56
 
@@ -106,11 +107,11 @@ async def test_actors_of_a_client_that_dies_are_stopped_unless_detached(tmp_path
             sys.executable, str(script), cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE
         )
         try:
-            assert (await asyncio.wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
+            assert (await wait_for(proc.stdout.readline(), 60)).strip() == b"ready"
             owned = await cluster.get_actor("owned")
             proc.kill()
             await proc.wait()
-            info = await asyncio.wait_for(cluster.watch(owned), 30)
+            info = await wait_for(cluster.watch(owned), 30)
             assert info["state"] == "DEAD"
             assert await (await cluster.get_actor("kept")).add(1) == 1
         finally:

@@ -34,12 +34,12 @@ async def test_kill_9_fails_pending_and_later_calls(cluster) -> None:
         with pytest.raises(
             rlactors.ActorDiedError, match=r"actor victim \(\w+\) died: worker process killed by SIGKILL"
         ):
-            await asyncio.wait_for(fut, NO_HANG)
+            await wait_for(fut, NO_HANG)
     with pytest.raises(rlactors.ActorDiedError):
-        await asyncio.wait_for(c.add(1), NO_HANG)
+        await wait_for(c.add(1), NO_HANG)
     streams = c.count_to(3)
     with pytest.raises(rlactors.ActorDiedError):
-        await asyncio.wait_for(streams.__anext__(), NO_HANG)
+        await wait_for(streams.__anext__(), NO_HANG)
 
 
 async def test_death_is_seen_by_other_actors_holding_the_handle(cluster) -> None:
@@ -48,9 +48,9 @@ async def test_death_is_seen_by_other_actors_holding_the_handle(cluster) -> None
     # The caller actor gets a handle and calls through it from its own process.
     assert await (await caller.echo(victim)).add(1) == 1
     os.kill(await victim.pid(), signal.SIGKILL)
-    await asyncio.wait_for(cluster.watch(victim), NO_HANG)
+    await wait_for(cluster.watch(victim), NO_HANG)
     with pytest.raises(rlactors.ActorDiedError):
-        await asyncio.wait_for(victim.add(1), NO_HANG)
+        await wait_for(victim.add(1), NO_HANG)
 
 
 async def test_max_restarts_reruns_the_constructor(cluster) -> None:
@@ -60,18 +60,18 @@ async def test_max_restarts_reruns_the_constructor(cluster) -> None:
     pending = c.sleep(60)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(rlactors.ActorDiedError):
-        await asyncio.wait_for(pending, NO_HANG)  # at-most-once: the in-flight call is lost
+        await wait_for(pending, NO_HANG)  # at-most-once: the in-flight call is lost
     # Later calls wait for the restarted actor; state is fresh (constructor re-run).
-    assert await asyncio.wait_for(c.value(), 60) == 10
+    assert await wait_for(c.value(), 60) == 10
     assert await c.pid() != pid
     assert (await cluster.get_actor("phoenix")) == c
     info = next(a for a in await cluster.actors() if a["actor_id"] == c.actor_id)
     assert info["restarts"] == 1
     # Restarts exhausted: the next death is final.
     os.kill(await c.pid(), signal.SIGKILL)
-    await asyncio.wait_for(cluster.watch(c), NO_HANG)
+    await wait_for(cluster.watch(c), NO_HANG)
     with pytest.raises(rlactors.ActorDiedError):
-        await asyncio.wait_for(c.value(), NO_HANG)
+        await wait_for(c.value(), NO_HANG)
 
 
 async def test_watch_returns_on_death(cluster) -> None:
@@ -80,7 +80,7 @@ async def test_watch_returns_on_death(cluster) -> None:
     await asyncio.sleep(0)
     assert not watcher.done()
     await cluster.kill(c)
-    info = await asyncio.wait_for(watcher, NO_HANG)
+    info = await wait_for(watcher, NO_HANG)
     assert info["state"] == "DEAD" and not info["restarting"]
 
 
@@ -170,7 +170,7 @@ async def test_a_flood_of_garbage_is_logged_in_a_few_lines_that_count_it(monkeyp
                 await sock.send_multipart([b"garbage \xff"])
             # Messages from one peer are handled in order: the answer to a ping comes after the flood.
             await sock.send_multipart(wire.join_batch([wire.encode_envelope(wire.Kind.PING, 1)]))
-            await asyncio.wait_for(sock.recv_multipart(), NO_HANG)
+            await wait_for(sock.recv_multipart(), NO_HANG)
             assert len(recorder.warnings) < 50  # one line per message before: 2,000
             # The end of the flood is reported with its count.
             await recorder.wait_for(lambda event, fields: fields.get("total") == 2000)
@@ -185,9 +185,9 @@ async def test_calls_to_a_stopped_worker_fail_as_unreachable_and_recover(cluster
     try:
         pending = c.sleep(60)
         with pytest.raises(rlactors.ActorUnreachableError, match="lost the connection"):
-            await asyncio.wait_for(pending, 30)
+            await wait_for(pending, 30)
         with pytest.raises(rlactors.ActorUnreachableError):  # while it stays silent, at once
-            await asyncio.wait_for(c.add(1), 1)
+            await wait_for(c.add(1), 1)
     finally:
         os.kill(pid, signal.SIGCONT)
     async with asyncio.timeout(30):  # the connection comes back; calls go through again
@@ -213,7 +213,7 @@ async def test_the_head_keeps_a_bounded_number_of_dead_actors(monkeypatch) -> No
         try:
             call = stranger.call_actor(victims[0].actor_id, victims[0].address, "add", (1,), {})
             with pytest.raises(rlactors.ActorDiedError, match="unknown to the head"):
-                await asyncio.wait_for(call, NO_HANG)
+                await wait_for(call, NO_HANG)
         finally:
             await stranger.close()
 

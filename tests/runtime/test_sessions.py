@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
+from rlactors.aio import wait_for
 from rlactors.runtime import RuntimeClient
 from tests.runtime.actors import Counter
 
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = """
 import asyncio, sys
 import rlactors
+from rlactors.aio import wait_for
 from tests.runtime.actors import Counter
 
 async def main():
@@ -28,7 +30,7 @@ async def main():
     print(c.actor_id, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     try:
-        print("answered", await asyncio.wait_for(c.add(1), 20), flush=True)
+        print("answered", await wait_for(c.add(1), 20), flush=True)
     except Exception as e:
         print(type(e).__name__, e, flush=True)
     await cluster.close()
@@ -56,14 +58,14 @@ async def test_a_driver_stopped_past_client_timeout_gets_actor_died_not_a_hang()
         )
         assert proc.stdin is not None and proc.stdout is not None
         try:
-            actor_id = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+            actor_id = (await wait_for(proc.stdout.readline(), 60)).decode().strip()
             proc.send_signal(signal.SIGSTOP)
             # The head gives the silent driver up and stops the actor it owned.
-            info = await asyncio.wait_for(cluster.watch(actor_id), 60)
+            info = await wait_for(cluster.watch(actor_id), 60)
             assert info["state"] == "DEAD"
             proc.send_signal(signal.SIGCONT)
             proc.stdin.write(b"go\n")
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+            line = (await wait_for(proc.stdout.readline(), 60)).decode()
             assert line.startswith("ActorDiedError"), line
             assert "was silent for more than 3s" in line
         finally:
@@ -88,6 +90,6 @@ async def test_a_client_whose_stream_end_was_lost_follows_events_again_after_a_h
                 del sessions._subs[q]
             await cluster.kill(victim)
             with pytest.raises(rlactors.ActorDiedError):
-                await asyncio.wait_for(pending, 10)
+                await wait_for(pending, 10)
         finally:
             await other.close()
