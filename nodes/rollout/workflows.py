@@ -67,10 +67,18 @@ class Workflow(Protocol):
 _ANSWER_MARK = "RLACTORS-ANSWER-4f1c"
 
 
-def sample_rid(group_id: str, i: int) -> str:
-    """Request id of sample ``i`` of a group. SGLang aborts by rid prefix, so no sample's rid may be
-    a prefix of another's: it ends in ``/``."""
-    return f"{group_id}/s{i}/"
+def sample_rid(group_id: str, i: int, attempt: str) -> str:
+    """Request id of sample ``i`` of one attempt at a group's episode. SGLang aborts by rid prefix, so
+    no sample's rid may be a prefix of another's: it ends in ``/``. ``attempt`` is new for every run
+    of an episode: a re-queued or resumed episode must not meet its earlier attempt's requests
+    (still running on a server when their actor died, or while their abort is on its way), which
+    SGLang would refuse as duplicate request ids."""
+    return f"{group_id}/{attempt}/s{i}/"
+
+
+def new_attempt() -> str:
+    """A fresh attempt id for :func:`sample_rid`."""
+    return uuid.uuid4().hex[:8]
 
 
 async def _all_or_none(aws: Any) -> list[Any]:
@@ -170,8 +178,11 @@ class RLVRWorkflow:
         """Sample the prompt ``n_samples`` times concurrently and score each completion."""
         gid = group_id or uuid.uuid4().hex
         prompt = chat_ids(self.tokenizer, self.prompt_messages(item))
+        attempt = new_attempt()
         results = await _all_or_none(
-            client.agenerate(GenRequest(prompt, dict(self.config.sampling_params), rid=sample_rid(gid, i)))
+            client.agenerate(
+                GenRequest(prompt, dict(self.config.sampling_params), rid=sample_rid(gid, i, attempt))
+            )
             for i in range(self.config.n_samples)
         )
         texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
@@ -210,13 +221,13 @@ class MultiTurnWorkflow(RLVRWorkflow):
         self, client: Generator, item: Any, group_id: str | None = None
     ) -> TrajectoryGroup:
         """Run ``n_samples`` independent conversations concurrently; one group."""
-        gid = group_id or uuid.uuid4().hex
+        gid, attempt = group_id or uuid.uuid4().hex, new_attempt()
         trajs = await _all_or_none(
-            self._conversation(client, item, gid, i) for i in range(self.config.n_samples)
+            self._conversation(client, item, gid, i, attempt) for i in range(self.config.n_samples)
         )
         return TrajectoryGroup(gid, list(trajs))
 
-    async def _conversation(self, client: Generator, item: Any, gid: str, i: int) -> Trajectory:
+    async def _conversation(self, client: Generator, item: Any, gid: str, i: int, attempt: str) -> Trajectory:
         c = self.config
         messages = self.prompt_messages(item)
         prompt = chat_ids(self.tokenizer, messages)
@@ -224,7 +235,9 @@ class MultiTurnWorkflow(RLVRWorkflow):
         reward = 0.0
         for turn in range(c.max_turns):
             # one rid for every turn: sticky routing sends the next turn to the server holding the prefix
-            res = await client.agenerate(GenRequest(s.ids, dict(c.sampling_params), rid=sample_rid(gid, i)))
+            res = await client.agenerate(
+                GenRequest(s.ids, dict(c.sampling_params), rid=sample_rid(gid, i, attempt))
+            )
             s.add_output(res)
             text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             score = await self.reward(text, item)

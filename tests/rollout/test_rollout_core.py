@@ -171,3 +171,27 @@ def test_shuffled_epochs_are_reproducible_and_shards_partition_them() -> None:
     shards = [[g for g, _ in prompt_source(spec, s, 3)] for s in range(3)]
     assert sorted(g for shard in shards for g in shard) == sorted(ids)
     assert [g for g, _ in prompt_source({**spec, "start_epoch": 1})] == e1
+
+
+async def test_a_rerun_episode_does_not_meet_its_earlier_runs_requests(sim_server: str) -> None:
+    """A re-queued (or resumed) episode starts again while its earlier run's requests may still be on
+    the server (their actor died, or their abort is on its way): SGLang refuses a duplicate request
+    id, so each run of an episode has its own."""
+    wf = build_workflow(WORKFLOW)
+    client = SGLangClient([sim_server])
+    async with httpx.AsyncClient(base_url=sim_server, timeout=30) as admin:
+        await admin.post("/pause_generation", json={"mode": "in_place"})  # the first run stays on the server
+        try:
+            first = asyncio.create_task(wf.arun_episode(client, {"question": "1+1"}, "arithmetic/e0/7"))
+            for _ in range(500):
+                if (await admin.get("/v1/loads")).json()["loads"][0]["num_running_reqs"] >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            second = asyncio.create_task(wf.arun_episode(client, {"question": "1+1"}, "arithmetic/e0/7"))
+            await asyncio.sleep(0.2)
+        finally:
+            await admin.post("/continue_generation", json={})
+        groups = await wait_for(asyncio.gather(first, second), 30)
+    await client.aclose()
+    assert [g.group_id for g in groups] == ["arithmetic/e0/7"] * 2
+    assert client.counters["errors"] == 0

@@ -24,6 +24,7 @@ from nodes.rollout.workflows import (
     MultiTurnWorkflow,
     RLVRConfig,
     RLVRWorkflow,
+    new_attempt,
     sample_rid,
 )
 from protocols.rl import Trajectory, TrajectoryGroup
@@ -218,11 +219,15 @@ async def test_a_request_fails_over_back_to_a_server_that_recovered() -> None:
 
 def test_sample_rids_are_never_prefixes_of_each_other() -> None:
     rids = [
-        sample_rid(g, i)
+        sample_rid(g, i, attempt)
         for g in ("gsm8k/e0/1", "gsm8k/e0/10", "gsm8k/e0/1/s")
         for i in (*range(12), 100, 1000, 10000)
+        for attempt in ("a1", "a10", "b")
     ]
     assert not [(a, b) for a in rids for b in rids if a != b and b.startswith(a)]
+    # every run of an episode has its own rids: a re-run never meets its earlier run's requests
+    assert sample_rid("g", 0, new_attempt()) != sample_rid("g", 0, new_attempt())
+    assert all(r.startswith("gsm8k/") for r in rids)  # the group's prefix still aborts them all
 
 
 def test_an_empty_shard_fails_at_construction() -> None:
