@@ -167,14 +167,14 @@ def _counted_to_wire(c: Counted) -> np.ndarray:
 codec.register_type(Counted, "tests.runtime.actors:Counted", _counted_to_wire, Counted)
 
 
-class Member(rlactors.Actor):
+class Member(Cancellable):
     """A group member whose part in a group call is chosen per rank by the call's ``plan``:
-    ``plan[rank]`` is ``[what, delay_s]``, what one of "ok", "raise" (a transport-like error) or "die"."""
+    ``plan[rank]`` is ``[what, delay_s]``, what one of "ok", "raise" (a transport-like error) or "die".
+    ``wait_started``/``was_cancelled`` are Cancellable's."""
 
     def __init__(self, rank: int) -> None:
+        super().__init__()
         self.rank = rank
-        self.started = asyncio.Event()
-        self.cancelled = asyncio.Event()
         self.finished = 0
 
     async def act(self, plan: list[list]) -> int:
@@ -197,14 +197,6 @@ class Member(rlactors.Actor):
 
     async def finished_calls(self) -> int:
         return self.finished
-
-    async def wait_started(self) -> bool:
-        await wait_for(self.started.wait(), 10)
-        return True
-
-    async def was_cancelled(self) -> bool:
-        await wait_for(self.cancelled.wait(), 10)
-        return True
 
 
 class Ledger:
