@@ -42,7 +42,7 @@ class PolicySync:
         report: Callable[[str], Any] | None = None,
     ) -> None:
         self.cluster, self.ranks = cluster, ranks
-        self.urls, self.live = list(urls), list(urls)
+        self.live = list(urls)
         self.governor: Any = None
         self.rollouts: list[Any] = []
         self.report = report or (lambda line: log.warning(line))

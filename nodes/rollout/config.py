@@ -32,14 +32,11 @@ class RolloutConfig:
     workflow_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for key in ("n_actors", "max_inflight", "acquire_batch", "n_samples", "max_new_tokens"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"'{key}' must be >= 1, got {getattr(self, key)!r}")
-        for key in ("acquire_timeout_s",):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"'{key}' must be > 0, got {getattr(self, key)!r}")
-        if self.put_retries < 0 or self.temperature < 0:
-            bad = "put_retries" if self.put_retries < 0 else "temperature"
-            raise ValueError(f"'{bad}' must be >= 0, got {getattr(self, bad)!r}")
+        for key, lo in (("n_actors", 1), ("max_inflight", 1), ("acquire_batch", 1), ("n_samples", 1),
+                        ("max_new_tokens", 1), ("put_retries", 0), ("temperature", 0)):  # fmt: skip
+            if getattr(self, key) < lo:
+                raise ValueError(f"'{key}' must be >= {lo}, got {getattr(self, key)!r}")
+        if not self.acquire_timeout_s > 0:
+            raise ValueError(f"'acquire_timeout_s' must be > 0, got {self.acquire_timeout_s!r}")
         if ":" not in self.workflow:
             raise ValueError(f"'workflow' must be an import path 'module:Class', got {self.workflow!r}")
