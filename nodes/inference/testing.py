@@ -125,6 +125,38 @@ async def wait_load(
     await wait_until(ok, what=f"running={running} waiting={waiting}")
 
 
+async def wait_decoding(client: httpx.AsyncClient, running: int = 1, steps: int = 2) -> None:
+    """Wait until ``running`` requests are decoding: the count holds while the KV in use grows
+    ``steps`` times in a row.
+
+    ``wait_load(running=1)`` alone can pass on a stale report: SGLang publishes its load snapshot
+    after each batch, before finished requests leave the running batch, so the report of a request
+    that has just finished still says ``running=1`` until the scheduler's next publish. A pause sent
+    on that report can land before the new request's prefill. Growth of ``num_used_tokens`` can
+    only come from fresh decode steps.
+    """
+    last: list[int | None] = [None]
+    grown = [0]
+
+    async def ok() -> bool:
+        r = await client.get("/v1/loads")
+        r.raise_for_status()
+        entries = r.json()["loads"]
+        n = sum(e["num_running_reqs"] for e in entries)
+        used = sum(e["num_used_tokens"] for e in entries)
+        if n != running:
+            last[0], grown[0] = None, 0
+            return False
+        if last[0] is not None and used > last[0]:
+            grown[0] += 1
+        elif last[0] is not None and used < last[0]:
+            grown[0] = 0
+        last[0] = used
+        return grown[0] >= steps
+
+    await wait_until(ok, what=f"{running} request(s) decoding ({steps} growing reports)")
+
+
 class Trainer:
     """The trainer side of a weight-update group: rank 0, built as SGLang builds the group (gloo)."""
 

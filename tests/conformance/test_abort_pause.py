@@ -14,7 +14,7 @@ import contextlib
 
 import httpx
 
-from nodes.inference.testing import wait_load, wait_until
+from nodes.inference.testing import wait_decoding, wait_load, wait_until
 from tests.conformance.conftest import MAX_RUNNING
 
 PROMPT = list(range(2000, 2040))
@@ -30,7 +30,7 @@ def long_req(rid: str, prompt: list[int] = PROMPT, max_new_tokens: int = 4000) -
 
 async def test_abort_running_returns_partial_output(client: httpx.AsyncClient) -> None:
     task = asyncio.create_task(client.post("/generate", json=long_req("abort-run-1")))
-    await wait_load(client, running=1)
+    await wait_decoding(client)
     r = await client.post("/abort_request", json={"rid": "abort-run-1"})
     assert r.status_code == 200
     resp = await task
@@ -114,7 +114,7 @@ async def _uninterrupted(client: httpx.AsyncClient, prompt: list[int], n: int) -
 async def test_pause_retract_requeues_and_continue_finishes(client: httpx.AsyncClient) -> None:
     prompt, n = list(range(3000, 3030)), 3000  # long enough to be running when the pause lands
     task = asyncio.create_task(client.post("/generate", json=long_req("retract-1", prompt, n)))
-    await wait_load(client, running=1)
+    await wait_decoding(client)
     await client.post("/pause_generation", json={"mode": "retract"})
     try:
         assert await held(task)
@@ -129,7 +129,7 @@ async def test_pause_retract_requeues_and_continue_finishes(client: httpx.AsyncC
 async def test_pause_in_place_keeps_requests_running(client: httpx.AsyncClient) -> None:
     prompt, n = list(range(4000, 4030)), 3000  # long enough to be running when the pause lands
     task = asyncio.create_task(client.post("/generate", json=long_req("inplace-1", prompt, n)))
-    await wait_load(client, running=1)
+    await wait_decoding(client)
     await client.post("/pause_generation", json={"mode": "in_place"})
     try:
         await wait_load(client, running=1, waiting=0)
@@ -145,7 +145,7 @@ async def test_pause_in_place_keeps_requests_running(client: httpx.AsyncClient) 
 
 async def test_flush_cache_refused_while_running(client: httpx.AsyncClient) -> None:
     task = asyncio.create_task(client.post("/generate", json=long_req("flush-1")))
-    await wait_load(client, running=1)
+    await wait_decoding(client)
     try:
         r = await client.post("/flush_cache")
         assert r.status_code == 400

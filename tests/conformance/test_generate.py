@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from nodes.inference.testing import wait_load
+from nodes.inference.testing import wait_decoding, wait_load
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
 LONG = 4000  # long enough to still run when aborted or paused; within the 8192-token context
@@ -154,7 +154,7 @@ async def test_resumed_request_hits_prefix_cache(client: httpx.AsyncClient) -> N
             json={"input_ids": prompt, "rid": "resume-1", "sampling_params": greedy(LONG, ignore_eos=True)},
         )
     )
-    await wait_load(client, running=1)
+    await wait_decoding(client)
     await client.post("/abort_request", json={"rid": "resume-1"})
     partial = (await task).json()
     assert partial["meta_info"]["finish_reason"]["type"] == "abort"
