@@ -4,7 +4,8 @@
 to the rest of the plane: it forms the weight-update group (its store on trainer rank 0's host),
 and on :meth:`PolicySync.publish` drops servers that stopped answering, pauses rollout dispatch,
 pushes the weights (once more without a server that died during the push), tells the governor and
-the rollout actors the new version, and resumes dispatch, also when the push failed.
+the rollout actors the new version, resumes dispatch and then continues the servers, also when the
+push failed.
 """
 
 from __future__ import annotations
@@ -65,24 +66,49 @@ class PolicySync:
 
     async def publish(self, version: int) -> dict[str, float]:
         """Push the ranks' weights (at ``version``) to the live servers and publish ``version``.
-        Returns rank 0's push statistics."""
+        Returns rank 0's push statistics.
+
+        The servers stay paused after the push until the rollout actors have re-posted what the
+        pause held (a paused server holds a new request until it continues, as SGLang's tokenizer
+        manager does), so each server has work the moment it continues: no idle gap between
+        ``/continue_generation`` and the first re-posted request.
+        """
         await self.drop_dead_servers()
         await asyncio.gather(*(r.pause() for r in self.rollouts))
+        push: dict[str, float] = {}
         try:
             try:
-                push = (await self.ranks.push_weights())[0]
+                push = (await self.ranks.push_weights(keep_paused=True))[0]
             except Exception as e:  # a server died during the push: drop it and push again, once
                 if not await self.drop_dead_servers():
                     raise
                 self.report(f"weight push failed ({type(e).__name__}); retrying without the dead server")
-                push = (await self.ranks.push_weights())[0]
+                push = (await self.ranks.push_weights(keep_paused=True))[0]
             # at once: a rollout actor raises its client's version to any grant's, so the order
             # between the governor and the (still paused) rollout actors does not matter
             governor = [self.governor.set_version(version)] if self.governor is not None else []
             await asyncio.gather(*governor, *(r.set_version(version, self.live) for r in self.rollouts))
         finally:
-            await asyncio.gather(*(r.resume() for r in self.rollouts))
+            try:
+                await asyncio.gather(*(r.resume() for r in self.rollouts))
+            finally:  # also after a failure (a failed push continued its servers; again is harmless)
+                if push.get("left_paused", 1.0):
+                    await self.continue_servers()
         return push
+
+    async def continue_servers(self) -> None:
+        """``/continue_generation`` to every live server at once; a server that does not answer is
+        left to :meth:`drop_dead_servers`."""
+
+        async def go(url: str) -> None:
+            try:
+                r = await self.http.post(f"{url}/continue_generation", json={})
+                if r.status_code != 200:
+                    log.warning("continue_generation_refused", server=url, status=r.status_code)
+            except httpx.HTTPError as e:
+                log.warning("continue_generation_failed", server=url, error=str(e))
+
+        await asyncio.gather(*(go(u) for u in self.live))
 
     async def drop_dead_servers(self) -> bool:
         """Re-form the weight-update group without servers that stopped answering, and stop rollout

@@ -80,10 +80,13 @@ class Rollout:
         self._dispatch.clear()
         self.client.pause()
 
-    def resume(self) -> None:
-        """Resume dispatch and let held requests re-post at once."""
+    async def resume(self) -> None:
+        """Resume dispatch and let held requests re-post at once; return once every server that
+        had held requests has its first one posting again (a server still paused holds it, so
+        a caller that continues the servers after this finds work waiting at each)."""
         self.client.resume()
         self._dispatch.set()
+        await self.client.reposted()
 
     def set_version(self, version: int, servers: list[str] | None = None) -> None:
         """The servers now hold ``version``; with ``servers``, only those do: stop routing to others

@@ -125,6 +125,8 @@ class SGLangClient:
         # requests held over a pause, per server: resume() wakes them a server at a time, in turn
         self._held: dict[str, deque[asyncio.Future[None]]] = {}
         self._lap_end: asyncio.Future[None] | None = None  # the last of resume()'s first lap
+        self._lap_done = asyncio.Event()  # set once the first lap's last request is posting
+        self._lap_done.set()
         self._background: set[asyncio.Task] = set()  # best-effort aborts on timed-out servers
         self.version = version
         # per resume(): [when (monotonic), first re-post ms after it, last re-post ms, re-posts,
@@ -154,6 +156,7 @@ class SGLangClient:
         self.reposts.append([time.monotonic(), 0.0, 0.0, 0, 0.0])
         self._paused = False
         queues, self._held = list(self._held.values()), {}
+        self._lap_end = None
         first_lap = True
         while queues:
             for q in queues:
@@ -164,6 +167,17 @@ class SGLangClient:
                         self._lap_end = fut
             first_lap = False
             queues = [q for q in queues if q]
+        if self._lap_end is None:
+            self._lap_done.set()
+        else:
+            self._lap_done.clear()
+
+    async def reposted(self, timeout_s: float = 1.0) -> None:
+        """Return once every server that had requests held over the pause has its first one
+        posting again (the first lap of :meth:`resume`), or after ``timeout_s``. A caller that
+        continues paused servers after this finds each one with work waiting."""
+        with contextlib.suppress(TimeoutError):
+            await wait_for(self._lap_done.wait(), timeout_s)
 
     @property
     def paused(self) -> bool:
@@ -228,14 +242,20 @@ class SGLangClient:
             if self._paused:
                 held = asyncio.get_running_loop().create_future()
                 self._held.setdefault(server.url, deque()).append(held)
-                await wait_for(held, cfg.pause_timeout_s)
+                try:
+                    await wait_for(held, cfg.pause_timeout_s)
+                finally:  # (also when cancelled: reposted() must not wait for this one)
+                    lap_end = held is self._lap_end
+                    if lap_end:
+                        self._lap_end = None
+                        self._lap_done.set()
                 if self.reposts:  # held over a pause: how soon after resume() it goes out
                     r = self.reposts[-1]
                     r[2] = 1e3 * (time.monotonic() - r[0])
                     r[1] = r[1] if r[3] else r[2]
                     r[3] += 1
-                    if held is self._lap_end:
-                        r[4], self._lap_end = r[2], None
+                    if lap_end:
+                        r[4] = r[2]
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             body = {
                 "input_ids": [*request.input_ids, *ids],

@@ -80,9 +80,12 @@ class TrainerRank(rlactors.Actor):
         self.pusher.connect(urls, master_address, master_port)
         return True
 
-    def push_weights(self, pause_mode: str | None = "", method: str = "") -> dict[str, float]:
+    def push_weights(
+        self, pause_mode: str | None = "", method: str = "", keep_paused: bool = False
+    ) -> dict[str, float]:
         """Send the current weights to the connected servers with ``weight_version`` = the trainer's
-        version. ``pause_mode``/``method`` override the configured ones for this push ("" keeps).
+        version. ``pause_mode``/``method`` override the configured ones for this push ("" keeps);
+        ``keep_paused`` leaves the servers paused after a push that succeeded (WeightPusher.push).
         Weights holding inf or nan are never pushed: NonFiniteError on every rank."""
         from nodes.trainer.fsdp import NonFiniteError, name_list
 
@@ -101,7 +104,7 @@ class TrainerRank(rlactors.Actor):
         if method:
             cfg.method = method
         try:
-            return self.pusher.push(trainer.version)
+            return self.pusher.push(trainer.version, keep_paused)
         finally:
             cfg.pause_mode, cfg.method = saved
 

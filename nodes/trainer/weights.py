@@ -179,11 +179,14 @@ class WeightPusher:
             self._http.close()
 
     # ---- push --------------------------------------------------------------------------------
-    def push(self, version: int) -> dict[str, float]:
+    def push(self, version: int, keep_paused: bool = False) -> dict[str, float]:
         """Pause, send the current weights, set ``weight_version``, continue; collective.
 
         The first bucket is gathered while the servers pause (under ``retract`` a pause waits for
-        the running decode step): gathering needs nothing from them.
+        the running decode step): gathering needs nothing from them. With ``keep_paused`` a push
+        that succeeds leaves the servers paused (``left_paused`` in the result counts them): the
+        caller continues them once its clients have re-posted, so each server has work the moment
+        it continues. A push that fails continues them whatever ``keep_paused`` says.
         """
         t0 = time.perf_counter()
         distributed = self.cfg.method == "distributed"
@@ -197,6 +200,7 @@ class WeightPusher:
             if pause or session
         ]
         error: BaseException | None = None
+        left_paused = 0
         try:
             if distributed and self.gatherer is None:  # collective; its buffers are reused
                 self.gatherer = ParamGatherer(
@@ -210,6 +214,11 @@ class WeightPusher:
             t_paused = time.perf_counter()
             self._agree(error)
             nbytes = self._push_distributed(str(version), first) if distributed else self._push_disk(version)
+            if keep_paused:  # pushed: leave the continue to the caller
+                for steps in undo.values():
+                    if "/continue_generation" in steps:
+                        steps.remove("/continue_generation")
+                        left_paused += 1
         finally:
             t_sent = time.perf_counter()
             # a server must not be told to continue before it was told to pause
@@ -235,6 +244,7 @@ class WeightPusher:
             "pause_s": t_paused - t0,
             "transfer_s": t_sent - t_paused,
             "resume_s": t0 + elapsed - t_sent,
+            "left_paused": float(left_paused),
             **self._timing,
         }
 

@@ -15,6 +15,7 @@ import contextlib
 import httpx
 
 from nodes.inference.testing import wait_decoding, wait_load, wait_until
+from rlactors.aio import wait_for
 from tests.conformance.conftest import MAX_RUNNING
 
 PROMPT = list(range(2000, 2040))
@@ -182,3 +183,43 @@ async def test_client_disconnect_aborts_request(client: httpx.AsyncClient, serve
     # the rid is free again
     r = await client.post("/generate", json=long_req("disconnect-1", max_new_tokens=1))
     assert r.status_code == 200
+
+
+async def test_our_client_re_posts_to_the_paused_server_which_holds_it_until_continue(
+    client: httpx.AsyncClient, server_url: str
+) -> None:
+    """PolicySync's order: the pause aborts a running request; our client holds it, re-posts it
+    (prompt + its tokens) to the still paused server on resume, and the server holds it until
+    ``/continue_generation``; it then finishes as if never cut, its prefix from the cache."""
+    from nodes.rollout.client import GenRequest, SGLangClient
+
+    prompt, n = list(range(5000, 5030)), 400
+    ours = SGLangClient([server_url])
+    try:
+        task = asyncio.create_task(
+            ours.agenerate(
+                GenRequest(prompt, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}, "held-1")
+            )
+        )
+        await wait_decoding(client)
+        ours.pause()
+        await client.post("/pause_generation", json={"mode": "abort"})
+        try:
+
+            async def aborted() -> bool:
+                return ours.counters["aborts"] >= 1
+
+            await wait_until(aborted, what="the abort answer")
+            ours.resume()
+            await wait_for(ours.reposted(timeout_s=30), 30)  # re-posted: the paused server holds it
+            assert ours.counters["resumes"] == 1
+            assert await held(task)
+        finally:
+            await client.post("/continue_generation", json={})
+        res = await wait_for(task, 120)
+    finally:
+        await ours.aclose()
+    assert res.finish_reason == "length" and len(res.output_ids) == n
+    assert res.output_ids == await _uninterrupted(client, prompt, n)
+    assert res.aborts == 1 and res.posts == 2
+    assert res.cached_tokens[1] >= len(prompt)  # the re-post's prefix came from the cache

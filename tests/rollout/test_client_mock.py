@@ -273,3 +273,44 @@ async def test_resume_wakes_held_requests_a_server_at_a_time_in_turn() -> None:
     _, first, last, reposts, every_server = client.reposts[-1]
     assert reposts == 6 and first <= every_server <= last
     await client.aclose()
+
+
+async def test_reposted_returns_once_every_server_has_its_first_held_request_posting() -> None:
+    """PolicySync continues the servers after ``resume()``: by then each server that had held
+    requests must have one posting again (a paused server holds it), so none continues idle."""
+    gate = asyncio.Event()
+
+    async def slow(b: dict) -> httpx.Response:
+        await gate.wait()
+        return reply([7], "length")
+
+    script = Script(a=[slow], b=[slow])
+    client = SGLangClient([A, B], FAST, transport=script.transport())
+    await wait_for(client.reposted(), 1)  # nothing held: at once
+    client.pause()
+    tasks = []
+    for rid, url in [("a0", A), ("a1", A), ("a2", A), ("b0", B)]:
+        client._sticky[rid] = url
+        tasks.append(asyncio.create_task(client.agenerate(GenRequest([1], {"max_new_tokens": 1}, rid=rid))))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    client.resume()
+    await wait_for(client.reposted(), 1)
+    assert {h for h, _ in script.posts} == {"a", "b"}  # each server's first is out, not all
+    gate.set()
+    await wait_for(asyncio.gather(*tasks), 5)
+    await client.aclose()
+
+
+async def test_reposted_does_not_wait_for_a_held_request_whose_task_was_cancelled() -> None:
+    script = Script(a=[lambda b: reply([7], "length")])
+    client = SGLangClient([A], FAST, transport=script.transport())
+    client.pause()
+    task = asyncio.create_task(client.agenerate(GenRequest([1], {"max_new_tokens": 1}, rid="x")))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    client.resume()  # wakes it; it is cancelled before it runs
+    task.cancel()
+    await wait_for(client.reposted(timeout_s=30), 5)  # not the 30 s timeout
+    assert task.cancelled()
+    await client.aclose()

@@ -62,16 +62,22 @@ async def test_pause_for_weight_updates_mid_run(sim_server: str) -> None:
     run = asyncio.create_task(rollout.run())
 
     async with httpx.AsyncClient(base_url=sim_server, timeout=30) as admin:
+        waiting_at_continue: list[tuple[int, int]] = []  # (re-posted, waiting at the server)
 
         async def weight_update(v: int) -> None:
             rollout.pause()
             await admin.post("/pause_generation", json={"mode": "abort"})
             await admin.post("/update_weight_version", json={"new_version": str(v + 1)})
-            await admin.post("/continue_generation", json={})
             rollout.set_version(v + 1)
-            rollout.resume()
+            await rollout.resume()  # the held requests re-post; the paused server holds them
+            loads = (await admin.get("/v1/loads")).json()["loads"][0]
+            waiting_at_continue.append((rollout.client.reposts[-1][3], loads["num_waiting_reqs"]))
+            await admin.post("/continue_generation", json={})
 
         seen = await train(buf, gov, rollout, n // B, B, eta, on_step=weight_update)
+        # the server continued with work waiting whenever the pause had held requests
+        assert any(r for r, _ in waiting_at_continue), waiting_at_continue
+        assert all(w >= 1 for r, w in waiting_at_continue if r), waiting_at_continue
     await wait_for(run, 30)
     await client.aclose()
     assert sorted(seen) == sorted(f"arithmetic/e0/{i}" for i in range(n))

@@ -124,6 +124,24 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
                     "gen_versions": [g["meta_info"]["weight_version"] for g in gens],
                 }
             )
+    # keep_paused: the server stays paused after the push, holding what is posted, until the
+    # caller continues it (PolicySync re-posts held requests first)
+    cfg.method, cfg.pause_mode = "distributed", "abort"
+    train(trainer, batch(50))
+    stats = pusher.push(trainer.version, keep_paused=True)
+    if rank == 0:
+        held = pool.submit(
+            client.post, url + "/generate", json={"input_ids": [5, 6, 9], "sampling_params": LONG}
+        )
+        time.sleep(1.0)
+        was_held = not held.done()
+        client.post(url + "/continue_generation", json={}).raise_for_status()
+        gen = held.result(timeout=120).json()
+        keep = {"left_paused": stats["left_paused"], "held": was_held,
+                "finish": gen["meta_info"]["finish_reason"]["type"],
+                "gen_version": gen["meta_info"]["weight_version"], "version": trainer.version}  # fmt: skip
+        (out / "push_keep.json").write_text(json.dumps(keep))
+    dist.barrier()
     # a server that refuses the session (someone else's is open): every rank raises, the server is
     # left generating with that session still open, and once it is closed the next push goes through
     cfg.method = "distributed"

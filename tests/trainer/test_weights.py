@@ -82,6 +82,12 @@ def test_push_to_reference_server_under_each_pause_mode(tmp_path):
             assert r["gen_versions"] == [str(r["version"])] * 2, case
     versions = [r["version"] for r in results]
     assert versions == sorted(set(versions))  # every push carried a new version
+    # keep_paused: left paused, a request posted after the push waited for the caller's continue,
+    # then ran under the pushed version
+    keep = json.loads((tmp_path / "push_keep.json").read_text())
+    assert keep["left_paused"] == 1.0 and keep["held"], keep
+    assert keep["finish"] == "length" and keep["gen_version"] == str(keep["version"]), keep
+    versions.append(keep["version"])
     # the refused push: both ranks raised, nothing was left paused, the other session was left
     # alone, the retry went through
     r0, r1 = (json.loads((tmp_path / f"push_failure{r}.json").read_text()) for r in (0, 1))
