@@ -3,9 +3,11 @@
 Ours: an embedded ``rlactors.init()`` cluster with a GovernorActor, a BufferActor and N RolloutActors
 (each a process, sharding the prompt source and, with ``--shard-servers``, the servers), and a driver
 loop that does what recipes/gsm8k_grpo.py does with the trainer taken out: ``buffer.get_batch`` ->
-every ``--pause-every`` steps the publish sequence (rollouts ``pause`` -> servers
-``/pause_generation`` (abort) -> ``/continue_generation`` -> governor and rollouts ``set_version`` ->
-rollouts ``resume``), else the version bump alone. AReaL (``--areal PYTHON``): bench/areal_client.py
+every ``--pause-every`` steps the publish sequence as nodes/policy_sync.py does it (rollouts
+``pause`` -> servers ``/pause_generation`` (abort) -> [``--push-s``] -> governor and rollouts
+``set_version`` -> rollouts ``resume``, which returns once each server with held requests has one
+re-posted, held by the paused server -> ``/continue_generation``; ``--orders continue-first`` continues
+before ``set_version``, AReaL's order), else the version bump alone. AReaL (``--areal PYTHON``): bench/areal_client.py
 in its own venv, same servers, prompts, K, max new tokens, batch, eta, concurrency and pauses.
 Variants run one after another in each repeat, on the same servers (bench/simfarm.py: many sim
 servers per process).
@@ -15,14 +17,15 @@ Measured after ``--warmup-steps`` batches, for ``--seconds``:
 - client CPU per call: CPU time of the plane's processes (rollout actors + governor + buffer) per
   call; also the driver and runtime daemons, reported apart; for AReaL its whole process tree
   (trainer loop, executor thread, reward process pool);
-- resume gap: ``/continue_generation`` -> the next ``/generate`` at that server (median, max);
+- resume gap: ``/continue_generation`` -> the server's first step with a request to run (median,
+  max; server-side, bench/simfarm.py): how long a continued server sits idle;
 - cached share: prefix tokens of resumed requests (input = an aborted request's tokens) served
   from the server's cache; requests in flight (server-side, max over steps, and the farm-wide peak
   from bench/simfarm.py's per-process counts: ``farm_inflight_peak``, lower and upper bound);
   staleness max; errors;
-- where the resume gap goes (printed under each row): the driver's continue fan-out, its end ->
-  ``resume()`` in each rollout actor, and ``resume()`` -> the first, every server's first, and the
-  last held request re-posted (the client's ``reposts``).
+- around the resume (printed under each row): the driver's continue fan-out, the time between it
+  and the resume RPCs, the resume call -> ``resume()`` in each rollout actor, and ``resume()`` ->
+  the first, every server's first, and the last held request re-posted (the client's ``reposts``).
 
     python bench/rollout.py --servers 16 --actors 1 2 --areal /tmp/areal14/V/bin/python
     python bench/rollout.py --servers 64 --batch 1024 --eta 1 --concurrency 4096 --n-samples 1   # the stall
@@ -117,7 +120,9 @@ def driver_cpu_s(exclude: list[int]) -> float:
     return cpu_s([os.getpid()]) - cpu_s(exclude)
 
 
-async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids: list[int]) -> dict[str, Any]:
+async def ours(
+    urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids: list[int], continue_first: bool = False
+) -> dict[str, Any]:
     """The plane through actors, driven as the recipe drives it."""
     B, K, eta, C = a.batch, a.n_samples, a.eta, a.concurrency
     prompts = {"kind": "arithmetic", "n": a.prompts, "epochs": None, "shuffle": True}
@@ -151,14 +156,21 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
                 await asyncio.gather(*(r.pause() for r in rollouts))
                 await servers_post(http, urls, "/pause_generation", {"mode": "abort"})
                 await asyncio.sleep(a.push_s)  # the weight push
-                p = {"measured": sampler_started, "cont0": time.monotonic()}
-                await servers_post(http, urls, "/continue_generation", {})
-                p["cont1"] = time.monotonic()
-                await gov.set_version(version + 1)
-                await asyncio.gather(*(r.set_version(version + 1) for r in rollouts))
+                p: dict[str, Any] = {"measured": sampler_started}
+                if continue_first:  # AReaL's order (and ours before): continue, then re-post
+                    p["cont0"] = time.monotonic()
+                    await servers_post(http, urls, "/continue_generation", {})
+                    p["cont1"] = time.monotonic()
+                await asyncio.gather(
+                    gov.set_version(version + 1), *(r.set_version(version + 1) for r in rollouts)
+                )
                 p["res0"] = time.monotonic()
                 await asyncio.gather(*(r.resume() for r in rollouts))
                 p["res1"] = time.monotonic()
+                if not continue_first:  # PolicySync's: re-post to the paused servers, then continue
+                    p["cont0"] = time.monotonic()
+                    await servers_post(http, urls, "/continue_generation", {})
+                    p["cont1"] = time.monotonic()
                 pauses.append(p)
             else:
                 await gov.set_version(version + 1)
@@ -187,7 +199,10 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
     errors = sum(
         s["client_errors"] + s["client_retries"] + s["client_failovers"] + s["episodes_failed"] for s in stats
     )
-    return {**out, "variant": f"ours, {n_actors} rollout actor{'s' if n_actors > 1 else ''}", "steps": steps,
+    variant = f"ours, {n_actors} rollout actor{'s' if n_actors > 1 else ''}" + (
+        ", continue first" * continue_first
+    )
+    return {**out, "variant": variant, "steps": steps,
             "cpu_us_per_call": 1e6 * sum(cpu) / calls, "rollout_us_per_call": 1e6 * sum(cpu[2:]) / calls,
             "buffer_us_per_call": 1e6 * cpu[1] / calls, "governor_us_per_call": 1e6 * cpu[0] / calls,
             "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
@@ -197,20 +212,22 @@ async def ours(urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids:
 
 
 def resume_split(pauses: list[dict[str, Any]], reposts: list[list[list[float]]]) -> dict[str, Any]:
-    """Where the resume gap goes, per measured pause (medians / maxima over pauses and actors, ms):
-    the driver's /continue_generation fan-out; its end -> resume() running in the rollout actor (the
-    set_version RPCs, then the actor's loop getting to the call); resume() -> the first and the last
-    held request re-posted, and until every server with held requests had its first (client-side)."""
+    """Where the time around a resume goes, per measured pause (medians / maxima over pauses and
+    actors, ms): the driver's /continue_generation fan-out; between it and the resume RPCs (continue
+    end -> resume call under ``--orders continue-first``, else resume returned -> continue start); the
+    resume call -> resume() running in the actor; resume() -> the first and the last held request
+    re-posted, and until every server with held requests had its first (client-side)."""
     rows = []
     for actor in reposts:
         for p, r in zip(pauses[-len(actor) :] if actor else [], actor, strict=True):
             if p["measured"]:
-                rows.append((1e3 * (p["cont1"] - p["cont0"]), 1e3 * (p["res0"] - p["cont1"]),
-                             1e3 * (r[0] - p["cont1"]), r[1], r[4], r[2], r[3]))  # fmt: skip
+                between = p["res0"] - p["cont1"] if p["cont0"] < p["res0"] else p["cont0"] - p["res1"]
+                rows.append((1e3 * (p["cont1"] - p["cont0"]), 1e3 * between, 1e3 * (r[0] - p["res0"]),
+                             r[1], r[4], r[2], r[3]))  # fmt: skip
     if not rows:
         return {}
     cols = list(zip(*rows, strict=True))
-    keys = ("continue_fanout", "continue_to_resume_call", "continue_to_resume_in_actor", "resume_to_first_repost",
+    keys = ("continue_fanout", "between_continue_and_resume", "resume_call_to_actor", "resume_to_first_repost",
             "resume_to_every_server_reposted", "resume_to_last_repost")  # fmt: skip
     out = {
         f"{k}_ms": (round(statistics.median(c), 1), round(max(c), 1))
@@ -317,6 +334,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=1024, help="per server, per rollout actor")
     ap.add_argument("--pause-every", type=int, default=1, help="steps per pause (0: version bumps only)")
     ap.add_argument("--push-s", type=float, default=0.0, help="a weight push's time: pause -> continue")
+    ap.add_argument("--orders", nargs="+", default=["resume-first"], choices=["resume-first", "continue-first"],
+                    help="ours: re-post to paused servers, then continue (PolicySync), or continue first "
+                         "(AReaL's order; ours before); several run interleaved")  # fmt: skip
     ap.add_argument("--decode-s", type=float, default=0.01, help="sim server seconds per decode step")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -340,10 +360,11 @@ def main() -> None:
     try:
         farm.wait_ready()
         for rep in range(a.repeats):
-            for variant in [*(("ours", n) for n in a.actors), *((("areal", 0),) if a.areal else ())]:
+            ours_ = [("ours", n, o == "continue-first") for n in a.actors for o in a.orders]
+            for variant in [*ours_, *((("areal", 0, True),) if a.areal else ())]:
                 t = time.monotonic()
                 r = asyncio.run(
-                    ours(farm.urls, a, variant[1], farm.pids())
+                    ours(farm.urls, a, variant[1], farm.pids(), variant[2])
                     if variant[0] == "ours"
                     else areal(farm.urls, a)
                 )

@@ -5,8 +5,10 @@ cores; here each port gets its own Engine (scheduler, radix cache) and its own u
 all on one event loop. Requests see exactly the reference server's app (``create_app``).
 
 Each server also records, for the benchmark, what only the server can see the same way for
-every client: the gap from ``/continue_generation`` to the next ``/generate`` (how soon a client
-re-posts after a pause), and the share of a resumed request's prefix served from the cache (a
+every client: the gap from ``/continue_generation`` to the scheduler's first step with a request
+to run (how long a continued server sits idle: a client that re-posts after the continue makes it
+wait for the re-post; requests posted during the pause wait in the queue and run at once), and the
+share of a resumed request's prefix served from the cache (a
 request whose input is exactly the tokens of a request aborted by a pause). ``GET /bench_stats``
 returns them; ``POST /bench_reset`` clears them.
 
@@ -86,7 +88,7 @@ def farm_inflight(loads: list[dict[str, Any]]) -> tuple[int, int]:
 
 
 class _Probe:
-    """Resume gaps and resumed-prefix cache hits of one server's scheduler (wraps three methods)."""
+    """Resume gaps and resumed-prefix cache hits of one server's scheduler (wraps four methods)."""
 
     def __init__(self, sched: Any, report_load: bool) -> None:
         self.sched, self.report_load = sched, report_load
@@ -94,7 +96,7 @@ class _Probe:
         self.resumed_prefix = self.resumed_cached = self.resumed = self.generates = 0
         self._continued_at: float | None = None
         self._aborted: set[int] = set()
-        pause, resume, submit = sched.pause, sched.resume, sched.submit
+        pause, resume, submit, step = sched.pause, sched.resume, sched.submit, sched._step
 
         async def pause_(mode: str) -> None:
             if mode == "abort":  # what a client will re-post: prompt + what was generated
@@ -107,9 +109,6 @@ class _Probe:
 
         def submit_(seq: Any, return_logprob: bool) -> asyncio.Future:
             self.generates += 1
-            if self._continued_at is not None:
-                self.gaps.append(time.monotonic() - self._continued_at)
-                self._continued_at = None
             fut = submit(seq, return_logprob)
             _LOAD.add(1)
             fut.add_done_callback(lambda _f: _LOAD.add(-1))
@@ -121,7 +120,13 @@ class _Probe:
                     fut.add_done_callback(lambda _f, r=req, n=len(seq.input_ids) - 1: self._hit(r, n))
             return fut
 
-        sched.pause, sched.resume, sched.submit = pause_, resume_, submit_
+        async def step_() -> bool:
+            if self._continued_at is not None and (sched.waiting or sched.running):
+                self.gaps.append(time.monotonic() - self._continued_at)
+                self._continued_at = None
+            return await step()
+
+        sched.pause, sched.resume, sched.submit, sched._step = pause_, resume_, submit_, step_
 
     def _hit(self, req: Any, prefix: int) -> None:
         self.resumed += 1
