@@ -105,12 +105,18 @@ async def wait_until(pred: Callable[[], Awaitable[bool]], timeout_s: float = 30.
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what or pred}")
 
 
-async def load(client: httpx.AsyncClient) -> tuple[int, int]:
-    """(running, waiting) request counts from SGLang's ``/v1/loads``."""
+async def _loads(client: httpx.AsyncClient, *keys: str) -> tuple[int, ...]:
+    """``keys`` of SGLang's ``/v1/loads``, each summed over its entries (data-parallel ranks)."""
     r = await client.get("/v1/loads")
     r.raise_for_status()
     entries = r.json()["loads"]
-    return sum(e["num_running_reqs"] for e in entries), sum(e["num_waiting_reqs"] for e in entries)
+    return tuple(sum(e[k] for e in entries) for k in keys)
+
+
+async def load(client: httpx.AsyncClient) -> tuple[int, int]:
+    """(running, waiting) request counts from SGLang's ``/v1/loads``."""
+    running, waiting = await _loads(client, "num_running_reqs", "num_waiting_reqs")
+    return running, waiting
 
 
 async def wait_load(
@@ -139,11 +145,7 @@ async def wait_decoding(client: httpx.AsyncClient, running: int = 1, steps: int 
     grown = [0]
 
     async def ok() -> bool:
-        r = await client.get("/v1/loads")
-        r.raise_for_status()
-        entries = r.json()["loads"]
-        n = sum(e["num_running_reqs"] for e in entries)
-        used = sum(e["num_used_tokens"] for e in entries)
+        n, used = await _loads(client, "num_running_reqs", "num_used_tokens")
         if n != running:
             last[0], grown[0] = None, 0
             return False
