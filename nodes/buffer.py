@@ -206,6 +206,29 @@ class TrajectoryBuffer:
         self._c["begun"] += 1
         return True
 
+    def begin_many(self, holder_id: str, episodes: Sequence[Sequence[Any]], admit_version: int) -> list[bool]:
+        """:meth:`begin` a grant's episodes, ``(group_id, item)`` pairs, in one call (one round trip
+        per grant, not per episode). Checked first: if one is in flight for ``holder_id`` already, or
+        named twice, ValueError and nothing is recorded.
+
+        Unlike :meth:`begin`, a refused one (its group was accepted) leaves its lease with the caller,
+        who returns it to the governor: so each lease is settled once even if this answer is lost (the
+        caller then abandons each; what the buffer did not record, the caller returns)."""
+        gids = [str(e[0]) for e in episodes]
+        if len(set(gids)) < len(gids):
+            raise ValueError(f"buffer: {holder_id!r} began a group twice in one call: {gids}")
+        twice = [g for g in gids if (holder_id, g) in self._in_flight]
+        if twice:
+            raise ValueError(f"buffer: {holder_id!r} began groups {twice} twice")
+        out = []
+        for (_, item), group_id in zip(episodes, gids, strict=True):
+            if group_id in self._accepted_ids:
+                self._c["refused_begin"] += 1
+                out.append(False)
+            else:
+                out.append(self.begin(holder_id, group_id, item, admit_version))
+        return out
+
     def put(self, holder_id: str, group: TrajectoryGroup, admit_version: int | None = None) -> bool:
         """Accept a finished group (True), or ignore a duplicate (False). The group must be valid."""
         group.validate()

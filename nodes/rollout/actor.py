@@ -11,9 +11,9 @@ the re-queued episodes; :class:`RolloutHandle` lets a driver's calls survive the
 Order of an admission: acquire a batch of grants (one call for up to ``acquire_batch``
 episodes) -> raise the client's version to the grant's (token versions are never older
 than the admission version: the staleness argument needs it) -> take re-queued episodes
-first, then fresh prompts -> ``begin`` them at the buffer, all at once -> run. Leases are
-released by the buffer on ``put``/``abandon``; grants left unused (source exhausted) are returned
-here.
+first, then fresh prompts -> ``begin_many`` them at the buffer, one call per grant -> run. Leases
+are released by the buffer on ``put``/``abandon``; grants left unused (source exhausted, or refused
+by the buffer: already trained) are returned here.
 """
 
 from __future__ import annotations
@@ -203,25 +203,26 @@ class Rollout:
         return list(picked.items())
 
     async def _begin_all(self, picked: list[tuple[str, Any]], version: int) -> list[bool | BaseException]:
-        """``begin`` each picked prompt at the buffer, all at once: with the buffer an actor, one at a
-        time would hold the episodes in flight to one per round trip. Each answer, or its error."""
-
-        async def begin(gid: str, item: Any) -> bool:
-            return bool(await _aw(self.buffer.begin(self.holder_id, gid, item, version)))
-
-        return await asyncio.gather(*(begin(gid, item) for gid, item in picked), return_exceptions=True)
+        """``begin`` the picked prompts at the buffer, all in one call: with the buffer an actor, a
+        round trip per episode would hold the episodes in flight to one per round trip. Each answer,
+        or the call's error for each."""
+        try:
+            return list(await _aw(self.buffer.begin_many(self.holder_id, picked, version)))
+        except Exception as e:
+            return [e] * len(picked)
 
     async def _settle_begins(self, picked: list[tuple[str, Any]], began: list[bool | BaseException]) -> int:
-        """Start the episodes begun; how many grants that settled. If a begin failed (or was cancelled:
-        ``began`` is short) none is started and all are abandoned, as they are if stop() came."""
+        """Start the episodes begun; how many grants the buffer now holds (it releases them). A
+        refused one (already trained) is the caller's to return. If the call failed (or was
+        cancelled: ``began`` is short) none is started and all are abandoned, as they are if stop()
+        came."""
         failed = len(began) < len(picked) or any(isinstance(b, BaseException) for b in began)
         settled, unknown, drop = 0, [], []
         for i, (gid, item) in enumerate(picked):
             b = began[i] if i < len(began) else None
             if b is None or isinstance(b, BaseException):
                 unknown.append(gid)  # the answer may be lost after the buffer recorded it
-            elif not b:  # already trained (a replayed source): the buffer released the lease
-                settled += 1
+            elif not b:  # already trained (a replayed source): its grant goes back from us
                 self.counters["refused_begin"] += 1
             elif failed or self._stopping:
                 settled += 1  # the buffer holds the lease: the abandon gives it back
@@ -303,10 +304,16 @@ class Rollout:
         return False
 
     async def _cancel_all(self) -> None:
-        tasks = list(self._tasks.values())
-        for t in tasks:
+        tasks = dict(self._tasks)
+        for t in tasks.values():
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        # A task cancelled before its first step never ran its body, so neither its abandon nor
+        # its finally: its lease would stay in flight at the buffer and hold back every batch.
+        never_ran = [gid for gid in tasks if gid in self._tasks]
+        for gid in never_ran:
+            del self._tasks[gid]
+        await asyncio.gather(*(self._abandon(gid) for gid in never_ran))
 
 
 class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):

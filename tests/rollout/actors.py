@@ -9,8 +9,8 @@ from nodes.buffer import BufferActor
 
 
 class SlowBeginBuffer(BufferActor):
-    """A buffer whose ``begin`` answers after 20 ms, as a busy buffer actor's does, and counts the
-    begins waiting at once: an admission that waits for one begin at a time never has two."""
+    """A buffer whose ``begin_many`` answers after 20 ms, as a busy buffer actor's does, and counts the
+    episodes whose begins wait at once: an admission that begins one episode at a time never has two."""
 
     delay_s = 0.02
 
@@ -18,14 +18,14 @@ class SlowBeginBuffer(BufferActor):
         super().__init__(*args, **kwargs)
         self.begins_waiting = self.peak_begins_waiting = 0
 
-    async def begin(self, holder_id: str, group_id: str, item: Any, admit_version: int) -> bool:  # type: ignore[override]
-        self.begins_waiting += 1
+    async def begin_many(self, holder_id: str, episodes: Any, admit_version: int) -> list[bool]:  # type: ignore[override]
+        self.begins_waiting += len(episodes)
         self.peak_begins_waiting = max(self.peak_begins_waiting, self.begins_waiting)
         try:
             await asyncio.sleep(self.delay_s)
         finally:
-            self.begins_waiting -= 1
-        return super().begin(holder_id, group_id, item, admit_version)
+            self.begins_waiting -= len(episodes)
+        return super().begin_many(holder_id, episodes, admit_version)
 
     def peak_begins(self) -> int:
         """The most begins that were waiting at once."""

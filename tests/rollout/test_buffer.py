@@ -45,6 +45,27 @@ def test_begin_of_an_accepted_group_is_refused_and_its_lease_released() -> None:
     assert gov.running == 0 and gov.accepted == 1
 
 
+def test_begin_many_records_a_grant_and_leaves_a_refused_lease_with_the_caller() -> None:
+    gov = StalenessGovernor(GovernorConfig(batch_size=1, max_staleness=4, max_concurrent=10))
+    buf = TrajectoryBuffer(governor=gov, done_ids=["b"])
+    gov.try_acquire("h", 3)
+    assert buf.begin_many("h", [("a", {"q": 1}), ["b", None], ("c", 3)], 0) == [True, False, True]
+    assert buf.in_flight == 2 and buf.stats()["refused_begin"] == 1
+    assert gov.running == 3  # b's lease was not released: the caller returns that grant
+    assert buf.abandon("h", "a") and not buf.abandon("h", "b")
+    assert gov.running == 2
+
+
+def test_begin_many_records_nothing_when_one_is_in_flight_already() -> None:
+    buf = TrajectoryBuffer()
+    buf.begin_many("h", [("a", None)], 0)
+    with pytest.raises(ValueError, match="twice"):
+        buf.begin_many("h", [("x", None), ("a", None)], 0)
+    with pytest.raises(ValueError, match="twice"):
+        buf.begin_many("h", [("y", None), ("y", None)], 0)
+    assert buf.in_flight == 1 and buf.stats()["begun"] == 1
+
+
 def test_invalid_group_is_rejected_whole() -> None:
     buf = TrajectoryBuffer()
     bad = group("a")

@@ -129,11 +129,11 @@ async def test_a_put_that_keeps_failing_releases_its_lease_and_training_goes_on(
 class FlakyBeginBuffer(TrajectoryBuffer):
     fail = True
 
-    def begin(self, holder_id: str, group_id: str, item: Any, admit_version: int) -> bool:
+    def begin_many(self, holder_id: str, episodes: Any, admit_version: int) -> list[bool]:
         if self.fail:
             self.fail = False
             raise ConnectionError("buffer call timed out")
-        return super().begin(holder_id, group_id, item, admit_version)
+        return super().begin_many(holder_id, episodes, admit_version)
 
 
 async def test_grants_go_back_when_the_buffer_fails_a_begin() -> None:
@@ -301,10 +301,12 @@ class AsyncBuffer(Watched):
         super().__init__()
         self.core, self.begin_delay, self.lose, self.gate = core, begin_delay, lose_answer_of, gate
         self.fail = fail_begin_of
-        self.begins_waiting = self.peak_begins_waiting = 0
+        self.begins_waiting = self.peak_begins_waiting = self.begin_calls = 0
 
-    async def begin(self, h, g, item, v):
-        self.begins_waiting += 1
+    async def begin_many(self, h, episodes, v):
+        n = len(episodes)
+        self.begin_calls += 1
+        self.begins_waiting += n
         self.peak_begins_waiting = max(self.peak_begins_waiting, self.begins_waiting)
         self.note()
         try:
@@ -312,12 +314,13 @@ class AsyncBuffer(Watched):
             if self.gate is not None:
                 await self.gate.wait()
         finally:
-            self.begins_waiting -= 1
-        if g == self.fail:
-            raise ConnectionError("buffer unreachable (the begin never landed)")
-        ok = self.core.begin(h, g, item, v)
-        if g == self.lose:
-            raise TimeoutError("buffer call timed out (the begin landed, its answer was lost)")
+            self.begins_waiting -= n
+        gids = [g for g, _ in episodes]
+        if self.fail in gids:
+            raise ConnectionError("buffer unreachable (the begins never landed)")
+        ok = self.core.begin_many(h, episodes, v)
+        if self.lose in gids:
+            raise TimeoutError("buffer call timed out (the begins landed, the answer was lost)")
         return ok
 
     async def take_requeued(self, n, h=None, v=None):
@@ -354,17 +357,17 @@ async def test_stop_during_the_begins_starts_nothing() -> None:
     assert gov.running == 0 and core.in_flight == 0 and gov.stats()["over_finish"] == 0
 
 
-async def test_the_begins_of_a_grant_overlap() -> None:
+async def test_a_grant_is_begun_in_one_call() -> None:
     """Issue 14: with the buffer an actor each begin is a round trip; begun one at a time, episodes
-    in flight stayed far below the configured concurrency. A grant's begins must be on the wire
-    together, and its episodes all start after one round trip."""
+    in flight stayed far below the configured concurrency. A grant's episodes are begun in one call,
+    and all start after one round trip."""
     wf = FakeWorkflow(delay=30.0)
     gov, core, r = make_async(
         64, wf, lambda c: AsyncBuffer(c, begin_delay=0.05), B=16, max_inflight=32, acquire_batch=16
     )
     run = asyncio.create_task(r.run())
     await wf.until(lambda: len(wf.started) == 32)  # two grants of 16
-    assert r.buffer.peak_begins_waiting == 16  # one at a time, this was 1
+    assert r.buffer.begin_calls == 2 and r.buffer.peak_begins_waiting == 16  # one at a time: 32 calls, 1
     assert wf.started == [f"p/{i}" for i in range(32)]  # prompts still taken in source order
     assert gov.leases("h0") == core.in_flight == 32
     await r.stop()
@@ -372,32 +375,65 @@ async def test_the_begins_of_a_grant_overlap() -> None:
     assert gov.running == 0 and core.in_flight == 0 and gov.stats()["over_finish"] == 0
 
 
-async def test_a_failed_begin_among_overlapping_ones_settles_every_grant_once() -> None:
-    """One begin of a grant fails, one is refused (already trained), the others land: nothing of the
-    grant starts, the landed ones are abandoned, only the failed one's grant comes back from us."""
+async def test_stop_in_the_turn_episodes_start_gives_their_leases_back() -> None:
+    """A task cancelled before its first step never runs its body (nor its abandon): stop() must
+    still settle it, or its lease stays in flight at the buffer and holds back every batch."""
+    wf = FakeWorkflow(delay=5.0)
+    gov, buf, r = make(4, B=4, wf=wf)
+    assert gov.try_acquire("h0", 2).n == 2
+    assert buf.begin("h0", "p/0", {"q": 0}, 0) and buf.begin("h0", "p/1", {"q": 1}, 0)
+    r._start("p/0", {"q": 0})
+    r._start("p/1", {"q": 1})
+    await r.stop()  # in the same turn: neither episode ran a step
+    assert wf.started == []
+    assert buf.in_flight == 0 and gov.running == 0 and r.inflight == 0 and buf.stats()["abandoned"] == 2
+
+
+def _one_grant(**buf: Any) -> tuple[StalenessGovernor, TrajectoryBuffer, Rollout, FakeWorkflow]:
+    """A grant of 6 (p/0..p/5) of which p/1 was trained already."""
     gov = StalenessGovernor(GovernorConfig(8, 1, max_concurrent=64))
     core = TrajectoryBuffer(BufferConfig(max_staleness=1), governor=gov, done_ids=["p/1"])
-    buf = AsyncBuffer(core, lose_answer_of="p/4", fail_begin_of="p/2")  # p/4 lands unanswered
     wf = FakeWorkflow()
     prompts = iter([(f"p/{i}", {"q": i}) for i in range(8)])
     client = SGLangClient(["http://unused:1"])
-    r = Rollout("h0", client, wf, prompts, gov, buf, RolloutConfig(acquire_batch=6))
+    return (
+        gov,
+        core,
+        Rollout("h0", client, wf, prompts, gov, AsyncBuffer(core, **buf), RolloutConfig(acquire_batch=6)),
+        wf,
+    )
+
+
+async def test_a_begin_call_that_never_landed_returns_the_whole_grant() -> None:
+    gov, core, r, wf = _one_grant(fail_begin_of="p/2")
     with pytest.raises(ConnectionError):
         await r.run()
-    assert wf.started == [] and core.in_flight == 0
-    assert r.counters["refused_begin"] == 1 and r.counters["returned_grants"] == 1  # p/2's only
+    assert wf.started == [] and core.in_flight == 0 and core.stats()["abandoned"] == 0
+    assert r.counters["returned_grants"] == 6
     assert gov.running == 0 and gov.leases("h0") == 0 and gov.stats()["over_finish"] == 0
-    assert core.stats()["abandoned"] == 4  # p/0, p/3, p/5 begun; p/4 landed unanswered
 
 
-async def test_a_begin_whose_answer_was_lost_is_settled_once() -> None:
-    gov, core, r = make_async(
-        4, FakeWorkflow(), lambda c: AsyncBuffer(c, lose_answer_of="p/1"), acquire_batch=4
-    )
+async def test_a_begin_call_whose_answer_was_lost_settles_every_grant_once() -> None:
+    """The begins landed (p/1 refused: trained already) but the answer was lost: nothing of the grant
+    starts; the five the buffer recorded are abandoned (it releases them), and only p/1's grant comes
+    back from us (the buffer left a refused one's lease with the caller, so it is not released twice)."""
+    gov, core, r, wf = _one_grant(lose_answer_of="p/4")
     with pytest.raises(TimeoutError):
         await r.run()
-    assert ("h0", "p/1") not in core._in_flight  # abandoned: nothing left to hold batches back
-    assert gov.leases("h0") == core.in_flight  # the governor and the buffer agree
+    assert wf.started == [] and core.in_flight == 0
+    assert core.stats()["abandoned"] == 5 and core.stats()["refused_begin"] == 1
+    assert r.counters["returned_grants"] == 1  # p/1's
+    assert gov.running == 0 and gov.leases("h0") == 0 and gov.stats()["over_finish"] == 0
+
+
+async def test_a_refused_begin_gives_its_grant_back_from_the_rollout() -> None:
+    gov, core, r, wf = _one_grant()
+    run = asyncio.create_task(r.run())
+    await wf.until(lambda: len(wf.started) == 5)
+    assert "p/1" not in wf.started and r.counters["refused_begin"] == 1 and r.counters["returned_grants"] >= 1
+    await r.stop()
+    await wait_for(run, 5)
+    assert gov.running == 0 and core.in_flight == 0 and gov.stats()["over_finish"] == 0
 
 
 async def test_a_requeued_group_the_holder_already_runs_is_not_begun_twice() -> None:
