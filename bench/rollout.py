@@ -83,21 +83,22 @@ def cpu_s(pids: list[int]) -> float:
 class Sampler:
     """Server-side counters between ``start`` and ``stop``, and requests in flight per step."""
 
-    def __init__(self, urls: list[str]) -> None:
-        self.urls, self.inflight = urls, 0
+    def __init__(self, urls: list[str], farm_pids: list[int]) -> None:
+        self.urls, self.farm_pids, self.inflight = urls, farm_pids, 0
 
     async def start(self) -> None:
         await probe_stats(self.urls, reset=True)
-        self.t = time.monotonic()
+        self.t, self.farm_cpu = time.monotonic(), cpu_s(self.farm_pids)
 
     async def sample(self) -> None:
         self.inflight = max(self.inflight, (await probe_stats(self.urls))["inflight"])
 
     async def stop(self) -> dict[str, Any]:
-        wall = time.monotonic() - self.t
+        wall, farm_cpu = time.monotonic() - self.t, cpu_s(self.farm_pids) - self.farm_cpu
         s = await probe_stats(self.urls)
         gaps = s["gaps"]
         return {"wall_s": wall, "calls": s["generates"], "calls_per_s": s["generates"] / wall,
+                "farm_us_per_call": 1e6 * farm_cpu / max(1, s["generates"]), "farm_cores": farm_cpu / wall,
                 "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else float("nan"),
                 "gap_ms_max": 1e3 * max(gaps) if gaps else float("nan"), "pauses_seen": len(gaps),
                 "resumed": s["resumed"], "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
@@ -143,7 +144,7 @@ async def ours(
                                                 shard=i, num_shards=n_actors, name=f"rollout-{i}"))  # fmt: skip
         actors = {x["name"]: x["pid"] for x in await cluster.actors()}
         plane = [actors["governor"], actors["buffer"], *(actors[f"rollout-{i}"] for i in range(n_actors))]
-        sampler = Sampler(urls)
+        sampler = Sampler(urls, farm_pids)
         version, staleness, in_flight = 0, 0, 0
         pauses: list[dict[str, Any]] = []  # driver's times (monotonic) per pause, to split the resume gap
 
@@ -254,14 +255,14 @@ def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
     return path.name
 
 
-async def areal(urls: list[str], a: argparse.Namespace) -> dict[str, Any]:
+async def areal(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> dict[str, Any]:
     """bench/areal_client.py in AReaL's venv; CPU of its whole process tree between 'warm' and 'done'."""
     spec = areal_spec(urls, a)
     run_dir = tempfile.mkdtemp(prefix="areal-run-")  # AReaL must not run where a folder is named 'ray'
     log = open(Path(run_dir) / "stderr.log", "w+")  # noqa: ASYNC230 (one file, before anything runs)
     proc = await asyncio.create_subprocess_exec(a.areal, str(ROOT / "bench" / "areal_client.py"), "--spec", spec,
                                                 cwd=run_dir, stdout=asyncio.subprocess.PIPE, stderr=log)  # fmt: skip
-    sampler = Sampler(urls)
+    sampler = Sampler(urls, farm_pids)
     result: dict[str, Any] = {}
     try:
 
@@ -337,6 +338,12 @@ def main() -> None:
     ap.add_argument("--orders", nargs="+", default=["resume-first"], choices=["resume-first", "continue-first"],
                     help="ours: re-post to paused servers, then continue (PolicySync), or continue first "
                          "(AReaL's order; ours before); several run interleaved")  # fmt: skip
+    ap.add_argument(
+        "--pin",
+        metavar="CLIENT:FARM",
+        help="CPU sets, e.g. 0:1: the client (driver, plane or AReaL's "
+        "tree) on the first, the sim servers on the second, so each side's rate is its own",
+    )
     ap.add_argument("--decode-s", type=float, default=0.01, help="sim server seconds per decode step")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -359,6 +366,12 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         farm.wait_ready()
+        if a.pin:  # children inherit affinity: the cluster's daemons and actors, AReaL's tree
+            client_cpus, farm_cpus = ({int(c) for c in part.split(",")} for part in a.pin.split(":"))
+            for pid in farm.pids():
+                for q in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+                    q.cpu_affinity(sorted(farm_cpus))
+            os.sched_setaffinity(0, client_cpus)
         for rep in range(a.repeats):
             ours_ = [("ours", n, o == "continue-first") for n in a.actors for o in a.orders]
             for variant in [*ours_, *((("areal", 0, True),) if a.areal else ())]:
@@ -366,7 +379,7 @@ def main() -> None:
                 r = asyncio.run(
                     ours(farm.urls, a, variant[1], farm.pids(), variant[2])
                     if variant[0] == "ours"
-                    else areal(farm.urls, a)
+                    else areal(farm.urls, a, farm.pids())
                 )
                 r["repeat"] = rep
                 results.append(r)
@@ -374,7 +387,8 @@ def main() -> None:
                 extra = {
                     k: v for k, v in r.items() if k.startswith(("farm_", "continue_", "resume_", "reposts_"))
                 }
-                print("   ", json.dumps({**extra, "errors": r["errors"]}), flush=True)
+                cores = {"client_cores": round(r["cpu_us_per_call"] * r["calls_per_s"] / 1e6, 2)}
+                print("   ", json.dumps({**extra, **cores, "errors": r["errors"]}), flush=True)
     finally:
         farm.close()
     cmd = "python bench/rollout.py " + " ".join(sys.argv[1:])
