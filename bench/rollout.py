@@ -60,6 +60,7 @@ from nodes.governor import GovernorActor, GovernorConfig  # noqa: E402
 from nodes.rollout.actor import RolloutActor  # noqa: E402
 from nodes.rollout.config import RolloutConfig  # noqa: E402
 from nodes.rollout.prompts import arithmetic_items  # noqa: E402
+from nodes.rollout.reward import RewardConfig  # noqa: E402
 from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow, WorkflowSpec  # noqa: E402
 from rlactors.aio import wait_for  # noqa: E402
 
@@ -127,8 +128,9 @@ async def ours(
     """The plane through actors, driven as the recipe drives it."""
     B, K, eta, C = a.batch, a.n_samples, a.eta, a.concurrency
     prompts = {"kind": "arithmetic", "n": a.prompts, "epochs": None, "shuffle": True}
-    wf = WorkflowSpec(config=RLVRConfig(n_samples=K, sampling_params={"max_new_tokens": a.max_new_tokens,
-                                                                      "temperature": 1.0}))  # fmt: skip
+    reward = RewardConfig(fn="cpu_reward:burn_reward") if a.reward_us else RewardConfig()
+    wf = WorkflowSpec(reward=reward, config=RLVRConfig(n_samples=K, sampling_params={
+        "max_new_tokens": a.max_new_tokens, "temperature": 1.0}))  # fmt: skip
     per_actor = -(-C // n_actors)
     cfg = RolloutConfig(
         n_actors=n_actors, max_inflight=per_actor, acquire_batch=min(per_actor, a.acquire_batch)
@@ -344,6 +346,13 @@ def main() -> None:
         help="CPU sets, e.g. 0:1: the client (driver, plane or AReaL's "
         "tree) on the first, the sim servers on the second, so each side's rate is its own",
     )
+    ap.add_argument(
+        "--reward-us",
+        type=int,
+        default=0,
+        help="ours: each reward call burns this much CPU "
+        "(bench/cpu_reward.py), as a costly checker does; AReaL's adapter is not changed",
+    )
     ap.add_argument("--decode-s", type=float, default=0.01, help="sim server seconds per decode step")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -353,6 +362,7 @@ def main() -> None:
         "--write", metavar="TITLE", help="append the table to bench/RESULTS.md under this heading"
     )
     a = ap.parse_args()
+    os.environ["RLACTORS_BENCH_REWARD_US"] = str(a.reward_us)  # the cluster's workers inherit it
 
     server_argv = [
         "--backend",
