@@ -199,9 +199,9 @@ async def ours(
             await r.stop()
     calls = max(1, out["calls"])
     cpu = [b - c for b, c in zip(cpu1, cpu0, strict=True)]
-    errors = sum(
-        s["client_errors"] + s["client_retries"] + s["client_failovers"] + s["episodes_failed"] for s in stats
-    )
+    kinds = ("client_errors", "client_retries", "client_failovers", "episodes_failed")
+    error_split = {k: sum(s[k] for s in stats) for k in kinds}
+    errors = sum(error_split.values())
     variant = f"ours, {n_actors} rollout actor{'s' if n_actors > 1 else ''}" + (
         ", continue first" * continue_first
     )
@@ -209,7 +209,7 @@ async def ours(
             "cpu_us_per_call": 1e6 * sum(cpu) / calls, "rollout_us_per_call": 1e6 * sum(cpu[2:]) / calls,
             "buffer_us_per_call": 1e6 * cpu[1] / calls, "governor_us_per_call": 1e6 * cpu[0] / calls,
             "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
-            "episodes_inflight_max": in_flight, "dropped_stale": bstats["dropped_stale"],
+            "episodes_inflight_max": in_flight, **({"errors_split": error_split} if errors else {}), "dropped_stale": bstats["dropped_stale"],
             "failures": [s["failure"] for s in stats if s.get("failure")],
             **resume_split(pauses, [s["resume_reposts"] for s in stats])}  # fmt: skip
 
@@ -395,7 +395,9 @@ def main() -> None:
                 results.append(r)
                 print(row(r), f"({time.monotonic() - t:.0f} s)", flush=True)
                 extra = {
-                    k: v for k, v in r.items() if k.startswith(("farm_", "continue_", "resume_", "reposts_"))
+                    k: v
+                    for k, v in r.items()
+                    if k.startswith(("farm_", "continue_", "resume_", "reposts_", "errors_"))
                 }
                 cores = {"client_cores": round(r["cpu_us_per_call"] * r["calls_per_s"] / 1e6, 2)}
                 print("   ", json.dumps({**extra, **cores, "errors": r["errors"]}), flush=True)

@@ -34,6 +34,7 @@ import structlog
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
 from nodes.rollout.pool import ServerPool, Session, WireError
 from rlactors.aio import wait_for
+from rlactors.logging import Throttle
 
 if TYPE_CHECKING:
     import httpx
@@ -128,6 +129,7 @@ class SGLangClient:
         self._lap_done = asyncio.Event()  # set once the first lap's last request is posting
         self._lap_done.set()
         self._background: set[asyncio.Task] = set()  # best-effort aborts on timed-out servers
+        self._retry_log = Throttle(log, "rollout.retry")  # a storm logs one line per interval
         self.version = version
         # per resume(): [when (monotonic), first re-post ms after it, last re-post ms, re-posts,
         # ms until every server with held requests had its first re-post]
@@ -371,6 +373,7 @@ class SGLangClient:
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 self.counters["retries"] += 1
+                self._retry_log(server=server.url, attempt=attempt, error=last)
                 delay = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 body = {**body, "rid": f"{body['rid']}-t{attempt}"}  # never collide with a lingering attempt
