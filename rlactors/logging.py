@@ -76,6 +76,12 @@ class Throttle:
                 return
             self._timer = loop.call_later(max(0.0, self._quiet_until - now), self._flush)
 
+    def flush(self) -> None:
+        """Write the count held back now (e.g. before the process ends), not when the interval ends."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._flush()
+
     def _flush(self) -> None:
         self._timer = None
         if self._repeats:

@@ -201,6 +201,7 @@ class SGLangClient:
 
     async def aclose(self) -> None:
         """Cancel background aborts and close every connection."""
+        self._retry_log.flush()
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

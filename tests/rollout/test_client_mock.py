@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from nodes.rollout.client import (
     ClientConfig,
@@ -172,10 +173,14 @@ async def test_5xx_is_retried_with_backoff_then_succeeds() -> None:
         a=[lambda b: httpx.Response(500), lambda b: httpx.Response(503), lambda b: reply([1], "stop")]
     )
     client = SGLangClient([A], FAST, transport=script.transport())
-    res = await client.agenerate(GenRequest([9], {"max_new_tokens": 4}))
-    assert res.output_ids == [1] and client.counters["retries"] == 2 and client.counters["failovers"] == 0
-    assert len({b["rid"] for _, b in script.posts}) == 3  # each attempt has its own rid
-    await client.aclose()
+    with capture_logs() as logs:
+        res = await client.agenerate(GenRequest([9], {"max_new_tokens": 4}))
+        assert res.output_ids == [1] and client.counters["retries"] == 2 and client.counters["failovers"] == 0
+        assert len({b["rid"] for _, b in script.posts}) == 3  # each attempt has its own rid
+        retries = [e for e in logs if e["event"] == "rollout.retry"]  # the first now, the second held back
+        assert len(retries) == 1 and retries[0]["error"] == "HTTP 500: " and retries[0]["server"] == A
+        await client.aclose()  # writes the count held back
+    assert [e.get("repeats") for e in logs if e["event"] == "rollout.retry"] == [None, 1]
 
 
 async def test_a_server_that_stays_down_loses_the_request_with_its_tokens_to_another() -> None:
