@@ -58,7 +58,7 @@ import rlactors  # noqa: E402
 from nodes.buffer import BufferActor  # noqa: E402
 from nodes.governor import GovernorActor, GovernorConfig  # noqa: E402
 from nodes.rollout.actor import RolloutActor  # noqa: E402
-from nodes.rollout.config import RolloutConfig  # noqa: E402
+from nodes.rollout.config import ClientConfig, RolloutConfig  # noqa: E402
 from nodes.rollout.prompts import arithmetic_items  # noqa: E402
 from nodes.rollout.reward import RewardConfig  # noqa: E402
 from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow, WorkflowSpec  # noqa: E402
@@ -133,16 +133,18 @@ async def ours(
         "max_new_tokens": a.max_new_tokens, "temperature": 1.0}))  # fmt: skip
     per_actor = -(-C // n_actors)
     cfg = RolloutConfig(
-        n_actors=n_actors, max_inflight=per_actor, acquire_batch=min(per_actor, a.acquire_batch)
+        n_actors=n_actors,
+        max_inflight=per_actor,
+        acquire_batch=min(per_actor, a.acquire_batch),
+        client=ClientConfig(max_connections_per_server=a.connections),
     )
-    client = {"max_connections_per_server": a.connections}
     async with rlactors.init() as cluster, aiohttp.ClientSession() as http:
         gov = await cluster.spawn(GovernorActor, GovernorConfig(B, eta, C), name="governor")
         buf = await cluster.spawn(BufferActor, gov, max_staleness=eta, name="buffer")
         rollouts = []
         for i in range(n_actors):
             mine = urls[i::n_actors] if a.shard_servers and len(urls) >= n_actors else urls
-            rollouts.append(await cluster.spawn(RolloutActor, mine, gov, buf, prompts, wf, config=cfg, client=client,
+            rollouts.append(await cluster.spawn(RolloutActor, mine, gov, buf, prompts, wf, config=cfg,
                                                 shard=i, num_shards=n_actors, name=f"rollout-{i}"))  # fmt: skip
         actors = {x["name"]: x["pid"] for x in await cluster.actors()}
         plane = [actors["governor"], actors["buffer"], *(actors[f"rollout-{i}"] for i in range(n_actors))]

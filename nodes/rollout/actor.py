@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 
 import rlactors
-from nodes.rollout.client import ClientConfig, SGLangClient
+from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
@@ -321,7 +321,7 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
 
     ``governor`` and ``buffer`` are handles or actor names. ``prompts`` is a spec (see
     nodes/rollout/prompts.py), ``workflow`` a :class:`WorkflowSpec`, ``config`` the
-    :class:`~nodes.rollout.config.RolloutConfig` (only its dispatch settings matter here). Its methods are
+    :class:`~nodes.rollout.config.RolloutConfig` (its dispatch settings and ``client``). Its methods are
     :class:`Rollout`'s (pause, resume, set_version, stop, ...), run on the actor's loop, and
     what this class adds.
     """
@@ -334,14 +334,13 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         prompts: dict[str, Any],
         workflow: WorkflowSpec,
         config: RolloutConfig | None = None,
-        client: dict[str, Any] | None = None,
         shard: int = 0,
         num_shards: int = 1,
         version: int = 0,
         autostart: bool = True,
     ) -> None:
         self._args = dict(servers=servers, governor=governor, buffer=buffer, prompts=prompts, workflow=workflow,
-                          config=config, client=client, shard=shard, num_shards=num_shards, version=version)  # fmt: skip
+                          config=config or RolloutConfig(), shard=shard, num_shards=num_shards, version=version)  # fmt: skip
         self._autostart = autostart
         self._run: asyncio.Task | None = None
         self.failure: str | None = None
@@ -364,7 +363,7 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         version = max(a["version"], (await governor.stats())["version"])
         accepted = await buffer.accepted_ids()
         workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
-        client = SGLangClient(a["servers"], ClientConfig(**(a["client"] or {})), version=version)
+        client = SGLangClient(a["servers"], a["config"].client, version=version)
         prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"], skip=accepted)
         super().__init__(holder_id, client, workflow, prompts, governor, buffer, a["config"])
         if self._autostart:

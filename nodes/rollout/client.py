@@ -32,6 +32,7 @@ import orjson
 import structlog
 
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
+from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, Session, WireError
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
@@ -53,22 +54,6 @@ log = structlog.get_logger(__name__)
 
 class NoServerAvailableError(GenerationError):
     """Every server failed this request after retries; the request cannot make progress."""
-
-
-@dataclass
-class ClientConfig:
-    """Timeouts, retry and pool settings of :class:`SGLangClient`."""
-
-    request_timeout_s: float = 3600.0  # one /generate; a hung server is detected by this
-    connect_timeout_s: float = 5.0
-    max_retries: int = 3  # per server per post, on transport errors and 5xx
-    backoff_base_s: float = 0.05
-    backoff_max_s: float = 2.0
-    down_cooldown_s: float = 10.0  # a failed server is skipped this long before being tried again
-    max_connections_per_server: int = 1024  # keep-alive connections; more requests queue for one
-    pause_timeout_s: float = 3600.0  # a resumed request waits at most this long for resume()
-    max_idle_aborts: int = 64  # consecutive aborts that returned no tokens before giving up
-    sticky_entries: int = 65536  # rid -> server entries kept (LRU) for multi-turn episodes
 
 
 @dataclass

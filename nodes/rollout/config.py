@@ -1,5 +1,6 @@
 """The rollout plane's configuration: how many rollout actors, how many episodes each runs at once,
-and what an episode is (the workflow, by import path, with its own settings).
+what an episode is (the workflow, by import path, with its own settings), and how the actors'
+SGLang client times out, retries and pools connections (``[rollout.client]``).
 
 Torch-free and registered with the codec: the recipe's ``[rollout]`` table is this class, and the
 same object travels to every rollout actor.
@@ -12,7 +13,33 @@ from typing import Any
 
 from protocols.codec import register
 
-__all__ = ["RolloutConfig"]
+__all__ = ["ClientConfig", "RolloutConfig"]
+
+
+@register
+@dataclass
+class ClientConfig:
+    """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
+
+    request_timeout_s: float = 3600.0  # one /generate; a hung server is detected by this
+    connect_timeout_s: float = 5.0  # the TCP connect alone; keep it well above the client loop's longest turn
+    max_retries: int = 3  # per server per post, on transport errors and 5xx
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 2.0
+    down_cooldown_s: float = 10.0  # a failed server is skipped this long before being tried again
+    max_connections_per_server: int = 1024  # keep-alive connections; more requests queue for one
+    pause_timeout_s: float = 3600.0  # a resumed request waits at most this long for resume()
+    max_idle_aborts: int = 64  # consecutive aborts that returned no tokens before giving up
+    sticky_entries: int = 65536  # rid -> server entries kept (LRU) for multi-turn episodes
+
+    def __post_init__(self) -> None:
+        for key in ("request_timeout_s", "connect_timeout_s", "pause_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"'{key}' must be > 0, got {getattr(self, key)!r}")
+        for key, lo in (("max_retries", 0), ("backoff_base_s", 0), ("backoff_max_s", 0), ("down_cooldown_s", 0),
+                        ("max_connections_per_server", 1), ("max_idle_aborts", 1), ("sticky_entries", 1)):  # fmt: skip
+            if getattr(self, key) < lo:
+                raise ValueError(f"'{key}' must be >= {lo}, got {getattr(self, key)!r}")
 
 
 @register
@@ -30,6 +57,7 @@ class RolloutConfig:
     workflow: str = "nodes.rollout.workflows:RLVRWorkflow"  # or ...:MultiTurnWorkflow, or yours
     # the workflow's own settings (fields of its config_class), e.g. {max_turns = 3} for MultiTurnWorkflow
     workflow_args: dict[str, Any] = field(default_factory=dict)
+    client: ClientConfig = field(default_factory=ClientConfig)  # [rollout.client]
 
     def __post_init__(self) -> None:
         for key, lo in (("n_actors", 1), ("max_inflight", 1), ("acquire_batch", 1), ("n_samples", 1),

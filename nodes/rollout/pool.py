@@ -15,7 +15,7 @@ import aiohttp
 if TYPE_CHECKING:
     import httpx
 
-    from nodes.rollout.client import ClientConfig
+    from nodes.rollout.config import ClientConfig
 
 __all__ = ["ServerPool", "Session", "WireError"]
 
