@@ -46,6 +46,19 @@ def test_overrides_and_errors() -> None:
         r.load_config(None, ["servers.backend=vllm"])
 
 
+def test_the_rollout_client_section_reaches_the_client_config_and_checks_its_values() -> None:
+    from nodes.rollout.config import ClientConfig
+
+    r = recipe_module()
+    cfg = r.load_config(None, ["rollout.client.connect_timeout_s=12.5", "rollout.client.max_retries=0"])
+    assert type(cfg.rollout.client) is ClientConfig
+    assert cfg.rollout.client.connect_timeout_s == 12.5 and cfg.rollout.client.max_retries == 0
+    with pytest.raises(r.ConfigError, match=r"connect_timeout_s' must be > 0"):
+        r.load_config(None, ["rollout.client.connect_timeout_s=0"])
+    with pytest.raises(r.ConfigError, match=r"unknown key 'rollout.client.retries'"):
+        r.load_config(None, ["rollout.client.retries=1"])
+
+
 def numeric_keys(cls: type, prefix: str = "") -> list[str]:
     """Numeric keys of the recipe's own sections (the components' sections check themselves)."""
     hints = typing.get_type_hints(cls)

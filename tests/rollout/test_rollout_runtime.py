@@ -70,3 +70,28 @@ async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -
     g, b = await gov.stats(), await buf.stats()
     assert g["running"] == 0 and g["accepted"] == N and b["ready"] == 0 and b["in_flight"] == 0
     assert g["holder_deaths"] == 1 and b["requeue_pending"] == 0
+
+
+async def test_the_rollout_configs_client_section_reaches_the_actors_client(cluster) -> None:
+    """[rollout.client] travels inside RolloutConfig: a server that refuses connections is retried as
+    many times as the actor's config says, not as the default."""
+    from nodes.rollout.config import ClientConfig
+
+    gov = await cluster.spawn(GovernorActor, GovernorConfig(B, ETA, 2), name="gov")
+    await cluster.spawn(BufferActor, "gov", name="buf")
+    fast = ClientConfig(max_retries=1, backoff_base_s=0.001, backoff_max_s=0.001, down_cooldown_s=0.01)
+    dead = "http://127.0.0.1:9"  # discard port: refused at once
+    r = await cluster.spawn(
+        RolloutActor, [dead], "gov", "buf", PROMPTS, WORKFLOW,
+        RolloutConfig(max_inflight=1, acquire_batch=1, acquire_timeout_s=1.0, client=fast), name="r",
+    )  # fmt: skip
+
+    async def failed_once() -> bool:
+        return (await r.stats())["episodes_failed"] >= 1
+
+    await wait_until(failed_once, timeout_s=30, what="an episode to fail on the dead server")
+    s = await r.stats()
+    # at most one retry per request, as configured (the default, 3, gave 10 for 4 requests)
+    assert 0 < s["client_retries"] <= s["client_requests"]
+    await r.stop()
+    assert (await gov.stats())["running"] == 0
