@@ -102,6 +102,9 @@ class Sampler:
                 "farm_us_per_call": 1e6 * farm_cpu / max(1, s["generates"]), "farm_cores": farm_cpu / wall,
                 "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else float("nan"),
                 "gap_ms_max": 1e3 * max(gaps) if gaps else float("nan"), "pauses_seen": len(gaps),
+                "farm_gap_ms_p90_p99": [round(1e3 * gaps[min(len(gaps) - 1, int(q * len(gaps)))], 1)
+                                        for q in (0.9, 0.99)] if gaps else None,
+                "farm_gaps_over_50ms": sum(g > 0.05 for g in gaps),
                 "resumed": s["resumed"], "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
                 "requests_inflight_max": max(self.inflight, s["inflight"]),
                 "farm_inflight_peak": s["farm_inflight_peak"], "farm_inflight_hwm_sum": s["farm_inflight_hwm_sum"]}  # fmt: skip
@@ -399,7 +402,7 @@ def main() -> None:
                 extra = {
                     k: v
                     for k, v in r.items()
-                    if k.startswith(("farm_", "continue_", "resume_", "reposts_", "errors_"))
+                    if k.startswith(("farm_", "continue_", "resume_", "reposts_", "errors_", "pauses_"))
                 }
                 cores = {"client_cores": round(r["cpu_us_per_call"] * r["calls_per_s"] / 1e6, 2)}
                 print("   ", json.dumps({**extra, **cores, "errors": r["errors"]}), flush=True)
