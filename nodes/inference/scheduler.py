@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     stop_str_at: int | None = None
     retractions: int = 0  # times a retract pause sent it back to the queue (SGLang's num_retractions)
+    progress: asyncio.Event | None = None  # streamed requests: set when a step adds output tokens
 
     @property
     def rid(self) -> str:
@@ -123,8 +125,9 @@ class Scheduler:
 
     # ---- requests --------------------------------------------------------------------
 
-    def submit(self, seq: Seq, return_logprob: bool) -> asyncio.Future[GenerateResult]:
-        """Queue a request; its future resolves when it finishes or is aborted."""
+    def submit(self, seq: Seq, return_logprob: bool, stream: bool = False) -> asyncio.Future[GenerateResult]:
+        """Queue a request; its future resolves when it finishes or is aborted. With ``stream``,
+        :meth:`follow` can report its output as it grows."""
         if self._task is not None and self._task.done():
             raise SchedulerStopped(
                 f"the scheduler loop has stopped ({self.crash!r}); see the server log and restart the server"
@@ -132,7 +135,9 @@ class Scheduler:
         if seq.rid in self.by_rid:
             raise ProtocolError(f"Duplicate request ID detected: {seq.rid}")
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
-        req = Req(seq=seq, return_logprob=return_logprob, future=fut)
+        req = Req(
+            seq=seq, return_logprob=return_logprob, future=fut, progress=asyncio.Event() if stream else None
+        )
         self.by_rid[seq.rid] = req
         if seq.params.max_new_tokens == 0:
             req.cached_tokens = self.cache.match(seq.input_ids[:-1]).length
@@ -142,6 +147,25 @@ class Scheduler:
         self.waiting.append(req)
         self._wake.set()
         return fut
+
+    async def follow(self, rid: str, fut: asyncio.Future[GenerateResult]) -> AsyncIterator[GenerateResult]:
+        """A streamed request's output so far after each step that added tokens (cumulative, as
+        SGLang streams by default: text, ids and logprobs from the first token, no finish reason),
+        then its result. Steps taken while the reader was busy are sent as one."""
+        req = self.by_rid.get(rid)
+        if req is not None and req.future is fut and req.progress is not None:
+            sent = 0
+            while not fut.done():
+                waiter = asyncio.ensure_future(req.progress.wait())
+                try:
+                    await asyncio.wait([fut, waiter], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                req.progress.clear()
+                if not fut.done() and len(req.seq.output_ids) > sent:
+                    sent = len(req.seq.output_ids)
+                    yield self._result(req, partial=True)
+        yield await fut
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str | None = None) -> int:
         """Abort in-flight requests whose rid starts with ``rid`` (all with ``abort_all``)."""
@@ -273,6 +297,8 @@ class Scheduler:
                 req.seq.output_ids.append(s.token)
                 req.seq.logprobs.append(s.logprob)
                 req.token_versions.append(version)
+                if req.progress is not None:
+                    req.progress.set()
                 reason = self._check_finish(req, s.token)
                 if reason is not None:
                     req.finish_reason = reason
@@ -288,7 +314,9 @@ class Scheduler:
         out = req.seq.output_ids
         if len(out) >= p.min_new_tokens:
             # SGLang (Req._check_token_based_finish): ignore_eos turns off stop_token_ids too
-            if not p.ignore_eos and (token in self.backend.eos_token_ids or token in (p.stop_token_ids or ())):
+            if not p.ignore_eos and (
+                token in self.backend.eos_token_ids or token in (p.stop_token_ids or ())
+            ):
                 return finish_stop(token)
             if p.stop_strings:
                 tail = self.backend.detokenize(out[-16:], p.skip_special_tokens)
@@ -348,33 +376,37 @@ class Scheduler:
         self.by_rid.pop(req.rid, None)
         if req.future.done():
             return
-        seq, p = req.seq, req.seq.params
-        reason = req.finish_reason
-        shown = seq.output_ids
-        if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not p.no_stop_trim:
-            shown = seq.output_ids[:-1]
         try:
-            text = self.backend.detokenize(shown, p.skip_special_tokens)
+            result = self._result(req)
         except Exception as e:
             log.exception("detokenize_failed", rid=req.rid)
             req.future.set_exception(e)
             return
-        if req.stop_str_at is not None and not p.no_stop_trim:
+        req.future.set_result(result)
+
+    def _result(self, req: Req, partial: bool = False) -> GenerateResult:
+        """The request's answer; ``partial``: its output so far, as a streamed event (no finish
+        reason; SGLang sends the weight-version spans only with the last event)."""
+        seq, p = req.seq, req.seq.params
+        reason = None if partial else req.finish_reason
+        shown = seq.output_ids
+        if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not p.no_stop_trim:
+            shown = seq.output_ids[:-1]
+        text = self.backend.detokenize(shown, p.skip_special_tokens)
+        if req.stop_str_at is not None and not p.no_stop_trim and not partial:
             text = text[: req.stop_str_at]
-        req.future.set_result(
-            GenerateResult(
-                rid=seq.rid,
-                text=text,
-                output_ids=list(seq.output_ids),
-                finish_reason=reason,
-                prompt_tokens=len(seq.input_ids),
-                cached_tokens=req.cached_tokens or 0,
-                weight_version=self.weight_version,
-                e2e_latency=time.monotonic() - req.created,
-                output_token_logprobs=list(seq.logprobs) if req.return_logprob else None,
-                output_token_weight_versions=list(req.token_versions),
-                extra_meta={"num_retractions": req.retractions},
-            )
+        return GenerateResult(
+            rid=seq.rid,
+            text=text,
+            output_ids=list(seq.output_ids),
+            finish_reason=reason,
+            prompt_tokens=len(seq.input_ids),
+            cached_tokens=req.cached_tokens or 0,
+            weight_version=self.weight_version,
+            e2e_latency=time.monotonic() - req.created,
+            output_token_logprobs=list(seq.logprobs) if req.return_logprob else None,
+            output_token_weight_versions=None if partial else list(req.token_versions),
+            extra_meta={"num_retractions": req.retractions},
         )
 
     def stats(self) -> dict[str, Any]:

@@ -162,6 +162,51 @@ async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]
             return
 
 
+async def _stream(
+    engine: Engine, rids: list[str], futs: list[asyncio.Future[Any]], many: bool
+) -> AsyncIterator[bytes]:
+    """Server-sent events as SGLang 0.5.23 sends them (``stream_interval`` 1, not incremental): each
+    sequence's output so far after every step that added tokens, then its result (with the finish
+    reason); of several sequences, interleaved, each event with its ``index``; then ``[DONE]``. A
+    failed sequence ends the stream with an ``error`` event; a client that goes away aborts them."""
+    sched = engine.scheduler
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for res in sched.follow(rids[i], futs[i]):
+                await queue.put((i, res.to_json()))
+        except Exception as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(rids))]
+    live = len(tasks)
+    try:
+        while live:
+            i, item = await queue.get()
+            if item is None:
+                live -= 1
+                continue
+            if isinstance(item, Exception):
+                code = 400 if isinstance(item, ProtocolError) else 500
+                err = {"message": str(item), "type": "invalid_request_error" if code == 400 else "server_error",
+                       "code": code, "retryable": False}  # fmt: skip
+                yield b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+                break
+            if many:
+                item["index"] = i
+            yield b"data: " + json.dumps(item).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+    finally:  # done, failed, or the client went away (the response is cancelled): stop the rest
+        for t in tasks:
+            t.cancel()
+        for rid, fut in zip(rids, futs, strict=True):
+            if not fut.done():
+                sched.abort(rid=rid)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def create_app(engine: Engine) -> FastAPI:
     """The FastAPI app serving ``engine``; the scheduler starts and stops with the app."""
 
@@ -212,11 +257,14 @@ def create_app(engine: Engine) -> FastAPI:
         futs = []
         try:
             for i, s in indexed:
-                futs.append(sched.submit(s, flags[i]))
+                futs.append(sched.submit(s, flags[i], stream=req.stream))
         except Exception:
             for rid in rids[: len(futs)]:
                 sched.abort(rid=rid)
             raise
+        if req.stream:
+            many = req.is_batch or len(seqs) > 1
+            return StreamingResponse(_stream(engine, rids, futs, many), media_type="text/event-stream")
         watcher = asyncio.create_task(_abort_on_disconnect(engine, request, rids))
         try:
             results = await asyncio.gather(*futs)
@@ -228,14 +276,6 @@ def create_app(engine: Engine) -> FastAPI:
             watcher.cancel()
         bodies = [r.to_json() for r in results]
         out: Any = bodies if (req.is_batch or len(bodies) > 1) else bodies[0]
-        if req.stream:
-
-            async def events() -> AsyncIterator[bytes]:
-                for b in bodies:
-                    yield b"data: " + json.dumps(b).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
         return JSONResponse(out)
 
     @app.post("/abort_request")
@@ -331,9 +371,7 @@ def create_app(engine: Engine) -> FastAPI:
             "max_running_requests": engine.args.max_running_requests,
             "max_total_num_tokens": engine.args.cache_tokens,
         }
-        return JSONResponse(
-            {"version": VERSION, "accelerator": None, "num_accelerators": 1, "loads": [load]}
-        )
+        return JSONResponse({"version": VERSION, "accelerator": None, "num_accelerators": 1, "loads": [load]})
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:

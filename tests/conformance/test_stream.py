@@ -1,0 +1,93 @@
+"""/generate with ``stream``: server-sent events as SGLang 0.5.23 sends them by default.
+
+Measured against real SGLang (``RLACTORS_CONFORMANCE_SGLANG``): one event per decode step, each
+with the whole output so far (text, ids, logprobs; ``finish_reason`` null), the last with the
+finish reason and the weight-version spans; several sequences interleave, each event with its
+``index``; then ``data: [DONE]``. A client that goes away aborts its requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import httpx
+
+from nodes.inference.testing import wait_load
+
+PROMPT = [101, 202, 303, 404, 505, 606, 707]
+LONG = 4000  # still running when the client goes away
+
+
+def greedy(max_new_tokens: int) -> dict[str, Any]:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of a streamed /generate; checks the framing and the final ``[DONE]``."""
+    got: list[str] = []
+    async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        async for line in r.aiter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                got.append(line[len("data: ") :])
+    assert got and got[-1] == "[DONE]" and "[DONE]" not in got[:-1]
+    return [json.loads(e) for e in got[:-1]]
+
+
+def check_growth(evs: list[dict[str, Any]], n: int, logprobs: bool) -> None:
+    """Cumulative events of one sequence: each extends the last; only the last is finished."""
+    assert len(evs) >= 2  # not one event at the end: the output streams as it is generated
+    for prev, cur in itertools.pairwise(evs):
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+        assert len(cur["output_ids"]) > len(prev["output_ids"])
+    for e in evs:
+        meta = e["meta_info"]
+        assert meta["completion_tokens"] == len(e["output_ids"])
+        if logprobs:
+            assert [t for _, t, _ in meta["output_token_logprobs"]] == e["output_ids"]
+    assert all(e["meta_info"]["finish_reason"] is None for e in evs[:-1])
+    assert all("weight_versions" not in e["meta_info"] for e in evs[:-1])
+    last = evs[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": n} and len(evs[-1]["output_ids"]) == n
+    assert last["weight_versions"] == [{"version": last["weight_version"], "start": 0, "end": n}]
+
+
+async def test_a_stream_sends_the_output_as_it_grows(client: httpx.AsyncClient) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": greedy(6), "return_logprob": True}
+    evs = await events(client, body)
+    check_growth(evs, 6, logprobs=True)
+    assert all("index" not in e for e in evs)  # one sequence: no index
+    assert len({e["meta_info"]["id"] for e in evs}) == 1
+    whole = (await client.post("/generate", json=body)).json()
+    assert evs[-1]["output_ids"] == whole["output_ids"] and evs[-1]["text"] == whole["text"]
+    assert evs[-2]["text"] == whole["text"][: len(evs[-2]["text"])]  # the text so far, not a delta
+
+
+async def test_streamed_sequences_interleave_with_their_index(client: httpx.AsyncClient) -> None:
+    batch = {"input_ids": [PROMPT, PROMPT[:4]], "sampling_params": greedy(4)}
+    n2 = {"input_ids": PROMPT, "sampling_params": {**greedy(4), "n": 2}}
+    for body in (batch, n2):
+        evs = await events(client, body)
+        assert {e["index"] for e in evs} == {0, 1}
+        whole = (await client.post("/generate", json=body)).json()
+        for i in (0, 1):
+            mine = [e for e in evs if e["index"] == i]
+            check_growth(mine, 4, logprobs=False)
+            assert len({e["meta_info"]["id"] for e in mine}) == 1
+            assert mine[-1]["output_ids"] == whole[i]["output_ids"]
+
+
+async def test_a_client_that_goes_away_aborts_its_stream(client: httpx.AsyncClient) -> None:
+    body = {"input_ids": PROMPT, "sampling_params": greedy(LONG), "stream": True}
+    async with client.stream("POST", "/generate", json=body) as r:
+        lines = r.aiter_lines()
+        first = await anext(lines)
+        while not first:
+            first = await anext(lines)
+        assert json.loads(first[len("data: ") :])["meta_info"]["finish_reason"] is None
+    # the response is closed with the request still decoding: the server stops it
+    await wait_load(client, running=0, waiting=0)
