@@ -149,11 +149,14 @@ class Scheduler:
         return fut
 
     async def follow(self, rid: str, fut: asyncio.Future[GenerateResult]) -> AsyncIterator[GenerateResult]:
-        """A streamed request's output so far after each step that added tokens (cumulative, as
-        SGLang streams by default: text, ids and logprobs from the first token, no finish reason),
-        then its result. Steps taken while the reader was busy are sent as one."""
+        """A streamed request's output so far (cumulative, as SGLang streams by default: text, ids
+        and logprobs from the first token, no finish reason), then its result. As SGLang: the first
+        token at once, then whenever ``stream_interval`` (default 1) tokens are unsent, holding
+        output whose text ends in the start of a stop string. Steps taken while the reader was busy
+        are sent as one."""
         req = self.by_rid.get(rid)
         if req is not None and req.future is fut and req.progress is not None:
+            interval = req.seq.params.stream_interval or 1
             sent = 0
             while not fut.done():
                 waiter = asyncio.ensure_future(req.progress.wait())
@@ -162,10 +165,25 @@ class Scheduler:
                 finally:
                     waiter.cancel()
                 req.progress.clear()
-                if not fut.done() and len(req.seq.output_ids) > sent:
-                    sent = len(req.seq.output_ids)
+                n = len(req.seq.output_ids)
+                due = n > sent and (sent == 0 or n - sent >= interval)
+                if not fut.done() and due and not self._ends_in_stop_prefix(req):
+                    sent = n
                     yield self._result(req, partial=True)
         yield await fut
+
+    def _ends_in_stop_prefix(self, req: Req) -> bool:
+        """The output's tail holds a stop string, or ends in the start of one (SGLang's
+        ``check_match_stop_str_prefix``: a stream does not show what the stop may cut)."""
+        p = req.seq.params
+        if not p.stop_strings:
+            return False
+        tail = self.backend.detokenize(req.seq.output_ids[-16:], p.skip_special_tokens)
+        return any(
+            s in tail or any(tail.endswith(s[:i]) for i in range(1, min(len(tail), len(s)) + 1))
+            for s in p.stop_strings
+            if s
+        )
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str | None = None) -> int:
         """Abort in-flight requests whose rid starts with ``rid`` (all with ``abort_all``)."""

@@ -165,10 +165,10 @@ async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]
 async def _stream(
     engine: Engine, rids: list[str], futs: list[asyncio.Future[Any]], many: bool
 ) -> AsyncIterator[bytes]:
-    """Server-sent events as SGLang 0.5.23 sends them (``stream_interval`` 1, not incremental): each
-    sequence's output so far after every step that added tokens, then its result (with the finish
-    reason); of several sequences, interleaved, each event with its ``index``; then ``[DONE]``. A
-    failed sequence ends the stream with an ``error`` event; a client that goes away aborts them."""
+    """Server-sent events as SGLang 0.5.23 sends them by default (not incremental): each sequence's
+    output so far as it grows (:meth:`Scheduler.follow`), then its result (with the finish reason);
+    of several sequences, interleaved, each event with its ``index``; then ``[DONE]``. A failed
+    sequence ends the stream with an ``error`` event; a client that goes away aborts them."""
     sched = engine.scheduler
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 

@@ -91,3 +91,27 @@ async def test_a_client_that_goes_away_aborts_its_stream(client: httpx.AsyncClie
         assert json.loads(first[len("data: ") :])["meta_info"]["finish_reason"] is None
     # the response is closed with the request still decoding: the server stops it
     await wait_load(client, running=0, waiting=0)
+
+
+async def test_stream_interval_sends_the_first_token_then_every_interval(client: httpx.AsyncClient) -> None:
+    evs = await events(client, {"input_ids": PROMPT, "sampling_params": {**greedy(7), "stream_interval": 3}})
+    sizes = [len(e["output_ids"]) for e in evs]
+    assert sizes[0] == 1 and sizes[-1] == 7 and len(sizes) >= 2
+    assert all(b - a >= 3 for a, b in itertools.pairwise(sizes[:-1]))  # SGLang: [1, 4, 7]
+
+
+async def test_a_stream_holds_text_that_may_be_the_start_of_a_stop_string(client: httpx.AsyncClient) -> None:
+    whole = (await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": greedy(6)})).json()
+    three = (await client.post("/generate", json={"input_ids": PROMPT, "sampling_params": greedy(3)})).json()
+    stop = (
+        whole["text"][len(three["text"]) :] + "\x00never"
+    )  # what follows token 3, then text never generated
+    evs = await events(client, {"input_ids": PROMPT, "sampling_params": {**greedy(6), "stop": [stop]}})
+    shown = [e["text"] for e in evs[:-1]]
+    assert shown and all(not t.endswith(stop[:i]) for t in shown for i in range(1, len(stop) + 1))
+    assert [len(e["output_ids"]) for e in evs[:-1]] == [
+        1,
+        2,
+        3,
+    ]  # from token 4 on, the text could be the stop
+    assert evs[-1]["text"] == whole["text"] and evs[-1]["meta_info"]["finish_reason"]["type"] == "length"
