@@ -216,6 +216,7 @@ async def ours(
             "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
             "episodes_inflight_max": in_flight, **({"errors_split": error_split} if errors else {}), "dropped_stale": bstats["dropped_stale"],
             "failures": [s["failure"] for s in stats if s.get("failure")],
+            "rollout_loop_lag_max_s": [round(s["loop_lag_max_s"], 2) for s in stats],
             **resume_split(pauses, [s["resume_reposts"] for s in stats])}  # fmt: skip
 
 
@@ -402,7 +403,9 @@ def main() -> None:
                 extra = {
                     k: v
                     for k, v in r.items()
-                    if k.startswith(("farm_", "continue_", "resume_", "reposts_", "errors_", "pauses_"))
+                    if k.startswith(
+                        ("farm_", "continue_", "resume_", "reposts_", "errors_", "pauses_", "rollout_loop")
+                    )
                 }
                 cores = {"client_cores": round(r["cpu_us_per_call"] * r["calls_per_s"] / 1e6, 2)}
                 print("   ", json.dumps({**extra, **cores, "errors": r["errors"]}), flush=True)

@@ -33,10 +33,13 @@ from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
 from rlactors.aio import wait_for
+from rlactors.logging import Throttle
 
 __all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
 
 log = structlog.get_logger(__name__)
+
+STALL_WARN_S = 1.0  # a loop late by more than this to a timer is logged (throttled)
 
 
 async def _aw(x: Any) -> Any:
@@ -68,6 +71,8 @@ class Rollout:
         self._stopping = False
         self._exhausted = False
         self._started_at: float | None = None
+        self.loop_lag_max_s = 0.0  # the longest the event loop was late to a timer while running
+        self._lag_log = Throttle(log, "rollout.loop_stalled")
         self.counters = dict.fromkeys(
             ("acquires", "granted", "returned_grants", "refused_begin", "episodes_started", "episodes_done",
              "episodes_failed", "groups_accepted", "groups_duplicate", "trajectories", "generated_tokens"), 0,
@@ -116,7 +121,8 @@ class Rollout:
                    exhausted=self._exhausted, elapsed_s=elapsed,
                    episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
                    tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0,
-                   resume_reposts=[list(r) for r in self.client.reposts])  # fmt: skip
+                   resume_reposts=[list(r) for r in self.client.reposts],
+                   loop_lag_max_s=self.loop_lag_max_s)  # fmt: skip
         return out
 
     # -- the loop ------------------------------------------------------------------
@@ -124,6 +130,7 @@ class Rollout:
     async def run(self) -> None:
         """Dispatch until the prompt source is exhausted or :meth:`stop`; then wait for running episodes."""
         self._started_at = time.monotonic()
+        lag = asyncio.get_running_loop().create_task(self._watch_lag(), name="rollout-loop-lag")
         try:
             while not self._stopping and not self._exhausted:
                 if not self._dispatch.is_set():
@@ -141,8 +148,21 @@ class Rollout:
             self._stopping = True
             raise
         finally:
+            lag.cancel()
             if self._stopping:
                 await self._cancel_all()
+
+    async def _watch_lag(self, period_s: float = 0.1) -> None:
+        """Record how late the loop runs a timer: a loop turn longer than the client's connect
+        timeout makes that timeout fire on connects that had completed (a spurious retry)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(period_s)
+            lag = loop.time() - t - period_s
+            self.loop_lag_max_s = max(self.loop_lag_max_s, lag)
+            if lag > STALL_WARN_S:
+                self._lag_log(lag_s=round(lag, 2), connect_timeout_s=self.client.config.connect_timeout_s)
 
     async def stop(self) -> None:
         """Stop dispatching and cancel running episodes (their leases go back through the buffer)."""

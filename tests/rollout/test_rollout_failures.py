@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from nodes.buffer import BufferConfig, TrajectoryBuffer
 from nodes.governor import GovernorConfig, StalenessGovernor
@@ -481,3 +482,24 @@ def test_an_epoch_with_a_dropped_group_is_behind_once_training_is_two_epochs_on(
     ids = [f"d/e0/{i}" for i in (0, 1, 2)] + ["d/e1/0"]  # d/e0/3 was dropped as stale
     assert trained_position(ids, 4) == {"done_epochs": 0, "trained": sorted(ids)}
     assert trained_position([*ids, "d/e2/1"], 4) == {"done_epochs": 1, "trained": ["d/e1/0", "d/e2/1"]}
+
+
+async def test_the_rollout_records_and_logs_a_stalled_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop turn longer than the client's connect timeout times out connects that completed: the
+    rollout reports the longest stall in its stats and logs stalls past STALL_WARN_S."""
+    import time
+
+    import nodes.rollout.actor as actor
+
+    monkeypatch.setattr(actor, "STALL_WARN_S", 0.2)
+    _, _, r = make(4, B=4, wf=FakeWorkflow(delay=5.0))
+    run = asyncio.create_task(r.run())
+    with capture_logs() as logs:
+        await asyncio.sleep(0.15)
+        time.sleep(0.4)  # noqa: ASYNC251 (the stall under test)
+        await asyncio.sleep(0.15)
+    assert 0.3 <= r.stats()["loop_lag_max_s"] < 2.0
+    stalls = [e for e in logs if e["event"] == "rollout.loop_stalled"]
+    assert len(stalls) == 1 and stalls[0]["lag_s"] >= 0.3 and stalls[0]["connect_timeout_s"] == 5.0
+    await r.stop()
+    await wait_for(run, 5)
