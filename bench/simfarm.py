@@ -107,9 +107,9 @@ class _Probe:
             self._continued_at = time.monotonic()
             resume()
 
-        def submit_(seq: Any, return_logprob: bool) -> asyncio.Future:
+        def submit_(seq: Any, return_logprob: bool, stream: bool = False) -> asyncio.Future:
             self.generates += 1
-            fut = submit(seq, return_logprob)
+            fut = submit(seq, return_logprob, stream)
             _LOAD.add(1)
             fut.add_done_callback(lambda _f: _LOAD.add(-1))
             key = hash(tuple(seq.input_ids)) if self._aborted else None
