@@ -22,7 +22,10 @@ class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
 
     request_timeout_s: float = 3600.0  # one /generate; a hung server is detected by this
-    connect_timeout_s: float = 5.0  # the TCP connect alone; keep it well above the client loop's longest turn
+    # the TCP connect alone. It is a timer on the client's loop, so a loop turn longer than it fails
+    # connects that had completed: rollout actors at 10k requests in flight on 2 busy cores had turns
+    # of up to 4.9 s (stats loop_lag_max_s) and retried ~130 connects at 5 s (bench/RESULTS.md).
+    connect_timeout_s: float = 30.0
     max_retries: int = 3  # per server per post, on transport errors and 5xx
     backoff_base_s: float = 0.05
     backoff_max_s: float = 2.0
