@@ -47,7 +47,12 @@ def start_sglang_server(
 def _start(cmd: list[str], port: int, env: dict[str, str], timeout_s: float) -> tuple[subprocess.Popen, str]:
     log = tempfile.NamedTemporaryFile(prefix=f"rlactors-server-{port}-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        cmd,
+        cwd=REPO_ROOT,
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -141,20 +146,21 @@ async def wait_decoding(client: httpx.AsyncClient, running: int = 1, steps: int 
     on that report can land before the new request's prefill. Growth of ``num_used_tokens`` can
     only come from fresh decode steps.
     """
-    last: list[int | None] = [None]
-    grown = [0]
+    last: int | None = None
+    grown = 0
 
     async def ok() -> bool:
+        nonlocal last, grown
         n, used = await _loads(client, "num_running_reqs", "num_used_tokens")
         if n != running:
-            last[0], grown[0] = None, 0
+            last, grown = None, 0
             return False
-        if last[0] is not None and used > last[0]:
-            grown[0] += 1
-        elif last[0] is not None and used < last[0]:
-            grown[0] = 0
-        last[0] = used
-        return grown[0] >= steps
+        if last is not None and used > last:
+            grown += 1
+        elif last is not None and used < last:
+            grown = 0
+        last = used
+        return grown >= steps
 
     await wait_until(ok, what=f"{running} request(s) decoding ({steps} growing reports)")
 

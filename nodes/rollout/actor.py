@@ -183,7 +183,7 @@ class Rollout:
         self.client.set_version(grant.version)  # token versions must not predate the admission
         settled = 0  # settled: grants turned into episodes, or released by the buffer
         picked: list[tuple[str, Any]] = []
-        began: list[bool | BaseException] = []
+        began: list[bool] = []  # the buffer's answer, one per picked prompt; empty if it never came
         try:
             work = list(await _aw(self.buffer.take_requeued(grant.n, self.holder_id, grant.version)))
             for w in work:  # already in flight for us at the buffer
@@ -194,15 +194,14 @@ class Rollout:
                     self._start(w["group_id"], w["item"])
             if settled < grant.n and not self._stopping:
                 picked = self._next_prompts(grant.n - settled)
-                began = await self._begin_all(picked, grant.version)
+                # one call for the grant: with the buffer an actor, a round trip per episode would
+                # hold the episodes in flight to one per round trip
+                began = list(await _aw(self.buffer.begin_many(self.holder_id, picked, grant.version)))
         finally:
-            if picked:  # also when cancelled during the begins: then each is settled as a failed one
+            if picked:  # also when the call failed or was cancelled: then each is settled as unanswered
                 settled += await self._settle_begins(picked, began)
             if settled < grant.n:  # exhausted, stopping, or the buffer failed us: give the rest back
                 await self._return_grants(grant.n - settled)
-        failure = next((b for b in began if isinstance(b, BaseException)), None)
-        if failure is not None:
-            raise failure
 
     def _next_prompts(self, n: int) -> list[tuple[str, Any]]:
         """Up to ``n`` fresh prompts, in source order, none of them running already."""
@@ -222,38 +221,27 @@ class Rollout:
             picked[gid] = item
         return list(picked.items())
 
-    async def _begin_all(self, picked: list[tuple[str, Any]], version: int) -> list[bool | BaseException]:
-        """``begin`` the picked prompts at the buffer, all in one call: with the buffer an actor, a
-        round trip per episode would hold the episodes in flight to one per round trip. Each answer,
-        or the call's error for each."""
-        try:
-            return list(await _aw(self.buffer.begin_many(self.holder_id, picked, version)))
-        except Exception as e:
-            return [e] * len(picked)
-
-    async def _settle_begins(self, picked: list[tuple[str, Any]], began: list[bool | BaseException]) -> int:
+    async def _settle_begins(self, picked: list[tuple[str, Any]], began: list[bool]) -> int:
         """Start the episodes begun; how many grants the buffer now holds (it releases them). A
-        refused one (already trained) is the caller's to return. If the call failed (or was
-        cancelled: ``began`` is short) none is started and all are abandoned, as they are if stop()
-        came."""
-        failed = len(began) < len(picked) or any(isinstance(b, BaseException) for b in began)
-        settled, unknown, drop = 0, [], []
-        for i, (gid, item) in enumerate(picked):
-            b = began[i] if i < len(began) else None
-            if b is None or isinstance(b, BaseException):
-                unknown.append(gid)  # the answer may be lost after the buffer recorded it
-            elif not b:  # already trained (a replayed source): its grant goes back from us
+        refused one (already trained) is the caller's to return. Without an answer (``began`` empty:
+        the call failed or was cancelled, perhaps after the buffer recorded them) nothing starts and
+        each is abandoned: the abandon settles what the buffer had; if stop() came, the begun ones
+        are abandoned too."""
+        if not began:
+            found = await asyncio.shield(asyncio.gather(*(self._abandon(gid) for gid, _ in picked)))
+            return sum(found)
+        settled, drop = 0, []
+        for (gid, item), ok in zip(picked, began, strict=True):
+            if not ok:  # already trained (a replayed source): its grant goes back from us
                 self.counters["refused_begin"] += 1
-            elif failed or self._stopping:
-                settled += 1  # the buffer holds the lease: the abandon gives it back
+                continue
+            settled += 1  # the buffer holds the lease: a put or an abandon gives it back
+            if self._stopping:
                 drop.append(gid)
             else:
-                settled += 1
                 self._start(gid, item)
-        if unknown or drop:
-            found = await asyncio.shield(asyncio.gather(*(self._abandon(g) for g in [*unknown, *drop])))
-            # an unknown begin's abandon settles it (True) or finds nothing: that grant is ours to return
-            settled += sum(found[: len(unknown)])
+        if drop:
+            await asyncio.shield(asyncio.gather(*(self._abandon(gid) for gid in drop)))
         return settled
 
     def _start(self, gid: str, item: Any) -> None:
