@@ -94,4 +94,8 @@ async def test_the_rollout_configs_client_section_reaches_the_actors_client(clus
     # at most one retry per request, as configured (the default, 3, gave 10 for 4 requests)
     assert 0 < s["client_retries"] <= s["client_requests"]
     await r.stop()
-    assert (await gov.stats())["running"] == 0
+
+    async def released() -> bool:  # the buffer tells the governor (one-way), so this lands a moment later
+        return (await gov.stats())["running"] == 0
+
+    await wait_until(released, timeout_s=10, what="the stopped actor's leases to be released")
