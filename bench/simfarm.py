@@ -145,18 +145,19 @@ class _Probe:
 
 
 def _routes(app: Any, probe: _Probe) -> None:
-    from fastapi.responses import JSONResponse
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
 
-    async def stats() -> JSONResponse:
+    async def stats(request: Request) -> JSONResponse:
         return JSONResponse(probe.stats())
 
-    async def reset() -> JSONResponse:
+    async def reset(request: Request) -> JSONResponse:
         probe.reset()
         _LOAD.reset()
         return JSONResponse({})
 
-    app.add_api_route("/bench_stats", stats, methods=["GET"])
-    app.add_api_route("/bench_reset", reset, methods=["POST"])
+    app.add_route("/bench_stats", stats, methods=["GET"])
+    app.add_route("/bench_reset", reset, methods=["POST"])
 
 
 async def serve(count: int, port_file: str, server_argv: list[str]) -> None:

@@ -4,7 +4,9 @@ Run it the way SGLang is run::
 
     python -m nodes.inference.server --model-path P --host 127.0.0.1 --port 30000 --backend hf|sim
 
-Routes parse bodies with the schemas of :mod:`protocols.sglang` (unknown or ill-typed fields ->
+The app is Starlette (the layer FastAPI is built on, without FastAPI's dependency solving and
+middleware, which cost about a third of a sim server's CPU per ``/generate``); an unknown route or
+method gets FastAPI's ``{"detail": ...}`` body, as SGLang's FastAPI app sends it. Routes parse bodies with the schemas of :mod:`protocols.sglang` (unknown or ill-typed fields ->
 400 ``{"error": {"message": ...}}`` naming the field), hand work to
 :class:`~nodes.inference.engine.Engine`, and render SGLang's response shapes and status codes.
 
@@ -28,8 +30,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import VERSION, Engine, ServerArgs
@@ -133,8 +138,8 @@ async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, S
         ids = list(ids)
         engine.check_length(ids, sp)
         vocab = engine.backend.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:  # in C; the scan below only names the first bad id
+            bad = next(t for t in ids if not 0 <= t < vocab)
             raise ProtocolError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
         for j in range(sp.n):
             if rid is None:
@@ -207,42 +212,43 @@ async def _stream(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI app serving ``engine``; the scheduler starts and stops with the app."""
+def create_app(engine: Engine) -> Starlette:
+    """The app serving ``engine``; the scheduler starts and stops with the app."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.scheduler.start()
         try:
             yield
         finally:
             await engine.scheduler.stop()
 
-    app = FastAPI(lifespan=lifespan, openapi_url=None)
     sched = engine.scheduler
     limit = engine.args.max_request_bytes
 
     async def body(request: Request, allow_empty: bool = False) -> Any:
         return await _body(request, limit, allow_empty)
 
-    @app.exception_handler(ProtocolError)
-    async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # an unknown route or method: FastAPI's body, as SGLang sends it
+        assert isinstance(exc, HTTPException)
+        if exc.status_code in (204, 304):
+            return Response(status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    async def protocol_error(request: Request, exc: Exception) -> JSONResponse:
         return _bad(str(exc))
 
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+    async def body_too_large(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"{exc} (--max-request-bytes)"), status_code=413)
 
-    @app.exception_handler(SchedulerStopped)
-    async def scheduler_stopped(request: Request, exc: SchedulerStopped) -> JSONResponse:
+    async def scheduler_stopped(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(str(exc)), status_code=503)
 
-    @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # a bug, not the client's fault: say what broke (the traceback goes to the log)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         req = GenerateRequest.from_json(await body(request))
         flags = _per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
@@ -278,26 +284,22 @@ def create_app(engine: Engine) -> FastAPI:
         out: Any = bodies if (req.is_batch or len(bodies) > 1) else bodies[0]
         return JSONResponse(out)
 
-    @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         req = AbortRequest.from_json(await body(request, allow_empty=True))
         sched.abort(rid=req.rid, abort_all=req.abort_all, message=req.abort_message)
         return Response(status_code=200)
 
-    @app.post("/pause_generation")
     async def pause_generation(request: Request) -> JSONResponse:
         req = PauseGenerationRequest.from_json(await body(request, allow_empty=True))
         await sched.pause(req.mode)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
-    @app.post("/continue_generation")
     async def continue_generation(request: Request) -> JSONResponse:
         await body(request, allow_empty=True)
         sched.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
+    async def flush_cache(request: Request) -> Response:
         ok = sched.flush_cache()
         return PlainTextResponse(
             "Cache flushed.\nPlease check backend logs for more details. "
@@ -305,9 +307,7 @@ def create_app(engine: Engine) -> FastAPI:
             status_code=200 if ok else 400,
         )
 
-    @app.get("/health")  # SGLang 0.5.23: /health runs the one-token probe too, by default
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
+    async def health_generate(request: Request) -> Response:
         if not sched.alive:
             return Response(status_code=503)
         if sched.paused or sched.running:
@@ -325,9 +325,7 @@ def create_app(engine: Engine) -> FastAPI:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")  # deprecated in SGLang 0.5.23, still served
-    async def model_info() -> JSONResponse:
+    async def model_info(request: Request) -> JSONResponse:
         return JSONResponse(
             {
                 "model_path": engine.args.model_path,
@@ -338,11 +336,9 @@ def create_app(engine: Engine) -> FastAPI:
             }
         )
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> JSONResponse:
+    async def get_weight_version(request: Request) -> JSONResponse:
         return JSONResponse({"weight_version": engine.weight_version})
 
-    @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
         req = UpdateWeightVersionRequest.from_json(await body(request))
         if req.abort_all_requests:
@@ -356,13 +352,10 @@ def create_app(engine: Engine) -> FastAPI:
             }
         )
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")  # deprecated in SGLang 0.5.23, still served
-    async def server_info() -> JSONResponse:
+    async def server_info(request: Request) -> JSONResponse:
         return JSONResponse(engine.server_info())
 
-    @app.get("/v1/loads")  # SGLang 0.5.23's load report (it has no /get_load)
-    async def loads() -> JSONResponse:
+    async def loads(request: Request) -> JSONResponse:
         load = {
             "dp_rank": 0,
             "num_running_reqs": len(sched.running),
@@ -373,7 +366,6 @@ def create_app(engine: Engine) -> FastAPI:
         }
         return JSONResponse({"version": VERSION, "accelerator": None, "num_accelerators": 1, "loads": [load]})
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request) -> JSONResponse:
         req = GetWeightsByNameRequest.from_json(await body(request))
         ret = engine.weights_by_name(req.name, req.truncate_size)
@@ -381,28 +373,23 @@ def create_app(engine: Engine) -> FastAPI:
             return _bad("Get parameter by name failed")
         return JSONResponse(ret)
 
-    @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         req = UpdateWeightsFromDiskRequest.from_json(await body(request))
         ok, message = await engine.update_from_disk(req)
         return _ok_or_400(ok, message, num_paused_requests=0)
 
-    @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
         req = InitWeightsUpdateGroupRequest.from_json(await body(request))
         return _ok_or_400(*await engine.init_group(req))
 
-    @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> JSONResponse:
         req = UpdateWeightsFromDistributedRequest.from_json(await body(request))
         return _ok_or_400(*await engine.update_from_distributed(req))
 
-    @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> JSONResponse:
         req = DestroyWeightsUpdateGroupRequest.from_json(await body(request, allow_empty=True))
         return _ok_or_400(*engine.destroy_group(req.group_name))
 
-    @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request) -> JSONResponse:
         req = BeginWeightUpdateRequest.from_json(await body(request, allow_empty=True))
         if engine.session_open:
@@ -412,7 +399,6 @@ def create_app(engine: Engine) -> FastAPI:
         engine.session_open = True
         return _ok_or_400(True, "Weight update session started.")
 
-    @app.post("/end_weight_update")
     async def end_weight_update(request: Request) -> JSONResponse:
         EndWeightUpdateRequest.from_json(await body(request, allow_empty=True))
         if not engine.session_open:
@@ -420,7 +406,38 @@ def create_app(engine: Engine) -> FastAPI:
         engine.session_open = False
         return _ok_or_400(True, "Weight update session ended.")
 
-    return app
+    routes = [
+        Route("/generate", generate, methods=["POST", "PUT"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/pause_generation", pause_generation, methods=["POST"]),
+        Route("/continue_generation", continue_generation, methods=["POST"]),
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        # SGLang 0.5.23: /health runs the one-token probe too, by default
+        Route("/health", health_generate, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),  # deprecated in SGLang 0.5.23, still served
+        Route("/get_weight_version", get_weight_version, methods=["GET"]),
+        Route("/update_weight_version", update_weight_version, methods=["POST"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/get_server_info", server_info, methods=["GET"]),  # deprecated in SGLang 0.5.23, still served
+        Route("/v1/loads", loads, methods=["GET"]),
+        Route("/get_weights_by_name", get_weights_by_name, methods=["GET", "POST"]),
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
+        Route("/init_weights_update_group", init_weights_update_group, methods=["POST"]),
+        Route("/update_weights_from_distributed", update_weights_from_distributed, methods=["POST"]),
+        Route("/destroy_weights_update_group", destroy_weights_update_group, methods=["POST"]),
+        Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
+        Route("/end_weight_update", end_weight_update, methods=["POST"]),
+    ]
+    handlers = {
+        HTTPException: http_error,
+        ProtocolError: protocol_error,
+        BodyTooLarge: body_too_large,
+        SchedulerStopped: scheduler_stopped,
+        Exception: internal_error,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:

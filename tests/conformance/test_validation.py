@@ -147,6 +147,16 @@ async def test_undecodable_body_is_400(client: httpx.AsyncClient, raw: bytes) ->
     await assert_still_serving(client)
 
 
+async def test_unknown_route_and_method_get_fastapis_detail_body(client: httpx.AsyncClient) -> None:
+    """SGLang's app is FastAPI; the reference server's (Starlette) answers these the same way."""
+    r = await client.post("/no_such_route", json={}, timeout=TIMEOUT)
+    assert (r.status_code, r.json()) == (404, {"detail": "Not Found"})
+    r = await client.delete("/generate", timeout=TIMEOUT)
+    assert (r.status_code, r.json()) == (405, {"detail": "Method Not Allowed"})
+    assert {"POST", "PUT"} <= {m.strip() for m in r.headers["allow"].split(",")}
+    await assert_still_serving(client)
+
+
 async def test_nan_temperature_is_400(client: httpx.AsyncClient, is_reference: bool) -> None:
     raw = b'{"input_ids": [5, 6], "sampling_params": {"temperature": NaN}}'
     r = await client.post(
