@@ -29,11 +29,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as _StarletteJSON
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nodes.inference.backends.base import Seq
@@ -64,16 +66,25 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 GRACEFUL_SHUTDOWN_S = 10  # on SIGTERM, requests still running after this are cut off
 
 
+class OrjsonResponse(_StarletteJSON):
+    """JSON rendered by orjson, as SGLang renders its responses (``SGLangORJSONResponse``): 1 µs for a
+    16-token ``/generate`` answer with logprobs, ``json.dumps`` 16 µs; a NaN or infinite float is
+    ``null``, as there."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
 class BodyTooLarge(Exception):
     """A request body over ``--max-request-bytes`` (HTTP 413)."""
 
 
-def _bad(message: str) -> JSONResponse:
-    return JSONResponse(error_body(message), status_code=400)
+def _bad(message: str) -> OrjsonResponse:
+    return OrjsonResponse(error_body(message), status_code=400)
 
 
-def _ok_or_400(ok: bool, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse(success_body(ok, message, **extra), status_code=200 if ok else 400)
+def _ok_or_400(ok: bool, message: str, **extra: Any) -> OrjsonResponse:
+    return OrjsonResponse(success_body(ok, message, **extra), status_code=200 if ok else 400)
 
 
 async def _body(request: Request, limit: int, allow_empty: bool = False) -> Any:
@@ -197,11 +208,11 @@ async def _stream(
                 code = 400 if isinstance(item, ProtocolError) else 500
                 err = {"message": str(item), "type": "invalid_request_error" if code == 400 else "server_error",
                        "code": code, "retryable": False}  # fmt: skip
-                yield b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+                yield b"data: " + orjson.dumps({"error": err}) + b"\n\n"
                 break
             if many:
                 item["index"] = i
-            yield b"data: " + json.dumps(item).encode() + b"\n\n"
+            yield b"data: " + orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:  # done, failed, or the client went away (the response is cancelled): stop the rest
         for t in tasks:
@@ -234,20 +245,20 @@ def create_app(engine: Engine) -> Starlette:
         assert isinstance(exc, HTTPException)
         if exc.status_code in (204, 304):
             return Response(status_code=exc.status_code, headers=exc.headers)
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        return OrjsonResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
-    async def protocol_error(request: Request, exc: Exception) -> JSONResponse:
+    async def protocol_error(request: Request, exc: Exception) -> OrjsonResponse:
         return _bad(str(exc))
 
-    async def body_too_large(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"{exc} (--max-request-bytes)"), status_code=413)
+    async def body_too_large(request: Request, exc: Exception) -> OrjsonResponse:
+        return OrjsonResponse(error_body(f"{exc} (--max-request-bytes)"), status_code=413)
 
-    async def scheduler_stopped(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(str(exc)), status_code=503)
+    async def scheduler_stopped(request: Request, exc: Exception) -> OrjsonResponse:
+        return OrjsonResponse(error_body(str(exc)), status_code=503)
 
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> OrjsonResponse:
         # a bug, not the client's fault: say what broke (the traceback goes to the log)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        return OrjsonResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
 
     async def generate(request: Request) -> Response:
         req = GenerateRequest.from_json(await body(request))
@@ -273,7 +284,7 @@ def create_app(engine: Engine) -> Starlette:
             return StreamingResponse(_stream(engine, rids, futs, many), media_type="text/event-stream")
         watcher = asyncio.create_task(_abort_on_disconnect(engine, request, rids))
         try:
-            results = await asyncio.gather(*futs)
+            results = [await futs[0]] if len(futs) == 1 else await asyncio.gather(*futs)
         except Exception:
             for rid in rids:  # one sequence failed: stop its siblings too
                 sched.abort(rid=rid)
@@ -282,22 +293,22 @@ def create_app(engine: Engine) -> Starlette:
             watcher.cancel()
         bodies = [r.to_json() for r in results]
         out: Any = bodies if (req.is_batch or len(bodies) > 1) else bodies[0]
-        return JSONResponse(out)
+        return OrjsonResponse(out)
 
     async def abort_request(request: Request) -> Response:
         req = AbortRequest.from_json(await body(request, allow_empty=True))
         sched.abort(rid=req.rid, abort_all=req.abort_all, message=req.abort_message)
         return Response(status_code=200)
 
-    async def pause_generation(request: Request) -> JSONResponse:
+    async def pause_generation(request: Request) -> OrjsonResponse:
         req = PauseGenerationRequest.from_json(await body(request, allow_empty=True))
         await sched.pause(req.mode)
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+        return OrjsonResponse({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def continue_generation(request: Request) -> JSONResponse:
+    async def continue_generation(request: Request) -> OrjsonResponse:
         await body(request, allow_empty=True)
         sched.resume()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+        return OrjsonResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(request: Request) -> Response:
         ok = sched.flush_cache()
@@ -325,8 +336,8 @@ def create_app(engine: Engine) -> Starlette:
             return Response(status_code=503)
         return Response(status_code=200)
 
-    async def model_info(request: Request) -> JSONResponse:
-        return JSONResponse(
+    async def model_info(request: Request) -> OrjsonResponse:
+        return OrjsonResponse(
             {
                 "model_path": engine.args.model_path,
                 "tokenizer_path": engine.args.tokenizer_path or engine.args.model_path,
@@ -336,15 +347,15 @@ def create_app(engine: Engine) -> Starlette:
             }
         )
 
-    async def get_weight_version(request: Request) -> JSONResponse:
-        return JSONResponse({"weight_version": engine.weight_version})
+    async def get_weight_version(request: Request) -> OrjsonResponse:
+        return OrjsonResponse({"weight_version": engine.weight_version})
 
-    async def update_weight_version(request: Request) -> JSONResponse:
+    async def update_weight_version(request: Request) -> OrjsonResponse:
         req = UpdateWeightVersionRequest.from_json(await body(request))
         if req.abort_all_requests:
             sched.abort(abort_all=True)
         engine.set_weight_version(req.new_version)
-        return JSONResponse(
+        return OrjsonResponse(
             {
                 "success": True,
                 "message": f"Weight version updated to {req.new_version}",
@@ -352,10 +363,10 @@ def create_app(engine: Engine) -> Starlette:
             }
         )
 
-    async def server_info(request: Request) -> JSONResponse:
-        return JSONResponse(engine.server_info())
+    async def server_info(request: Request) -> OrjsonResponse:
+        return OrjsonResponse(engine.server_info())
 
-    async def loads(request: Request) -> JSONResponse:
+    async def loads(request: Request) -> OrjsonResponse:
         load = {
             "dp_rank": 0,
             "num_running_reqs": len(sched.running),
@@ -364,33 +375,35 @@ def create_app(engine: Engine) -> Starlette:
             "max_running_requests": engine.args.max_running_requests,
             "max_total_num_tokens": engine.args.cache_tokens,
         }
-        return JSONResponse({"version": VERSION, "accelerator": None, "num_accelerators": 1, "loads": [load]})
+        return OrjsonResponse(
+            {"version": VERSION, "accelerator": None, "num_accelerators": 1, "loads": [load]}
+        )
 
-    async def get_weights_by_name(request: Request) -> JSONResponse:
+    async def get_weights_by_name(request: Request) -> OrjsonResponse:
         req = GetWeightsByNameRequest.from_json(await body(request))
         ret = engine.weights_by_name(req.name, req.truncate_size)
         if ret is None:
             return _bad("Get parameter by name failed")
-        return JSONResponse(ret)
+        return OrjsonResponse(ret)
 
-    async def update_weights_from_disk(request: Request) -> JSONResponse:
+    async def update_weights_from_disk(request: Request) -> OrjsonResponse:
         req = UpdateWeightsFromDiskRequest.from_json(await body(request))
         ok, message = await engine.update_from_disk(req)
         return _ok_or_400(ok, message, num_paused_requests=0)
 
-    async def init_weights_update_group(request: Request) -> JSONResponse:
+    async def init_weights_update_group(request: Request) -> OrjsonResponse:
         req = InitWeightsUpdateGroupRequest.from_json(await body(request))
         return _ok_or_400(*await engine.init_group(req))
 
-    async def update_weights_from_distributed(request: Request) -> JSONResponse:
+    async def update_weights_from_distributed(request: Request) -> OrjsonResponse:
         req = UpdateWeightsFromDistributedRequest.from_json(await body(request))
         return _ok_or_400(*await engine.update_from_distributed(req))
 
-    async def destroy_weights_update_group(request: Request) -> JSONResponse:
+    async def destroy_weights_update_group(request: Request) -> OrjsonResponse:
         req = DestroyWeightsUpdateGroupRequest.from_json(await body(request, allow_empty=True))
         return _ok_or_400(*engine.destroy_group(req.group_name))
 
-    async def begin_weight_update(request: Request) -> JSONResponse:
+    async def begin_weight_update(request: Request) -> OrjsonResponse:
         req = BeginWeightUpdateRequest.from_json(await body(request, allow_empty=True))
         if engine.session_open:
             return _ok_or_400(False, "A weight update session is already in progress.")
@@ -399,7 +412,7 @@ def create_app(engine: Engine) -> Starlette:
         engine.session_open = True
         return _ok_or_400(True, "Weight update session started.")
 
-    async def end_weight_update(request: Request) -> JSONResponse:
+    async def end_weight_update(request: Request) -> OrjsonResponse:
         EndWeightUpdateRequest.from_json(await body(request, allow_empty=True))
         if not engine.session_open:
             return _ok_or_400(False, "No weight update session is in progress.")
