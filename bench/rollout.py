@@ -9,6 +9,9 @@ every ``--pause-every`` steps the publish sequence as nodes/policy_sync.py does 
 re-posted, held by the paused server -> ``/continue_generation``; ``--orders continue-first`` continues
 before ``set_version``, AReaL's order), else the version bump alone. AReaL (``--areal PYTHON``): bench/areal_client.py
 in its own venv, same servers, prompts, K, max new tokens, batch, eta, concurrency and pauses.
+``--bare``: the servers' capacity, a bare aiohttp loop posting the same requests with no pauses
+(a variant below its calls/s was not held back by the servers). ``--pin CLIENT:FARM``: CPU sets for
+the client side (driver, the plane's actors, AReaL's tree, the bare loop) and the sim servers.
 Variants run one after another in each repeat, on the same servers (bench/simfarm.py: many sim
 servers per process).
 
@@ -306,6 +309,55 @@ async def areal(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) ->
     return result
 
 
+async def bare(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> dict[str, Any]:
+    """The servers' capacity: ``--concurrency`` loops in this process, each posting the plane's
+    requests (same prompts, one sample, same max new tokens) one after another to the next server,
+    aiohttp + orjson, no pauses and no plane. Calls/s here is what the servers give the cheapest
+    client on these CPUs; a variant below it was not held back by the servers."""
+    import orjson
+
+    wf = RLVRWorkflow(ByteChatTokenizer(), lambda *_: 0.0)
+    from nodes.rollout.workflows import chat_ids
+
+    bodies = [orjson.dumps({"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "sampling_params":
+                            {"max_new_tokens": a.max_new_tokens, "temperature": 1.0}, "return_logprob": True})
+              for it in arithmetic_items(min(a.prompts, 1024))]  # fmt: skip
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=0, limit_per_host=a.connections)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def loop(i: int) -> None:
+            nonlocal errors
+            k = i
+            while True:
+                k += a.concurrency
+                try:
+                    async with session.post(urls[k % len(urls)] + "/generate", data=bodies[k % len(bodies)],
+                                            headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                        orjson.loads(await r.read())
+                        errors += r.status != 200
+                except aiohttp.ClientError:
+                    errors += 1
+
+        tasks = [asyncio.create_task(loop(i)) for i in range(a.concurrency)]
+        try:
+            await asyncio.sleep(2.0)  # warm-up: connections open, the servers' queues full
+            sampler = Sampler(urls, farm_pids)
+            await sampler.start()
+            cpu0 = driver_cpu_s(exclude=farm_pids)  # the farm's processes are this one's children
+            sampling = asyncio.create_task(_sample_every(sampler, 1.0))
+            await asyncio.sleep(a.seconds)
+            cpu1 = driver_cpu_s(exclude=farm_pids)
+            sampling.cancel()
+            out = await sampler.stop()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return {**out, "cpu_us_per_call": 1e6 * (cpu1 - cpu0) / max(1, out["calls"]), "errors": errors,
+            "staleness_max": "-", "variant": "bare aiohttp loop (the servers' capacity)"}  # fmt: skip
+
+
 async def _sample_every(sampler: Sampler, period: float) -> None:
     while True:
         await asyncio.sleep(period)  # AReaL's steps run in its process: sample server load on a clock
@@ -330,9 +382,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--servers", type=int, default=16)
     ap.add_argument("--farm-procs", type=int, default=2, help="processes serving the sim servers")
-    ap.add_argument("--actors", type=int, nargs="+", default=[1], help="rollout actor counts to run")
+    ap.add_argument(
+        "--actors",
+        type=int,
+        nargs="*",
+        default=[1],
+        help="rollout actor counts to run (none: only --areal, --bare)",
+    )
     ap.add_argument("--shard-servers", action="store_true", help="actor i uses servers i, i+N, ...")
     ap.add_argument("--areal", help="python of AReaL 1.0.4's venv: run its client too")
+    ap.add_argument("--bare", action="store_true", help="also a bare client loop: the servers' capacity")
     ap.add_argument("--batch", type=int, default=32, help="groups per step (B)")
     ap.add_argument("--n-samples", type=int, default=4, help="K")
     ap.add_argument("--eta", type=int, default=2)
@@ -390,13 +449,13 @@ def main() -> None:
             os.sched_setaffinity(0, client_cpus)
         for rep in range(a.repeats):
             ours_ = [("ours", n, o == "continue-first") for n in a.actors for o in a.orders]
-            for variant in [*ours_, *((("areal", 0, True),) if a.areal else ())]:
+            others = [*((("areal", 0, True),) if a.areal else ()), *((("bare", 0, True),) if a.bare else ())]
+            for variant in [*ours_, *others]:
                 t = time.monotonic()
-                r = asyncio.run(
-                    ours(farm.urls, a, variant[1], farm.pids(), variant[2])
-                    if variant[0] == "ours"
-                    else areal(farm.urls, a, farm.pids())
-                )
+                run = {"ours": lambda v: ours(farm.urls, a, v[1], farm.pids(), v[2]),
+                       "areal": lambda v: areal(farm.urls, a, farm.pids()),
+                       "bare": lambda v: bare(farm.urls, a, farm.pids())}[variant[0]]  # fmt: skip
+                r = asyncio.run(run(variant))
                 r["repeat"] = rep
                 results.append(r)
                 print(row(r), f"({time.monotonic() - t:.0f} s)", flush=True)

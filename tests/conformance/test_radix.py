@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,3 +61,27 @@ def test_matches_agree_with_a_naive_prefix_set(seqs: list[list[int]]) -> None:
         if want:
             assert m.kv[0][0].view(-1).tolist() == [float(x) for x in q[:want]]
     assert c.total_tokens == len({tuple(s[:n]) for s in seqs for n in range(1, len(s) + 1)})
+
+
+def test_a_full_cache_walks_the_tree_once_per_slack_not_once_per_insert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Eviction walks every node; a full cache that walked on each insert cost 20x per insert."""
+    c = RadixCache(1600)
+    walks = 0
+    iter_nodes = c._iter_nodes
+
+    def counted() -> list:
+        nonlocal walks
+        walks += 1
+        return iter_nodes()
+
+    monkeypatch.setattr(c, "_iter_nodes", counted)
+    seqs = [[i, *range(1000 + 16 * i, 1000 + 16 * i + 15)] for i in range(200)]  # 16 tokens each, no sharing
+    for s in seqs:
+        c.insert(s, None)
+        assert c.total_tokens <= 1600
+    slack = int(1600 * RadixCache.SLACK)
+    assert walks <= (200 * 16 - 1600) // slack + 1  # each walk frees at least the slack; 100 before
+    assert all(c.match(s).length == 16 for s in seqs[-(1600 - slack) // 16 :])  # the newest are kept
+    assert c.match(seqs[0]).length == 0
