@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from simfarm import Farm, probe_stats  # noqa: E402
+from simfarm import Farm, flush_caches, probe_stats  # noqa: E402
 
 import rlactors  # noqa: E402
 from nodes.buffer import BufferActor  # noqa: E402
@@ -455,6 +455,7 @@ def main() -> None:
                 run = {"ours": lambda v: ours(farm.urls, a, v[1], farm.pids(), v[2]),
                        "areal": lambda v: areal(farm.urls, a, farm.pids()),
                        "bare": lambda v: bare(farm.urls, a, farm.pids())}[variant[0]]  # fmt: skip
+                asyncio.run(flush_caches(farm.urls))  # every variant starts on empty caches
                 r = asyncio.run(run(variant))
                 r["repeat"] = rep
                 results.append(r)
