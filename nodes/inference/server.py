@@ -6,8 +6,9 @@ Run it the way SGLang is run::
 
 The app is Starlette (the layer FastAPI is built on, without FastAPI's dependency solving and
 middleware, which cost about a third of a sim server's CPU per ``/generate``); an unknown route or
-method gets FastAPI's ``{"detail": ...}`` body, as SGLang's FastAPI app sends it. Routes parse bodies with the schemas of :mod:`protocols.sglang` (unknown or ill-typed fields ->
-400 ``{"error": {"message": ...}}`` naming the field), hand work to
+method gets FastAPI's ``{"detail": ...}`` body, as SGLang's FastAPI app sends it. Routes parse
+bodies with the schemas of :mod:`protocols.sglang` (unknown or ill-typed fields -> 400
+``{"error": {"message": ...}}`` naming the field), hand work to
 :class:`~nodes.inference.engine.Engine`, and render SGLang's response shapes and status codes.
 
 Limits SGLang does not have keep one request from stalling the rest: bodies past
