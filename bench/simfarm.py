@@ -99,9 +99,10 @@ class _Probe:
         pause, resume, submit, step = sched.pause, sched.resume, sched.submit, sched._step
 
         async def pause_(mode: str) -> None:
-            if mode == "abort":  # what a client will re-post: prompt + what was generated
-                self._aborted |= {hash(tuple(r.seq.ids)) for r in sched.by_rid.values() if r.seq.output_ids}
-            await pause(mode)
+            reqs = list(sched.by_rid.values()) if mode == "abort" else []
+            await pause(mode)  # a step in progress ends first, and adds a token to each running request
+            # what a client will re-post: prompt + what was generated, read once the aborts are answered
+            self._aborted |= {hash(tuple(r.seq.ids)) for r in reqs if r.seq.output_ids}
 
         def resume_() -> None:
             self._continued_at = time.monotonic()
