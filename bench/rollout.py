@@ -249,15 +249,18 @@ def resume_split(pauses: list[dict[str, Any]], reposts: list[list[list[float]]])
     return out
 
 
-def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
-    """The same prompts (our byte tokenizer's chat ids), K, tokens, batch, eta and concurrency, as JSON."""
+def prompt_ids(n: int) -> list[dict[str, Any]]:
+    """The plane's first ``n`` prompts as the servers see them (our byte tokenizer's chat ids), with answers."""
     wf = RLVRWorkflow(ByteChatTokenizer(), lambda *_: 0.0)
     from nodes.rollout.workflows import chat_ids
 
-    items = arithmetic_items(a.prompts)
-    prompts = [{"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "answer": it["answer"].split()[-1]}
-               for it in items]  # fmt: skip
-    spec = {"urls": urls, "prompts": prompts, "n_samples": a.n_samples, "max_new_tokens": a.max_new_tokens,
+    return [{"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "answer": it["answer"].split()[-1]}
+            for it in arithmetic_items(n)]  # fmt: skip
+
+
+def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
+    """The same prompts, K, tokens, batch, eta and concurrency, as JSON."""
+    spec = {"urls": urls, "prompts": prompt_ids(a.prompts), "n_samples": a.n_samples, "max_new_tokens": a.max_new_tokens,
             "batch_size": a.batch, "max_staleness": a.eta, "max_concurrent": a.concurrency,
             "pause_every": a.pause_every, "push_s": a.push_s, "warmup_steps": a.warmup_steps, "seconds": a.seconds}  # fmt: skip
     path = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
@@ -313,15 +316,13 @@ async def bare(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> 
     """The servers' capacity: ``--concurrency`` loops in this process, each posting the plane's
     requests (same prompts, one sample, same max new tokens) one after another to the next server,
     aiohttp + orjson, no pauses and no plane. Calls/s here is what the servers give the cheapest
-    client on these CPUs; a variant below it was not held back by the servers."""
+    client on these CPUs, once the loops keep them busy (check ``farm_cores``: with few loops it is
+    bound by the requests' latency instead); a variant below it was not held back by the servers."""
     import orjson
 
-    wf = RLVRWorkflow(ByteChatTokenizer(), lambda *_: 0.0)
-    from nodes.rollout.workflows import chat_ids
-
-    bodies = [orjson.dumps({"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "sampling_params":
-                            {"max_new_tokens": a.max_new_tokens, "temperature": 1.0}, "return_logprob": True})
-              for it in arithmetic_items(min(a.prompts, 1024))]  # fmt: skip
+    params = {"max_new_tokens": a.max_new_tokens, "temperature": 1.0}
+    bodies = [orjson.dumps({"input_ids": p["input_ids"], "sampling_params": params, "return_logprob": True})
+              for p in prompt_ids(min(a.prompts, 1024))]  # fmt: skip
     errors = 0
     conn = aiohttp.TCPConnector(limit=0, limit_per_host=a.connections)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -334,8 +335,11 @@ async def bare(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> 
                 try:
                     async with session.post(urls[k % len(urls)] + "/generate", data=bodies[k % len(bodies)],
                                             headers={"Content-Type": "application/json"}) as r:  # fmt: skip
-                        orjson.loads(await r.read())
-                        errors += r.status != 200
+                        body = await r.read()
+                    if r.status == 200:
+                        orjson.loads(body)  # as a client would: the answer parsed
+                    else:
+                        errors += 1
                 except aiohttp.ClientError:
                     errors += 1
 
@@ -449,14 +453,14 @@ def main() -> None:
             os.sched_setaffinity(0, client_cpus)
         for rep in range(a.repeats):
             ours_ = [("ours", n, o == "continue-first") for n in a.actors for o in a.orders]
-            others = [*((("areal", 0, True),) if a.areal else ()), *((("bare", 0, True),) if a.bare else ())]
-            for variant in [*ours_, *others]:
+            others = [(kind, 0, False) for kind, on in (("areal", a.areal), ("bare", a.bare)) if on]
+            for kind, n_actors, continue_first in [*ours_, *others]:
                 t = time.monotonic()
-                run = {"ours": lambda v: ours(farm.urls, a, v[1], farm.pids(), v[2]),
-                       "areal": lambda v: areal(farm.urls, a, farm.pids()),
-                       "bare": lambda v: bare(farm.urls, a, farm.pids())}[variant[0]]  # fmt: skip
                 asyncio.run(flush_caches(farm.urls))  # every variant starts on empty caches
-                r = asyncio.run(run(variant))
+                if kind == "ours":
+                    r = asyncio.run(ours(farm.urls, a, n_actors, farm.pids(), continue_first))
+                else:
+                    r = asyncio.run((areal if kind == "areal" else bare)(farm.urls, a, farm.pids()))
                 r["repeat"] = rep
                 results.append(r)
                 print(row(r), f"({time.monotonic() - t:.0f} s)", flush=True)
