@@ -244,8 +244,6 @@ def create_app(engine: Engine) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         # an unknown route or method: FastAPI's body, as SGLang sends it
         assert isinstance(exc, HTTPException)
-        if exc.status_code in (204, 304):
-            return Response(status_code=exc.status_code, headers=exc.headers)
         return OrjsonResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
     async def protocol_error(request: Request, exc: Exception) -> OrjsonResponse:
