@@ -108,6 +108,10 @@ class Sampler:
                 "farm_gap_ms_p90_p99": [round(1e3 * gaps[min(len(gaps) - 1, int(q * len(gaps)))], 1)
                                         for q in (0.9, 0.99)] if gaps else None,
                 "farm_gaps_over_50ms": sum(g > 0.05 for g in gaps),
+                # of those, servers that continued with no re-post queued (the rest had one: the
+                # server's own process was late to run it), and the longest gap of such a server
+                "farm_gaps_over_50ms_nothing_queued": sum(g > 0.05 for g in s["idle_gaps"]),
+                "farm_gap_ms_max_nothing_queued": round(1e3 * max(s["idle_gaps"], default=0.0), 1),
                 "resumed": s["resumed"], "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
                 "requests_inflight_max": max(self.inflight, s["inflight"]),
                 "farm_inflight_peak": s["farm_inflight_peak"], "farm_inflight_hwm_sum": s["farm_inflight_hwm_sum"]}  # fmt: skip

@@ -93,6 +93,8 @@ class _Probe:
     def __init__(self, sched: Any, report_load: bool) -> None:
         self.sched, self.report_load = sched, report_load
         self.gaps: list[float] = []
+        self.idle_gaps: list[float] = []  # those of a server with nothing queued when it continued
+        self._idle_at_continue = False
         self.resumed_prefix = self.resumed_cached = self.resumed = self.generates = 0
         self._continued_at: float | None = None
         self._aborted: set[int] = set()
@@ -106,6 +108,7 @@ class _Probe:
 
         def resume_() -> None:
             self._continued_at = time.monotonic()
+            self._idle_at_continue = not sched.waiting  # no re-post had reached it yet
             resume()
 
         def submit_(seq: Any, return_logprob: bool, stream: bool = False) -> asyncio.Future:
@@ -124,6 +127,8 @@ class _Probe:
         async def step_() -> bool:
             if self._continued_at is not None and (sched.waiting or sched.running):
                 self.gaps.append(time.monotonic() - self._continued_at)
+                if self._idle_at_continue:
+                    self.idle_gaps.append(self.gaps[-1])
                 self._continued_at = None
             return await step()
 
@@ -135,13 +140,13 @@ class _Probe:
         self.resumed_cached += min(prefix, req.cached_tokens or 0)
 
     def stats(self) -> dict[str, Any]:
-        return {"gaps": self.gaps, "resumed": self.resumed, "resumed_prefix": self.resumed_prefix,
+        return {"gaps": self.gaps, "idle_gaps": self.idle_gaps, "resumed": self.resumed, "resumed_prefix": self.resumed_prefix,
                 "resumed_cached": self.resumed_cached, "generates": self.generates,
                 "inflight": len(self.sched.by_rid),
                 **({"load": _LOAD.stats()} if self.report_load else {})}  # fmt: skip
 
     def reset(self) -> None:
-        self.gaps, self._continued_at, self._aborted = [], None, set()
+        self.gaps, self.idle_gaps, self._continued_at, self._aborted = [], [], None, set()
         self.resumed_prefix = self.resumed_cached = self.resumed = self.generates = 0
 
 
@@ -291,7 +296,8 @@ async def probe_stats(urls: list[str], reset: bool = False) -> dict[str, Any]:
         return {}
     loads = [x["load"] for x in got if "load" in x]  # one per farm process
     lo, hi = farm_inflight(loads)
-    return {"gaps": sorted(g for x in got for g in x["gaps"]), "farm_inflight_peak": (lo, hi),
+    return {"gaps": sorted(g for x in got for g in x["gaps"]), "idle_gaps": sorted(g for x in got for g in x["idle_gaps"]),
+            "farm_inflight_peak": (lo, hi),
             "farm_inflight_hwm_sum": sum(x["hwm"] for x in loads),
             **{k: sum(x[k] for x in got) for k in ("resumed", "resumed_prefix", "resumed_cached", "generates", "inflight")}}  # fmt: skip
 
