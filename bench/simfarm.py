@@ -111,9 +111,9 @@ class _Probe:
             self._idle_at_continue = not sched.waiting  # no re-post had reached it yet
             resume()
 
-        def submit_(seq: Any, return_logprob: bool, stream: bool = False) -> asyncio.Future:
+        def submit_(seq: Any, return_logprob: bool, stream: bool = False, **kw: Any) -> asyncio.Future:
             self.generates += 1
-            fut = submit(seq, return_logprob, stream)
+            fut = submit(seq, return_logprob, stream, **kw)
             _LOAD.add(1)
             fut.add_done_callback(lambda _f: _LOAD.add(-1))
             key = hash(tuple(seq.input_ids)) if self._aborted else None

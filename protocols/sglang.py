@@ -467,6 +467,56 @@ def finish_abort(message: str, status_code: int | None = None, err_type: str | N
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
+TopList = list[tuple[float, int]]  # (logprob, token id), likeliest first
+
+
+@dataclass
+class LogprobReport:
+    """A ``return_logprob`` request's log-probabilities, rendered by :meth:`GenerateResult.to_json`
+    into SGLang 0.5.23's ``meta_info`` fields.
+
+    ``output`` is one log-prob per output token. The input fields cover the prompt from
+    ``logprob_start_len`` on (``input_ids``), the first entry ``None`` as SGLang sends it (it does
+    not compute the position it starts at); empty without ``logprob_start_len``. ``output_top`` /
+    ``input_top`` (``top_logprobs_num`` > 0) and ``output_ids_lp`` / ``input_ids_lp``
+    (``token_ids_logprob``) are present only when asked for, one entry per position."""
+
+    output: list[float]
+    input: list[float | None] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    output_top: list[TopList] | None = None
+    input_top: list[TopList | None] | None = None
+    token_ids: list[int] | None = None
+    output_ids_lp: list[list[float]] | None = None
+    input_ids_lp: list[list[float] | None] | None = None
+    text: Any = None  # return_text_in_logprobs: token id -> its text (else each text is null)
+
+    def meta(self, output_ids: list[int]) -> dict[str, Any]:
+        """The ``meta_info`` entries, in SGLang's shape: ``[logprob, token_id, text | null]``."""
+        text = self.text or (lambda _t: None)
+
+        def row(pairs: Any) -> list[list[Any]]:
+            return [[lp, t, text(t)] for lp, t in pairs]
+
+        out: dict[str, Any] = {
+            "input_token_logprobs": row(zip(self.input, self.input_ids, strict=True)),
+            "output_token_logprobs": row(zip(self.output, output_ids, strict=True)),
+            "output_token_logprobs_length": len(self.output),
+        }
+        if self.output_top is not None:
+            out["input_top_logprobs"] = [None if e is None else row(e) for e in self.input_top or []]
+            out["output_top_logprobs"] = [row(e) for e in self.output_top]
+        if self.token_ids is not None:
+            ids = self.token_ids
+            out["input_token_ids_logprobs"] = [
+                None if e is None else row(zip(e, ids, strict=True)) for e in self.input_ids_lp or []
+            ]
+            out["output_token_ids_logprobs"] = [
+                row(zip(e, ids, strict=True)) for e in self.output_ids_lp or []
+            ]
+        return out
+
+
 @dataclass
 class GenerateResult:
     """One finished (or aborted) generation, rendered by :meth:`to_json` as SGLang's response."""
@@ -479,8 +529,7 @@ class GenerateResult:
     cached_tokens: int
     weight_version: str
     e2e_latency: float
-    output_token_logprobs: list[float] | None = None
-    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    logprobs: LogprobReport | None = None  # with return_logprob
     # the weight_version that sampled each output token, aligned with output_ids; sent as
     # SGLang 0.5.23 sends it, ``meta_info.weight_versions`` spans (see :func:`weight_version_spans`)
     output_token_weight_versions: list[str] | None = None
@@ -497,13 +546,12 @@ class GenerateResult:
             "weight_version": self.weight_version,
             "e2e_latency": self.e2e_latency,
         }
-        if self.output_token_logprobs is not None:
-            meta["output_token_logprobs"] = [
-                [lp, tid, None] for lp, tid in zip(self.output_token_logprobs, self.output_ids, strict=True)
-            ]
-            meta["input_token_logprobs"] = [list(x) for x in (self.input_token_logprobs or [])]
+        if self.logprobs is not None:
+            meta.update(self.logprobs.meta(self.output_ids))
         if self.output_token_weight_versions is not None:
-            meta[WEIGHT_VERSIONS] = weight_version_spans(self.output_token_weight_versions, self.weight_version)
+            meta[WEIGHT_VERSIONS] = weight_version_spans(
+                self.output_token_weight_versions, self.weight_version
+            )
         meta.update(self.extra_meta)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
 
@@ -539,6 +587,7 @@ __all__ = [
     "GenerateResult",
     "GetWeightsByNameRequest",
     "InitWeightsUpdateGroupRequest",
+    "LogprobReport",
     "PauseGenerationRequest",
     "ProtocolError",
     "SamplingParams",

@@ -36,6 +36,7 @@ from protocols.sglang import (
     ABORT_RUNNING_MESSAGE,
     ABORT_WAITING_MESSAGE,
     GenerateResult,
+    LogprobReport,
     ProtocolError,
     finish_abort,
     finish_length,
@@ -65,6 +66,9 @@ class Req:
     stop_str_at: int | None = None
     retractions: int = 0  # times a retract pause sent it back to the queue (SGLang's num_retractions)
     progress: asyncio.Event | None = None  # streamed requests: set when a step adds output tokens
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)  # top_logprobs_num, per token
+    output_ids_lp: list[list[float]] = field(default_factory=list)  # token_ids_logprob, per token
+    logprob_text: bool = False  # return_text_in_logprobs
 
     @property
     def rid(self) -> str:
@@ -125,9 +129,12 @@ class Scheduler:
 
     # ---- requests --------------------------------------------------------------------
 
-    def submit(self, seq: Seq, return_logprob: bool, stream: bool = False) -> asyncio.Future[GenerateResult]:
+    def submit(
+        self, seq: Seq, return_logprob: bool, stream: bool = False, logprob_text: bool = False
+    ) -> asyncio.Future[GenerateResult]:
         """Queue a request; its future resolves when it finishes or is aborted. With ``stream``,
-        :meth:`follow` can report its output as it grows."""
+        :meth:`follow` can report its output as it grows; ``logprob_text``: each log-prob entry
+        carries its token's text (``return_text_in_logprobs``)."""
         if self._task is not None and self._task.done():
             raise SchedulerStopped(
                 f"the scheduler loop has stopped ({self.crash!r}); see the server log and restart the server"
@@ -136,10 +143,11 @@ class Scheduler:
             raise ProtocolError(f"Duplicate request ID detected: {seq.rid}")
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         req = Req(
-            seq=seq, return_logprob=return_logprob, future=fut, progress=asyncio.Event() if stream else None
-        )
+            seq=seq, return_logprob=return_logprob, future=fut, progress=asyncio.Event() if stream else None,
+            logprob_text=logprob_text,
+        )  # fmt: skip
         self.by_rid[seq.rid] = req
-        if seq.params.max_new_tokens == 0:
+        if seq.params.max_new_tokens == 0 and not (return_logprob and seq.wants_input):
             req.cached_tokens = self.cache.match(seq.input_ids[:-1]).length
             req.finish_reason = finish_length(0)
             self._resolve(req)
@@ -277,7 +285,9 @@ class Scheduler:
         if admit:
             for req in admit:
                 ids = req.seq.ids
-                match = self.cache.match(ids[:-1])
+                # the prompt's log-probs are computed from logprob_start on: no cache before it (SGLang's rule)
+                cut = min(req.seq.logprob_start, len(ids) - 1) if req.seq.wants_input else len(ids) - 1
+                match = self.cache.match(ids[:cut])
                 req.seq.cached_len, req.seq.cached_kv = match.length, match.kv
                 # SGLang adds each prefill's hit (a retracted request's re-prefill counts again)
                 req.cached_tokens = (req.cached_tokens or 0) + match.length
@@ -312,9 +322,19 @@ class Scheduler:
     def _advance(self, batch: list[Req], samples: list[Sample], version: str) -> None:
         for req, s in zip(batch, samples, strict=True):
             try:
+                if req.seq.params.max_new_tokens == 0:  # prefilled for the prompt's log-probs only
+                    req.finish_reason = finish_length(0)
+                    self._cache_kv(req)
+                    self.running.remove(req)
+                    self._finish(req)
+                    continue
                 req.seq.output_ids.append(s.token)
                 req.seq.logprobs.append(s.logprob)
                 req.token_versions.append(version)
+                if s.top is not None:
+                    req.output_top.append(s.top)
+                if s.ids is not None:
+                    req.output_ids_lp.append(s.ids)
                 if req.progress is not None:
                     req.progress.set()
                 reason = self._check_finish(req, s.token)
@@ -422,10 +442,34 @@ class Scheduler:
             cached_tokens=req.cached_tokens or 0,
             weight_version=self.weight_version,
             e2e_latency=time.monotonic() - req.created,
-            output_token_logprobs=list(seq.logprobs) if req.return_logprob else None,
+            logprobs=self._logprobs(req) if req.return_logprob else None,
             output_token_weight_versions=None if partial else list(req.token_versions),
             extra_meta={"num_retractions": req.retractions},
         )
+
+    def _logprobs(self, req: Req) -> LogprobReport:
+        seq = req.seq
+        rep = LogprobReport(output=list(seq.logprobs))
+        if seq.top_logprobs > 0:
+            rep.output_top, rep.input_top = list(req.output_top), []
+        if seq.token_ids_logprob is not None:
+            rep.token_ids, rep.output_ids_lp, rep.input_ids_lp = (
+                seq.token_ids_logprob,
+                list(req.output_ids_lp),
+                [],
+            )
+        inp = seq.input_logprobs
+        if seq.logprob_start is not None and inp is not None and seq.logprob_start < len(seq.input_ids):
+            # SGLang does not compute the position it starts at: None there
+            rep.input_ids = seq.input_ids[seq.logprob_start :]
+            rep.input = [None, *inp.lps]
+            if rep.input_top is not None:
+                rep.input_top = [None, *(inp.top or [])]
+            if rep.input_ids_lp is not None:
+                rep.input_ids_lp = [None, *(inp.ids or [])]
+        if req.logprob_text:
+            rep.text = lambda t: self.backend.detokenize([t], skip_special_tokens=False)
+        return rep
 
     def stats(self) -> dict[str, Any]:
         """Counters for ``/get_server_info``."""

@@ -165,6 +165,38 @@ async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, S
     return seqs
 
 
+def _ask_logprobs(
+    req: GenerateRequest, indexed: list[tuple[int, Seq]], flags: list[bool], vocab: int
+) -> None:
+    """Hand each sequence of a ``return_logprob`` prompt the extra log-probs it asks for
+    (``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``); SGLang ignores them
+    without ``return_logprob``."""
+    count = req.prompt_count
+    starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
+    tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
+    ids = req.token_ids_logprob
+    if ids is None or not ids or isinstance(ids[0], int):  # one list for every prompt
+        per_ids: list[Any] = [ids] * count
+    else:
+        per_ids = _per_prompt(ids, count, "token_ids_logprob", None)
+    for want in per_ids:
+        bad = next((t for t in want or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ProtocolError(f"token_ids_logprob: token id {bad} is outside the vocabulary [0, {vocab})")
+    for i, seq in indexed:
+        if not flags[i]:
+            continue
+        n, start = len(seq.input_ids), starts[i]
+        if start > n:  # SGLang's words
+            raise ProtocolError(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={n}. Please use a smaller logprob_start_len."
+            )
+        seq.logprob_start = start if 0 <= start < n else None  # -1 (or the prompt's end): none
+        seq.top_logprobs = max(0, tops[i])
+        seq.token_ids_logprob = None if per_ids[i] is None else list(per_ids[i])
+
+
 async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]) -> None:
     """SGLang aborts a request whose client went away; so do we (frees the rid for a retry).
 
@@ -269,11 +301,14 @@ def create_app(engine: Engine) -> Starlette:
             if s.rid in sched.by_rid or s.rid in seen:
                 raise ProtocolError(f"Duplicate request ID detected: {s.rid}")
             seen.add(s.rid)
+        _ask_logprobs(req, indexed, flags, engine.backend.vocab_size)
         rids = [s.rid for s in seqs]
         futs = []
         try:
             for i, s in indexed:
-                futs.append(sched.submit(s, flags[i], stream=req.stream))
+                futs.append(
+                    sched.submit(s, flags[i], stream=req.stream, logprob_text=req.return_text_in_logprobs)
+                )
         except Exception:
             for rid in rids[: len(futs)]:
                 sched.abort(rid=rid)

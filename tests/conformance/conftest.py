@@ -74,7 +74,7 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
         stop_server(proc)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def is_reference() -> bool:
     """True when the server under test is our reference server."""
     return not (EXTERNAL_URL or SGLANG_PYTHON)

@@ -28,19 +28,49 @@ class Seq:
     cached_len: int = 0  # tokens of ids served by the prefix cache at the latest prefill
     cached_kv: Any = None  # their KV (backend format), consumed by prefill
     slot: Any = None  # backend-private state while the sequence holds KV
+    # log-probs asked for beyond the sampled token's (SGLang's top_logprobs_num, token_ids_logprob,
+    # logprob_start_len); the same distribution as the sampled token's, log_softmax(logits / T)
+    top_logprobs: int = 0  # also the k likeliest tokens, at every position reported
+    token_ids_logprob: list[int] | None = None  # also these tokens' log-probs, at every position reported
+    logprob_start: int | None = None  # also the prompt's, from this position (the prefill computes them)
+    input_logprobs: InputLogprobs | None = None  # set by the first prefill when logprob_start is set
 
     @property
     def ids(self) -> list[int]:
         """Prompt plus everything generated so far."""
         return self.input_ids + self.output_ids
 
+    @property
+    def wants_extras(self) -> bool:
+        """Whether samples must carry top / token-id log-probs."""
+        return self.top_logprobs > 0 or self.token_ids_logprob is not None
+
+    @property
+    def wants_input(self) -> bool:
+        """Whether the next prefill must compute the prompt's log-probs."""
+        return self.logprob_start is not None and self.input_logprobs is None
+
 
 @dataclass
 class Sample:
-    """One sampled token and its log-probability (log_softmax(logits / T), as SGLang reports)."""
+    """One sampled token and its log-probability (log_softmax(logits / T), as SGLang reports);
+    ``top`` / ``ids``: the extras its sequence asked for, from the same distribution."""
 
     token: int
     logprob: float
+    top: list[tuple[float, int]] | None = None  # (logprob, token), likeliest first
+    ids: list[float] | None = None  # log-probs of seq.token_ids_logprob, in its order
+
+
+@dataclass
+class InputLogprobs:
+    """The prompt's log-probs from ``seq.logprob_start`` + 1 on: position ``i`` of each list is
+    prompt token ``logprob_start + 1 + i`` given the tokens before it (SGLang reports position
+    ``logprob_start`` itself as None). ``top`` / ``ids`` when the sequence asked for them."""
+
+    lps: list[float]
+    top: list[list[tuple[float, int]]] | None = None
+    ids: list[list[float]] | None = None
 
 
 class Backend(Protocol):

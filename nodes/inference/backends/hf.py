@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from nodes.inference import weight_sync
-from nodes.inference.backends.base import Sample, Seq
+from nodes.inference.backends.base import InputLogprobs, Sample, Seq
 
 log = structlog.get_logger(__name__)
 
@@ -145,17 +145,23 @@ class HFBackend:
             else:
                 cache = DynamicCache()
             inp = torch.tensor([ids[c:]], device=self._device)
+            start = seq.logprob_start if seq.wants_input else None
+            # the prompt's log-probs need the logits of positions start .. (the scheduler kept
+            # the cached prefix within start); else only the last position's, to sample
+            keep = 1 if start is None else min(len(ids) - c, len(ids) - start)
             out = self.model(
                 input_ids=inp,
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self._device),
                 position_ids=torch.arange(c, len(ids), device=self._device).unsqueeze(0),
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=keep,
             )
             layers = out.past_key_values.layers
             seq.slot = _Slot(length=len(ids), kv=tuple((ly.keys[0], ly.values[0]) for ly in layers))
             logits.append(out.logits[0, -1])
+            if start is not None:
+                seq.input_logprobs = self._input_logprobs(seq, out.logits[0, :-1], ids[len(ids) - keep + 1 :])
         return self._sample(seqs, torch.stack(logits))
 
     @torch.inference_mode()
@@ -237,19 +243,32 @@ class HFBackend:
             p = seq.params
             x = logits[row]
             if p.greedy:
+                logp = torch.log_softmax(x, dim=-1)
                 token = int(torch.argmax(x))
-                logprob = float(torch.log_softmax(x, dim=-1)[token])
             else:
-                scaled = x / p.temperature
-                logp = torch.log_softmax(scaled, dim=-1)
+                logp = torch.log_softmax(x / p.temperature, dim=-1)
                 probs = _filter(logp.exp(), p.top_k, p.top_p, p.min_p)
                 gen = torch.Generator(device=probs.device).manual_seed(
                     (seq.seed * 1000003 + len(seq.output_ids)) % (1 << 63)
                 )
                 token = int(torch.multinomial(probs, 1, generator=gen))
-                logprob = float(logp[token])
-            out.append(Sample(token=token, logprob=logprob))
+            sample = Sample(token=token, logprob=float(logp[token]))
+            if seq.wants_extras:
+                top, ids = _extras(seq, logp.unsqueeze(0))
+                sample.top = top[0] if top is not None else None
+                sample.ids = ids[0] if ids is not None else None
+            out.append(sample)
         return out
+
+    @staticmethod
+    def _input_logprobs(seq: Seq, logits: torch.Tensor, targets: list[int]) -> InputLogprobs:
+        """The prompt's log-probs: row ``i`` of ``logits`` predicts ``targets[i]``, at the
+        sampling temperature (1 when greedy), as the output's are."""
+        t = 1.0 if seq.params.greedy else seq.params.temperature
+        logp = torch.log_softmax(logits.float() / t, dim=-1)
+        lps = logp.gather(1, torch.tensor(targets, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+        top, ids = _extras(seq, logp)
+        return InputLogprobs(lps=lps, top=top, ids=ids)
 
     # ---- text and weights --------------------------------------------------------------
 
@@ -304,6 +323,20 @@ class _Released:
     """Placeholder for a batch row whose sequence has left (forces a rebuild next step)."""
 
     slot = None
+
+
+def _extras(
+    seq: Seq, logp: torch.Tensor
+) -> tuple[list[list[tuple[float, int]]] | None, list[list[float]] | None]:
+    """Per row of ``logp`` ([positions, vocab]): its ``seq.top_logprobs`` likeliest tokens and the
+    log-probs of ``seq.token_ids_logprob``, as the sequence asked."""
+    top = ids = None
+    if seq.top_logprobs > 0:
+        vals, idx = torch.topk(logp, min(seq.top_logprobs, logp.shape[-1]), dim=-1)
+        top = [list(zip(v, i, strict=True)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)]
+    if seq.token_ids_logprob is not None:
+        ids = logp[:, torch.tensor(seq.token_ids_logprob, device=logp.device)].tolist()
+    return top, ids
 
 
 def _filter(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from nodes.inference.backends.base import Sample, Seq
+from nodes.inference.backends.base import InputLogprobs, Sample, Seq
 from nodes.inference.radix import NoKV
 
 log = structlog.get_logger(__name__)
@@ -103,10 +103,12 @@ class SimBackend:
     def _seed(self) -> int:
         return int(zlib.crc32(self.weights_id.encode()))
 
-    def _sample(self, seq: Seq) -> Sample:
-        h = _mix(seq.slot ^ (len(seq.ids) * 0x100000001B3) ^ self._seed())
-        if not seq.params.greedy:
-            h = _mix(h ^ seq.seed ^ (len(seq.output_ids) << 32))
+    def _dist(self, prefix_hash: int, length: int) -> int:
+        """The hash that stands for the model's distribution after ``length`` tokens hashing to ``prefix_hash``."""
+        return _mix(prefix_hash ^ (length * 0x100000001B3) ^ self._seed())
+
+    def _pick(self, h: int) -> tuple[int, float]:
+        """The token a hash picks, and the log-prob reported for it."""
         eos = min(self.eos_token_ids)
         if self.config.eos_prob > 0 and (h & 0xFFFF) / 65536.0 < self.config.eos_prob:
             token = eos
@@ -114,8 +116,65 @@ class SimBackend:
             token = 3 + (h >> 16) % max(1, self.vocab_size - 3)
             if token in self.eos_token_ids:
                 token += 1
-        logprob = -((h >> 40) % 4000) / 1000.0
-        return Sample(token=token, logprob=logprob)
+        return token, -((h >> 40) % 4000) / 1000.0
+
+    # The sim's "distribution" at a position, for top / token-id / prompt log-probs: the greedy
+    # token first with its log-prob, then every other token in a fixed order, each 4 / vocab
+    # lower. So the greedy token is the top one, with the log-prob a greedy sample reports; a
+    # sampled (temperature > 0) token's reported log-prob does not come from this order.
+
+    def _rank(self, g: int, t: int) -> int:
+        """Token ``t``'s place in the order that starts with ``g``."""
+        span = max(1, self.vocab_size - 3)
+        if t == g:
+            return 0
+        if not 3 <= t < self.vocab_size:
+            return self.vocab_size
+        return (t - g) % span if 3 <= g < self.vocab_size else 1 + t - 3
+
+    def _ranked(self, g: int, r: int) -> int:
+        """The token at place ``r`` >= 1 of the order that starts with ``g``."""
+        span = max(1, self.vocab_size - 3)
+        return 3 + ((g - 3 + r) % span if 3 <= g < self.vocab_size else (r - 1) % span)
+
+    def _extras(self, seq: Seq, h: int) -> tuple[list[tuple[float, int]] | None, list[float] | None]:
+        g, lp = self._pick(h)
+        step = 4.0 / self.vocab_size
+        top = None
+        if seq.top_logprobs > 0:
+            k = min(seq.top_logprobs, self.vocab_size)
+            top = [(lp, g)] + [(lp - step * r, self._ranked(g, r)) for r in range(1, k)]
+        ids = None
+        if seq.token_ids_logprob is not None:
+            ids = [lp - step * self._rank(g, t) for t in seq.token_ids_logprob]
+        return top, ids
+
+    def _sample(self, seq: Seq) -> Sample:
+        n_out = len(seq.output_ids)
+        h = self._dist(seq.slot, len(seq.input_ids) + n_out)  # (seq.ids would copy both lists)
+        token, logprob = self._pick(h if seq.params.greedy else _mix(h ^ seq.seed ^ (n_out << 32)))
+        sample = Sample(token=token, logprob=logprob)
+        if seq.top_logprobs > 0 or seq.token_ids_logprob is not None:
+            sample.top, sample.ids = self._extras(seq, h)
+        return sample
+
+    def _input_logprobs(self, seq: Seq, prefix_hashes: list[int]) -> InputLogprobs:
+        """Prompt positions ``logprob_start + 1 ..``; ``prefix_hashes[p]`` hashes ``ids[:p]``."""
+        ids = seq.input_ids
+        step = 4.0 / self.vocab_size
+        out = InputLogprobs(lps=[], top=[] if seq.top_logprobs > 0 else None,
+                            ids=[] if seq.token_ids_logprob is not None else None)  # fmt: skip
+        assert seq.logprob_start is not None
+        for p in range(seq.logprob_start + 1, len(ids)):
+            h = self._dist(prefix_hashes[p], p)
+            g, lp = self._pick(h)
+            out.lps.append(lp - step * self._rank(g, ids[p]))
+            top, lps = self._extras(seq, h)
+            if out.top is not None:
+                out.top.append(top)
+            if out.ids is not None:
+                out.ids.append(lps)
+        return out
 
     async def prefill(self, seqs: list[Seq]) -> list[Sample]:
         """Hash the prompt (the "KV") and sample; sleeps for the uncached tokens."""
@@ -123,9 +182,14 @@ class SimBackend:
         new_tokens = 0
         for seq in seqs:
             h = 0
+            hashes: list[int] | None = [] if seq.wants_input else None
             for t in seq.ids:
+                if hashes is not None:
+                    hashes.append(h)
                 h = _roll(h, t)
             seq.slot = h
+            if hashes is not None:
+                seq.input_logprobs = self._input_logprobs(seq, hashes)
             new_tokens += len(seq.ids) - seq.cached_len
             sample = self._sample(seq)
             seq.slot = _roll(seq.slot, sample.token)
