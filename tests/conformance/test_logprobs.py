@@ -25,11 +25,8 @@ TOL = 2e-3  # a prefill and a decode step of the same position differ by float r
 
 
 @pytest.fixture(scope="module")
-def hf_url(tiny_ckpt: Path, is_reference: bool) -> Iterator[str | None]:
-    """The reference server's hf backend on the tiny checkpoint (None outside the main suite)."""
-    if not is_reference:
-        yield None
-        return
+def hf_url(tiny_ckpt: Path) -> Iterator[str]:
+    """The reference server's hf backend on the tiny checkpoint."""
     proc, url = start_reference_server(
         ["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"]
     )
@@ -41,10 +38,10 @@ def hf_url(tiny_ckpt: Path, is_reference: bool) -> Iterator[str | None]:
 
 @pytest.fixture(params=["server", "hf"])
 async def c(
-    request: pytest.FixtureRequest, server_url: str, hf_url: str | None
+    request: pytest.FixtureRequest, server_url: str, hf_url: str, is_reference: bool
 ) -> AsyncIterator[httpx.AsyncClient]:
     """The server under test, then (main suite only) the reference server's hf backend."""
-    if request.param == "hf" and hf_url is None:
+    if request.param == "hf" and not is_reference:
         pytest.skip("the hf backend is the reference server's: it runs in the main suite")
     url = server_url if request.param == "server" else hf_url
     async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
@@ -180,3 +177,32 @@ async def test_a_batch_asks_per_prompt(c: httpx.AsyncClient) -> None:
     assert len(first["input_top_logprobs"]) == len(PROMPT) and len(first["output_top_logprobs"]) == 2
     entries_ok(second["input_token_logprobs"], PROMPT[1:3], first_none=True)
     assert "input_top_logprobs" not in second and "output_top_logprobs" not in second
+
+
+async def test_the_hf_backend_agrees_with_real_sglang(
+    server_url: str, hf_url: str, is_reference: bool
+) -> None:
+    """Same checkpoint, same requests: the reference server's hf backend and real SGLang give the
+    same greedy tokens and the same log-probs (sampled, prompt, top, token ids) within float noise."""
+    if is_reference:
+        pytest.skip("compares with real SGLang: runs in the SGLang stage")
+    extra = {"logprob_start_len": 2, "top_logprobs_num": 3, "token_ids_logprob": [3, 7, 1000]}
+    async with (
+        httpx.AsyncClient(base_url=server_url, timeout=120.0) as s,
+        httpx.AsyncClient(base_url=hf_url, timeout=120.0) as h,
+    ):
+        for ids in (PROMPT, list(range(40, 100))):
+            a, b = await gen(s, ids=ids, n=6, **extra), await gen(h, ids=ids, n=6, **extra)
+            assert a["output_ids"] == b["output_ids"]
+            ma, mb = a["meta_info"], b["meta_info"]
+            for key in ("input_token_logprobs", "output_token_logprobs"):
+                assert [t for _, t, _ in ma[key]] == [t for _, t, _ in mb[key]]
+                assert [x[0] for x in ma[key]] == pytest.approx([x[0] for x in mb[key]], abs=1e-3)
+            for key in ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
+                        "output_token_ids_logprobs"):  # fmt: skip
+                ra, rb = ma[key], mb[key]
+                assert len(ra) == len(rb) and (ra[0] is None) == (rb[0] is None)
+                for x, y in zip(ra, rb, strict=True):
+                    if x is not None:
+                        assert x[0][1] == y[0][1]  # the likeliest (or first asked) token
+                        assert [e[0] for e in x] == pytest.approx([e[0] for e in y], abs=1e-3)
