@@ -12,4 +12,5 @@ export RLACTORS_CONFORMANCE_SGLANG
 echo "[test-sglang] conformance suite against real SGLang ($RLACTORS_CONFORMANCE_SGLANG)"
 exec .venv/bin/python -m pytest tests/conformance/test_generate.py tests/conformance/test_abort_pause.py \
   tests/conformance/test_update_mid_generation.py tests/conformance/test_weights.py \
-  tests/conformance/test_validation.py tests/conformance/test_stream.py tests/conformance/test_logprobs.py "$@"
+  tests/conformance/test_validation.py tests/conformance/test_stream.py tests/conformance/test_logprobs.py \
+  tests/conformance/test_stream_incremental.py "$@"

@@ -68,6 +68,9 @@ class ServerArgs:
     max_request_bytes: int = 16 << 20
     max_n: int = 64
     max_batch_size: int = 256
+    # stream events carry what is new since the previous one (output ids, text, output log-probs)
+    # instead of everything so far, as SGLang's --incremental-streaming-output
+    incremental_streaming_output: bool = False
     log_level: str = "warning"
 
 

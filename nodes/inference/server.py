@@ -211,15 +211,36 @@ async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]
             return
 
 
+# meta_info lists that hold one entry per output token: an incremental stream event sends only the new ones
+_PER_OUTPUT_TOKEN = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+def _delta(event: dict[str, Any], sent: list[int]) -> dict[str, Any]:
+    """An event of ``--incremental-streaming-output``: the output ids, text and per-token
+    log-prob entries new since this sequence's previous event (``sent``: how many ids and
+    characters went out before; updated). The rest of ``meta_info`` is as in a full event."""
+    n_ids, n_text = sent
+    ids, text = event["output_ids"], event["text"]
+    sent[0], sent[1] = len(ids), len(text)
+    event["output_ids"], event["text"] = ids[n_ids:], text[n_text:]
+    meta = event["meta_info"]
+    for key in _PER_OUTPUT_TOKEN:
+        if key in meta:
+            meta[key] = meta[key][n_ids:]
+    return event
+
+
 async def _stream(
     engine: Engine, rids: list[str], futs: list[asyncio.Future[Any]], many: bool
 ) -> AsyncIterator[bytes]:
-    """Server-sent events as SGLang 0.5.23 sends them by default (not incremental): each sequence's
-    output so far as it grows (:meth:`Scheduler.follow`), then its result (with the finish reason);
-    of several sequences, interleaved, each event with its ``index``; then ``[DONE]``. A failed
-    sequence ends the stream with an ``error`` event; a client that goes away aborts them."""
+    """Server-sent events as SGLang 0.5.23 sends them: by default each sequence's output so far
+    as it grows (:meth:`Scheduler.follow`), then its result (with the finish reason); with
+    ``--incremental-streaming-output`` what is new in each (:func:`_delta`). Of several
+    sequences, interleaved, each event with its ``index``; then ``[DONE]``. A failed sequence
+    ends the stream with an ``error`` event; a client that goes away aborts them."""
     sched = engine.scheduler
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    sent = [[0, 0] for _ in rids] if engine.args.incremental_streaming_output else None
 
     async def pump(i: int) -> None:
         try:
@@ -243,6 +264,8 @@ async def _stream(
                        "code": code, "retryable": False}  # fmt: skip
                 yield b"data: " + orjson.dumps({"error": err}) + b"\n\n"
                 break
+            if sent is not None:
+                item = _delta(item, sent[i])
             if many:
                 item["index"] = i
             yield b"data: " + orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
