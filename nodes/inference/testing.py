@@ -90,6 +90,16 @@ def stop_server(proc: subprocess.Popen) -> None:
             os.unlink(log.name)
 
 
+def serving(started: tuple[subprocess.Popen, str]) -> Iterator[str]:
+    """Yield a started server's URL and stop the server after: ``yield from serving(start_...(...))``
+    in a fixture."""
+    proc, url = started
+    try:
+        yield url
+    finally:
+        stop_server(proc)
+
+
 @contextlib.contextmanager
 def reference_server(args: list[str], timeout_s: float = 120.0) -> Iterator[str]:
     """Run a reference server for the duration of a ``with`` block; yields its URL."""

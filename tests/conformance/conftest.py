@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.inference.testing import start_reference_server, start_sglang_server, stop_server
+from nodes.inference.testing import serving, start_reference_server, start_sglang_server
 
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_URL = os.environ.get("RLACTORS_CONFORMANCE_URL")
@@ -48,30 +48,22 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
     """URL of the server under test (external, or a sim reference server we start)."""
     if EXTERNAL_URL:
         yield EXTERNAL_URL.rstrip("/")
-        return
-    if SGLANG_PYTHON:
-        proc, url = start_sglang_server(SGLANG_PYTHON, str(tiny_ckpt), ["--max-running-requests", str(MAX_RUNNING)])
-        try:
-            yield url
-        finally:
-            stop_server(proc)
-        return
-    proc, url = start_reference_server(
-        [
-            "--backend",
-            "sim",
-            "--model-path",
-            str(tiny_ckpt),
-            "--sim-decode-s-base",
-            "0.002",
-            "--max-running-requests",
-            str(MAX_RUNNING),
-        ]
+    elif SGLANG_PYTHON:
+        yield from serving(
+            start_sglang_server(SGLANG_PYTHON, str(tiny_ckpt), ["--max-running-requests", str(MAX_RUNNING)])
+        )
+    else:
+        yield from serving(start_reference_server(["--backend", "sim", "--model-path", str(tiny_ckpt),
+                                                   "--sim-decode-s-base", "0.002",
+                                                   "--max-running-requests", str(MAX_RUNNING)]))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_url(tiny_ckpt: Path) -> Iterator[str]:
+    """The reference server's hf backend on the tiny checkpoint (one per test module)."""
+    yield from serving(
+        start_reference_server(["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"])
     )
-    try:
-        yield url
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ logprobs equal a trainer's recomputation, resumed requests reuse cached KV, weig
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -12,21 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nodes.inference.testing import join_group, push, start_reference_server, stop_server, wait_load
+from nodes.inference.testing import join_group, push, wait_load
 from nodes.rollout.chunks import versions_from_spans
 
 PROMPTS = [list(range(100, 110)), list(range(200, 237)), list(range(300, 304)), list(range(400, 460))]
-
-
-@pytest.fixture(scope="module")
-def hf_url(tiny_ckpt: Path) -> Iterator[str]:
-    proc, url = start_reference_server(
-        ["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"]
-    )
-    try:
-        yield url
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture
@@ -106,9 +95,7 @@ async def test_resume_reuses_cached_kv_and_continues_identically(
     prompt = list(range(600, 680))
     full = hf_greedy(ref_model, prompt, 30)
     task = asyncio.create_task(
-        hf.post(
-            "/generate", json={"input_ids": prompt, "rid": "hf-resume", "sampling_params": greedy(4000)}
-        )
+        hf.post("/generate", json={"input_ids": prompt, "rid": "hf-resume", "sampling_params": greedy(4000)})
     )
     await wait_load(hf, running=1)
     await hf.post("/abort_request", json={"rid": "hf-resume"})

@@ -11,29 +11,14 @@ equals the log-prob it had when it was generated; a token's entry in the top lis
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from nodes.inference.testing import start_reference_server, stop_server
-
 PROMPT = [5, 17, 33, 41, 9, 12, 77, 150]
 TOL = 2e-3  # a prefill and a decode step of the same position differ by float rounding
-
-
-@pytest.fixture(scope="module")
-def hf_url(tiny_ckpt: Path) -> Iterator[str]:
-    """The reference server's hf backend on the tiny checkpoint."""
-    proc, url = start_reference_server(
-        ["--backend", "hf", "--model-path", str(tiny_ckpt), "--num-threads", "1"]
-    )
-    try:
-        yield url
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(params=["server", "hf"])

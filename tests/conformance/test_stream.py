@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from nodes.inference.testing import wait_load
+from tests.conformance.sse import events
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
 LONG = 4000  # still running when the client goes away
@@ -22,20 +23,6 @@ LONG = 4000  # still running when the client goes away
 
 def greedy(max_new_tokens: int) -> dict[str, Any]:
     return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-
-
-async def events(client: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The JSON events of a streamed /generate; checks the framing and the final ``[DONE]``."""
-    got: list[str] = []
-    async with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        async for line in r.aiter_lines():
-            if line:
-                assert line.startswith("data: "), line
-                got.append(line[len("data: ") :])
-    assert got and got[-1] == "[DONE]" and "[DONE]" not in got[:-1]
-    return [json.loads(e) for e in got[:-1]]
 
 
 def check_growth(evs: list[dict[str, Any]], n: int, logprobs: bool) -> None:

@@ -17,10 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
-from nodes.inference.testing import start_reference_server, start_sglang_server, stop_server
-from tests.conformance.test_stream import PROMPT, events, greedy
+from nodes.inference.testing import serving, start_reference_server, start_sglang_server
+from tests.conformance.sse import events
 
 FLAG = "--incremental-streaming-output"
+PROMPT = [101, 202, 303, 404, 505, 606, 707]
+
+
+def greedy(max_new_tokens: int) -> dict[str, Any]:
+    return {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +34,10 @@ def incremental_url(tiny_ckpt: Path) -> Iterator[str]:
         pytest.skip("needs a server started with --incremental-streaming-output")
     sglang = os.environ.get("RLACTORS_CONFORMANCE_SGLANG")
     if sglang:
-        proc, url = start_sglang_server(sglang, str(tiny_ckpt), [FLAG])
+        yield from serving(start_sglang_server(sglang, str(tiny_ckpt), [FLAG]))
     else:
-        proc, url = start_reference_server(["--backend", "sim", "--model-path", str(tiny_ckpt),
-                                            "--sim-decode-s-base", "0.002", FLAG])  # fmt: skip
-    try:
-        yield url
-    finally:
-        stop_server(proc)
+        yield from serving(start_reference_server(["--backend", "sim", "--model-path", str(tiny_ckpt),
+                                                   "--sim-decode-s-base", "0.002", FLAG]))  # fmt: skip
 
 
 @pytest.fixture
