@@ -165,6 +165,38 @@ async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, S
     return seqs
 
 
+def _refuse_unlaunched_features(req: GenerateRequest) -> None:
+    """Fields that ask for what this server never serves get the 400 SGLang 0.5.23 gives when it
+    was launched without the feature (its words): hidden states, a custom logit processor, a LoRA
+    adapter, a data-parallel rank other than 0, a session. Without this they would be ignored."""
+
+    def asked(value: Any) -> bool:
+        return any(value) if isinstance(value, list) else bool(value)
+
+    if asked(req.return_hidden_states):
+        raise ProtocolError(
+            "The server is not configured to return hidden states. Please set `--return-hidden-states-mode "
+            "last`, `--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
+        )
+    if asked(req.custom_logit_processor):
+        raise ProtocolError(
+            "The server is not configured to enable custom logit processor. "
+            "Please set `--enable-custom-logit-processor` to enable this feature."
+        )
+    if req.lora_path:  # SGLang tests the field itself: a list of nulls is "requested" too
+        lora = req.lora_path
+        first = lora if isinstance(lora, str) else next((a for a in lora if a), None)
+        raise ProtocolError(
+            f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server "
+            "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+        )
+    rank = req.routed_dp_rank if req.routed_dp_rank is not None else req.data_parallel_rank
+    if rank is not None and rank != 0:  # one data-parallel rank
+        raise ProtocolError(f"routed_dp_rank={rank} out of range [0, 1)")
+    if isinstance(req.session_params, dict) and req.session_params.get("id") is not None:
+        raise ProtocolError(f"Invalid request: session id {req.session_params['id']} does not exist")
+
+
 def _ask_logprobs(
     req: GenerateRequest, indexed: list[tuple[int, Seq]], flags: list[bool], vocab: int
 ) -> None:
@@ -316,6 +348,7 @@ def create_app(engine: Engine) -> Starlette:
 
     async def generate(request: Request) -> Response:
         req = GenerateRequest.from_json(await body(request))
+        _refuse_unlaunched_features(req)
         flags = _per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
         indexed = await _build_seqs(engine, req)
         seqs = [s for _, s in indexed]

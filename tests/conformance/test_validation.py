@@ -1,6 +1,7 @@
 """Malformed requests: each gets a 400 (or 413) naming the field, and the server stays healthy.
 
-Wording checks run against the reference server only (real SGLang words its errors its own way);
+Wording checks run against the reference server only (real SGLang words its errors its own way),
+except where the reference server copies SGLang's words (features it was not launched with);
 status codes hold for both. The request limits and the scheduler-crash path are the reference
 server's own (SGLang has no such flags).
 """
@@ -155,6 +156,55 @@ async def test_unknown_route_and_method_get_fastapis_detail_body(client: httpx.A
     assert (r.status_code, r.json()) == (405, {"detail": "Method Not Allowed"})
     assert {"POST", "PUT"} <= {m.strip() for m in r.headers["allow"].split(",")}
     await assert_still_serving(client)
+
+
+HIDDEN = ("The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
+          "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag.")  # fmt: skip
+LORA = ("LoRA adapter '{}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora "
+        "flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")  # fmt: skip
+LOGIT_PROCESSOR = ("The server is not configured to enable custom logit processor. "
+                   "Please set `--enable-custom-logit-processor` to enable this feature.")  # fmt: skip
+TWO = [[5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"return_hidden_states": True}, HIDDEN),
+        ({"input_ids": TWO, "return_hidden_states": [False, True]}, HIDDEN),
+        ({"custom_logit_processor": "abc"}, LOGIT_PROCESSOR),
+        ({"lora_path": "adapter"}, LORA.format("adapter")),
+        ({"input_ids": TWO, "lora_path": [None, "a"]}, LORA.format("a")),
+        ({"input_ids": TWO, "lora_path": [None, None]}, LORA.format("None")),  # SGLang's: the list is "set"
+        ({"data_parallel_rank": 1}, "routed_dp_rank=1 out of range [0, 1)"),
+        ({"session_params": {"id": "s1"}}, "Invalid request: session id s1 does not exist"),
+    ],
+    ids=[
+        "hidden",
+        "hidden-batch",
+        "logit-processor",
+        "lora",
+        "lora-batch",
+        "lora-nulls",
+        "dp-rank",
+        "session",
+    ],
+)
+async def test_features_the_server_was_not_launched_with_are_refused_in_sglangs_words(
+    client: httpx.AsyncClient, extra: dict[str, Any], words: str
+) -> None:
+    """Real SGLang launched without them refuses these (400, its words); the reference server
+    never serves them, so it refuses them the same way rather than ignore them."""
+    r = await client.post("/generate", json=gen({"max_new_tokens": 2}, **extra), timeout=TIMEOUT)
+    assert (r.status_code, message(r)) == (400, words)
+
+
+async def test_the_same_fields_at_their_off_values_are_served(client: httpx.AsyncClient) -> None:
+    for extra in ({"return_hidden_states": False}, {"custom_logit_processor": ""},
+                  {"input_ids": TWO, "custom_logit_processor": [None, None]}, {"data_parallel_rank": 0},
+                  {"image_data": "https://example.invalid/x.png"}):  # fmt: skip
+        r = await client.post("/generate", json=gen({"max_new_tokens": 2}, **extra), timeout=TIMEOUT)
+        assert r.status_code == 200, (extra, r.text)
 
 
 async def test_nan_temperature_is_400(client: httpx.AsyncClient, is_reference: bool) -> None:
