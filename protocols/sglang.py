@@ -493,9 +493,11 @@ class LogprobReport:
 
     def meta(self, output_ids: list[int]) -> dict[str, Any]:
         """The ``meta_info`` entries, in SGLang's shape: ``[logprob, token_id, text | null]``."""
-        text = self.text or (lambda _t: None)
+        text = self.text
 
         def row(pairs: Any) -> list[list[Any]]:
+            if text is None:  # the usual case: no call per token
+                return [[lp, t, None] for lp, t in pairs]
             return [[lp, t, text(t)] for lp, t in pairs]
 
         out: dict[str, Any] = {

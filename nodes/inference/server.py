@@ -119,6 +119,13 @@ def _per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
     return value
 
 
+def _check_vocab(ids: list[int], vocab: int, where: str) -> None:
+    """400 naming the first token id outside ``[0, vocab)``."""
+    if min(ids) < 0 or max(ids) >= vocab:  # in C; the scan below only names the first bad id
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise ProtocolError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+
 async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, Seq]]:
     """Expand a (possibly batched, possibly n > 1) request into sequences, within the limits;
     each with the index of its prompt."""
@@ -149,10 +156,7 @@ async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, S
         sp = sp.model_copy()  # check_length may cut max_new_tokens of this prompt only
         ids = list(ids)
         engine.check_length(ids, sp)
-        vocab = engine.backend.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # in C; the scan below only names the first bad id
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise ProtocolError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+        _check_vocab(ids, engine.backend.vocab_size, where)
         for j in range(sp.n):
             if rid is None:
                 this_rid = uuid.uuid4().hex
@@ -212,9 +216,8 @@ def _ask_logprobs(
     else:
         per_ids = _per_prompt(ids, count, "token_ids_logprob", None)
     for want in per_ids:
-        bad = next((t for t in want or () if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ProtocolError(f"token_ids_logprob: token id {bad} is outside the vocabulary [0, {vocab})")
+        if want:
+            _check_vocab(want, vocab, "token_ids_logprob")
     for i, seq in indexed:
         if not flags[i]:
             continue

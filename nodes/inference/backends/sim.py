@@ -137,8 +137,10 @@ class SimBackend:
         span = max(1, self.vocab_size - 3)
         return 3 + ((g - 3 + r) % span if 3 <= g < self.vocab_size else (r - 1) % span)
 
-    def _extras(self, seq: Seq, h: int) -> tuple[list[tuple[float, int]] | None, list[float] | None]:
-        g, lp = self._pick(h)
+    def _extras(
+        self, seq: Seq, g: int, lp: float
+    ) -> tuple[list[tuple[float, int]] | None, list[float] | None]:
+        """The top list and token-id log-probs of the order led by ``g`` (log-prob ``lp``)."""
         step = 4.0 / self.vocab_size
         top = None
         if seq.top_logprobs > 0:
@@ -154,8 +156,9 @@ class SimBackend:
         h = self._dist(seq.slot, len(seq.input_ids) + n_out)  # (seq.ids would copy both lists)
         token, logprob = self._pick(h if seq.params.greedy else _mix(h ^ seq.seed ^ (n_out << 32)))
         sample = Sample(token=token, logprob=logprob)
-        if seq.top_logprobs > 0 or seq.token_ids_logprob is not None:
-            sample.top, sample.ids = self._extras(seq, h)
+        if seq.wants_extras:
+            g, lp = (token, logprob) if seq.params.greedy else self._pick(h)
+            sample.top, sample.ids = self._extras(seq, g, lp)
         return sample
 
     def _input_logprobs(self, seq: Seq, prefix_hashes: list[int]) -> InputLogprobs:
@@ -169,11 +172,12 @@ class SimBackend:
             h = self._dist(prefix_hashes[p], p)
             g, lp = self._pick(h)
             out.lps.append(lp - step * self._rank(g, ids[p]))
-            top, lps = self._extras(seq, h)
-            if out.top is not None:
-                out.top.append(top)
-            if out.ids is not None:
-                out.ids.append(lps)
+            if seq.wants_extras:
+                top, lps = self._extras(seq, g, lp)
+                if out.top is not None:
+                    out.top.append(top)
+                if out.ids is not None:
+                    out.ids.append(lps)
         return out
 
     async def prefill(self, seqs: list[Seq]) -> list[Sample]:
