@@ -92,6 +92,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         str(secret),
         "--node-timeout",
         str(cfg.head.node_timeout),
+        "--fence-after",
+        str(cfg.head.fence_after),
         "--security",
         cfg.cluster.security,
     ]

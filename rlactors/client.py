@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import structlog
@@ -129,7 +129,14 @@ class StreamCall(AsyncIterator[Any]):
 class Connection:
     """A DEALER socket to one service address, with its pending calls."""
 
-    def __init__(self, address: str, security: Security | None, *, name: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        security: Security | None,
+        *,
+        name: str = "",
+        on_link: Callable[[bool], None] | None = None,
+    ) -> None:
         self.address = address
         self.name = name or address
         self._ids = itertools.count(1)
@@ -141,6 +148,8 @@ class Connection:
         self._at_risk: set[int] = set()  # calls pending when it was lost: their replies are gone
         self._link_timer: asyncio.TimerHandle | None = None
         self._unreachable: ActorUnreachableError | None = None  # set while the peer stays unreachable
+        self._link_up = asyncio.Event()  # set while the connection is established
+        self._link_hook = on_link
         self._asock: AsyncSocket = connect_dealer(
             address, self._on_message, security, name=self.name, on_link=self._on_link
         )
@@ -312,9 +321,13 @@ class Connection:
     def _on_link(self, up: bool) -> None:
         """The connection came up (handshake done) or was lost (peer gone, or silent past the
         heartbeat timeout, as in a network partition)."""
+        if self._link_hook is not None:
+            self._link_hook(up)
         if up:
             self._link_down, self._unreachable = False, None
+            self._link_up.set()
             return
+        self._link_up.clear()
         # The peer knows a reconnected socket by a new identity: replies to calls sent before
         # now never come. Fail them soon, leaving the head room to say first that the actor died.
         self._link_down = True
@@ -340,6 +353,20 @@ class Connection:
             log.warning("calls failed: the peer stopped answering", peer=self.name, calls=len(lost))
         self._fail(lost, err)
 
+    @property
+    def linked(self) -> bool:
+        """The connection is established now (its handshake done, its heartbeats answered)."""
+        return self._link_up.is_set() and self._closed_error is None
+
+    @property
+    def unreachable(self) -> bool:
+        """The peer was lost and is not back: calls fail with ActorUnreachableError until it is."""
+        return self._unreachable is not None
+
+    async def wait_link(self) -> None:
+        """Return once the connection is established (again), or closed."""
+        await self._link_up.wait()
+
     def close(self, exc: BaseException | None = None) -> None:
         if self._link_timer is not None:
             self._link_timer.cancel()
@@ -347,6 +374,7 @@ class Connection:
         if self._closed_error is None:
             self._closed_error = exc or RuntimeShutdownError(f"connection to {self.name} closed")
         self.fail_all(self._closed_error)
+        self._link_up.set()  # wake wait_link(): nothing comes back on a closed connection
         self._outbox.flush()
         self._asock.close()
 

@@ -53,6 +53,8 @@ class HeadConfig:
     port: int = 6380
     bind: str = ""  # interface to bind; defaults to ``host``
     node_timeout: float = 5.0  # a node silent this long is declared dead
+    # a worker with restarts left silent this long is killed by its agent and restarted (0: node_timeout + 6)
+    fence_after: float = 0.0
     python: str = ""  # interpreter for the head; defaults to cluster.python
 
     def __post_init__(self) -> None:
@@ -60,6 +62,8 @@ class HeadConfig:
             raise ValueError(f"'port' must be between 1 and 65535, got {self.port}")
         if self.node_timeout <= 0:
             raise ValueError(f"'node_timeout' must be > 0 seconds, got {self.node_timeout:g}")
+        if self.fence_after < 0:
+            raise ValueError(f"'fence_after' must be >= 0 seconds (0: the default), got {self.fence_after:g}")
         if not self.host:
             raise ValueError("'host' must be an address every node can reach")
 

@@ -33,7 +33,7 @@ async def run_head(args: argparse.Namespace) -> int:
     rlog.configure(role="head")
     security = Security(load_secret(args.secret_file), args.security)
     service = Service(name="head", max_concurrency=None, security=security)
-    head = Head(security, node_timeout=args.node_timeout)
+    head = Head(security, node_timeout=args.node_timeout, fence_after=args.fence_after or None)
     address = service.bind(args.bind)
     service.add("head", head)
     head.start()
@@ -107,24 +107,55 @@ async def _serve_agent(
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m rlactors.daemons")
+    ap = argparse.ArgumentParser(
+        prog="python -m rlactors.daemons",
+        description="A cluster's head or node agent (started by `rlactors up`).",
+    )
     sub = ap.add_subparsers(dest="role", required=True)
-    h = sub.add_parser("head")
-    h.add_argument("--bind", required=True)
-    h.add_argument("--secret-file", required=True)
-    h.add_argument("--node-timeout", type=float, default=5.0)
-    h.add_argument("--security", choices=["curve", "plain"], default="curve")
-    a = sub.add_parser("agent")
-    a.add_argument("--head", required=True)
-    a.add_argument("--node-id", required=True)
-    a.add_argument("--host", required=True)
-    a.add_argument("--secret-file", required=True)
-    a.add_argument("--resources", default="{}")
-    a.add_argument("--log-dir", default="")
-    a.add_argument("--workdir", default="")
-    a.add_argument("--env", action="append")
-    a.add_argument("--connect-timeout", type=float, default=60.0)
-    a.add_argument("--security", choices=["curve", "plain"], default="curve")
+    h = sub.add_parser("head", help="serve the control plane")
+    h.add_argument("--bind", required=True, help="address to serve on, e.g. tcp://10.0.0.1:6380")
+    h.add_argument("--secret-file", required=True, help="the cluster secret (mode 600) every peer must know")
+    h.add_argument(
+        "--node-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a silent node is given before it is declared dead",
+    )
+    h.add_argument(
+        "--fence-after",
+        type=float,
+        default=0.0,
+        help="seconds a silent worker with restarts left is given before its agent kills and restarts it "
+        "(0: node timeout + 6)",
+    )
+    h.add_argument(
+        "--security",
+        choices=["curve", "plain"],
+        default="curve",
+        help="curve: encrypted; plain: authenticated only",
+    )
+    a = sub.add_parser("agent", help="start and watch the workers of one host")
+    a.add_argument("--head", required=True, help="the head's address, e.g. tcp://10.0.0.1:6380")
+    a.add_argument("--node-id", required=True, help="this node's unique name in the cluster")
+    a.add_argument("--host", required=True, help="this host's address, reachable from the other nodes")
+    a.add_argument("--secret-file", required=True, help="the cluster secret (mode 600) every peer must know")
+    a.add_argument(
+        "--resources", default="{}", help='JSON resources, e.g. {"cpu": 32, "gpu": 8} (detected if omitted)'
+    )
+    a.add_argument("--log-dir", default="", help="folder for one log file per worker (none if empty)")
+    a.add_argument("--workdir", default="", help="directory the agent and its workers run in")
+    a.add_argument(
+        "--env", action="append", metavar="KEY=VALUE", help="set an environment variable for workers"
+    )
+    a.add_argument(
+        "--connect-timeout", type=float, default=60.0, help="seconds to keep trying to register with the head"
+    )
+    a.add_argument(
+        "--security",
+        choices=["curve", "plain"],
+        default="curve",
+        help="curve: encrypted; plain: authenticated only",
+    )
     args = ap.parse_args(argv)
     if args.role == "agent":
         if args.workdir:

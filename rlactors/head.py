@@ -25,6 +25,7 @@ from rlactors.placement import BundleTable, NodeResources, choose_node, normalis
 from rlactors.registry import ActorRecord, KVStore, NodeRecord
 from rlactors.security import Security
 from rlactors.sessions import Sessions
+from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
 log = structlog.get_logger("rlactors.head")
 
@@ -42,13 +43,21 @@ class Head:
         *,
         node_timeout: float = 5.0,
         client_timeout: float | None = None,
+        fence_after: float | None = None,
     ) -> None:
         if node_timeout <= 0 or (client_timeout is not None and client_timeout <= 0):
             raise ValueError(
                 f"node_timeout and client_timeout must be > 0 seconds, got {node_timeout} and {client_timeout}"
             )
+        if fence_after is not None and fence_after <= HEARTBEAT_TIMEOUT_MS / 1000:
+            raise ValueError(
+                f"fence_after must be more than the heartbeat timeout ({HEARTBEAT_TIMEOUT_MS / 1000:g}s), "
+                f"got {fence_after:g}"
+            )
         self.security = security
         self.node_timeout = node_timeout
+        # A worker (with restarts left) silent this long is killed by its agent and restarted.
+        self.fence_after = fence_after or node_timeout + HEARTBEAT_TIMEOUT_MS / 1000
         self.nodes: dict[str, NodeRecord] = {}
         self.actors: dict[str, ActorRecord] = {}
         self._dead: collections.deque[str] = collections.deque()  # ids of dead actors, oldest first
@@ -133,7 +142,11 @@ class Head:
             labels=labels or {},
         )
         log.debug("node registered", node=node_id, host=host, resources=resources)
-        return {"ok": True, "heartbeat_interval": max(0.2, self.node_timeout / 5)}
+        return {
+            "ok": True,
+            "heartbeat_interval": max(0.2, self.node_timeout / 5),
+            "fence_after": self.fence_after,
+        }
 
     async def heartbeat(self, node_id: str) -> bool:
         """False tells the agent to register again (it was declared dead)."""
@@ -412,9 +425,7 @@ class Head:
         n = self.nodes.get(node_id)
         if n is None or not n.alive:
             raise PlacementError(f"no alive node {node_id!r}")
-        port = await wait_for(
-            n.conn.call("reserve_port", (), {}, target="agent"), AGENT_CALL_TIMEOUT_S
-        )
+        port = await wait_for(n.conn.call("reserve_port", (), {}, target="agent"), AGENT_CALL_TIMEOUT_S)
         return {"host": n.host, "port": port}
 
     async def rendezvous(self, name: str, world_size: int, node_id: str) -> dict[str, Any]:

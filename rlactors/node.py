@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
 from rlactors.logging import Throttle
 from rlactors.security import Security
+from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
 log = structlog.get_logger("rlactors.node")
 
@@ -45,6 +47,32 @@ def exit_reason(returncode: int) -> str:
         except ValueError:
             return f"worker process killed by signal {-returncode}"
     return f"worker process exited with code {returncode}"
+
+
+class _Liveness:
+    """The agent's own connection to one of its workers: when the worker was last heard from.
+
+    ZeroMQ's I/O threads heartbeat it every second, so a busy or blocked event loop still
+    answers; only a stopped or wedged process (SIGSTOP, swap, a hung kernel call) goes silent.
+    """
+
+    def __init__(self, spec: dict[str, Any], pid: int) -> None:
+        self.spec, self.pid = spec, pid
+        self.conn: Connection | None = None
+        self.silent_since: float | None = None  # monotonic; None while the link is up
+        self.fence: asyncio.TimerHandle | None = None
+
+    def heard_s(self) -> float | None:
+        """Seconds since the worker last answered (None: it never connected)."""
+        if self.silent_since is None:
+            return 0.0 if self.conn is not None and self.conn.linked else None
+        return time.monotonic() - self.silent_since
+
+    def close(self) -> None:
+        if self.fence is not None:
+            self.fence.cancel()
+        if self.conn is not None:
+            self.conn.close()
 
 
 class NodeAgent:
@@ -87,6 +115,9 @@ class NodeAgent:
         self._head: Connection | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._ports_given: dict[int, float] = {}
+        self._live: dict[str, _Liveness] = {}
+        self._fenced: dict[int, str] = {}  # pid -> why the agent killed it
+        self.fence_after: float | None = None  # from the head at registration; None: never fence
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._visible_gpus = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
         self.stopped = asyncio.Event()
@@ -118,6 +149,7 @@ class NodeAgent:
             ),
             30,
         )
+        self.fence_after = reply.get("fence_after")
         return float(reply["heartbeat_interval"])
 
     async def _beat(self, interval: float) -> None:
@@ -193,7 +225,9 @@ class NodeAgent:
         ]
         self._spawn_task(self._watch(actor_id, proc, ready, pumps, logfile), name=f"watch-{actor_id}")
         try:
-            return await wait_for(asyncio.shield(ready), self.startup_timeout)
+            started = await wait_for(asyncio.shield(ready), self.startup_timeout)
+            self._watch_liveness(actor_id, spec, proc, started["address"])
+            return started
         except TimeoutError:
             proc.kill()
             raise ClusterError(
@@ -237,6 +271,12 @@ class NodeAgent:
     ) -> None:
         rc = await proc.wait()
         reason = exit_reason(rc)
+        if proc.pid in self._fenced:
+            reason = f"{self._fenced.pop(proc.pid)} ({reason})"
+        live = self._live.get(actor_id)
+        if live is not None and live.pid == proc.pid:
+            del self._live[actor_id]
+            live.close()
         if self._procs.get(actor_id) is proc:
             del self._procs[actor_id]
         if not ready.done():
@@ -246,15 +286,81 @@ class NodeAgent:
             ready.set_exception(ActorDiedError(f"actor {actor_id} failed to start: {reason}", actor_id))
         elif self._head is not None and not self.stopped.is_set():
             try:
-                await wait_for(
-                    self._head.call("actor_exited", (actor_id, reason), {}, target="head"), 30
-                )
+                await wait_for(self._head.call("actor_exited", (actor_id, reason), {}, target="head"), 30)
             except Exception as e:
                 log.warning("could not report a worker's exit to the head", actor=actor_id, error=repr(e))
         with contextlib.suppress(TimeoutError):
             await wait_for(asyncio.gather(*pumps), 2)
         if logfile is not None:
             logfile.close()
+
+    def _watch_liveness(
+        self, actor_id: str, spec: dict[str, Any], proc: asyncio.subprocess.Process, address: str
+    ) -> None:
+        if proc.returncode is not None:
+            return
+        live = _Liveness(spec, proc.pid)
+        live.conn = Connection(
+            address,
+            self.security,
+            name=f"liveness of {actor_id}",
+            on_link=lambda up: self._on_worker_link(actor_id, proc, live, up),
+        )
+        old = self._live.pop(actor_id, None)
+        if old is not None:
+            old.close()
+        self._live[actor_id] = live
+
+    def _on_worker_link(
+        self, actor_id: str, proc: asyncio.subprocess.Process, live: _Liveness, up: bool
+    ) -> None:
+        if up:
+            live.silent_since = None
+            if live.fence is not None:
+                live.fence.cancel()
+                live.fence = None
+            return
+        if live.silent_since is not None or proc.returncode is not None:
+            return
+        # The link drops after a heartbeat went unanswered for HEARTBEAT_TIMEOUT: silent since then.
+        silent_for = HEARTBEAT_TIMEOUT_MS / 1000
+        live.silent_since = time.monotonic() - silent_for
+        if self.fence_after is not None:
+            delay = max(0.0, self.fence_after - silent_for)
+            # A fresh context: the log lines of the fence are not the call's that started the worker.
+            live.fence = asyncio.get_running_loop().call_later(
+                delay, self._fence, actor_id, proc, live, context=contextvars.Context()
+            )
+
+    def _fence(self, actor_id: str, proc: asyncio.subprocess.Process, live: _Liveness) -> None:
+        """A worker silent past ``fence_after``: kill it (SIGKILL ends a stopped process too) so
+        that the head restarts it, if it has restarts left; else leave it (it may wake up)."""
+        live.fence = None
+        if proc.returncode is not None or self._procs.get(actor_id) is not proc:
+            return
+        restarts, most = int(live.spec.get("restarts", 0)), int(live.spec.get("max_restarts", 0))
+        silent = round(time.monotonic() - (live.silent_since or time.monotonic()), 1)
+        if restarts >= most:
+            log.warning(
+                "worker stopped answering; no restarts left, so it is left running",
+                actor=actor_id,
+                pid=proc.pid,
+                silent_s=silent,
+            )
+            return
+        log.warning(
+            "worker stopped answering; killing it so it can be restarted",
+            actor=actor_id,
+            pid=proc.pid,
+            silent_s=silent,
+            fence_after=self.fence_after,
+        )
+        self._fenced[proc.pid] = (
+            f"worker process stopped answering for {silent:g}s (more than fence_after={self.fence_after:g}s) "
+            "and was killed by its node agent"
+        )
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
 
     async def worker_hello(self, actor_id: str) -> dict[str, Any]:
         """A new worker asks what to run."""
@@ -319,6 +425,9 @@ class NodeAgent:
         self.stopped.set()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        for live in self._live.values():
+            live.close()
+        self._live.clear()
         await self._kill_all(grace)
         for t in list(self._tasks):
             if t is not asyncio.current_task():

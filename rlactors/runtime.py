@@ -64,9 +64,7 @@ class RuntimeClient:
         """Connect to the head and follow its actor events (returns once the first snapshot is in)."""
         self.head = Connection(self.head_address, self.security, name="head")
         try:
-            hello = await wait_for(
-                self.head.call("hello", (self.client_id,), {}, target="head"), timeout
-            )
+            hello = await wait_for(self.head.call("hello", (self.client_id,), {}, target="head"), timeout)
         except TimeoutError:
             self.head.close()
             raise ClusterError(
@@ -290,6 +288,31 @@ class RuntimeClient:
                 if st.state == "DEAD":
                     raise st.died_error()
                 await st.changed.wait()
+
+    async def wait_reachable(self, actor_id: str, timeout: float) -> None:
+        """After an :class:`ActorUnreachableError`: wait until the actor answers again, or its node
+        agent has replaced it (it was hung; see ``fence_after``) and the new incarnation is alive.
+
+        Raises ActorDiedError if it ends up dead, TimeoutError if neither happens in ``timeout``.
+        """
+        st = self._actors.get(actor_id)
+        if st is None:
+            return
+        async with asyncio.timeout(timeout):
+            while True:
+                if st.state == "DEAD":
+                    raise st.died_error()
+                conn = self._conns.get(st.address) if st.state == "ALIVE" else None
+                if st.state == "ALIVE" and (conn is None or conn.closed or not conn.unreachable):
+                    return
+                waits = [asyncio.ensure_future(st.changed.wait())]
+                if conn is not None:
+                    waits.append(asyncio.ensure_future(conn.wait_link()))
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
 
     def tell_actor(
         self, actor_id: str, address: str, method: str, args: Args, kwargs: dict[str, Any]
