@@ -8,7 +8,7 @@ Importing this package does not import torch.
 """
 
 from protocols.codec import register
-from rlactors.actor import Actor, ActorContext, blocking, get_context
+from rlactors.actor import Actor, ActorContext, get_context
 from rlactors.cluster import Cluster, PlacementGroup, connect, init
 from rlactors.collective import CollectiveGroup
 from rlactors.errors import (
@@ -21,6 +21,7 @@ from rlactors.errors import (
     RuntimeShutdownError,
 )
 from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod
+from rlactors.methods import blocking
 
 __version__ = "0.1.0"
 

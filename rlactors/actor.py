@@ -1,16 +1,16 @@
-"""The actor base class, the context an actor sees, and how actor classes are found by path."""
+"""The actor base class and the context an actor sees: the top floor of the runtime, for users.
+
+How a class's methods are served is in :mod:`rlactors.methods`; how the class reaches a worker,
+in :mod:`rlactors.classpath`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
@@ -20,11 +20,9 @@ if TYPE_CHECKING:
     from rlactors.cluster import Cluster
     from rlactors.handle import ActorHandle
 
-__all__ = ["Actor", "ActorContext", "blocking", "get_context"]
+__all__ = ["Actor", "ActorContext", "get_context"]
 
 log = structlog.get_logger("rlactors.actor")
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Actor:
@@ -58,18 +56,6 @@ class Actor:
                     f"{cls.__qualname__}: sync_methods must be 'thread' or 'loop', got {sync_methods!r}"
                 )
             cls._sync_methods = sync_methods
-
-
-def blocking(fn: F) -> F:
-    """Mark a plain ``def`` method of a ``sync_methods="loop"`` actor as one that may block:
-    it runs on the worker thread, in order with the other thread-run methods, not on the loop."""
-    fn._rlactors_blocking = True  # type: ignore[attr-defined]
-    return fn
-
-
-def runs_on_loop(obj: Any, fn: Callable[..., Any]) -> bool:
-    """Whether a plain ``def`` method ``fn`` of ``obj`` runs on the event loop (see :class:`Actor`)."""
-    return getattr(obj, "_sync_methods", "thread") == "loop" and not getattr(fn, "_rlactors_blocking", False)
 
 
 @dataclass
@@ -137,62 +123,3 @@ def get_context() -> ActorContext:
 def _set_context(ctx: ActorContext | None) -> None:
     global _context
     _context = ctx
-
-
-def class_spec(cls: type) -> dict[str, Any]:
-    """How a worker finds ``cls``: module, qualified name, and the file as a fallback."""
-    module = cls.__module__
-    mod = sys.modules.get(module)
-    file = getattr(mod, "__file__", None)
-    if module == "__mp_main__":
-        module = "__main__"
-    if "<locals>" in cls.__qualname__:
-        raise ClusterError(
-            f"actor class {cls.__qualname__} is defined inside a function; define it at module level"
-        )
-    return {
-        "module": module,
-        "qualname": cls.__qualname__,
-        "file": str(Path(file).resolve()) if file else None,
-    }
-
-
-def load_class(spec: dict[str, Any]) -> type:
-    """Import an actor class described by :func:`class_spec` (in a worker process)."""
-    module, qualname, file = spec["module"], spec["qualname"], spec.get("file")
-    mod = None
-    if module == "__main__":
-        # As multiprocessing's spawn does: run the driver's script as __mp_main__, with
-        # its `if __name__ == "__main__":` block skipped.
-        if not file:
-            raise ClusterError("actor class is defined in an interactive __main__; put it in a module file")
-        try:
-            mod = sys.modules.get("__mp_main__") or _import_path("__mp_main__", file)
-        except RuntimeError as e:
-            raise ClusterError(
-                f"importing the driver script {file} to find {qualname} ran its code ({e}): start the script's "
-                'work under `if __name__ == "__main__":`, as with multiprocessing'
-            ) from e
-    else:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            if not file:
-                raise
-            mod = sys.modules.get(module) or _import_path(module, file)
-    obj: Any = mod
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise ClusterError(f"{module}:{qualname} is not a class")
-    return obj
-
-
-def _import_path(name: str, file: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise ClusterError(f"cannot import actor module from {file}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod

@@ -16,8 +16,8 @@ from typing import Any
 import structlog
 
 from protocols import codec
-from rlactors.actor import class_spec
 from rlactors.aio import wait_for
+from rlactors.classpath import class_spec
 from rlactors.collective import CollectiveGroup, make_group
 from rlactors.handle import ActorGroup, ActorHandle
 from rlactors.local import LocalCluster, ensure_logging, start_local
@@ -161,9 +161,8 @@ class Cluster:
         the KV store under ``rendezvous/<name>`` for the other members to read.
         """
         if node_id is None:
-            from rlactors.actor import _context
-
-            node_id = _context.node_id if _context is not None else (await self.nodes())[0]["node_id"]
+            # In an actor, its own node: its agent names it in the worker's environment (rlactors.node).
+            node_id = os.environ.get("RLACTORS_NODE_ID") or (await self.nodes())[0]["node_id"]
         return await self._client.head_call("rendezvous", name, world_size, node_id)
 
     async def reserve(self, bundles: list[dict[str, float]], *, strategy: str = "pack") -> PlacementGroup:

@@ -15,8 +15,8 @@ from typing import Any
 from protocols import codec, wire
 from rlactors.client import Args, StreamCall
 from rlactors.errors import ActorDiedError
+from rlactors.methods import ASYNCGEN, GEN
 from rlactors.runtime import current_client
-from rlactors.service import ASYNCGEN, GEN
 
 __all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod"]
 

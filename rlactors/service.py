@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +29,10 @@ import structlog
 
 from protocols import codec, wire
 from protocols.wire import Flags, Kind
-from rlactors.actor import runs_on_loop
 from rlactors.aio import wait_for
 from rlactors.errors import exception_payload
 from rlactors.logging import Throttle
+from rlactors.methods import ASYNC, ASYNCGEN, SYNC, method_table, runs_on_loop
 from rlactors.security import Security
 from rlactors.transport import AsyncSocket, Outbox, bind_router
 
@@ -43,32 +42,6 @@ _bind = structlog.contextvars.bind_contextvars
 STREAM_WINDOW = 256  # items a stream may run ahead of the consumer's acknowledgements
 STREAM_CREDIT_TIMEOUT_S = 600.0  # no acknowledgement for this long ends the stream
 LOG_EVERY_S = 10.0  # a flood of malformed messages logs one line per this many seconds
-
-ASYNC, SYNC, ASYNCGEN, GEN = "async", "sync", "asyncgen", "gen"
-
-
-def method_kind(fn: Callable[..., Any]) -> str:
-    """How a method is run and called: async, sync, asyncgen or gen."""
-    fn = inspect.unwrap(fn)
-    if inspect.isasyncgenfunction(fn):
-        return ASYNCGEN
-    if inspect.iscoroutinefunction(fn):
-        return ASYNC
-    if inspect.isgeneratorfunction(fn):
-        return GEN
-    return SYNC
-
-
-def method_table(obj: Any) -> dict[str, str]:
-    """Public methods of an object (or class) and their kinds."""
-    table = {}
-    for name in dir(obj):
-        if name.startswith("_"):
-            continue
-        attr = getattr(obj, name, None)
-        if callable(attr) and not isinstance(attr, type):
-            table[name] = method_kind(attr)
-    return table
 
 
 def _on_loop(fn: Callable[..., Any]) -> Callable[..., Any]:

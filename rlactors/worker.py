@@ -20,8 +20,9 @@ import structlog
 
 from protocols import codec
 from rlactors import logging as rlog
-from rlactors.actor import ActorContext, _set_context, load_class
+from rlactors.actor import ActorContext, _set_context
 from rlactors.aio import wait_for
+from rlactors.classpath import load_class
 from rlactors.client import Connection
 from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
