@@ -34,6 +34,7 @@ from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
+from rlactors.runtime import current_client
 
 __all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
 
@@ -421,9 +422,14 @@ class RolloutHandle:
 
     A call that the actor's death interrupted is made again, and reaches the restarted
     incarnation (a call made while it restarts waits for it); once its restarts are spent, a call
-    raises :class:`rlactors.ActorDiedError` as a plain handle's does. Only for a replaceable
-    actor whose methods may be repeated: every public method of :class:`RolloutActor` may.
+    raises :class:`rlactors.ActorDiedError` as a plain handle's does. A call that finds the actor
+    unreachable (hung, or cut off) waits until it answers again or its node agent has replaced it
+    (after the runtime's ``fence_after``), then is made again; that spends no restart. Only for
+    a replaceable actor whose methods may be repeated: every public method of
+    :class:`RolloutActor` may.
     """
+
+    UNREACHABLE_WAIT_S = 600.0  # how long an unreachable actor may take to answer or be replaced
 
     def __init__(self, handle: Any, max_restarts: int) -> None:
         self.handle, self.max_restarts = handle, max_restarts
@@ -433,11 +439,20 @@ class RolloutHandle:
             raise AttributeError(method)
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            for _ in range(self.max_restarts):  # each death that interrupts a call spends a restart
+            deaths = 0
+            while True:
                 try:
                     return await getattr(self.handle, method)(*args, **kwargs)
-                except rlactors.ActorDiedError as e:  # dead for good: the last call raises at once
+                except rlactors.ActorUnreachableError as e:
+                    log.warning("rollout.call_unreachable_waiting", method=method, error=str(e))
+                    try:
+                        await current_client().wait_reachable(self.handle.actor_id, self.UNREACHABLE_WAIT_S)
+                    except TimeoutError:
+                        raise e from None
+                except rlactors.ActorDiedError as e:  # each death that interrupts a call spends a restart
+                    deaths += 1
+                    if deaths > self.max_restarts:  # dead for good
+                        raise
                     log.warning("rollout.call_died_retrying", method=method, error=str(e))
-            return await getattr(self.handle, method)(*args, **kwargs)
 
         return call
