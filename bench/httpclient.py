@@ -29,9 +29,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # tests.helpers (the repository's, not installed)
 
-from nodes.inference.testing import start_reference_server, stop_server  # noqa: E402
+from tests.helpers.servers import start_reference_server, stop_server  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPT = list(b"<user>What is 12 + 30? Think step by step.<eos>\n<assistant>")

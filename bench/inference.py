@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # tests.helpers (the repository's, not installed)
 
 from nodes.inference.models import ensure_smollm2_checkpoint  # noqa: E402
-from nodes.inference.testing import reference_server  # noqa: E402
+from tests.helpers.servers import reference_server  # noqa: E402
 
 RESULTS = ROOT / "bench" / "RESULTS.md"
 

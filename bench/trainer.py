@@ -28,13 +28,13 @@ from pathlib import Path
 from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # tests.helpers (the repository's, not installed)
 
 
 # ---- 1. balance --------------------------------------------------------------------------------
 def bench_balance() -> list[dict]:
     from nodes.trainer.balance import imbalance, round_robin, split_across_ranks
-    from nodes.trainer.synthetic import skewed_lengths
+    from tests.helpers.synthetic import skewed_lengths
 
     rows = []
     for sigma in (0.5, 1.0, 1.5):
@@ -83,8 +83,8 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
     from nodes.trainer.config import TrainConfig
     from nodes.trainer.fsdp import FSDPTrainer
     from nodes.trainer.gather import ParamGatherer
-    from nodes.trainer.synthetic import grpo_advantages, synthetic_batch
     from nodes.trainer.weights import PushConfig, WeightPusher
+    from tests.helpers.synthetic import grpo_advantages, synthetic_batch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
@@ -176,7 +176,7 @@ def recv_main(port: int, nbytes: int, reps: int) -> None:
 
 def bench_ranks(model_name: str, push_reps: int, train: bool) -> dict:
     from nodes.inference.models import ensure_smollm2_checkpoint, ensure_tiny_checkpoint
-    from nodes.inference.testing import reference_server
+    from tests.helpers.servers import reference_server
 
     model = str(ensure_smollm2_checkpoint() if model_name == "smollm2" else ensure_tiny_checkpoint())
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name

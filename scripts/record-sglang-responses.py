@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from nodes.inference.models import ensure_tiny_checkpoint  # noqa: E402
-from nodes.inference.testing import start_sglang_server, stop_server, wait_until  # noqa: E402
+from tests.helpers.servers import start_sglang_server, stop_server, wait_until  # noqa: E402
 
 OUT = ROOT / "tests" / "rollout" / "fixtures" / "sglang-0.5.23-responses.json"
 
@@ -43,13 +43,23 @@ async def record(python: str) -> dict:
             sp = {"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": 3}
             body = {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True, "rid": "rec-1"}
             out["generate_logprob"] = (await c.post("/generate", json=body)).json()
-            body = {"input_ids": [9, 10, 11], "sampling_params": long, "return_logprob": True, "rid": "rec-abort"}
+            body = {
+                "input_ids": [9, 10, 11],
+                "sampling_params": long,
+                "return_logprob": True,
+                "rid": "rec-abort",
+            }
             task = asyncio.create_task(c.post("/generate", json=body))
             await used_tokens(c, 40)
             await c.post("/abort_request", json={"rid": "rec-abort"})
             out["generate_aborted"] = (await task).json()
             sp = {**long, "max_new_tokens": 600}
-            body = {"input_ids": [12, 13, 14], "sampling_params": sp, "return_logprob": True, "rid": "rec-retract"}
+            body = {
+                "input_ids": [12, 13, 14],
+                "sampling_params": sp,
+                "return_logprob": True,
+                "rid": "rec-retract",
+            }
             task = asyncio.create_task(c.post("/generate", json=body))
             await used_tokens(c, 60)
             await c.post("/pause_generation", json={"mode": "retract"})

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -407,10 +406,6 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         if self._run is not None:
             await wait_for(asyncio.shield(self._run), timeout)
         return self.stats()
-
-    def pid(self) -> int:
-        """This worker's process id (tests kill it)."""
-        return os.getpid()
 
     async def on_stop(self) -> None:
         await self.stop()

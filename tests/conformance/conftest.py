@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.inference.testing import serving, start_reference_server, start_sglang_server
+from tests.helpers.servers import serving, start_reference_server, start_sglang_server
 
 REPO = Path(__file__).resolve().parents[2]
 EXTERNAL_URL = os.environ.get("RLACTORS_CONFORMANCE_URL")

@@ -14,9 +14,9 @@ import contextlib
 
 import httpx
 
-from nodes.inference.testing import wait_decoding, wait_load, wait_until
 from rlactors.aio import wait_for
 from tests.conformance.conftest import MAX_RUNNING
+from tests.helpers.servers import wait_decoding, wait_load, wait_until
 
 PROMPT = list(range(2000, 2040))
 

@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 
-from nodes.inference.testing import wait_decoding, wait_load
+from tests.helpers.servers import wait_decoding, wait_load
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
 LONG = 4000  # long enough to still run when aborted or paused; within the 8192-token context

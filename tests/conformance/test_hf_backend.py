@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nodes.inference.testing import join_group, push, wait_load
 from nodes.rollout.chunks import versions_from_spans
+from tests.helpers.servers import join_group, push, wait_load
 
 PROMPTS = [list(range(100, 110)), list(range(200, 237)), list(range(300, 304)), list(range(400, 460))]
 

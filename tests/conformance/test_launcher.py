@@ -14,7 +14,7 @@ from nodes.inference.launcher import (
     ServerSupervisor,
     SGLangServerConfig,
 )
-from nodes.inference.testing import wait_until
+from tests.helpers.servers import wait_until
 
 
 def _alive(pid: int) -> bool:

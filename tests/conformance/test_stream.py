@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from nodes.inference.testing import wait_load
 from tests.conformance.sse import events
+from tests.helpers.servers import wait_load
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
 LONG = 4000  # still running when the client goes away

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from nodes.inference.testing import serving, start_reference_server, start_sglang_server
 from tests.conformance.sse import events
+from tests.helpers.servers import serving, start_reference_server, start_sglang_server
 
 FLAG = "--incremental-streaming-output"
 PROMPT = [101, 202, 303, 404, 505, 606, 707]

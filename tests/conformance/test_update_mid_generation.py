@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nodes.inference.testing import wait_load, wait_until
 from nodes.rollout.chunks import versions_from_spans
+from tests.helpers.servers import wait_load, wait_until
 
 N = 1000  # 2 s on the sim reference server (2 ms per decode step), ~3 s on SGLang with the tiny model
 PAUSED_AFTER = 20  # tokens generated before the pause

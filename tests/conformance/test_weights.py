@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from nodes.inference.testing import join_group, push
+from tests.helpers.servers import join_group, push
 
 PROMPT = list(range(500, 540))
 GREEDY = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nodes.inference.testing import reference_server
+from tests.helpers.servers import reference_server
 
 
 @pytest.fixture(scope="module")

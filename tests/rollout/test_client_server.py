@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from nodes.inference.testing import load, reference_server, start_reference_server, stop_server, wait_until
 from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
 from rlactors.aio import wait_for
+from tests.helpers.servers import load, reference_server, start_reference_server, stop_server, wait_until
 
 PROMPT = [(7 * i + 3) % 30000 + 10 for i in range(200)]
 N_NEW = 80

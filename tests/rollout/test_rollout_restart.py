@@ -13,12 +13,13 @@ import pytest
 import rlactors
 from nodes.buffer import BufferActor
 from nodes.governor import GovernorActor, GovernorConfig
-from nodes.inference.testing import wait_until
 from nodes.rollout.actor import Rollout, RolloutActor, RolloutHandle
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
 from rlactors.aio import wait_for
+from tests.helpers.cluster import worker_pid
+from tests.helpers.servers import wait_until
 
 B, ETA, N = 2, 1, 16
 WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 64}))
@@ -61,7 +62,7 @@ async def test_a_restarted_rollout_actor_loses_and_repeats_no_group(cluster, sim
             await train_step()  # opens capacity: episodes are admitted and held mid-flight
             await wait_until(lambda: admitted(True), timeout_s=30, what="episodes held in flight on r")
             accepted_before = (await buf.stats())["accepted"]
-            os.kill(await r.pid(), signal.SIGKILL)
+            os.kill(await worker_pid(cluster, r.handle), signal.SIGKILL)
         finally:
             await admin.post("/continue_generation", json={})
 
@@ -82,10 +83,11 @@ async def test_a_restarted_rollout_actor_starts_at_the_governors_version(cluster
     await cluster.spawn(BufferActor, "gov", name="buf")
     r = await spawn_rollout(cluster, "http://127.0.0.1:9", autostart=False)  # admits nothing
     await gov.set_version(3)
-    os.kill(await r.pid(), signal.SIGKILL)
+    os.kill(await worker_pid(cluster, r.handle), signal.SIGKILL)
     s = await r.stats()  # interrupted by the death, or made while it restarts: reaches the new one
     assert s["restarts"] == 1 and s["version"] == 3  # spawned at version 0
-    os.kill(await r.pid(), signal.SIGKILL)  # its one restart is spent: calls fail as before
+    # the new incarnation's process: its one restart is spent, so calls fail as before
+    os.kill(await worker_pid(cluster, r.handle), signal.SIGKILL)
     with pytest.raises(rlactors.ActorDiedError, match="SIGKILL"):
         await wait_for(r.stats(), 30)
 

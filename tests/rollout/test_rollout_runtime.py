@@ -9,11 +9,12 @@ import httpx
 
 from nodes.buffer import BufferActor
 from nodes.governor import GovernorActor, GovernorConfig
-from nodes.inference.testing import wait_until
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
 from rlactors.aio import wait_for
+from tests.helpers.cluster import worker_pid
+from tests.helpers.servers import wait_until
 
 B, ETA, N = 2, 1, 16
 WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 64}))
@@ -41,7 +42,7 @@ async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -
                 return (await buf.stats())["in_flight"] == 4  # the governor's capacity at version 0
 
             await wait_until(episodes_in_flight, timeout_s=30, what="episodes in flight on r0")
-            os.kill(await victim.pid(), signal.SIGKILL)
+            os.kill(await worker_pid(cluster, victim), signal.SIGKILL)
             await wait_for(cluster.watch(victim), 10)
         finally:
             await admin.post("/continue_generation", json={})

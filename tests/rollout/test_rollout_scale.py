@@ -11,11 +11,11 @@ import httpx
 
 from nodes.buffer import BufferActor
 from nodes.governor import GovernorActor, GovernorConfig
-from nodes.inference.testing import wait_load
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
 from rlactors.aio import wait_for
+from tests.helpers.servers import wait_load
 from tests.rollout.actors import SlowBeginBuffer
 
 K = 2

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from nodes.inference.launcher import SGLANG_CPU_SHIM, free_port
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.inference.testing import reference_server
+from tests.helpers.servers import reference_server
 from tests.trainer.launch import run_ranks
 
 HERE = Path(__file__).parent

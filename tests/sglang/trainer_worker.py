@@ -23,8 +23,8 @@ def main() -> None:
 
     from nodes.trainer.config import TrainConfig
     from nodes.trainer.fsdp import FSDPTrainer
-    from nodes.trainer.synthetic import grpo_advantages, synthetic_batch
     from nodes.trainer.weights import PushConfig, WeightPusher
+    from tests.helpers.synthetic import grpo_advantages, synthetic_batch
 
     trainer = FSDPTrainer(TrainConfig(model_path=model, lr=1e-3, max_tokens_per_mb=64))
     batch = synthetic_batch(2, 2, seed=1, prompt_len=(3, 6), gen_len=(3, 8))

@@ -32,13 +32,13 @@ def train_config(model: str):
 
 def train(trainer, b):
     """One step on ``b`` with GRPO advantages of its rewards."""
-    from nodes.trainer.synthetic import grpo_advantages
+    from tests.helpers.synthetic import grpo_advantages
 
     return trainer.train_step(b, grpo_advantages(b))
 
 
 def batch(seed: int, n_groups: int = 3):
-    from nodes.trainer.synthetic import synthetic_batch
+    from tests.helpers.synthetic import synthetic_batch
 
     return synthetic_batch(n_groups, 2, seed=seed, prompt_len=(3, 6), gen_len=(3, 12), max_lag=1)
 

@@ -9,7 +9,7 @@ import pytest
 
 from nodes.advantage import AdvantageConfig, batch_advantages, batch_normalize, dr_grpo, grpo, leave_one_out
 from nodes.rollout.reward import RewardConfig, shape_rewards
-from nodes.trainer.synthetic import synthetic_batch
+from tests.helpers.synthetic import synthetic_batch
 
 CFG = AdvantageConfig()
 

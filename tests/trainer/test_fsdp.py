@@ -37,7 +37,7 @@ def plain_step(model_path: str, batch) -> tuple[dict[str, torch.Tensor], float]:
     """One step the obvious way: whole batch padded, token-mean loss, clip, AdamW."""
     from transformers import AutoModelForCausalLM
 
-    from nodes.trainer.synthetic import grpo_advantages
+    from tests.helpers.synthetic import grpo_advantages
 
     cfg = worker.train_config(model_path)
     torch.manual_seed(cfg.seed)

@@ -10,8 +10,8 @@ import rlactors
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.config import LossConfig, PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
-from nodes.trainer.synthetic import grpo_advantages, synthetic_batch
 from protocols.codec import decode, encode
+from tests.helpers.synthetic import grpo_advantages, synthetic_batch
 
 
 def test_the_config_travels_as_it_is_and_checks_its_values():

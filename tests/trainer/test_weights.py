@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.inference.testing import reference_server
+from tests.helpers.servers import reference_server
 from tests.trainer.dist_worker import PUSH_CASES
 from tests.trainer.launch import run_ranks
 
