@@ -19,6 +19,7 @@ import httpx
 import structlog
 
 import rlactors
+from protocols.sglang import ContinueGenerationRequest, request_body
 
 __all__ = ["HEALTH_TIMEOUT_S", "PolicySync"]
 
@@ -100,9 +101,11 @@ class PolicySync:
         """``/continue_generation`` to every live server at once; a server that does not answer is
         left to :meth:`drop_dead_servers`."""
 
+        body = request_body(ContinueGenerationRequest())
+
         async def go(url: str) -> None:
             try:
-                r = await self.http.post(f"{url}/continue_generation", json={})
+                r = await self.http.post(f"{url}/continue_generation", json=body)
                 if r.status_code != 200:
                     log.warning("continue_generation_refused", server=url, status=r.status_code)
             except httpx.HTTPError as e:

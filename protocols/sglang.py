@@ -9,7 +9,7 @@ ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Self, Union
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -576,6 +576,38 @@ def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
     return {"success": success, "message": message, **extra}
 
 
+# ---- bodies we send ----------------------------------------------------------------------
+#
+# The rollout client, the weight push and policy sync build every body they send from the types
+# in this file, so client and server share one definition of the wire. An admin call (a few per
+# weight push) builds the request model above, validated as the server validates it, and sends
+# :func:`request_body`: a bad value fails at the caller, naming the field, not as a 400 from one
+# server of many. ``/generate`` is posted for every chunk of every sample, so its body is a
+# TypedDict: typed for the checker, a plain dict at run time that orjson encodes as it is.
+
+
+class GenerateBody(TypedDict):
+    """The ``/generate`` body the rollout client posts: one prompt as token ids, its sampling
+    parameters and a request id, log-probs on (:class:`GenerateRequest` is how a server reads it)."""
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    rid: str
+    return_logprob: bool
+
+
+class ContinueGenerationRequest(_Body):
+    """``/continue_generation``: let a paused server run again (we send no fields)."""
+
+    _wire: ClassVar[str] = "ContinueGenerationReqInput"
+
+
+def request_body(request: BaseModel) -> dict[str, Any]:
+    """The JSON body of ``request`` (one of the request models above): the fields the caller set,
+    so the server applies its own defaults to the rest (SGLang's may differ from ours)."""
+    return request.model_dump(mode="json", exclude_unset=True)
+
+
 __all__ = [
     "ABORT_RUNNING_MESSAGE",
     "ABORT_WAITING_MESSAGE",
@@ -583,8 +615,10 @@ __all__ = [
     "WEIGHT_VERSIONS",
     "AbortRequest",
     "BeginWeightUpdateRequest",
+    "ContinueGenerationRequest",
     "DestroyWeightsUpdateGroupRequest",
     "EndWeightUpdateRequest",
+    "GenerateBody",
     "GenerateRequest",
     "GenerateResult",
     "GetWeightsByNameRequest",
@@ -600,6 +634,7 @@ __all__ = [
     "finish_abort",
     "finish_length",
     "finish_stop",
+    "request_body",
     "success_body",
     "weight_version_spans",
 ]

@@ -34,6 +34,7 @@ import structlog
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
 from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, Session, WireError
+from protocols.sglang import AbortRequest, GenerateBody, request_body
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
 
@@ -245,12 +246,12 @@ class SGLangClient:
                     if lap_end:
                         r[4] = r[2]
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
-            body = {
-                "input_ids": [*request.input_ids, *ids],
-                "sampling_params": resume_params(sp, budget, len(ids)),
-                "return_logprob": True,
-                "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
-            }
+            body = GenerateBody(
+                input_ids=[*request.input_ids, *ids],
+                sampling_params=resume_params(sp, budget, len(ids)),
+                rid=rid if res.posts == 0 else f"{rid}-r{res.posts}",
+                return_logprob=True,
+            )
             # servers that failed this post; a later post may go back to one that recovered
             data, server = await self._post_with_failover(server, body, set(), res)
             res.posts += 1
@@ -336,7 +337,7 @@ class SGLangClient:
         self._active[rid] = server.url
 
     async def _post_with_failover(
-        self, server: ServerPool, body: dict[str, Any], tried: set[str], res: GenResult
+        self, server: ServerPool, body: GenerateBody, tried: set[str], res: GenResult
     ) -> tuple[dict[str, Any], ServerPool]:
         """POST to ``server`` with retries; if it stays down, move to another (tokens travel in body)."""
         while True:
@@ -353,7 +354,7 @@ class SGLangClient:
                 server = nxt
                 self._stick(res.rid, server)
 
-    async def _post_with_retries(self, server: ServerPool, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post_with_retries(self, server: ServerPool, body: GenerateBody) -> dict[str, Any]:
         cfg = self.config
         last: str = ""
         for attempt in range(cfg.max_retries + 1):
@@ -398,7 +399,9 @@ class SGLangClient:
         """Best effort: a timed-out request may still run on a hung-but-alive server."""
         with contextlib.suppress(WireError):
             await server.post(
-                "/abort_request", orjson.dumps({"rid": rid}), timeout=self.config.connect_timeout_s
+                "/abort_request",
+                orjson.dumps(request_body(AbortRequest(rid=rid))),
+                timeout=self.config.connect_timeout_s,
             )
 
 

@@ -18,6 +18,7 @@ Around either: optional ``/pause_generation`` (abort | retract | in_place) and
 0.5.23 refuses distributed updates outside such a session), and the servers' ``weight_version``
 set to the trainer's version. All methods are collective over the trainer's default group;
 only rank 0 talks HTTP. HTTP calls run in a small thread pool so they overlap the broadcasts.
+Every body is one of protocols/sglang.py's request models, checked as the server checks it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ from nodes.trainer.config import PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
 from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
+from protocols.sglang import (
+    BeginWeightUpdateRequest,
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    request_body,
+)
 
 __all__ = ["PushConfig", "WeightPushError", "WeightPusher", "flush_cache"]
 
@@ -67,6 +79,10 @@ def flush_cache(cfg: PushConfig) -> bool:
             "'retract' or 'abort', or flush_cache=false (or leave it unset)."
         )
     return bool(cfg.flush_cache)
+
+
+# the requests that put a server back after a push (see WeightPusher._prepare), by route
+_UNDO = {"/continue_generation": ContinueGenerationRequest, "/end_weight_update": EndWeightUpdateRequest}
 
 
 def _free_port() -> int:
@@ -135,14 +151,16 @@ class WeightPusher:
         world = 1 + sum(tp)
         futures, offset = [], 1
         for url, size in zip(self.urls, tp, strict=True):
-            body = {
-                "master_address": addr,
-                "master_port": port,
-                "rank_offset": offset,
-                "world_size": world,
-                "group_name": self.group_name,
-                "backend": self.backend,
-            }
+            body = request_body(
+                InitWeightsUpdateGroupRequest(
+                    master_address=addr,
+                    master_port=port,
+                    rank_offset=offset,
+                    world_size=world,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                )
+            )
             futures.append(self._pool.submit(self._post, url, "/init_weights_update_group", body))
             offset += size
         try:  # blocks until every server has joined: the HTTP requests above are in flight
@@ -163,7 +181,8 @@ class WeightPusher:
     def disconnect(self) -> None:
         """Ask the servers to leave the group and drop it (rank 0)."""
         if self.rank == 0 and self.group is not None:
-            for f in self._post_all("/destroy_weights_update_group", {"group_name": self.group_name}):
+            body = request_body(DestroyWeightsUpdateGroupRequest(group_name=self.group_name))
+            for f in self._post_all("/destroy_weights_update_group", body):
                 try:
                     f.result(timeout=30)
                 except Exception as e:  # a dead server cannot leave; nothing else to do
@@ -253,11 +272,15 @@ class WeightPusher:
         steps that put it back, in order."""
         if pause:  # continue even after a failed or unanswered pause: harmless if it did not pause
             undo.append("/continue_generation")
-            self._post(url, "/pause_generation", {"mode": self.cfg.pause_mode})
+            self._post(
+                url, "/pause_generation", request_body(PauseGenerationRequest(mode=self.cfg.pause_mode))
+            )
         if session:
             opened = True
             try:
-                self._post(url, "/begin_weight_update", {"selector": "all"})
+                self._post(
+                    url, "/begin_weight_update", request_body(BeginWeightUpdateRequest(selector="all"))
+                )
             except WeightPushError:  # refused: whatever session is open there is not ours to end
                 opened = False
                 raise
@@ -272,7 +295,7 @@ class WeightPusher:
     def _undo_one(self, url: str, steps: list[str]) -> None:
         for path in steps:
             try:
-                self._post(url, path, {})
+                self._post(url, path, request_body(_UNDO[path]()))
             except Exception as e:
                 log.warning("weight_push_cleanup_failed", server=url, step=path, error=str(e))
 
@@ -327,20 +350,20 @@ class WeightPusher:
 
     def _send(self, k: int, named: list[tuple[str, torch.Tensor]], version: str) -> tuple[list, list[Future]]:
         """Announce bucket ``k`` to every server and start its broadcast; returns what to wait on."""
-        body = {
-            "names": [n for n, _ in named],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named],
-            "group_name": self.group_name,
-            "flush_cache": flush_cache(self.cfg),
-            "weight_version": version,
-        }
+        request = UpdateWeightsFromDistributedRequest(
+            names=[n for n, _ in named],
+            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
+            shapes=[list(t.shape) for _, t in named],
+            group_name=self.group_name,
+            flush_cache=flush_cache(self.cfg),
+            weight_version=version,
+        )
         if self.cfg.flattened_bucket:  # buckets hold one dtype
-            body["load_format"] = "flattened_bucket"
+            request.load_format = "flattened_bucket"
             send = [self.gatherer.flat(k).view(torch.uint8)]  # SGLang receives the bytes as uint8
         else:
             send = [t for _, t in named]
-        posts = self._post_all("/update_weights_from_distributed", body)
+        posts = self._post_all("/update_weights_from_distributed", request_body(request))
         return [broadcast(t, self.group) for t in send], posts
 
     def _finish(self, inflight: tuple[list, list[Future]]) -> None:
@@ -378,12 +401,14 @@ class WeightPusher:
             if not (tied and k == "lm_head.weight")
         }
         folder = write_version(root, version, tensors, self.model_config_dir)
-        body = {
-            "model_path": str(folder),
-            "weight_version": str(version),
-            "flush_cache": flush_cache(self.cfg),
-            "abort_all_requests": False,
-        }
+        body = request_body(
+            UpdateWeightsFromDiskRequest(
+                model_path=str(folder),
+                weight_version=str(version),
+                flush_cache=flush_cache(self.cfg),
+                abort_all_requests=False,
+            )
+        )
         self._wait(self._post_all("/update_weights_from_disk", body))
         prune_versions(root, version, self.cfg.keep_disk_versions)
         return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,54 @@
+"""The bodies our side sends are built from protocols/sglang.py's types and read back by them."""
+
+from __future__ import annotations
+
+import typing
+
+import httpx
+import pydantic
+import pytest
+
+from nodes.rollout.client import GenRequest, SGLangClient
+from protocols.sglang import (
+    GenerateBody,
+    GenerateRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDistributedRequest,
+    request_body,
+)
+from tests.rollout.test_client_mock import FAST, Script, reply
+
+
+async def test_every_generate_body_the_client_posts_is_a_generate_body_the_server_accepts() -> None:
+    # first post, a resume after an abort, and a retry after a 5xx
+    script = Script(
+        a=[
+            lambda b: reply([5, 6], "abort", message="paused"),
+            lambda b: httpx.Response(503),
+            lambda b: reply([7], "length"),
+        ]
+    )
+    client = SGLangClient(["http://a:1"], FAST, transport=script.transport())
+    await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 3, "min_new_tokens": 1}, rid="r"))
+    await client.aclose()
+    assert len(script.posts) == 3
+    for _, body in script.posts:
+        assert set(body) == set(typing.get_type_hints(GenerateBody))
+        req = GenerateRequest.from_json(body)
+        assert req.input_ids[:3] == [1, 2, 3] and req.return_logprob is True
+    assert [b["rid"] for _, b in script.posts] == ["r", "r-r1", "r-r1-t1"]
+    assert script.posts[-1][1]["sampling_params"] == {"max_new_tokens": 1, "min_new_tokens": 0}
+
+
+def test_generate_body_names_only_fields_of_the_generate_request() -> None:
+    assert set(typing.get_type_hints(GenerateBody)) <= set(GenerateRequest.model_fields)
+
+
+def test_request_body_sends_the_fields_set_and_refuses_a_bad_value_at_the_caller() -> None:
+    bucket = UpdateWeightsFromDistributedRequest(names=["w"], dtypes=["bfloat16"], shapes=[[2, 3]])
+    assert request_body(bucket) == {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]]}
+    assert UpdateWeightsFromDistributedRequest.from_json(request_body(bucket)) == bucket
+    with pytest.raises(pydantic.ValidationError, match="mode must be one of abort, retract, in_place"):
+        PauseGenerationRequest(mode="drain")
+    with pytest.raises(pydantic.ValidationError, match="names, dtypes and shapes must have the same length"):
+        UpdateWeightsFromDistributedRequest(names=["w", "b"], dtypes=["bfloat16"], shapes=[[2]])
