@@ -246,12 +246,12 @@ class SGLangClient:
                     if lap_end:
                         r[4] = r[2]
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
-            body = GenerateBody(
-                input_ids=[*request.input_ids, *ids],
-                sampling_params=resume_params(sp, budget, len(ids)),
-                rid=rid if res.posts == 0 else f"{rid}-r{res.posts}",
-                return_logprob=True,
-            )
+            body: GenerateBody = {  # a literal, not a GenerateBody(...) call: built per post
+                "input_ids": [*request.input_ids, *ids],
+                "sampling_params": resume_params(sp, budget, len(ids)),
+                "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
+                "return_logprob": True,
+            }
             # servers that failed this post; a later post may go back to one that recovered
             data, server = await self._post_with_failover(server, body, set(), res)
             res.posts += 1
