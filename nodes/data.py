@@ -17,19 +17,15 @@ Sources:
   for models too small for GSM8K (the CPU default: SmolLM2-135M starts at ~0.2 on them).
 - ``"auto"``: local when a path is given, else hub, falling back to offline with a warning.
 
-:class:`PromptSource` serves the items forever, reshuffled every epoch, as ``(group_id, item)``
-pairs (the rollout's prompt-source contract); :meth:`PromptSource.state` saves its position and
-:meth:`PromptSource.from_state` resumes exactly there.
+nodes/rollout/prompts.py serves the items to the rollout actors (epochs, shuffling, shards).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +35,8 @@ __all__ = [
     "PROMPT_SUFFIX",
     "SYSTEM_PROMPT",
     "DataUnavailableError",
-    "PromptSource",
     "extract_final_answer",
     "format_prompt",
-    "gsm8k_items",
     "load_gsm8k",
 ]
 
@@ -282,105 +276,3 @@ def load_gsm8k(
     if not items:
         raise DataUnavailableError(f"no GSM8K {split} items: {desc}")
     return items, f"{desc}: {len(items)} problems{fallback}"
-
-
-def gsm8k_items(**kwargs: Any) -> list[dict[str, str]]:
-    """:func:`load_gsm8k`'s items only: a ``factory`` for the rollout's prompt-source specs."""
-    return load_gsm8k(**kwargs)[0]
-
-
-# -- serving prompts ----------------------------------------------------------------------
-
-
-def _fingerprint(items: Sequence[dict[str, Any]]) -> str:
-    h = hashlib.sha1()
-    for it in items:
-        h.update(f"{it.get('id')}\0{it.get('question')}\0".encode())
-    return h.hexdigest()[:16]
-
-
-class PromptSource:
-    """Items forever, epoch after epoch, reshuffled each epoch from ``seed``; resumable.
-
-    Iterating yields ``(group_id, item)`` with ``group_id = "<item id>/e<epoch>"``, unique per
-    item and epoch, so a replay after a restart re-creates the same ids. ``shard`` of
-    ``num_shards`` takes every ``num_shards``-th item of each epoch's order (rollout actors
-    split one data set). The position is ``(epoch, index)``: the next pair is item ``index``
-    of this shard's order in ``epoch``.
-    """
-
-    def __init__(
-        self,
-        items: Sequence[dict[str, Any]],
-        seed: int = 0,
-        shuffle: bool = True,
-        shard: int = 0,
-        num_shards: int = 1,
-    ) -> None:
-        if not 0 <= shard < num_shards:
-            raise ValueError(f"shard {shard} outside [0, {num_shards})")
-        if len(items) <= shard:
-            raise ValueError(f"{len(items)} items leave shard {shard} of {num_shards} empty")
-        self.items = list(items)
-        self.seed, self.shuffle, self.shard, self.num_shards = seed, shuffle, shard, num_shards
-        self._fingerprint = _fingerprint(self.items)
-        self._epoch, self._index = 0, 0
-        self._order_epoch, self._order = -1, []  # the current epoch's order, cached
-
-    @property
-    def position(self) -> tuple[int, int]:
-        """``(epoch, index)`` of the next item."""
-        return self._epoch, self._index
-
-    @property
-    def epoch_len(self) -> int:
-        """Items per epoch in this shard."""
-        return len(range(self.shard, len(self.items), self.num_shards))
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        if self._order_epoch != epoch:
-            order = list(range(len(self.items)))
-            if self.shuffle:
-                random.Random(f"prompts/{self.seed}/{epoch}").shuffle(order)  # str seeds hash stably
-            self._order_epoch, self._order = epoch, order[self.shard :: self.num_shards]
-        return self._order
-
-    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        return self
-
-    def __next__(self) -> tuple[str, dict[str, Any]]:
-        item = self.items[self._epoch_order(self._epoch)[self._index]]
-        gid = f"{item.get('id', self._index)}/e{self._epoch}"
-        self._index += 1
-        if self._index == self.epoch_len:
-            self._epoch, self._index = self._epoch + 1, 0
-        return gid, item
-
-    def take(self, n: int) -> list[tuple[str, dict[str, Any]]]:
-        """The next ``n`` pairs."""
-        return [next(self) for _ in range(n)]
-
-    def state(self) -> dict[str, Any]:
-        """The position and what it depends on, as plain JSON/msgpack types, for a checkpoint."""
-        return {"epoch": self._epoch, "index": self._index, "seed": self.seed, "shuffle": self.shuffle,
-                "shard": self.shard, "num_shards": self.num_shards, "num_items": len(self.items),
-                "fingerprint": self._fingerprint}  # fmt: skip
-
-    @classmethod
-    def from_state(cls, items: Sequence[dict[str, Any]], state: dict[str, Any]) -> PromptSource:
-        """A source over ``items`` positioned where ``state`` was saved.
-
-        Raises ValueError if ``items`` differ from the saved run's (another data source, seed
-        or limit), since the saved position would then point at other problems.
-        """
-        src = cls(items, seed=state["seed"], shuffle=state["shuffle"], shard=state["shard"],
-                  num_shards=state["num_shards"])  # fmt: skip
-        if src._fingerprint != state["fingerprint"]:
-            raise ValueError(
-                f"the prompt data differ from the checkpoint's ({len(src.items)} items now, "
-                f"{state['num_items']} then): resume with the same data source, seed and limit"
-            )
-        if not 0 <= state["index"] < src.epoch_len or state["epoch"] < 0:
-            raise ValueError(f"saved position {state['epoch']}/{state['index']} outside the data")
-        src._epoch, src._index = int(state["epoch"]), int(state["index"])
-        return src

@@ -44,7 +44,6 @@ __all__ = [
     "WorkflowSpec",
     "build_workflow",
     "chat_ids",
-    "load_tokenizer",
 ]
 
 log = structlog.get_logger(__name__)
@@ -312,7 +311,7 @@ class ByteChatTokenizer:
         )
 
 
-def load_tokenizer(spec: str) -> Any:
+def _load_tokenizer(spec: str) -> Any:
     """``"byte"`` for :class:`ByteChatTokenizer`, else a local HF tokenizer folder (no hub access)."""
     if spec == "byte":
         return ByteChatTokenizer()
@@ -337,4 +336,4 @@ def build_workflow(spec: WorkflowSpec) -> Workflow:
     cls = resolve(spec.workflow, "rollout.workflow")
     reward = RewardRunner(resolve(spec.reward.fn, "reward.fn"), spec.reward.timeout_s)
     config = spec.config if spec.config is not None else cls.config_class()
-    return cls(load_tokenizer(spec.tokenizer), reward, config)
+    return cls(_load_tokenizer(spec.tokenizer), reward, config)

@@ -1,4 +1,4 @@
-"""GSM8K data sources: offline generation, local files, hub fallback, and resumable prompt order."""
+"""GSM8K data sources: offline generation, local files and hub fallback."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from nodes.data import (
     PROMPT_SUFFIX,
     SYSTEM_PROMPT,
     DataUnavailableError,
-    PromptSource,
     extract_final_answer,
     format_prompt,
     load_gsm8k,
@@ -186,53 +183,6 @@ def test_auto_falls_back_when_connection_refused(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     _, desc = load_gsm8k("test", limit=4, hub_timeout_s=2.0)
     assert "offline" in desc and "unreachable" in desc
-
-
-# -- PromptSource --------------------------------------------------------------------------
-
-ITEMS = [{"id": f"p{i}", "question": f"q{i}", "answer": str(i)} for i in range(7)]
-
-
-def test_prompt_source_epochs_are_reshuffled_permutations() -> None:
-    src = PromptSource(ITEMS, seed=5)
-    e0 = [item["id"] for _, item in src.take(7)]
-    assert src.position == (1, 0)
-    e1 = [item["id"] for _, item in src.take(7)]
-    assert sorted(e0) == sorted(e1) == sorted(i["id"] for i in ITEMS)
-    assert e0 != e1  # reshuffled (fixed seed: this holds deterministically)
-    gids = [gid for gid, _ in PromptSource(ITEMS, seed=5).take(14)]
-    assert len(set(gids)) == 14 and gids[0].endswith("/e0") and gids[7].endswith("/e1")
-    assert PromptSource(ITEMS, seed=5).take(14) == PromptSource(ITEMS, seed=5).take(14)
-    assert [i["id"] for _, i in PromptSource(ITEMS, shuffle=False).take(3)] == ["p0", "p1", "p2"]
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    split_at=st.integers(0, 30), more=st.integers(1, 20), seed=st.integers(0, 2**31), shard=st.integers(0, 2)
-)
-def test_prompt_source_resumes_exactly(split_at: int, more: int, seed: int, shard: int) -> None:
-    whole = PromptSource(ITEMS, seed=seed, shard=shard, num_shards=3).take(split_at + more)
-    first = PromptSource(ITEMS, seed=seed, shard=shard, num_shards=3)
-    head = first.take(split_at)
-    state = json.loads(json.dumps(first.state()))  # survives a checkpoint file
-    resumed = PromptSource.from_state(ITEMS, state)
-    assert resumed.position == first.position
-    assert head + resumed.take(more) == whole
-
-
-def test_prompt_source_shards_partition_each_epoch() -> None:
-    shards = [PromptSource(ITEMS, seed=2, shard=k, num_shards=3) for k in range(3)]
-    ids = [item["id"] for s in shards for _, item in s.take(s.epoch_len)]
-    assert sorted(ids) == sorted(i["id"] for i in ITEMS)
-    with pytest.raises(ValueError, match="shard"):
-        PromptSource(ITEMS, shard=3, num_shards=3)
-
-
-def test_prompt_source_refuses_other_data_on_resume() -> None:
-    src = PromptSource(ITEMS, seed=1)
-    src.take(3)
-    with pytest.raises(ValueError, match="differ from the checkpoint"):
-        PromptSource.from_state(ITEMS[:-1], src.state())
 
 
 def test_easy_source_is_deterministic_disjoint_and_answers_are_right() -> None:
