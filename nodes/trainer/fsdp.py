@@ -35,9 +35,6 @@ __all__ = [
     "FSDPTrainer",
     "NonFiniteError",
     "TrainConfig",
-    "apply_fsdp",
-    "build_optimizer",
-    "lr_lambda",
     "name_list",
 ]
 
@@ -54,7 +51,7 @@ def name_list(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def lr_lambda(cfg: TrainConfig):
+def _lr_lambda(cfg: TrainConfig):
     """Multiplier of ``cfg.lr`` at an optimizer step: linear warm-up, then the chosen decay."""
 
     def f(step: int) -> float:
@@ -72,7 +69,7 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Module:
+def _apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, head)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kw: dict[str, Any] = {"mesh": mesh}
@@ -86,12 +83,12 @@ def apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Module
     return model
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+def _build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     """AdamW plus a LambdaLR schedule stepped once per optimizer step."""
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
 
 def _load_model(path: str, cfg: TrainConfig, mesh: Any, train: bool) -> torch.nn.Module:
@@ -101,7 +98,7 @@ def _load_model(path: str, cfg: TrainConfig, mesh: Any, train: bool) -> torch.nn
     if train and cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return apply_fsdp(model, mesh, cfg.bf16)
+    return _apply_fsdp(model, mesh, cfg.bf16)
 
 
 class FSDPTrainer:
@@ -124,7 +121,7 @@ class FSDPTrainer:
             self.ref_model = _load_model(
                 cfg.ref_model_path or cfg.model_path, cfg, self.mesh, train=False
             ).eval()
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
+        self.optimizer, self.scheduler = _build_optimizer(self.model, cfg)
         self.loss_fn = resolve(cfg.loss.fn, "trainer.loss.fn")
         self.version = version  # policy version the weights are at; +1 per train_step
         self.optim_steps = 0
