@@ -69,7 +69,7 @@ class ActorContext:
     restarts: int = 0
     _watches: dict[Hashable, asyncio.Task[None]] = field(default_factory=dict, init=False, repr=False)
 
-    def watch(self, actor: ActorHandle | str, on_death: Callable[..., Any], *args: Hashable) -> None:
+    def watch(self, actor: ActorHandle[Any] | str, on_death: Callable[..., Any], *args: Hashable) -> None:
         """Call ``on_death(*args)`` on this actor's loop when ``actor`` (its current incarnation) dies.
 
         For an actor that holds something on behalf of others (leases, episodes in flight) and must

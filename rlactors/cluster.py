@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Generator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -27,6 +27,8 @@ from rlactors.security import Security, load_secret
 log = structlog.get_logger("rlactors.cluster")
 
 __all__ = ["Cluster", "connect", "init"]
+
+T = TypeVar("T")
 
 
 class Cluster:
@@ -48,7 +50,7 @@ class Cluster:
 
     async def spawn(
         self,
-        cls: type,
+        cls: type[T],
         *args: Any,
         name: str | None = None,
         resources: dict[str, float] | None = None,
@@ -61,7 +63,7 @@ class Cluster:
         get_if_exists: bool = False,
         placement: tuple[PlacementGroup, int] | None = None,
         **kwargs: Any,
-    ) -> ActorHandle:
+    ) -> ActorHandle[T]:
         """Start an actor of class ``cls`` in its own worker process; ``args``/``kwargs`` go to its constructor.
 
         ``resources`` (cpu, gpu, custom) are reserved on the chosen node; ``max_restarts``
@@ -93,8 +95,8 @@ class Cluster:
         return ActorHandle.from_info(info)
 
     async def spawn_group(
-        self, cls: type, n: int, *args: Any, name: str | None = None, **options: Any
-    ) -> ActorGroup:
+        self, cls: type[T], n: int, *args: Any, name: str | None = None, **options: Any
+    ) -> ActorGroup[T]:
         """Start ``n`` actors of ``cls`` (named ``name-0`` … when ``name`` is given)."""
         handles = await asyncio.gather(
             *(self.spawn(cls, *args, name=f"{name}-{i}" if name else None, **options) for i in range(n)),
@@ -108,17 +110,17 @@ class Cluster:
             raise errors[0]
         return ActorGroup([h for h in handles if isinstance(h, ActorHandle)])
 
-    async def get_actor(self, name: str) -> ActorHandle:
+    async def get_actor(self, name: str) -> ActorHandle[Any]:
         """The live actor with this name (or id); raises ActorNotFoundError."""
         info = await self._client.head_call("get_actor", name)
         return ActorHandle.from_info(info)
 
-    async def kill(self, actor: ActorHandle | str, *, no_restart: bool = True) -> bool:
+    async def kill(self, actor: ActorHandle[Any] | str, *, no_restart: bool = True) -> bool:
         """Kill an actor's process (SIGKILL). With ``no_restart=False`` it may be restarted."""
         actor_id = actor.actor_id if isinstance(actor, ActorHandle) else actor
         return bool(await self._client.head_call("kill", actor_id, no_restart))
 
-    async def watch(self, actor: ActorHandle | str) -> dict[str, Any]:
+    async def watch(self, actor: ActorHandle[Any] | str) -> dict[str, Any]:
         """Return when the actor (its current incarnation) dies: ``{state, reason, restarting}``."""
         actor_id = actor.actor_id if isinstance(actor, ActorHandle) else actor
         return await self._client.head_call("watch", actor_id)
@@ -139,13 +141,13 @@ class Cluster:
         """A free port on ``node_id``'s host: ``{host, port}``."""
         return await self._client.head_call("reserve_port", node_id)
 
-    async def node_of(self, actor: ActorHandle) -> str:
+    async def node_of(self, actor: ActorHandle[Any]) -> str:
         """The node an actor runs on."""
         return await self._client.head_call("node_of", actor.actor_id)
 
     async def collective_group(
         self,
-        actors: Sequence[ActorHandle],
+        actors: Sequence[ActorHandle[Any]],
         backend: str = "gloo",
         *,
         timeout: float = 120.0,

@@ -4,13 +4,18 @@
 ``handle.method.submit(...)`` is the same, spelled explicitly; ``handle.method.tell(...)``
 sends without waiting for any reply; an async-generator method returns an async iterator.
 Handles are plain values: they can be passed to other actors as call arguments.
+
+Handles are typed by their actor class: ``spawn(Counter)`` gives an ``ActorHandle[Counter]``. With
+the mypy plugin ``rlactors.mypy`` enabled, ``h.add`` is an ``ActorMethod[(k: int), int]`` made from
+``Counter.add``, so a checker knows a call's arguments and that ``await h.add(2)`` is an ``int``;
+without it (pyright has no plugins) a handle's methods are ``Any``: unchecked, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
 from protocols import codec, wire
 from rlactors.client import Args, StreamCall
@@ -18,11 +23,16 @@ from rlactors.errors import ActorDiedError
 from rlactors.methods import ASYNCGEN, GEN
 from rlactors.runtime import current_client
 
-__all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod"]
+__all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod", "StreamMethod"]
+
+T = TypeVar("T")  # the actor class
+P = ParamSpec("P")  # a method's parameters, less self
+R = TypeVar("R")  # what a call returns (awaited, for an async method)
+Y = TypeVar("Y", covariant=True)  # what a generator method yields
 
 
-class ActorMethod:
-    """One method of a remote actor."""
+class ActorMethod(Generic[P, R]):
+    """One method of a remote actor: ``await m(...)``, ``m.submit(...)`` or ``m.tell(...)``."""
 
     __slots__ = ("_handle", "_kind", "_name")
 
@@ -31,14 +41,14 @@ class ActorMethod:
         self._name = name
         self._kind = kind
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
         """Send the call now and return a coroutine for its result (a stream for generator methods).
 
         The call leaves when this is called, not when awaited, so calls keep their order;
         the coroutine works with ``await``, ``asyncio.create_task`` and task groups.
         """
-        if self._kind in (ASYNCGEN, GEN):
-            return self.stream(*args, **kwargs)
+        if self._kind in (ASYNCGEN, GEN):  # typed as a StreamMethod by the plugin
+            return cast(Coroutine[Any, Any, R], self.stream(*args, **kwargs))
         return _result(self.submit(*args, **kwargs))
 
     def _not_a_generator(self, what: str) -> None:
@@ -47,15 +57,15 @@ class ActorMethod:
                 f"{self._name} is a generator method: use `async for x in handle.{self._name}(...)`, not {what}"
             )
 
-    def submit(self, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> asyncio.Future[R]:
         """Send the call now; cancelling the returned future cancels the remote coroutine."""
         return self._submit(args, kwargs)
 
-    def tell(self, *args: Any, **kwargs: Any) -> None:
+    def tell(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Fire and forget: no result, errors are only logged by the actor."""
         self._tell(args, kwargs)
 
-    def _submit(self, args: Args, kwargs: dict[str, Any]) -> asyncio.Future[Any]:
+    def _submit(self, args: Args, kwargs: dict[str, Any]) -> asyncio.Future[R]:
         self._not_a_generator(".submit()")
         h = self._handle
         return current_client().call_actor(h.actor_id, h.address, self._name, args, kwargs)
@@ -65,7 +75,7 @@ class ActorMethod:
         h = self._handle
         current_client().tell_actor(h.actor_id, h.address, self._name, args, kwargs)
 
-    def stream(self, *args: Any, **kwargs: Any) -> StreamCall:
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> StreamCall:
         """Call a generator method; iterate the result with ``async for``."""
         h = self._handle
         return current_client().stream_actor(h.actor_id, h.address, self._name, args, kwargs)
@@ -74,12 +84,23 @@ class ActorMethod:
         return f"<ActorMethod {self._handle.name or self._handle.actor_id}.{self._name} ({self._kind})>"
 
 
-async def _result(fut: asyncio.Future[Any]) -> Any:
+class StreamMethod(Protocol[P, Y]):
+    """How a checker sees a generator method of a remote actor: ``async for x in m(...)``.
+
+    At run time it is an :class:`ActorMethod`; this protocol only types its calls.
+    """
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[Y]: ...
+
+    def stream(self, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[Y]: ...
+
+
+async def _result(fut: asyncio.Future[R]) -> R:
     return await fut
 
 
-class ActorHandle:
-    """A reference to a live actor. Attribute access gives its methods."""
+class ActorHandle(Generic[T]):
+    """A reference to a live actor of class ``T``. Attribute access gives its methods."""
 
     __slots__ = ("_methods", "actor_id", "address", "class_name", "name")
 
@@ -99,7 +120,7 @@ class ActorHandle:
         self._methods = methods
 
     @classmethod
-    def from_info(cls, info: dict[str, Any]) -> ActorHandle:
+    def from_info(cls, info: dict[str, Any]) -> ActorHandle[Any]:
         return cls(
             info["actor_id"],
             info["address"],
@@ -108,7 +129,9 @@ class ActorHandle:
             class_name=info.get("class_name", ""),
         )
 
-    def __getattr__(self, name: str) -> ActorMethod:
+    # Any, not ActorMethod[..., Any]: without the plugin a checker cannot tell a generator method
+    # (a stream) from the others; with it, each method has its own type (rlactors.mypy).
+    def __getattr__(self, name: str) -> Any:
         try:
             kind = self._methods[name]
         except KeyError:
@@ -129,18 +152,18 @@ class ActorHandle:
         return f"<ActorHandle {who}{self.class_name} {self.actor_id}>"
 
 
-def _to_wire(h: ActorHandle) -> list[Any]:
+def _to_wire(h: ActorHandle[Any]) -> list[Any]:
     return [h.actor_id, h.address, h._methods, h.name, h.class_name]
 
 
-def _from_wire(v: list[Any]) -> ActorHandle:
+def _from_wire(v: list[Any]) -> ActorHandle[Any]:
     return ActorHandle(v[0], v[1], v[2], name=v[3], class_name=v[4])
 
 
 codec.register_type(ActorHandle, "rlactors:ActorHandle", _to_wire, _from_wire)
 
 
-class ActorGroup(Sequence[ActorHandle]):
+class ActorGroup(Sequence[ActorHandle[T]]):
     """Actors that work as one (e.g. the ranks of a collective group): a method call calls every member.
 
     ``await group.step(batch)`` sends the call to every member at once, with the arguments
@@ -154,7 +177,7 @@ class ActorGroup(Sequence[ActorHandle]):
     A cancelled member call stops an ``async`` method; a sync method already running finishes.
     """
 
-    def __init__(self, handles: Sequence[ActorHandle], *, grace_s: float | None = 60.0) -> None:
+    def __init__(self, handles: Sequence[ActorHandle[T]], *, grace_s: float | None = 60.0) -> None:
         """``grace_s``: how long members may finish after one failed (None: as long as they take)."""
         self.handles = list(handles)
         self.grace_s = grace_s
@@ -162,10 +185,10 @@ class ActorGroup(Sequence[ActorHandle]):
     def __len__(self) -> int:
         return len(self.handles)
 
-    def __getitem__(self, i: int) -> ActorHandle:  # type: ignore[override]
+    def __getitem__(self, i: int) -> ActorHandle[T]:  # type: ignore[override]
         return self.handles[i]
 
-    def __getattr__(self, name: str) -> GroupMethod:
+    def __getattr__(self, name: str) -> GroupMethod[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
         return GroupMethod([getattr(h, name) for h in self.handles], self.grace_s)
@@ -174,22 +197,22 @@ class ActorGroup(Sequence[ActorHandle]):
         return f"<ActorGroup of {len(self.handles)}>"
 
 
-class GroupMethod:
+class GroupMethod(Generic[P, R]):
     """One method of every member of an :class:`ActorGroup`."""
 
     __slots__ = ("_grace_s", "_methods")
 
-    def __init__(self, methods: list[ActorMethod], grace_s: float | None) -> None:
+    def __init__(self, methods: list[ActorMethod[P, R]], grace_s: float | None) -> None:
         self._methods = methods
         self._grace_s = grace_s
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Coroutine[Any, Any, list[Any]]:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, list[R]]:
         """Send the call to every member now (the arguments encoded once); a coroutine for the
         results, in member order, under the group's failure rules (see :class:`ActorGroup`)."""
         encoded = wire.encode_args(args, kwargs)
         return _gather([m._submit(encoded, {}) for m in self._methods], self._grace_s)
 
-    def scatter(self, per_member_args: Sequence[Sequence[Any]]) -> Coroutine[Any, Any, list[Any]]:
+    def scatter(self, per_member_args: Sequence[Sequence[Any]]) -> Coroutine[Any, Any, list[R]]:
         """Call member i with ``per_member_args[i]``; results and failures as for a call."""
         if len(per_member_args) != len(self._methods):
             raise ValueError(
@@ -198,14 +221,14 @@ class GroupMethod:
         calls = [m._submit(tuple(a), {}) for m, a in zip(self._methods, per_member_args, strict=True)]
         return _gather(calls, self._grace_s)
 
-    def tell(self, *args: Any, **kwargs: Any) -> None:
+    def tell(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Send to every member without waiting for replies (the arguments encoded once)."""
         encoded = wire.encode_args(args, kwargs)
         for m in self._methods:
             m._tell(encoded, {})
 
 
-async def _gather(calls: list[asyncio.Future[Any]], grace_s: float | None) -> list[Any]:
+async def _gather(calls: list[asyncio.Future[R]], grace_s: float | None) -> list[R]:
     if not calls:
         return []
     try:
