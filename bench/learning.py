@@ -27,11 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from nodes.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
-sys.path.insert(0, str(ROOT))
-
-from nodes.metrics import read_metrics  # noqa: E402
 
 RUNS = {
     "default": [],

@@ -50,23 +50,19 @@ from typing import Any
 
 import aiohttp
 import psutil
+from simfarm import Farm, flush_caches, probe_stats  # bench/simfarm.py, beside this script
+
+import rlactors
+from nodes.buffer import BufferActor
+from nodes.governor import GovernorActor, GovernorConfig
+from nodes.rollout.actor import RolloutActor
+from nodes.rollout.config import ClientConfig, RolloutConfig
+from nodes.rollout.prompts import arithmetic_items
+from nodes.rollout.reward import RewardConfig
+from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow, WorkflowSpec
+from rlactors.aio import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from simfarm import Farm, flush_caches, probe_stats  # noqa: E402
-
-import rlactors  # noqa: E402
-from nodes.buffer import BufferActor  # noqa: E402
-from nodes.governor import GovernorActor, GovernorConfig  # noqa: E402
-from nodes.rollout.actor import RolloutActor  # noqa: E402
-from nodes.rollout.config import ClientConfig, RolloutConfig  # noqa: E402
-from nodes.rollout.prompts import arithmetic_items  # noqa: E402
-from nodes.rollout.reward import RewardConfig  # noqa: E402
-from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow, WorkflowSpec  # noqa: E402
-from rlactors.aio import wait_for  # noqa: E402
-
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 

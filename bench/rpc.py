@@ -22,17 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import zmq
 import zmq.asyncio
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import rlactors  # noqa: E402
+import rlactors
 
 MIB64 = 64 * 1024 * 1024
 TENSOR_ROUNDS = 7
