@@ -97,6 +97,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         "--security",
         cfg.cluster.security,
     ]
+    if cfg.cluster.max_message_bytes:
+        head_cmd += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
     head_log = log_dir / "head.log"
     head = _launch(head_cmd, head_log)
     state: dict[str, Any] = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -26,12 +27,13 @@ from protocols.wire import Flags, Kind
 from rlactors.errors import (
     ActorDiedError,
     ActorUnreachableError,
+    MessageTooLargeError,
     RuntimeShutdownError,
     exception_from_payload,
 )
 from rlactors.logging import Throttle
 from rlactors.security import Security
-from rlactors.transport import HEARTBEAT_TIMEOUT_MS, AsyncSocket, Outbox, connect_dealer
+from rlactors.transport import HEARTBEAT_TIMEOUT_MS, AsyncSocket, Outbox, check_size, connect_dealer
 
 log = structlog.get_logger("rlactors.client")
 
@@ -151,7 +153,12 @@ class Connection:
         self._link_up = asyncio.Event()  # set while the connection is established
         self._link_hook = on_link
         self._asock: AsyncSocket = connect_dealer(
-            address, self._on_message, security, name=self.name, on_link=self._on_link
+            address,
+            self._on_message,
+            security,
+            name=self.name,
+            on_link=self._on_link,
+            on_too_large=self._on_too_large,
         )
         self._outbox = Outbox(self._asock, routed=False)
         self._drop_log = Throttle(log, "dropped a reply that cannot be decoded", LOG_EVERY_S)
@@ -182,6 +189,11 @@ class Connection:
             return fut
         call_id = next(self._ids)
         env = _call_envelope(call_id, target, method, args, kwargs, 0)
+        try:
+            check_size(env, f"the call of {method!r} on {self.name}")
+        except MessageTooLargeError as e:
+            fut.set_exception(e)
+            return fut
         self._pending[call_id] = fut
         fut.add_done_callback(lambda f, cid=call_id: self._on_future_done(cid, f))
         self._put(env)
@@ -198,7 +210,9 @@ class Connection:
         """Send a call whose result nobody waits for (``args`` as in :meth:`call`)."""
         if self._closed_error is not None or self._unreachable is not None:
             raise self._closed_error or self._unreachable  # type: ignore[misc]
-        self._put(_call_envelope(next(self._ids), target, method, args, kwargs, Flags.NO_REPLY))
+        env = _call_envelope(next(self._ids), target, method, args, kwargs, Flags.NO_REPLY)
+        check_size(env, f"the call of {method!r} on {self.name}")
+        self._put(env)
 
     def stream(
         self,
@@ -214,6 +228,11 @@ class Connection:
             s._finish(self._closed_error or self._unreachable)
             return s
         env = wire.encode_envelope(Kind.CALL, call_id, target, method, list(args), kwargs, Flags.STREAM)
+        try:
+            check_size(env, f"the call of {method!r} on {self.name}")
+        except MessageTooLargeError as e:
+            s._finish(e)
+            return s
         self._pending[call_id] = s
         self._put(env)
         return s
@@ -283,6 +302,16 @@ class Connection:
                     fut.set_result(None)
         if self._waiting:
             self._release_waiting()
+
+    def _on_too_large(self, frames: list[Any], why: str) -> None:
+        """A reply over our max_message_bytes (the sender's bound is larger): fail its calls."""
+        with contextlib.suppress(wire.WireError):
+            for env in wire.split_batch(frames):
+                header = wire.peek_header(env)
+                if header is not None:
+                    self._fail(
+                        [header[1]], MessageTooLargeError(f"the reply from {self.name} was refused: {why}")
+                    )
 
     def _undecodable(self, env: Any, err: Exception) -> None:
         """A reply we cannot decode (e.g. an unknown dataclass): fail that call, keep serving."""

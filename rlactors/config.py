@@ -99,10 +99,16 @@ class ClusterSection:
     python: str = "python3"
     start_timeout: float = 120.0  # seconds `rlactors up` waits for every node to register
     security: Literal["curve", "plain"] = "curve"  # plain: authenticated, not encrypted (trusted networks)
+    # largest message between authenticated peers, in bytes (0: RLACTORS_MAX_MESSAGE_BYTES or 1 GiB)
+    max_message_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.start_timeout <= 0:
             raise ValueError(f"'start_timeout' must be > 0 seconds, got {self.start_timeout:g}")
+        if self.max_message_bytes and self.max_message_bytes < 1 << 20:
+            raise ValueError(
+                f"'max_message_bytes' must be at least 1048576 (1 MiB), got {self.max_message_bytes}"
+            )
 
 
 @dataclass
@@ -166,6 +172,8 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
         "--security",
         cfg.cluster.security,
     ]
+    if cfg.cluster.max_message_bytes:
+        inner += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
     for k, v in sorted(node.env.items()):
         inner += ["--env", f"{k}={v}"]
     if node.workdir:

@@ -25,6 +25,7 @@ from rlactors.local import detect_gpus, new_session_dir
 from rlactors.node import NodeAgent
 from rlactors.security import Security, load_secret
 from rlactors.service import Service
+from rlactors.transport import set_max_message_bytes
 
 log = structlog.get_logger("rlactors.daemons")
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         default="curve",
         help="curve: encrypted; plain: authenticated only",
     )
+    max_bytes_help = "largest message between authenticated peers, in bytes (default: $RLACTORS_MAX_MESSAGE_BYTES or 1 GiB)"
+    h.add_argument("--max-message-bytes", type=int, default=0, help=max_bytes_help)
     a = sub.add_parser("agent", help="start and watch the workers of one host")
     a.add_argument("--head", required=True, help="the head's address, e.g. tcp://10.0.0.1:6380")
     a.add_argument("--node-id", required=True, help="this node's unique name in the cluster")
@@ -156,7 +159,10 @@ def main(argv: list[str] | None = None) -> None:
         default="curve",
         help="curve: encrypted; plain: authenticated only",
     )
+    a.add_argument("--max-message-bytes", type=int, default=0, help=max_bytes_help)
     args = ap.parse_args(argv)
+    if args.max_message_bytes:  # this process, and (through the environment) the workers it starts
+        set_max_message_bytes(args.max_message_bytes)
     if args.role == "agent":
         if args.workdir:
             os.chdir(Path(args.workdir).expanduser())

@@ -13,6 +13,7 @@ __all__ = [
     "ActorNotFoundError",
     "ActorUnreachableError",
     "ClusterError",
+    "MessageTooLargeError",
     "PlacementError",
     "RemoteError",
     "RuntimeShutdownError",
@@ -37,6 +38,10 @@ class ActorUnreachableError(ActorDiedError):
     Its pending calls failed: their replies can no longer arrive. A subclass of
     :class:`ActorDiedError` because, to its callers, an unreachable actor is as good as dead.
     """
+
+
+class MessageTooLargeError(ClusterError, ValueError):
+    """A call's arguments or result are over ``max_message_bytes``; nothing was sent."""
 
 
 class ActorNotFoundError(ClusterError, LookupError):

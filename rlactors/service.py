@@ -30,11 +30,11 @@ import structlog
 from protocols import codec, wire
 from protocols.wire import Flags, Kind
 from rlactors.aio import wait_for
-from rlactors.errors import exception_payload
+from rlactors.errors import MessageTooLargeError, exception_payload
 from rlactors.logging import Throttle
 from rlactors.methods import ASYNC, ASYNCGEN, SYNC, method_table, runs_on_loop
 from rlactors.security import Security
-from rlactors.transport import AsyncSocket, Outbox, bind_router
+from rlactors.transport import AsyncSocket, Outbox, bind_router, check_size
 
 log = structlog.get_logger("rlactors.service")
 _bind = structlog.contextvars.bind_contextvars
@@ -105,7 +105,9 @@ class Service:
         return {k: v[1] for k, v in table.items()}
 
     def bind(self, address: str) -> str:
-        self._asock, self.address = bind_router(address, self._on_message, self.security, name=self.name)
+        self._asock, self.address = bind_router(
+            address, self._on_message, self.security, name=self.name, on_too_large=self._refuse_too_large
+        )
         self._outbox = Outbox(self._asock, routed=True)
         return self.address
 
@@ -158,6 +160,19 @@ class Service:
     def _drop(self, reason: str) -> None:
         self.dropped += 1
         self._drop_log(service=self.name, reason=reason, total=self.dropped)
+
+    def _refuse_too_large(self, frames: list[Any], why: str) -> None:
+        """A message over our max_message_bytes (its sender's bound is larger): fail its calls."""
+        self.dropped += 1
+        with contextlib.suppress(wire.WireError):
+            for env in wire.split_batch(frames[1:]):
+                header = wire.peek_header(env)
+                if header is not None and header[0] == Kind.CALL and not header[2] & Flags.NO_REPLY:
+                    self._send_error(
+                        frames[0].bytes,
+                        header[1],
+                        MessageTooLargeError(f"{self.name} refused the call: {why}"),
+                    )
 
     def _reject(self, ident: bytes, env: Any, err: Exception) -> None:
         """An envelope that failed to decode: answer its call if we can still read its id."""
@@ -300,7 +315,9 @@ class Service:
             # A consumer that acknowledges nothing for this long is gone (its process died).
             await wait_for(credit.event.wait(), STREAM_CREDIT_TIMEOUT_S)
         credit.sent += 1
-        self._send(ident, wire.encode_envelope(Kind.STREAM_ITEM, call_id, item))
+        env = wire.encode_envelope(Kind.STREAM_ITEM, call_id, item)
+        check_size(env, f"an item streamed by {self.name}")  # raises: the stream ends with the error
+        self._send(ident, env)
 
     # --- outgoing ------------------------------------------------------------------------------
 
@@ -311,7 +328,8 @@ class Service:
     def _send_result(self, ident: bytes, call_id: int, value: Any) -> None:
         try:
             env = wire.encode_envelope(Kind.RESULT, call_id, value)
-        except codec.CodecError as e:
+            check_size(env, f"the result of a call to {self.name}")
+        except (codec.CodecError, MessageTooLargeError) as e:
             self._send_error(ident, call_id, e)
             return
         self._send(ident, env)

@@ -10,6 +10,14 @@ ROUTER sockets set ``ROUTER_MANDATORY``: a reply to a peer that is gone raises i
 vanishing, and is logged. When ZeroMQ's high-water mark is reached, messages wait in a
 local backlog and are retried; nothing is dropped silently.
 
+Message size: every socket sets ``ZMQ_MAXMSGSIZE`` to :data:`FRAME_BYTES` (plus CURVE's
+overhead), so a peer that has not authenticated can make this process hold at most one such
+frame before its handshake fails: a frame header declaring 4 GiB closes the connection at once.
+Larger buffers travel as several frames of at most :data:`FRAME_BYTES` and are joined again on
+arrival (a marker frame says how). A whole message is bounded by ``max_message_bytes``
+(``RLACTORS_MAX_MESSAGE_BYTES``, default 1 GiB): the sender refuses a bigger one with
+:class:`~rlactors.errors.MessageTooLargeError`, and so does a receiver with a smaller bound.
+
 Every connection carries ZMTP heartbeats (answered by ZeroMQ's I/O thread, not the event
 loop): a peer silent for ``HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS`` is disconnected, and
 a DEALER's ``on_link`` callback hears of it, which is how callers notice a partition.
@@ -22,14 +30,17 @@ import collections
 import contextlib
 import functools
 import operator
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
 import structlog
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from protocols import wire
+from rlactors.errors import MessageTooLargeError
 from rlactors.logging import Throttle
 from rlactors.security import Security
 
@@ -42,6 +53,108 @@ DRAIN_BUDGET = 512
 HEARTBEAT_IVL_MS = 1000  # ZMTP ping to every peer this often
 HEARTBEAT_TIMEOUT_MS = 6000  # a connection silent this long after a ping is dropped
 REJECT_LOG_EVERY_S = 10.0  # peers refused by authentication: one log line per this many seconds
+# The largest frame on the wire, and so the most memory a peer gets before authenticating; bigger
+# buffers are cut into frames of this size. ZMQ_MAXMSGSIZE also counts CURVE's 33 bytes per frame.
+FRAME_BYTES = 8 << 20
+_MAXMSGSIZE = FRAME_BYTES + 64
+_CHUNKED = b"\xc1"  # first byte of the marker frame of a message with cut frames (never starts msgpack)
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+MAX_MESSAGE_BYTES_ENV = "RLACTORS_MAX_MESSAGE_BYTES"
+
+
+def _bound_from_env() -> int:
+    raw = os.environ.get(MAX_MESSAGE_BYTES_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_MAX_MESSAGE_BYTES
+    except ValueError:
+        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be a number of bytes, got {raw!r}") from None
+    if value < 1 << 20:
+        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be at least 1 MiB (1048576), got {value}")
+    return value
+
+
+_max_message_bytes = _bound_from_env()
+
+
+def max_message_bytes() -> int:
+    """The largest message this process sends or accepts from an authenticated peer, in bytes."""
+    return _max_message_bytes
+
+
+def set_max_message_bytes(n: int) -> None:
+    """Set the bound for this process and the workers it starts (through the environment)."""
+    global _max_message_bytes
+    os.environ[MAX_MESSAGE_BYTES_ENV] = str(int(n))
+    _max_message_bytes = _bound_from_env()
+
+
+def nbytes(frame: Any) -> int:
+    """Size of one outgoing or received frame."""
+    if isinstance(frame, bytes):
+        return len(frame)
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    if isinstance(frame, zmq.Frame):
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def message_bytes(frames: Sequence[Any]) -> int:
+    return sum(nbytes(f) for f in frames)
+
+
+def check_size(frames: Sequence[Any], what: str) -> None:
+    """Raise MessageTooLargeError if ``frames`` (one envelope) exceed ``max_message_bytes``."""
+    size = message_bytes(frames)
+    if size > _max_message_bytes:
+        raise MessageTooLargeError(too_large(what, size, _max_message_bytes))
+
+
+def too_large(what: str, size: int, bound: int) -> str:
+    return (
+        f"{what} is {size / 2**20:.1f} MiB, over max_message_bytes ({bound / 2**20:.1f} MiB); "
+        f"send less per call, or raise the bound on every process of the cluster "
+        f"({MAX_MESSAGE_BYTES_ENV}, or max_message_bytes in cluster.toml's [cluster])"
+    )
+
+
+def _cut(frames: Sequence[Any]) -> list[Any]:
+    """Frames larger than FRAME_BYTES as pieces, after a marker frame listing the pieces of each."""
+    sizes = [nbytes(f) for f in frames]
+    if max(sizes, default=0) <= FRAME_BYTES:
+        return list(frames)
+    counts, out = [], []
+    for f, size in zip(frames, sizes, strict=True):
+        if size <= FRAME_BYTES:
+            counts.append(1)
+            out.append(f)
+            continue
+        view = memoryview(f.buffer if isinstance(f, zmq.Frame) else f).cast("B")
+        pieces = [view[i : i + FRAME_BYTES] for i in range(0, size, FRAME_BYTES)]
+        counts.append(len(pieces))
+        out.extend(pieces)
+    return [_CHUNKED + msgpack.packb(counts), *out]
+
+
+def _join(frames: list[Any]) -> list[Any]:
+    """Undo :func:`_cut`: raises WireError if the marker does not match the frames."""
+    try:
+        counts = msgpack.unpackb(frames[0].bytes[1:])
+    except Exception as e:
+        raise wire.WireError(f"malformed frame marker: {type(e).__name__}") from e
+    if (
+        not isinstance(counts, list)
+        or not all(isinstance(c, int) and c >= 1 for c in counts)
+        or sum(counts) != len(frames) - 1
+    ):
+        raise wire.WireError("frame marker does not match the frames")
+    out: list[Any] = []
+    i = 1
+    for c in counts:
+        out.append(frames[i] if c == 1 else b"".join(f.buffer for f in frames[i : i + c]))
+        i += c
+    return out
+
 
 _ctx: zmq.Context | None = None
 
@@ -64,10 +177,21 @@ class AsyncSocket:
     For ROUTER sockets the first frame is the peer identity.
     """
 
-    def __init__(self, sock: zmq.Socket, on_message: OnMessage, *, name: str = "") -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        on_message: OnMessage,
+        *,
+        name: str = "",
+        on_too_large: Callable[[list[Any], str], None] | None = None,
+    ) -> None:
         self.sock = sock
         self.name = name
         self._on_message = on_message
+        # Told of a message over max_message_bytes (its frames, joined, and why), instead of on_message.
+        self._on_too_large = on_too_large
+        self._skip = 1 if sock.type == zmq.ROUTER else 0  # the peer's identity frame
+        self._size_log = Throttle(log, "refused a message over max_message_bytes", REJECT_LOG_EVERY_S)
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._backlog: collections.deque[list[Any]] = collections.deque()
@@ -110,11 +234,30 @@ class AsyncSocket:
                 log.warning("recv failed", socket=self.name, error=str(e))
                 return
             try:
-                self._on_message(frames)
+                self._receive(frames)
             except Exception:
                 log.exception("message handler failed; message dropped", socket=self.name)
         # Budget spent: come back after other callbacks had their turn.
         self._schedule_drain()
+
+    def _receive(self, frames: list[Any]) -> None:
+        k = self._skip
+        size = 0
+        if len(frames) > k + 1:  # a message of one frame is small: FRAME_BYTES at most
+            size = message_bytes(frames[k:])
+        if len(frames) > k and len(frames[k]) and frames[k].buffer[0] == _CHUNKED[0]:
+            try:
+                frames = frames[:k] + _join(frames[k:])
+            except wire.WireError as e:
+                self._size_log(socket=self.name, why=str(e))
+                return
+        if size > _max_message_bytes:
+            why = too_large("the message", size, _max_message_bytes)
+            self._size_log(socket=self.name, why=why)
+            if self._on_too_large is not None:
+                self._on_too_large(frames, why)
+            return
+        self._on_message(frames)
 
     # --- sending -------------------------------------------------------------------------------
 
@@ -122,8 +265,12 @@ class AsyncSocket:
         """Send one multipart message now, or queue it behind earlier ones at the high-water mark."""
         if self.closed:
             raise ConnectionError(f"socket {self.name} is closed")
+        if self._skip:
+            frames = [frames[0], *_cut(frames[1:])]
+        else:
+            frames = _cut(frames)
         if self._backlog:
-            self._backlog.append(list(frames))
+            self._backlog.append(frames)
             return
         self._send_now(frames)
 
@@ -205,15 +352,35 @@ class Outbox:
         if self._asock.closed:
             return
         for to, envelopes in pending.items():
-            for i in range(0, len(envelopes), wire.MAX_ENVELOPES_PER_MESSAGE):
-                msg = wire.join_batch(envelopes[i : i + wire.MAX_ENVELOPES_PER_MESSAGE])
+            for batch in _batches(envelopes):
+                msg = wire.join_batch(batch)
                 self._asock.send([to, *msg] if self._routed else msg)
+
+
+def _batches(envelopes: list[list[Any]]) -> list[list[list[Any]]]:
+    """Envelopes in messages of at most MAX_ENVELOPES_PER_MESSAGE and, where an envelope is large,
+    of at most max_message_bytes together (each envelope alone was checked by its sender)."""
+    out: list[list[list[Any]]] = []
+    batch: list[list[Any]] = []
+    size = 0
+    for env in envelopes:
+        n = message_bytes(env)
+        if batch and (len(batch) == wire.MAX_ENVELOPES_PER_MESSAGE or size + n > _max_message_bytes):
+            out.append(batch)
+            batch, size = [], 0
+        batch.append(env)
+        size += n
+    if batch:
+        out.append(batch)
+    return out
 
 
 def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.LINGER, 0)
+    # Before authentication a peer can make us hold one frame: keep that small (see FRAME_BYTES).
+    sock.setsockopt(zmq.MAXMSGSIZE, _MAXMSGSIZE)
     # ZMTP heartbeats are answered by ZeroMQ's I/O thread, so a busy event loop still answers them;
     # a peer that stays silent is disconnected, which the caller turns into failed calls.
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -232,7 +399,12 @@ def monitor(asock: AsyncSocket, events: int, on_event: Callable[[int, str], None
 
 
 def bind_router(
-    address: str, on_message: OnMessage, security: Security | None, *, name: str
+    address: str,
+    on_message: OnMessage,
+    security: Security | None,
+    *,
+    name: str,
+    on_too_large: Callable[[list[Any], str], None] | None = None,
 ) -> tuple[AsyncSocket, str]:
     """Bind a ROUTER socket; returns it and the concrete address (with the chosen port)."""
     sock = context().socket(zmq.ROUTER)
@@ -244,7 +416,7 @@ def bind_router(
         address = address[:-2] + ":*"
     sock.bind(address)
     concrete = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    asock = AsyncSocket(sock, on_message, name=name)
+    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large)
     if security is not None:
         _log_rejections(asock)
     return asock, concrete
@@ -275,6 +447,7 @@ def connect_dealer(
     *,
     name: str,
     on_link: Callable[[bool], None] | None = None,
+    on_too_large: Callable[[list[Any], str], None] | None = None,
 ) -> AsyncSocket:
     """Connect a DEALER socket to a ROUTER at ``address``.
 
@@ -288,7 +461,7 @@ def connect_dealer(
     sock.setsockopt(zmq.CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if security is not None:
         security.apply_client(sock)
-    asock = AsyncSocket(sock, on_message, name=name)
+    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large)
     if on_link is not None:
         monitor(
             asock,

@@ -57,7 +57,27 @@ class Prober(rlactors.Actor):
 
         client = SGLangClient(urls, ClientConfig(), version=version)
         try:
-            res = await client.agenerate(GenRequest([5, 6, 7], {"max_new_tokens": 8, "ignore_eos": True}, rid="p"))
+            res = await client.agenerate(
+                GenRequest([5, 6, 7], {"max_new_tokens": 8, "ignore_eos": True}, rid="p")
+            )
         finally:
             await client.aclose()
         return {"ids": res.output_ids, "versions": res.output_versions}
+
+
+class Blob(rlactors.Actor):
+    """Sends and receives payloads of a chosen size (the message-size bound)."""
+
+    async def make(self, n: int) -> bytes:
+        return b"x" * n
+
+    async def size_of(self, data: object) -> int:
+        return len(memoryview(data).cast("B"))  # type: ignore[arg-type]
+
+    async def echo(self, data: object) -> object:
+        return data
+
+    async def bound(self) -> int:
+        from rlactors.transport import max_message_bytes
+
+        return max_message_bytes()
