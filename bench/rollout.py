@@ -135,8 +135,7 @@ async def ours(
     B, K, eta, C = a.batch, a.n_samples, a.eta, a.concurrency
     prompts = {"kind": "arithmetic", "n": a.prompts, "epochs": None, "shuffle": True}
     reward = RewardConfig(fn="cpu_reward:burn_reward") if a.reward_us else RewardConfig()
-    wf = WorkflowSpec(reward=reward, config=RLVRConfig(n_samples=K, sampling_params={
-        "max_new_tokens": a.max_new_tokens, "temperature": 1.0}))  # fmt: skip
+    wf = WorkflowSpec(reward=reward, config=RLVRConfig(n_samples=K, max_new_tokens=a.max_new_tokens))
     per_actor = -(-C // n_actors)
     cfg = RolloutConfig(
         n_actors=n_actors,
@@ -146,7 +145,7 @@ async def ours(
     )
     async with rlactors.init() as cluster, aiohttp.ClientSession() as http:
         gov = await cluster.spawn(GovernorActor, GovernorConfig(B, eta, C), name="governor")
-        buf = await cluster.spawn(BufferActor, gov, max_staleness=eta, name="buffer")
+        buf = await cluster.spawn(BufferActor, gov, BufferConfig(max_staleness=eta), name="buffer")
         rollouts = []
         for i in range(n_actors):
             mine = urls[i::n_actors] if a.shard_servers and len(urls) >= n_actors else urls

@@ -84,7 +84,7 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
     from nodes.trainer.fsdp import FSDPTrainer
     from nodes.trainer.gather import ParamGatherer
     from nodes.trainer.weights import PushConfig, WeightPusher
-    from tests.helpers.synthetic import grpo_advantages, synthetic_batch
+    from tests.helpers.synthetic import synthetic_batch, with_advantages
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
@@ -93,9 +93,9 @@ def rank_main(model: str, url: str, out: str, push_reps: int, train: bool) -> No
     result: dict = {}
     if train:
         batch = synthetic_batch(4, 2, seed=0, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
-        trainer.train_step(batch, grpo_advantages(batch))  # warm-up
+        trainer.train_step(with_advantages(batch))  # warm-up
         batch = synthetic_batch(4, 2, seed=1, vocab=32000, prompt_len=(60, 80), gen_len=(40, 120))
-        stats = trainer.train_step(batch, grpo_advantages(batch))
+        stats = trainer.train_step(with_advantages(batch))
         result["train"] = {k: stats[k] for k in ("tokens_per_s", "n_tokens", "step_time_s", "prox_time_s")}
 
     bucket = int(os.environ.get("RLACTORS_BENCH_BUCKET_MIB", "1024")) << 20

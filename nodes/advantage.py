@@ -1,7 +1,9 @@
-"""Advantage estimators: shaped rewards of each group in, one advantage per sequence out.
+"""From rewards to advantages, on the driver between the batch and the trainer step: reward
+shaping (:func:`shape_rewards`, ``[advantage.shaping]``), then an estimator over each group's shaped
+rewards, one advantage per sequence out (GRPO puts one scalar on every token of a sequence).
 
-The recipe computes advantages on the driver, between the batch and the trainer step (GRPO puts
-one scalar on every token of a sequence). The estimator is named by import path in
+The trajectories keep the reward the reward function gave (what evaluation and the metrics
+report); shaping only changes what the estimator sees. The estimator is named by import path in
 ``[advantage] fn``; three ship here:
 
 - :func:`grpo`: subtract the group mean, divide by the group std (GRPO, AReaL's default);
@@ -16,27 +18,59 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nodes.plugins import resolve
 from protocols.codec import register
+from rlactors.tomlconf import above, check_ranges, import_path
 
-__all__ = ["AdvantageConfig", "batch_advantages", "batch_normalize", "dr_grpo", "grpo", "leave_one_out"]
+__all__ = [
+    "AdvantageConfig",
+    "ShapingConfig",
+    "batch_advantages",
+    "batch_normalize",
+    "dr_grpo",
+    "grpo",
+    "leave_one_out",
+    "shape_rewards",
+]
 
 Groups = Sequence[Sequence[float]]
 
 
 @register
 @dataclass
-class AdvantageConfig:
-    fn: str = "nodes.advantage:grpo"  # grpo | dr_grpo | leave_one_out, or your own by import path
-    batch_norm: bool = False  # then normalise over all loss tokens of the batch
-    eps: float = 1e-5  # added to a std before dividing by it
+class ShapingConfig:
+    """Reward shaping before the estimator: ``clip((r + bias) * scale, -clip, clip)``."""
+
+    bias: float = -0.5  # AReaL's GSM8K values: a 1/0 reward becomes +5/-5
+    scale: float = 10.0
+    clip: float = field(default=20.0, metadata=above(0))
 
     def __post_init__(self) -> None:
-        if not self.eps > 0:
-            raise ValueError(f"'eps' must be > 0, got {self.eps!r}")
+        check_ranges(self)
+
+
+@register
+@dataclass
+class AdvantageConfig:
+    fn: str = field(
+        default="nodes.advantage:grpo", metadata=import_path()
+    )  # grpo | dr_grpo | leave_one_out, or yours
+    batch_norm: bool = False  # then normalise over all loss tokens of the batch
+    eps: float = field(default=1e-5, metadata=above(0))  # added to a std before dividing by it
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)  # [advantage.shaping]
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+def shape_rewards(batch: Any, cfg: ShapingConfig) -> list[list[float]]:
+    """Each group's rewards, shaped as ``cfg`` says (the estimator's input)."""
+    return [
+        [min(max((r + cfg.bias) * cfg.scale, -cfg.clip), cfg.clip) for r in g.rewards] for g in batch.groups
+    ]
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -85,5 +119,5 @@ def batch_advantages(batch: Any, rewards: Groups, cfg: AdvantageConfig) -> list[
         raise ValueError(f"advantage.fn={cfg.fn!r} returned groups of other sizes than the batch's")
     flat = [float(a) for g in per_group for a in g]
     if cfg.batch_norm:
-        flat = batch_normalize(flat, [max(0, sum(t.loss_mask[1:])) for t in batch.trajectories], cfg.eps)
+        flat = batch_normalize(flat, [t.loss_tokens for t in batch.trajectories], cfg.eps)
     return flat

@@ -25,18 +25,21 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import heapq
 import itertools
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import structlog
 
 import rlactors
+from protocols.codec import register
 from protocols.rl import Batch, TrajectoryGroup
 from rlactors.aio import wait_for
+from rlactors.tomlconf import at_least, check_ranges
 
 __all__ = ["BufferActor", "BufferConfig", "GovernorLink", "TrajectoryBuffer"]
 
@@ -51,21 +54,23 @@ class GovernorLink(Protocol):
     def discard(self, k: int) -> Any: ...
 
 
+@register
 @dataclass
 class BufferConfig:
-    """How the buffer orders groups and what it does with stale ones and dead holders' episodes."""
+    """How the buffer orders groups and what it does with stale ones and dead holders' episodes
+    (``[buffer]``)."""
 
-    max_staleness: int | None = None
-    order: Literal["admission", "arrival"] = "admission"
-    on_holder_death: Literal["requeue", "report"] = "requeue"
+    # groups older than this at the batch are dropped; None: the governor's bound (BufferActor)
+    max_staleness: int | None = field(default=None, metadata=at_least(0))
+    order: Literal["admission", "arrival"] = "admission"  # oldest admission first, or first come
+    on_holder_death: Literal["requeue", "report"] = "requeue"  # re-run a dead actor's episodes, or list them
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         if self.order not in ("admission", "arrival"):
-            raise ValueError(f"BufferConfig.order must be 'admission' or 'arrival', got {self.order!r}")
+            raise ValueError(f"'order' must be 'admission' or 'arrival', got {self.order!r}")
         if self.on_holder_death not in ("requeue", "report"):
-            raise ValueError(
-                f"BufferConfig.on_holder_death must be 'requeue' or 'report', got {self.on_holder_death!r}"
-            )
+            raise ValueError(f"'on_holder_death' must be 'requeue' or 'report', got {self.on_holder_death!r}")
 
 
 @dataclass
@@ -422,15 +427,9 @@ class BufferActor(TrajectoryBuffer, rlactors.Actor, sync_methods="loop"):
     """
 
     def __init__(
-        self,
-        governor: Any = None,
-        max_staleness: int | None = None,
-        order: str = "admission",
-        on_holder_death: str = "requeue",
-        done_ids: Sequence[str] = (),
+        self, governor: Any = None, config: BufferConfig | None = None, done_ids: Sequence[str] = ()
     ) -> None:
-        config = BufferConfig(max_staleness, order, on_holder_death)  # type: ignore[arg-type]
-        super().__init__(config, done_ids=done_ids)
+        super().__init__(dataclasses.replace(config) if config else BufferConfig(), done_ids=done_ids)
         self._governor_ref = governor
 
     async def on_start(self) -> None:

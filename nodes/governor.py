@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -34,6 +34,7 @@ import structlog
 import rlactors
 from protocols.codec import register
 from rlactors.aio import wait_for
+from rlactors.tomlconf import at_least, check_ranges
 
 __all__ = ["GovernorActor", "GovernorConfig", "Grant", "StalenessGovernor"]
 
@@ -45,14 +46,14 @@ log = structlog.get_logger(__name__)
 class GovernorConfig:
     """Admission limits (the recipe's ``[async]`` table)."""
 
-    batch_size: int = 4  # groups (episodes) per training step
-    max_staleness: int = 2  # eta: no trained token older than this many versions; 0 = synchronous
-    max_concurrent: int = 32  # episodes running at once, all rollout actors together
+    batch_size: int = field(default=4, metadata=at_least(1))  # groups (episodes) per training step
+    # eta: no trained token older than this many versions; 0 = synchronous
+    max_staleness: int = field(default=2, metadata=at_least(0))
+    # episodes running at once, all rollout actors together
+    max_concurrent: int = field(default=32, metadata=at_least(1))
 
     def __post_init__(self) -> None:
-        for key, lo in (("batch_size", 1), ("max_staleness", 0), ("max_concurrent", 1)):
-            if getattr(self, key) < lo:
-                raise ValueError(f"'{key}' must be >= {lo}, got {getattr(self, key)!r}")
+        check_ranges(self)
 
 
 @register

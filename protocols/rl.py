@@ -9,6 +9,8 @@ Conventions (shared with nodes/trainer):
 - ``loss_mask`` is 1 on tokens the policy generated and the trainer learns from, else 0.
 - ``logprobs`` are the behaviour policy's log-probs, 0.0 where ``loss_mask`` is 0.
 - ``versions`` is the policy version that produced each token, -1 where ``loss_mask`` is 0.
+- ``temperature`` is what the tokens were sampled at: the trainer's log-probs use the same.
+- ``Batch.advantages`` holds one advantage per trajectory, set on the driver before training.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Trajectory:
     group_id: str
     prompt_len: int
     meta: dict[str, Any] = field(default_factory=dict)
+    temperature: float = 1.0  # sampling temperature (0 = greedy, scored at 1)
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +51,12 @@ class Trajectory:
     def num_generated(self) -> int:
         """Tokens the loss is computed on."""
         return sum(self.loss_mask)
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens the loss is computed on: generated tokens with a token before them to predict
+        them from (the first token of a sequence has none)."""
+        return sum(self.loss_mask[1:])
 
     @property
     def oldest_version(self) -> int:
@@ -125,10 +134,12 @@ class TrajectoryGroup:
 @register
 @dataclass
 class Batch:
-    """What the trainer consumes in one step: whole groups, and the version it trains at."""
+    """What the trainer consumes in one step: whole groups, the version it trains at, and (once
+    the driver has computed them) one advantage per trajectory, in ``trajectories`` order."""
 
     groups: list[TrajectoryGroup]
     version: int
+    advantages: list[float] = field(default_factory=list)
 
     @property
     def trajectories(self) -> list[Trajectory]:

@@ -4,25 +4,99 @@ Errors name the bad key and the file, and suggest the closest valid key for typo
 
     cluster.toml: unknown key 'nodes[1].hots' (did you mean 'host'?)
     recipe.toml: 'trainer.lr' must be a float, got 'fast'
+    command line: 'run.steps' must be >= 1, got 0
+
+Ranges are declared once, on the field (``field(default=1, metadata=at_least(1))``), and checked by
+:func:`check_ranges`, which a config class calls in its ``__post_init__``: the same check and
+wording whether the object comes from TOML, msgpack or Python.
+
+A nested table whose field has a default starts from that default's values (the parent's choice),
+not from the nested class's own defaults: only the keys the file gives change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import tomllib
 import types
-import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_toml", "to_dict"]
+__all__ = [
+    "ConfigError",
+    "above",
+    "at_least",
+    "check_ranges",
+    "from_dict",
+    "import_path",
+    "load_toml",
+    "within",
+]
 
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A configuration file or override that does not match its schema."""
+
+
+Check = tuple[Callable[[Any], bool], str]
+
+
+def at_least(lo: float) -> dict[str, Check]:
+    """Field metadata: the value must be ``>= lo`` (None, for an optional field, is allowed)."""
+    return {"check": (lambda v: v >= lo, f">= {lo}")}
+
+
+def above(lo: float) -> dict[str, Check]:
+    """Field metadata: the value must be ``> lo``."""
+    return {"check": (lambda v: v > lo, f"> {lo}")}
+
+
+def within(lo: float, hi: float, *, open_: bool = False) -> dict[str, Check]:
+    """Field metadata: ``lo <= value <= hi`` (``lo < value < hi`` with ``open_``)."""
+    if open_:
+        return {"check": (lambda v: lo < v < hi, f"in ({lo}, {hi})")}
+    return {"check": (lambda v: lo <= v <= hi, f"in [{lo}, {hi}]")}
+
+
+def import_path() -> dict[str, Check]:
+    """Field metadata: the value must look like ``module:name`` (resolved where it is used)."""
+    return {"check": (lambda v: ":" in v, "an import path 'module:name'")}
+
+
+def check_ranges(obj: Any) -> None:
+    """Raise ``ValueError("'key' must be >= 1, got 0")`` for the first field of dataclass ``obj``
+    outside the range its metadata declares, or not one of its ``Literal`` type's values; None
+    passes a range (an unset optional)."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        check = f.metadata.get("check")
+        if check is not None and value is not None and not check[0](value):
+            raise ValueError(f"'{f.name}' must be {check[1]}, got {value!r}")
+        allowed = _literal_values(hints.get(f.name))
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"'{f.name}' must be {' or '.join(map(repr, allowed))}, got {value!r}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _literal_values(tp: Any) -> tuple[Any, ...] | None:
+    """The values a ``Literal[...]`` (or ``Literal[...] | None``) type allows; None for other types."""
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    if get_origin(tp) in (Union, types.UnionType):
+        parts = [_literal_values(a) for a in get_args(tp) if a is not type(None)]
+        if len(parts) == 1 and parts[0] is not None:
+            return (*parts[0], None) if type(None) in get_args(tp) else parts[0]
+    return None
 
 
 def _type_name(tp: Any) -> str:
@@ -42,7 +116,7 @@ def _type_name(tp: Any) -> str:
     )
 
 
-def _convert(value: Any, tp: Any, path: str, source: str) -> Any:
+def _convert(value: Any, tp: Any, path: str, source: str, base: Any = None) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -76,7 +150,7 @@ def _convert(value: Any, tp: Any, path: str, source: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: '{path}' must be a table, got {value!r}")
-        return from_dict(tp, value, source=source, prefix=path)  # type: ignore[arg-type]
+        return from_dict(tp, value, source=source, prefix=path, base=base)  # type: ignore[arg-type]
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{source}: '{path}' must be a float, got {value!r}")
@@ -92,8 +166,22 @@ def _convert(value: Any, tp: Any, path: str, source: str) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "<config>", prefix: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``, refusing unknown keys, wrong types and missing fields."""
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def from_dict(
+    cls: type[T], data: dict[str, Any], *, source: str = "<config>", prefix: str = "", base: Any = None
+) -> T:
+    """Build dataclass ``cls`` from ``data``, refusing unknown keys, wrong types and missing fields.
+
+    Keys ``data`` leaves out take ``base``'s values when it is given (an instance of ``cls``), else
+    the fields' defaults; a nested table starts from its field's value in ``base`` or its default.
+    A field whose metadata has ``settings_of = (sibling, resolve)`` holds the settings object of the
+    class the sibling field names: ``resolve(sibling value)`` gives that class (a dataclass) and the
+    table is built as it."""
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
@@ -105,8 +193,22 @@ def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "<config>", p
                 f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(fields))})"
             )
             raise ConfigError(f"{source}: unknown key '{path}'{hint}")
-        kwargs[key] = _convert(value, hints[key], path, source)
+        inner = getattr(base, key) if base is not None else _default(fields[key])
+        if "settings_of" in fields[key].metadata:
+            tp = _settings_class(fields, key, data, base, source, path)
+            kwargs[key] = _convert(value, tp, path, source, _as_settings(inner, tp))
+            continue
+        if not dataclasses.is_dataclass(hints[key]) or not isinstance(inner, hints[key]):
+            inner = None
+        kwargs[key] = _convert(value, hints[key], path, source, inner)
     for name, f in fields.items():
+        if name not in kwargs and base is not None:
+            kwargs[name] = getattr(base, name)
+        if "settings_of" in f.metadata and name not in data:  # its class may have changed
+            path = f"{prefix}.{name}" if prefix else name
+            current = kwargs[name] if name in kwargs else _default(f)
+            tp = _settings_class(fields, name, data, base, source, path)
+            kwargs[name] = _as_settings(current, tp) or tp()
         if (
             name not in kwargs
             and f.default is dataclasses.MISSING
@@ -128,6 +230,29 @@ def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "<config>", p
         raise ConfigError(f"{source}{' [' + prefix + ']' if prefix else ''}: {e}") from e
 
 
+def _settings_class(
+    fields: dict[str, dataclasses.Field], key: str, data: dict[str, Any], base: Any, source: str, path: str
+) -> Any:
+    sibling, resolve = fields[key].metadata["settings_of"]
+    named = data.get(sibling, getattr(base, sibling) if base is not None else _default(fields[sibling]))
+    try:
+        return resolve(named)
+    except (ValueError, TypeError, AttributeError, ImportError) as e:
+        raise ConfigError(f"{source}: '{path}': {e}") from None
+
+
+def _as_settings(current: Any, tp: Any) -> Any:
+    """``current`` as a ``tp`` when ``tp`` is its class or a subclass (a workflow that extends
+    another keeps the settings given so far), else None (start from ``tp``'s defaults)."""
+    if current is None or isinstance(current, type) or not dataclasses.is_dataclass(current):
+        return None
+    if type(current) is tp:
+        return current
+    if isinstance(tp, type) and issubclass(tp, type(current)):
+        return tp(**{f.name: getattr(current, f.name) for f in dataclasses.fields(current) if f.init})
+    return None
+
+
 def _parse_scalar(text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -135,7 +260,7 @@ def _parse_scalar(text: str) -> Any:
         return text  # bare strings need no quotes on the command line
 
 
-def apply_overrides(
+def _apply_overrides(
     data: dict[str, Any], overrides: list[str], *, source: str = "command line"
 ) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides (values parsed as TOML, else taken as strings)."""
@@ -184,7 +309,7 @@ def load_toml(
         if old in data:
             data[new] = data.pop(old)
     if overrides:
-        apply_overrides(data, overrides)
+        _apply_overrides(data, overrides)
         source = f"{source} (with overrides)"
     try:
         return from_dict(cls, data, source=source)
@@ -198,8 +323,3 @@ def load_toml(
         for old, new in renames.items():
             msg = msg.replace(f"'{new}.", f"'{old}.").replace(f"'{new}'", f"'{old}'")
         raise ConfigError(msg) from None
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    """A dataclass config as plain data (for logging the effective config)."""
-    return typing.cast(dict[str, Any], dataclasses.asdict(obj))

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import structlog
@@ -36,7 +36,7 @@ class ReferenceServerConfig:
     """Arguments for ``python -m nodes.inference.server``."""
 
     model_path: str = ""
-    backend: str = "sim"
+    backend: Literal["hf", "sim"] = "sim"
     max_running_requests: int = 64
     cache_tokens: int = 65536
     dtype: str = "auto"
@@ -94,6 +94,7 @@ class SGLangServerConfig:
     dtype: str = "auto"
     random_seed: int | None = None
     context_length: int | None = None
+    max_running_requests: int | None = None  # --max-running-requests (None: SGLang's own)
     extra_args: list[str] = field(default_factory=list)
 
     def command(self, host: str, port: int) -> list[str]:
@@ -121,6 +122,8 @@ class SGLangServerConfig:
             cmd += ["--random-seed", str(self.random_seed)]
         if self.context_length is not None:
             cmd += ["--context-length", str(self.context_length)]
+        if self.max_running_requests is not None:
+            cmd += ["--max-running-requests", str(self.max_running_requests)]
         if cpu:  # without --sleep-on-idle the idle scheduler busy-polls a core
             cmd += ["--device", "cpu", "--disable-overlap-schedule", "--sleep-on-idle"]
         return cmd + list(self.extra_args)

@@ -29,7 +29,7 @@ import structlog
 import rlactors
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
-from nodes.rollout.prompts import prompt_source
+from nodes.rollout.prompts import PromptSpec, prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
@@ -339,7 +339,7 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         servers: list[str],
         governor: Any,
         buffer: Any,
-        prompts: dict[str, Any],
+        prompts: PromptSpec | dict[str, Any],
         workflow: WorkflowSpec,
         config: RolloutConfig | None = None,
         shard: int = 0,

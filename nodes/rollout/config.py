@@ -1,6 +1,7 @@
 """The rollout plane's configuration: how many rollout actors, how many episodes each runs at once,
-what an episode is (the workflow, by import path, with its own settings), and how the actors'
-SGLang client times out, retries and pools connections (``[rollout.client]``).
+what an episode is (the workflow, by import path, with its own settings: ``[rollout.workflow_args]``
+is the workflow's ``config_class``, samples per prompt and sampling temperature included), and how
+the actors' SGLang client times out, retries and pools connections (``[rollout.client]``).
 
 Torch-free and registered with the codec: the recipe's ``[rollout]`` table is this class, and the
 same object travels to every rollout actor.
@@ -11,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nodes.plugins import resolve
 from protocols.codec import register
+from rlactors.tomlconf import above, at_least, check_ranges, import_path
 
-__all__ = ["ClientConfig", "RolloutConfig"]
+__all__ = ["ClientConfig", "RolloutConfig", "workflow_settings"]
 
 
 @register
@@ -21,53 +24,69 @@ __all__ = ["ClientConfig", "RolloutConfig"]
 class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
 
-    request_timeout_s: float = 3600.0  # one /generate; a hung server is detected by this
+    # one /generate; a hung server is detected by this
+    request_timeout_s: float = field(default=3600.0, metadata=above(0))
     # the TCP connect alone. It is a timer on the client's loop, so a loop turn longer than it fails
     # connects that had completed: rollout actors at 10k requests in flight on 2 busy cores had turns
     # of up to 4.9 s (stats loop_lag_max_s) and retried ~130 connects at 5 s (bench/RESULTS.md).
-    connect_timeout_s: float = 30.0
-    max_retries: int = 3  # per server per post, on transport errors and 5xx
-    backoff_base_s: float = 0.05
-    backoff_max_s: float = 2.0
-    down_cooldown_s: float = 10.0  # a failed server is skipped this long before being tried again
-    max_connections_per_server: int = 1024  # keep-alive connections; more requests queue for one
-    pause_timeout_s: float = 3600.0  # a resumed request waits at most this long for resume()
-    max_idle_aborts: int = 64  # consecutive aborts that returned no tokens before giving up
-    sticky_entries: int = 65536  # rid -> server entries kept (LRU) for multi-turn episodes
+    connect_timeout_s: float = field(default=30.0, metadata=above(0))
+    max_retries: int = field(
+        default=3, metadata=at_least(0)
+    )  # per server per post, on transport errors and 5xx
+    backoff_base_s: float = field(default=0.05, metadata=at_least(0))
+    backoff_max_s: float = field(default=2.0, metadata=at_least(0))
+    # a failed server is skipped this long before being tried again
+    down_cooldown_s: float = field(default=10.0, metadata=at_least(0))
+    # keep-alive connections; more requests queue for one
+    max_connections_per_server: int = field(default=1024, metadata=at_least(1))
+    # a resumed request waits at most this long for resume()
+    pause_timeout_s: float = field(default=3600.0, metadata=above(0))
+    # consecutive aborts that returned no tokens before giving up
+    max_idle_aborts: int = field(default=64, metadata=at_least(1))
+    # rid -> server entries kept (LRU) for multi-turn episodes
+    sticky_entries: int = field(default=65536, metadata=at_least(1))
 
     def __post_init__(self) -> None:
-        for key in ("request_timeout_s", "connect_timeout_s", "pause_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"'{key}' must be > 0, got {getattr(self, key)!r}")
-        for key, lo in (("max_retries", 0), ("backoff_base_s", 0), ("backoff_max_s", 0), ("down_cooldown_s", 0),
-                        ("max_connections_per_server", 1), ("max_idle_aborts", 1), ("sticky_entries", 1)):  # fmt: skip
-            if getattr(self, key) < lo:
-                raise ValueError(f"'{key}' must be >= {lo}, got {getattr(self, key)!r}")
+        check_ranges(self)
+
+
+def workflow_settings(path: str) -> type:
+    """The settings class (``config_class``) of the workflow class at import path ``path``."""
+    cls = resolve(path, "rollout.workflow")
+    settings = getattr(cls, "config_class", None)
+    if not isinstance(settings, type):
+        raise ValueError(
+            f"workflow {path!r} has no config_class (the dataclass of its settings; see "
+            "nodes/rollout/workflows.py)"
+        )
+    return settings
+
+
+def _default_settings() -> Any:
+    from nodes.rollout.workflows import RLVRConfig
+
+    return RLVRConfig()
 
 
 @register
 @dataclass
 class RolloutConfig:
-    n_actors: int = 1  # rollout actors (processes); each takes every n-th prompt
-    max_inflight: int = 64  # episodes one rollout actor runs at once
-    acquire_batch: int = 64  # grants asked for per governor call
-    acquire_timeout_s: float = 5.0  # a wait for capacity returns empty after this, to re-check pause/stop
-    put_retries: int = 3  # put is idempotent, so retrying a failed call is safe
-    n_samples: int = 8  # completions per prompt (one GRPO group)
-    max_new_tokens: int = 96  # truncated rambling scores 0
-    temperature: float = 1.0  # sampling temperature; the loss uses the same
+    n_actors: int = field(
+        default=1, metadata=at_least(1)
+    )  # rollout actors (processes); each takes every n-th prompt
+    max_inflight: int = field(default=64, metadata=at_least(1))  # episodes one rollout actor runs at once
+    acquire_batch: int = field(default=64, metadata=at_least(1))  # grants asked for per governor call
+    # a wait for capacity returns empty after this, to re-check pause/stop
+    acquire_timeout_s: float = field(default=5.0, metadata=above(0))
+    put_retries: int = field(default=3, metadata=at_least(0))  # put is idempotent, so retrying is safe
     # the episode: a class with arun_episode(client, item, group_id) -> TrajectoryGroup
-    workflow: str = "nodes.rollout.workflows:RLVRWorkflow"  # or ...:MultiTurnWorkflow, or yours
-    # the workflow's own settings (fields of its config_class), e.g. {max_turns = 3} for MultiTurnWorkflow
-    workflow_args: dict[str, Any] = field(default_factory=dict)
+    workflow: str = field(default="nodes.rollout.workflows:RLVRWorkflow", metadata=import_path())
+    # the workflow's settings: an instance of its config_class, from [rollout.workflow_args]
+    # (RLVRWorkflow: n_samples, max_new_tokens, temperature, system_prompt, ...)
+    workflow_args: Any = field(
+        default_factory=_default_settings, metadata={"settings_of": ("workflow", workflow_settings)}
+    )
     client: ClientConfig = field(default_factory=ClientConfig)  # [rollout.client]
 
     def __post_init__(self) -> None:
-        for key, lo in (("n_actors", 1), ("max_inflight", 1), ("acquire_batch", 1), ("n_samples", 1),
-                        ("max_new_tokens", 1), ("put_retries", 0), ("temperature", 0)):  # fmt: skip
-            if getattr(self, key) < lo:
-                raise ValueError(f"'{key}' must be >= {lo}, got {getattr(self, key)!r}")
-        if not self.acquire_timeout_s > 0:
-            raise ValueError(f"'acquire_timeout_s' must be > 0, got {self.acquire_timeout_s!r}")
-        if ":" not in self.workflow:
-            raise ValueError(f"'workflow' must be an import path 'module:Class', got {self.workflow!r}")
+        check_ranges(self)

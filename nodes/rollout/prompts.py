@@ -1,4 +1,4 @@
-"""Prompt sources a rollout actor builds in its own process from a small, msgpack-able spec.
+"""Prompt sources a rollout actor builds in its own process from a :class:`PromptSpec`.
 
 Each source yields ``(group_id, item)``. Group ids are deterministic (``name/e<epoch>/<index>``)
 so that a restarted rollout actor that replays its source re-creates the same ids: it skips the
@@ -6,16 +6,17 @@ groups the buffer already accepted (``skip``), and the buffer's idempotent ``beg
 any replay that slips through (accepted after the actor asked) into no-ops.
 Sharding (``shard`` of ``num_shards``) splits one data set across rollout actors.
 
-Spec kinds:
-- ``{"kind": "items", "items": [...]}`` — inline items (dicts).
-- ``{"kind": "jsonl", "path": "..."}`` — one JSON object per line.
-- ``{"kind": "arithmetic", "n": 100, "seed": 0}`` — offline GSM8K-shaped toy problems
-  ("What is 17 + 25?", answer "42") for tests and benchmarks.
-- ``{"kind": "factory", "factory": "module:function", "kwargs": {...}}`` — any iterable of dicts
-  (e.g. a reasoning-gym data set).
-Common keys: ``name`` (default: the kind), ``epochs`` (default 1; None repeats forever),
+Kinds (``PromptSpec.kind``):
+- ``items`` — inline items (dicts), ``items``.
+- ``jsonl`` — one JSON object per line of the file at ``path``.
+- ``arithmetic`` — ``n`` offline GSM8K-shaped toy problems ("What is 17 + 25?", answer "42") from
+  ``seed``, for tests and benchmarks.
+- ``factory`` — any iterable of dicts returned by ``factory`` ("module:function") called with
+  ``kwargs`` (e.g. a reasoning-gym data set).
+Common settings: ``name`` (default: the kind), ``epochs`` (default 1; None repeats forever),
 ``start_epoch`` (default 0), ``shuffle`` (default false: each epoch in a fresh order drawn from
 ``seed``; the ids keep naming the item, so a replay re-creates the same ids in the same order).
+A plain dict with these keys is taken as a spec too.
 
 A run that checkpoints records what it trained with :func:`trained_position` and resumes with
 ``start_epoch`` = its ``done_epochs`` and the buffer told the ``trained`` ids (they are refused),
@@ -24,16 +25,37 @@ so every prompt is trained once per epoch across restarts.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import random
 import re
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["arithmetic_items", "prompt_source", "trained_position"]
+from nodes.plugins import resolve
+from protocols.codec import register
+
+__all__ = ["PromptSpec", "arithmetic_items", "prompt_source", "trained_position"]
+
+
+@register
+@dataclass
+class PromptSpec:
+    """What prompts a rollout actor iterates over, and in which order (see the module's docstring)."""
+
+    kind: Literal["items", "jsonl", "arithmetic", "factory"] = "items"
+    items: list[Any] = field(default_factory=list)  # kind = items
+    path: str = ""  # kind = jsonl
+    n: int = 100  # kind = arithmetic
+    factory: str = ""  # kind = factory: "module:function"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # kind = factory
+    name: str = ""  # group ids are name/e<epoch>/<index>; "" = the kind
+    epochs: int | None = 1  # None: repeat forever
+    start_epoch: int = 0
+    shuffle: bool = False
+    seed: int = 0
 
 
 def arithmetic_items(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -48,33 +70,31 @@ def arithmetic_items(n: int, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
-def _items(spec: Mapping[str, Any]) -> Iterable[Any]:
-    kind = spec.get("kind")
-    if kind == "items":
-        return list(spec["items"])
-    if kind == "jsonl":
-        lines = Path(spec["path"]).read_text().splitlines()
+def _items(spec: PromptSpec) -> Iterable[Any]:
+    if spec.kind == "items":
+        return list(spec.items)
+    if spec.kind == "jsonl":
+        lines = Path(spec.path).read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
-    if kind == "arithmetic":
-        return arithmetic_items(int(spec.get("n", 100)), int(spec.get("seed", 0)))
-    if kind == "factory":
-        module, _, fn = str(spec["factory"]).partition(":")
-        if not fn:
-            raise ValueError(f"prompt source factory must be 'module:function', got {spec['factory']!r}")
-        return list(getattr(importlib.import_module(module), fn)(**dict(spec.get("kwargs") or {})))
-    raise ValueError(f"unknown prompt source kind {kind!r}; use items, jsonl, arithmetic or factory")
+    if spec.kind == "arithmetic":
+        return arithmetic_items(spec.n, spec.seed)
+    if spec.kind == "factory":
+        return list(resolve(spec.factory, "prompt source factory")(**spec.kwargs))
+    raise ValueError(f"unknown prompt source kind {spec.kind!r}; use items, jsonl, arithmetic or factory")
 
 
 def prompt_source(
-    spec: Mapping[str, Any], shard: int = 0, num_shards: int = 1, skip: Collection[str] = ()
+    spec: PromptSpec | Mapping[str, Any], shard: int = 0, num_shards: int = 1, skip: Collection[str] = ()
 ) -> Iterator[tuple[str, Any]]:
     """Build the source described by ``spec``; yields ``(group_id, item)`` for this shard, leaving
     out the ids in ``skip`` (groups already accepted: a restarted actor must not ask for them one by
     one). Bad specs and empty shards raise here, not at the first ``next``."""
+    if not isinstance(spec, PromptSpec):
+        spec = PromptSpec(**spec)
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside [0, {num_shards})")
     items = list(_items(spec))
-    name = spec.get("name") or spec["kind"]
+    name = spec.name or spec.kind
     if len(items) <= shard:  # nothing to yield, ever: with epochs=None a consumer would spin
         raise ValueError(
             f"prompt source {name!r} has {len(items)} items: shard {shard} of {num_shards} is empty"
@@ -83,13 +103,13 @@ def prompt_source(
 
 
 def _iterate(
-    items: list[Any], name: str, spec: Mapping[str, Any], shard: int, num_shards: int, skip: frozenset[str]
+    items: list[Any], name: str, spec: PromptSpec, shard: int, num_shards: int, skip: frozenset[str]
 ) -> Iterator[tuple[str, Any]]:
-    epochs, start = spec.get("epochs", 1), int(spec.get("start_epoch", 0))
-    for epoch in itertools.count(start) if epochs is None else range(start, int(epochs)):
+    start = spec.start_epoch
+    for epoch in itertools.count(start) if spec.epochs is None else range(start, spec.epochs):
         order = list(range(len(items)))
-        if spec.get("shuffle"):
-            random.Random(f"prompts/{spec.get('seed', 0)}/{epoch}").shuffle(order)  # str seeds hash stably
+        if spec.shuffle:
+            random.Random(f"prompts/{spec.seed}/{epoch}").shuffle(order)  # str seeds hash stably
         for i in order[shard::num_shards]:
             if (gid := f"{name}/e{epoch}/{i}") not in skip:
                 yield gid, items[i]

@@ -8,9 +8,8 @@
 run in a worker thread (or a process pool) so a slow checker never stalls the rollout
 loop. A timeout or an exception scores 0 and is counted.
 
-:class:`RewardConfig` names the reward function by import path and holds its shaping: the
-trajectories keep the reward the function gave (what evaluation and the metrics report), and
-:func:`shape_rewards` turns it into what the advantage estimator sees.
+:class:`RewardConfig` names the reward function by import path (``[reward]``); shaping the reward
+for the advantage estimator is the driver's (nodes/advantage.py, ``[advantage.shaping]``).
 """
 
 from __future__ import annotations
@@ -22,14 +21,15 @@ import logging
 import multiprocessing
 import re
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import structlog
 
 from protocols.codec import register
 from rlactors.aio import wait_for
+from rlactors.tomlconf import above, check_ranges, import_path
 
 __all__ = [
     "RewardConfig",
@@ -38,7 +38,6 @@ __all__ = [
     "extract_answer",
     "final_number_reward",
     "gsm8k_reward",
-    "shape_rewards",
 ]
 
 log = structlog.get_logger(__name__)
@@ -49,26 +48,14 @@ RewardFn = Callable[[str, Any], "float | Awaitable[float]"]
 @register
 @dataclass
 class RewardConfig:
-    """The reward function and its shaping: ``clip((r + bias) * scale, -clip, clip)``."""
+    """The reward function, run by the rollout actors on every completion."""
 
-    fn: str = "nodes.rollout.reward:final_number_reward"  # fn(completion, item) -> float, sync or async
-    timeout_s: float = 10.0  # a call past this scores 0 (and is counted)
-    bias: float = -0.5  # AReaL's GSM8K values: a 1/0 reward becomes +5/-5
-    scale: float = 10.0
-    clip: float = 20.0
+    # fn(completion, item) -> float, sync or async
+    fn: str = field(default="nodes.rollout.reward:final_number_reward", metadata=import_path())
+    timeout_s: float = field(default=10.0, metadata=above(0))  # a call past this scores 0 (and is counted)
 
     def __post_init__(self) -> None:
-        if ":" not in self.fn:
-            raise ValueError(f"'fn' must be an import path 'module:function', got {self.fn!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"'timeout_s' must be > 0, got {self.timeout_s!r}")
-        if not self.clip > 0:
-            raise ValueError(f"'clip' must be > 0, got {self.clip!r}")
-
-
-def shape_rewards(rewards: Sequence[Sequence[float]], cfg: RewardConfig) -> list[list[float]]:
-    """Each group's rewards, shaped as ``cfg`` says (the advantage estimator's input)."""
-    return [[min(max((r + cfg.bias) * cfg.scale, -cfg.clip), cfg.clip) for r in g] for g in rewards]
+        check_ranges(self)
 
 
 _HASHES = re.compile(r"####\s*([^\n]+)")

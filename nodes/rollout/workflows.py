@@ -33,6 +33,7 @@ from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.reward import RewardConfig, RewardFn, RewardRunner
 from protocols.codec import register
 from protocols.rl import Trajectory, TrajectoryGroup
+from rlactors.tomlconf import at_least, check_ranges, within
 
 __all__ = [
     "ByteChatTokenizer",
@@ -108,21 +109,33 @@ def chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prom
 @register
 @dataclass
 class RLVRConfig:
-    """Single-turn RL with verifiable rewards."""
+    """Single-turn RL with verifiable rewards: ``n_samples`` completions of each prompt, sampled at
+    ``temperature`` (the trainer's log-probs use the temperature each trajectory records)."""
 
-    n_samples: int = 4
-    sampling_params: dict[str, Any] = field(
-        default_factory=lambda: {"max_new_tokens": 256, "temperature": 1.0}
-    )
+    n_samples: int = field(default=4, metadata=at_least(1))  # completions per prompt: one GRPO group
+    max_new_tokens: int = field(default=256, metadata=at_least(1))
+    temperature: float = field(default=1.0, metadata=at_least(0))  # 0 = greedy
+    # any other SGLang sampling parameter (top_p, stop, ...); not max_new_tokens or temperature
+    sampling_params: dict[str, Any] = field(default_factory=dict)
     prompt_key: str = "question"
     prompt_suffix: str = ""  # e.g. "\nPlease put your final answer within \\boxed{}."
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # None or "": no system message
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        if twice := sorted({"max_new_tokens", "temperature"} & set(self.sampling_params)):
+            raise ValueError(f"'sampling_params' must not set {twice}: they are settings of their own")
+
+    def request_params(self) -> dict[str, Any]:
+        """The SGLang sampling parameters of one request."""
+        return {**self.sampling_params, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
 
 
 class _Sample:
     """One growing sequence: ids with per-token mask, logprob and version, kept aligned."""
 
-    def __init__(self, prompt_ids: list[int]) -> None:
+    def __init__(self, prompt_ids: list[int], temperature: float) -> None:
+        self.temperature = temperature
         self.ids = list(prompt_ids)
         self.mask = [0] * len(prompt_ids)
         self.logprobs = [0.0] * len(prompt_ids)
@@ -147,7 +160,15 @@ class _Sample:
 
     def trajectory(self, reward: float, group_id: str, prompt_len: int) -> Trajectory:
         t = Trajectory(
-            self.ids, self.mask, self.logprobs, self.versions, reward, group_id, prompt_len, self.meta
+            self.ids,
+            self.mask,
+            self.logprobs,
+            self.versions,
+            reward,
+            group_id,
+            prompt_len,
+            self.meta,
+            self.temperature,
         )
         t.validate()
         return t
@@ -180,7 +201,7 @@ class RLVRWorkflow:
         attempt = new_attempt()
         results = await _all_or_none(
             client.agenerate(
-                GenRequest(prompt, dict(self.config.sampling_params), rid=sample_rid(gid, i, attempt))
+                GenRequest(prompt, self.config.request_params(), rid=sample_rid(gid, i, attempt))
             )
             for i in range(self.config.n_samples)
         )
@@ -188,7 +209,7 @@ class RLVRWorkflow:
         rewards = await asyncio.gather(*(self.reward(t, item) for t in texts))
         trajs = []
         for res, reward in zip(results, rewards, strict=True):
-            s = _Sample(prompt)
+            s = _Sample(prompt, self.config.temperature)
             s.add_output(res)
             s.meta["turns"] = 1
             trajs.append(s.trajectory(reward, gid, len(prompt)))
@@ -200,8 +221,8 @@ class RLVRWorkflow:
 class MultiTurnConfig(RLVRConfig):
     """Retry-until-correct: up to ``max_turns`` answers, reward ``r * turn_discount**turn``."""
 
-    max_turns: int = 3
-    turn_discount: float = 0.9
+    max_turns: int = field(default=3, metadata=at_least(1))
+    turn_discount: float = field(default=0.9, metadata=within(0, 1))
     feedback: str = "Your answer is incorrect. Please think again and put your final answer within \\boxed{}."
 
 
@@ -230,12 +251,12 @@ class MultiTurnWorkflow(RLVRWorkflow):
         c = self.config
         messages = self.prompt_messages(item)
         prompt = chat_ids(self.tokenizer, messages)
-        s = _Sample(prompt)
+        s = _Sample(prompt, c.temperature)
         reward = 0.0
         for turn in range(c.max_turns):
             # one rid for every turn: sticky routing sends the next turn to the server holding the prefix
             res = await client.agenerate(
-                GenRequest(s.ids, dict(c.sampling_params), rid=sample_rid(gid, i, attempt))
+                GenRequest(s.ids, c.request_params(), rid=sample_rid(gid, i, attempt))
             )
             s.add_output(res)
             text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)

@@ -12,14 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from protocols.codec import register
-from protocols.sglang import PAUSE_MODES
+from rlactors.tomlconf import above, at_least, check_ranges, import_path, within
 
 __all__ = ["LossConfig", "PushConfig", "TrainConfig"]
-
-
-def _require(ok: bool, key: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"'{key}' must be {allowed}, got {value!r}")
 
 
 @register
@@ -33,26 +28,16 @@ class LossConfig:
     table that says how it reduces over micro-batches and ranks. See :func:`decoupled_ppo_loss`.
     """
 
-    fn: str = "nodes.trainer.loss:decoupled_ppo_loss"
-    eps_clip: float = 0.4
-    eps_clip_higher: float | None = None  # asymmetric upper clip (DAPO's clip-higher)
-    c_clip: float | None = None  # dual clip for negative advantages; must be > 1
-    behav_imp_weight_cap: float | None = 5.0
-    # logits / T: must be the temperature the servers sampled with (the recipe sets it to
-    # rollout.temperature; setting another value there is an error)
-    temperature: float = 1.0
-    kl_coef: float = 0.0  # k3 KL to a reference model, added to the loss
+    fn: str = field(default="nodes.trainer.loss:decoupled_ppo_loss", metadata=import_path())
+    eps_clip: float = field(default=0.4, metadata=within(0, 1, open_=True))
+    # asymmetric upper clip (DAPO's clip-higher); unset: eps_clip
+    eps_clip_higher: float | None = field(default=None, metadata=above(0))
+    c_clip: float | None = field(default=None, metadata=above(1))  # dual clip for negative advantages
+    behav_imp_weight_cap: float | None = field(default=5.0, metadata=above(0))
+    kl_coef: float = field(default=0.0, metadata=at_least(0))  # k3 KL to a reference model, added to the loss
 
     def __post_init__(self) -> None:
-        _require(":" in self.fn, "fn", "an import path 'module:function'", self.fn)
-        _require(0 < self.eps_clip < 1, "eps_clip", "in (0, 1)", self.eps_clip)
-        high = self.eps_clip_higher
-        _require(high is None or high > 0, "eps_clip_higher", "> 0 or unset", high)
-        _require(self.c_clip is None or self.c_clip > 1, "c_clip", "> 1 or unset", self.c_clip)
-        cap = self.behav_imp_weight_cap
-        _require(cap is None or cap > 0, "behav_imp_weight_cap", "> 0 or unset", cap)
-        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _require(self.kl_coef >= 0, "kl_coef", ">= 0", self.kl_coef)
+        check_ranges(self)
 
 
 @register
@@ -64,7 +49,7 @@ class PushConfig:
     # per broadcast (distributed); AReaL's default. Rank 0 keeps up to two buckets between pushes.
     # Smaller buckets let the next gather overlap a broadcast, which needs idle cores or copy
     # engines: on 2 CPU cores 256 MiB buckets were 1.44x a raw broadcast, one bucket 1.36x.
-    bucket_bytes: int = 1 << 30
+    bucket_bytes: int = field(default=1 << 30, metadata=at_least(1))
     # one flat tensor per bucket: one collective per bucket instead of one per tensor (gloo: 0.2 s
     # vs 0.13 s for SmolLM2's 272 tensors). SGLang before flattened-bucket support: set False.
     flattened_bucket: bool = True
@@ -81,22 +66,12 @@ class PushConfig:
     master_address: str = "127.0.0.1"
     master_port: int = 0  # 0 -> a free port on this host
     disk_dir: str = ""  # where the disk path writes versions (the recipe: <run.out_dir>/weights)
-    keep_disk_versions: int = 2
-    http_timeout_s: float = 600.0
-    group_timeout_s: float = 600.0
+    keep_disk_versions: int = field(default=2, metadata=at_least(1))
+    http_timeout_s: float = field(default=600.0, metadata=above(0))
+    group_timeout_s: float = field(default=600.0, metadata=above(0))
 
     def __post_init__(self) -> None:
-        _require(self.method in ("distributed", "disk"), "method", "'distributed' or 'disk'", self.method)
-        modes = " or ".join(repr(m) for m in PAUSE_MODES)
-        pm = self.pause_mode
-        _require(pm is None or pm in PAUSE_MODES, "pause_mode", f"{modes} or unset", pm)
-        _require(
-            self.backend in ("auto", "gloo", "nccl"), "backend", "'auto', 'gloo' or 'nccl'", self.backend
-        )
-        _require(self.bucket_bytes >= 1, "bucket_bytes", ">= 1", self.bucket_bytes)
-        _require(self.keep_disk_versions >= 1, "keep_disk_versions", ">= 1", self.keep_disk_versions)
-        _require(self.http_timeout_s > 0, "http_timeout_s", "> 0", self.http_timeout_s)
-        _require(self.group_timeout_s > 0, "group_timeout_s", "> 0", self.group_timeout_s)
+        check_ranges(self)
 
 
 @register
@@ -108,24 +83,26 @@ class TrainConfig:
     ``[run]``; ``n_ranks`` and ``threads`` say how many rank actors it starts and how they run.
     """
 
-    n_ranks: int = 2  # trainer rank actors, one torch.distributed world
+    n_ranks: int = field(default=2, metadata=at_least(1))  # trainer rank actors, one torch.distributed world
     device: Literal["cpu", "cuda"] = "cpu"  # gloo or nccl
-    threads: int = 1  # torch threads per rank (CPU)
+    threads: int = field(default=1, metadata=at_least(1))  # torch threads per rank (CPU)
     model_path: str = ""
     ref_model_path: str | None = None  # the KL term's reference (loss.kl_coef > 0); None: model_path
     bf16: bool = False  # MixedPrecisionPolicy(param bf16, reduce fp32)
     activation_checkpointing: bool = False
-    lr: float = 2e-5
-    weight_decay: float = 0.01
+    lr: float = field(default=2e-5, metadata=at_least(0))
+    weight_decay: float = field(default=0.01, metadata=at_least(0))
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
-    warmup_steps: int = 0  # optimizer steps of linear warm-up from 0
+    warmup_steps: int = field(default=0, metadata=at_least(0))  # optimizer steps of linear warm-up from 0
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up
-    total_steps: int = 1000  # optimizer steps, for the decaying schedules
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0  # 0 = no clipping
-    max_tokens_per_mb: int = 2048  # tokens per micro-batch (memory); sequences are packed by FFD
-    n_minibatches: int = 1  # optimizer steps per train_step
+    # optimizer steps, for the decaying schedules (the recipe: run.steps x n_minibatches)
+    total_steps: int = field(default=1000, metadata=at_least(0))
+    min_lr_ratio: float = field(default=0.0, metadata=at_least(0))
+    grad_clip: float = field(default=1.0, metadata=at_least(0))  # 0 = no clipping
+    # tokens per micro-batch (memory); sequences are packed by FFD
+    max_tokens_per_mb: int = field(default=2048, metadata=at_least(1))
+    n_minibatches: int = field(default=1, metadata=at_least(1))  # optimizer steps per train_step
     pad_id: int = 0
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
@@ -133,12 +110,4 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # a list after msgpack or TOML
-        _require(self.device in ("cpu", "cuda"), "device", "'cpu' or 'cuda'", self.device)
-        sched = ("constant", "linear", "cosine")
-        _require(
-            self.lr_schedule in sched, "lr_schedule", "'constant' or 'linear' or 'cosine'", self.lr_schedule
-        )
-        for key, lo in (("n_ranks", 1), ("threads", 1), ("max_tokens_per_mb", 1), ("n_minibatches", 1)):
-            _require(getattr(self, key) >= lo, key, f">= {lo}", getattr(self, key))
-        for key in ("lr", "weight_decay", "warmup_steps", "grad_clip", "min_lr_ratio", "total_steps"):
-            _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
+        check_ranges(self)

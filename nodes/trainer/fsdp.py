@@ -134,7 +134,7 @@ class FSDPTrainer:
 
     @torch.no_grad()
     def _recompute(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        logp, _ = gather_logprobs_entropy(self._logits(model, mb), mb.labels, self.cfg.loss.temperature)
+        logp, _ = gather_logprobs_entropy(self._logits(model, mb), mb.labels, mb.temperature)
         return logp
 
     # ---- the step ----------------------------------------------------------------------------
@@ -156,17 +156,21 @@ class FSDPTrainer:
             out.append([[starts[groups[gi]] + s for gi, s in mb] for mb in p.ranks[self.rank]])
         return out
 
-    def train_step(self, batch: Any, advantages: list[float]) -> dict[str, float]:
-        """Recompute proximal log-probs, then one optimizer step per minibatch; return global stats.
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """Recompute proximal log-probs, then one optimizer step per minibatch; return global stats,
+        with ``version``: the policy version the weights are at after the step.
 
-        ``advantages`` has one value per trajectory of ``batch.trajectories`` (nodes/advantage.py),
-        put on each of its loss tokens.
+        ``batch.advantages`` has one value per trajectory of ``batch.trajectories``
+        (nodes/advantage.py), put on each of its loss tokens.
         """
         t0 = time.perf_counter()
         trajs = batch.trajectories
-        if len(advantages) != len(trajs):
-            raise ValueError(f"{len(advantages)} advantages for a batch of {len(trajs)} trajectories")
-        adv = [float(a) for a in advantages]
+        if len(batch.advantages) != len(trajs):
+            raise ValueError(
+                f"{len(batch.advantages)} advantages for a batch of {len(trajs)} trajectories "
+                "(set batch.advantages with nodes.advantage.batch_advantages)"
+            )
+        adv = [float(a) for a in batch.advantages]
         plan = self.plan(batch)
         mbs = [
             [build_microbatch(seqs, trajs, adv, self.cfg.pad_id).to(self.device) for seqs in mini]
@@ -187,9 +191,7 @@ class FSDPTrainer:
         mins: dict[str, torch.Tensor] = {}
         grad_norms = []
         for i, (groups, mini) in enumerate(zip(self.minibatches(batch), mbs, strict=True)):
-            global_loss_tokens = sum(
-                sum(t.loss_mask[1:]) for g in groups for t in batch.groups[g].trajectories
-            )
+            global_loss_tokens = sum(t.loss_tokens for g in groups for t in batch.groups[g].trajectories)
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for k, mb in enumerate(mini):
@@ -212,7 +214,7 @@ class FSDPTrainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optim_steps += 1
-        loss_tokens = sum(sum(t.loss_mask[1:]) for t in trajs)
+        loss_tokens = sum(t.loss_tokens for t in trajs)
         stats = self._reduce_stats(sums, maxes, mins, loss_tokens)
         stats.update(self._staleness(trajs))
         elapsed = time.perf_counter() - t0
@@ -227,10 +229,10 @@ class FSDPTrainer:
                 "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
                 "prox_time_s": t_prox,
                 "step_time_s": elapsed,
-                "version": float(self.version),
             }
         )
         self.version += 1
+        stats["version"] = self.version
         self.log.info(
             "train_step",
             version=self.version,
@@ -245,7 +247,7 @@ class FSDPTrainer:
         if mb.is_dummy:  # keep every rank in the collectives; contributes nothing
             zero = logits.sum() * 0.0
             return LossSums(loss_sum=zero, n_tokens=torch.zeros((), dtype=torch.long))
-        logp, entropy = gather_logprobs_entropy(logits, mb.labels, self.cfg.loss.temperature)
+        logp, entropy = gather_logprobs_entropy(logits, mb.labels, mb.temperature)
         return self.loss_fn(
             logp=logp,
             prox_logp=mb.prox_logp,

@@ -28,18 +28,25 @@ __all__ = ["LossConfig", "LossSums", "decoupled_ppo_loss", "gather_logprobs_entr
 
 
 def gather_logprobs_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each label under ``softmax(logits / T)`` and that distribution's entropy.
 
     The temperature must match the one the server sampled with, or the ratios are off-policy
     even for fresh samples. Greedy sampling (``T = 0``) reports ``T = 1`` log-probs, so 0 means 1
-    here. Computed in at least fp32.
+    here. ``temperature`` is a number or a tensor that broadcasts against ``logits`` (one per row:
+    ``[B, 1, 1]``). Computed in at least fp32.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not torch.is_tensor(temperature):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        temperature = temperature or 1.0
+    elif (temperature < 0).any():
+        raise ValueError(f"temperature must be >= 0, got {temperature.flatten().tolist()}")
+    else:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
-    logp_all = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

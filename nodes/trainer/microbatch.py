@@ -28,6 +28,7 @@ class MicroBatch:
     behave_logp: torch.Tensor  # [B, L-1] float32
     advantages: torch.Tensor  # [B, L-1] float32
     n_tokens: int  # real (unpadded) tokens
+    temperature: torch.Tensor  # [B, 1, 1] float32: each row's sampling temperature (logits / T)
     prox_logp: torch.Tensor | None = None  # [B, L-1], filled before the update
     ref_logp: torch.Tensor | None = None
 
@@ -55,6 +56,7 @@ class MicroBatch:
             mv(self.behave_logp),
             mv(self.advantages),
             self.n_tokens,
+            mv(self.temperature),
             mv(self.prox_logp),
             mv(self.ref_logp),
         )
@@ -63,7 +65,8 @@ class MicroBatch:
 def build_microbatch(
     seqs: Sequence[int], trajectories: Sequence, advantages: Sequence[float], pad_id: int = 0
 ) -> MicroBatch:
-    """Pad the trajectories ``seqs`` (objects with input_ids, loss_mask, logprobs) to their max length.
+    """Pad the trajectories ``seqs`` (objects with input_ids, loss_mask, logprobs, temperature) to
+    their max length.
 
     ``advantages`` holds one scalar per trajectory of the flat list (GRPO puts the sequence's
     advantage on each of its loss tokens).
@@ -94,6 +97,7 @@ def build_microbatch(
         behave[:, 1:],
         adv[:, 1:] * mask[:, 1:],
         n_tokens=sum(len(t.input_ids) for t in trajs),
+        temperature=torch.tensor([t.temperature or 1.0 for t in trajs], dtype=torch.float32).view(B, 1, 1),
     )
 
 
@@ -109,4 +113,5 @@ def dummy_microbatch(pad_id: int = 0) -> MicroBatch:
         z,
         z.clone(),
         n_tokens=0,
+        temperature=torch.ones((1, 1, 1)),
     )

@@ -60,10 +60,10 @@ class TrainerRank(rlactors.Actor):
             raise RuntimeError("TrainerRank.setup() must run first")
         return self.trainer
 
-    def train_step(self, batch: Batch, advantages: list[float]) -> dict[str, float]:
-        """One policy update on ``batch`` (every rank gets the whole batch) with one advantage per
-        trajectory."""
-        return self._need().train_step(batch, advantages)
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One policy update on ``batch`` (every rank gets the whole batch; ``batch.advantages``
+        set). The statistics include ``version``: the policy version the weights are now at."""
+        return self._need().train_step(batch)
 
     def connect_servers(
         self, urls: list[str], master_address: str | None = None, master_port: int | None = None

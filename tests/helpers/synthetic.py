@@ -7,7 +7,7 @@ import random
 
 from protocols.rl import Batch, Trajectory, TrajectoryGroup
 
-__all__ = ["grpo_advantages", "skewed_lengths", "synthetic_batch"]
+__all__ = ["grpo_advantages", "skewed_lengths", "synthetic_batch", "with_advantages"]
 
 
 def skewed_lengths(
@@ -73,3 +73,9 @@ def grpo_advantages(batch: Batch) -> list[float]:
     from nodes.advantage import AdvantageConfig, batch_advantages
 
     return batch_advantages(batch, [g.rewards for g in batch.groups], AdvantageConfig())
+
+
+def with_advantages(batch: Batch) -> Batch:
+    """``batch`` with :func:`grpo_advantages` on it (``batch.advantages``), ready to train on."""
+    batch.advantages = grpo_advantages(batch)
+    return batch

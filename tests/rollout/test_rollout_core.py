@@ -15,7 +15,7 @@ from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow
 from rlactors.aio import wait_for
 
-WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 24}))
+WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, max_new_tokens=24))
 
 
 def make(url: str, n_prompts: int, B: int, eta: int, **cfg):

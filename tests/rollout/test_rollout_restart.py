@@ -22,7 +22,7 @@ from tests.helpers.cluster import worker_pid
 from tests.helpers.servers import wait_until
 
 B, ETA, N = 2, 1, 16
-WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, sampling_params={"max_new_tokens": 64}))
+WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, max_new_tokens=64))
 PROMPTS = {"kind": "arithmetic", "n": N}
 CONFIG = RolloutConfig(max_inflight=4, acquire_batch=2, acquire_timeout_s=1.0)
 

@@ -19,7 +19,7 @@ from tests.helpers.servers import wait_load
 from tests.rollout.actors import SlowBeginBuffer
 
 K = 2
-WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=K, sampling_params={"max_new_tokens": 8}))
+WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=K, max_new_tokens=8))
 
 
 async def test_requests_in_flight_reach_the_configured_concurrency(cluster, sim_server: str) -> None:

@@ -24,11 +24,11 @@ def main() -> None:
     from nodes.trainer.config import TrainConfig
     from nodes.trainer.fsdp import FSDPTrainer
     from nodes.trainer.weights import PushConfig, WeightPusher
-    from tests.helpers.synthetic import grpo_advantages, synthetic_batch
+    from tests.helpers.synthetic import synthetic_batch, with_advantages
 
     trainer = FSDPTrainer(TrainConfig(model_path=model, lr=1e-3, max_tokens_per_mb=64))
     batch = synthetic_batch(2, 2, seed=1, prompt_len=(3, 6), gen_len=(3, 8))
-    trainer.train_step(batch, grpo_advantages(batch))
+    trainer.train_step(with_advantages(batch))
     # small buckets: several per push; no pause (the stand-in server runs no requests)
     cfg = PushConfig(bucket_bytes=64 << 10, pause_mode=None)
     pusher = WeightPusher(trainer.model, cfg, model_config_dir=model)

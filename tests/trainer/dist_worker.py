@@ -32,9 +32,9 @@ def train_config(model: str):
 
 def train(trainer, b):
     """One step on ``b`` with GRPO advantages of its rewards."""
-    from tests.helpers.synthetic import grpo_advantages
+    from tests.helpers.synthetic import with_advantages
 
-    return trainer.train_step(b, grpo_advantages(b))
+    return trainer.train_step(with_advantages(b))
 
 
 def batch(seed: int, n_groups: int = 3):

@@ -7,17 +7,30 @@ import math
 
 import pytest
 
-from nodes.advantage import AdvantageConfig, batch_advantages, batch_normalize, dr_grpo, grpo, leave_one_out
-from nodes.rollout.reward import RewardConfig, shape_rewards
+from nodes.advantage import (
+    AdvantageConfig,
+    ShapingConfig,
+    batch_advantages,
+    batch_normalize,
+    dr_grpo,
+    grpo,
+    leave_one_out,
+    shape_rewards,
+)
 from tests.helpers.synthetic import synthetic_batch
 
 CFG = AdvantageConfig()
 
 
 def test_shaping_biases_scales_and_clips():
-    cfg = RewardConfig(bias=-0.5, scale=5.0, clip=2.0)
-    assert shape_rewards([[1.0, 0.0], [0.6]], cfg) == [[2.0, -2.0], [pytest.approx(0.5)]]
-    assert shape_rewards([[1.0, 0.0]], RewardConfig(bias=0.0, scale=1.0)) == [[1.0, 0.0]]
+    batch = synthetic_batch(2, 2, seed=0)
+    for g, rewards in zip(batch.groups, ([1.0, 0.0], [0.6, 0.5]), strict=True):
+        for t, r in zip(g.trajectories, rewards, strict=True):
+            t.reward = r
+    cfg = ShapingConfig(bias=-0.5, scale=5.0, clip=2.0)
+    assert shape_rewards(batch, cfg) == [[2.0, -2.0], [pytest.approx(0.5), 0.0]]
+    assert shape_rewards(batch, ShapingConfig(bias=0.0, scale=1.0)) == [[1.0, 0.0], [0.6, 0.5]]
+    assert [t.reward for t in batch.trajectories] == [1.0, 0.0, 0.6, 0.5]  # the batch keeps the raw rewards
 
 
 def test_grpo_divides_by_the_group_std_and_a_constant_group_has_no_signal():

@@ -46,7 +46,7 @@ def plain_step(model_path: str, batch) -> tuple[dict[str, torch.Tensor], float]:
     adv = grpo_advantages(batch)
     mb = build_microbatch(list(range(len(trajs))), trajs, adv)
     logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    logp, ent = gather_logprobs_entropy(logits, mb.labels, cfg.loss.temperature)
+    logp, ent = gather_logprobs_entropy(logits, mb.labels, mb.temperature)
     out = decoupled_ppo_loss(
         logp, logp.detach(), mb.behave_logp, mb.advantages, mb.loss_mask, cfg.loss, entropy=ent
     )

@@ -10,7 +10,7 @@ import torch
 from nodes.trainer.loss import LossConfig, decoupled_ppo_loss, gather_logprobs_entropy
 
 
-def _reference_loss(logits, labels, prox, behave, adv, mask, cfg: LossConfig, ref=None):
+def _reference_loss(logits, labels, prox, behave, adv, mask, cfg: LossConfig, T: float, ref=None):
     """Token by token, straight from the objective's definition, with python scalars around autograd."""
     total = 0.0
     n = sum(int(m) for m in mask.flatten())
@@ -18,7 +18,7 @@ def _reference_loss(logits, labels, prox, behave, adv, mask, cfg: LossConfig, re
         for t in range(logits.shape[1]):
             if not mask[b, t]:
                 continue
-            z = logits[b, t] / cfg.temperature
+            z = logits[b, t] / T
             lp = z[labels[b, t]] - torch.logsumexp(z, dim=0)
             r = torch.exp(lp - prox[b, t])
             a = adv[b, t]
@@ -39,21 +39,21 @@ def _reference_loss(logits, labels, prox, behave, adv, mask, cfg: LossConfig, re
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    ("cfg", "T"),
     [
-        LossConfig(eps_clip=0.2, behav_imp_weight_cap=None),
-        LossConfig(eps_clip=0.2, eps_clip_higher=0.3, behav_imp_weight_cap=1.5, temperature=0.7),
-        LossConfig(eps_clip=0.1, c_clip=3.0, behav_imp_weight_cap=2.0, kl_coef=0.05),
+        (LossConfig(eps_clip=0.2, behav_imp_weight_cap=None), 1.0),
+        (LossConfig(eps_clip=0.2, eps_clip_higher=0.3, behav_imp_weight_cap=1.5), 0.7),
+        (LossConfig(eps_clip=0.1, c_clip=3.0, behav_imp_weight_cap=2.0, kl_coef=0.05), 1.0),
     ],
     ids=["plain", "cap+clip_higher+T", "dual_clip+kl"],
 )
-def test_loss_and_gradient_match_hand_written(cfg):
+def test_loss_and_gradient_match_hand_written(cfg, T):
     g = torch.Generator().manual_seed(0)
     B, T, V = 3, 7, 11
     logits = torch.randn(B, T, V, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, V, (B, T), generator=g)
     with torch.no_grad():
-        cur, _ = gather_logprobs_entropy(logits, labels, cfg.temperature)
+        cur, _ = gather_logprobs_entropy(logits, labels, T)
     # proximal and behaviour policies a little (and sometimes a lot) away from the current one
     prox = cur + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
     behave = prox - 0.8 * torch.randn(B, T, generator=g, dtype=torch.float64)
@@ -62,12 +62,12 @@ def test_loss_and_gradient_match_hand_written(cfg):
     mask = torch.rand(B, T, generator=g) < 0.7
     mask[:, 0] = False
 
-    logp, ent = gather_logprobs_entropy(logits, labels, cfg.temperature)
+    logp, ent = gather_logprobs_entropy(logits, labels, T)
     out = decoupled_ppo_loss(logp, prox, behave, adv, mask, cfg, entropy=ent, ref_logp=ref)
     loss = out.loss_sum / out.n_tokens
     (grad,) = torch.autograd.grad(loss, logits)
 
-    ref_loss = _reference_loss(logits, labels, prox, behave, adv, mask, cfg, ref=ref)
+    ref_loss = _reference_loss(logits, labels, prox, behave, adv, mask, cfg, T, ref=ref)
     (ref_grad,) = torch.autograd.grad(ref_loss, logits)
     assert int(out.n_tokens) == int(mask.sum())
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
@@ -113,3 +113,17 @@ def test_greedy_temperature_means_unscaled_logprobs():
     assert torch.equal(greedy, plain) and torch.equal(ent0, ent1) and torch.isfinite(greedy).all()
     with pytest.raises(ValueError, match="temperature"):
         gather_logprobs_entropy(logits, labels, -1.0)
+
+
+def test_each_row_is_scored_at_its_own_temperature():
+    """A micro-batch's rows carry their trajectories' sampling temperatures (0 = greedy = 1)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 7, (3, 5), generator=g)
+    temps = torch.tensor([0.5, 1.0, 0.0], dtype=torch.float64).view(3, 1, 1)
+    logp, ent = gather_logprobs_entropy(logits, labels, temps)
+    for row, t in enumerate((0.5, 1.0, 1.0)):
+        want, want_ent = gather_logprobs_entropy(logits[row : row + 1], labels[row : row + 1], t)
+        assert torch.allclose(logp[row], want[0]) and torch.allclose(ent[row], want_ent[0])
+    with pytest.raises(ValueError, match="temperature"):
+        gather_logprobs_entropy(logits, labels, -temps)

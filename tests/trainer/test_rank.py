@@ -11,7 +11,7 @@ from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.config import LossConfig, PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
 from protocols.codec import decode, encode
-from tests.helpers.synthetic import grpo_advantages, synthetic_batch
+from tests.helpers.synthetic import synthetic_batch, with_advantages
 
 
 def test_the_config_travels_as_it_is_and_checks_its_values():
@@ -51,13 +51,13 @@ async def test_two_rank_actors_train_save_and_load(cluster, tmp_path):
     infos = await ranks.setup()
     assert [i["rank"] for i in infos] == [0, 1] and {i["world_size"] for i in infos} == {2}
     batch = synthetic_batch(4, 2, seed=3, max_lag=0)
-    stats = await ranks.train_step(batch, grpo_advantages(batch))
+    stats = await ranks.train_step(with_advantages(batch))
     assert stats[0]["loss"] == stats[1]["loss"] and math.isfinite(stats[0]["loss"])
     assert stats[0]["lr"] == pytest.approx(1e-3)  # two optimizer steps: warm-up done
     assert stats[0]["n_seqs"] == 8 and stats[0]["grad_norm"] > 0
     path = str(tmp_path / "ckpt")
     await ranks.save(path, {"epoch": 0, "index": 8})
-    await ranks.train_step(batch, grpo_advantages(batch))
+    await ranks.train_step(with_advantages(batch))
     assert await ranks[0].version() == 2
     states = await ranks.load(path)
     assert states[0]["data_position"] == {"epoch": 0, "index": 8} and states[0]["version"] == 1
