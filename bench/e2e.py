@@ -52,27 +52,27 @@ COMMON = [
 # sim: 4 servers; 64-token cap, EOS chance 3% per token (mean ~ 28 tokens, ~14% hit the cap);
 # 0.25 s per decode step + 2 ms per running sequence, so a capped request takes ~16 s.
 SIM = [
-    "servers.backend=sim",
+    "servers.reference.backend=sim",
     "servers.n=4",
-    "servers.max_running_requests=256",
-    'servers.extra_args=["--sim-decode-s-base", "0.25", "--sim-decode-s-per-seq", "0.002", '
+    "servers.reference.max_running_requests=256",
+    'servers.reference.extra_args=["--sim-decode-s-base", "0.25", "--sim-decode-s-per-seq", "0.002", '
     '"--sim-prefill-s-per-token", "0.0002", "--sim-eos-prob", "0.03"]',
     "async.batch_size=16",
     "async.max_concurrent=256",
     "rollout.max_inflight=256",
-    "rollout.n_samples=2",
-    "rollout.max_new_tokens=64",
+    "rollout.workflow_args.n_samples=2",
+    "rollout.workflow_args.max_new_tokens=64",
 ]
 
 # hf: the tiny model served for real by 2 one-thread servers (EOS arrives when the model samples it).
 HF = [
-    "servers.backend=hf",
+    "servers.reference.backend=hf",
     "servers.n=2",
-    "servers.max_running_requests=32",
+    "servers.reference.max_running_requests=32",
     "async.batch_size=4",
     "async.max_concurrent=64",
-    "rollout.n_samples=2",
-    "rollout.max_new_tokens=48",
+    "rollout.workflow_args.n_samples=2",
+    "rollout.workflow_args.max_new_tokens=48",
 ]
 
 SETTINGS = {"sim": SIM, "hf": HF}

@@ -5,21 +5,26 @@
     python recipes/gsm8k_grpo.py --config recipes/configs/gpu.toml --cluster cluster.toml
     python recipes/gsm8k_grpo.py --resume                       # continue from the last checkpoint
 
-The loop (everything else runs concurrently in actors):
+The loop (:func:`loop`; everything else runs concurrently in actors):
 
     batch      <- buffer (oldest admitted first; waits only when the governor's bound says so)
-    advantages <- [advantage] fn over the [reward]-shaped rewards of each group (GRPO by default)
+    rewards    <- each group's rewards, shaped by [advantage.shaping]
+    advantages <- [advantage] fn over each group's shaped rewards (GRPO by default), on the batch
     train      : every trainer rank: proximal log-probs, then [trainer.loss] fn (decoupled PPO)
     publish    : pause rollout dispatch -> servers pause -> weights over the weight-update group
-                 (or from disk) -> version + 1 to the governor and rollout actors -> continue
+                 (or from disk) -> the trainer's new version to the governor and rollout actors -> continue
     then log, evaluate, checkpoint
 
 Reward, advantage estimator, loss and workflow are import paths in the config: change one there,
-or change the loop here. nodes/policy_sync.py does the publishing.
+or change the loop here. recipes/gsm8k_plane.py builds what the loop drives; nodes/policy_sync.py
+publishes a version, nodes/evaluator.py evaluates, nodes/run_state.py keeps the step, the version
+and the data position and writes checkpoints.
 
 Synchronous training is ``async.max_staleness=0``. A rollout actor that dies is restarted while
 training goes on (its episodes are re-queued, none lost or trained twice); a dead trainer rank,
-governor or buffer stops the run, to be continued with ``--resume``.
+governor or buffer stops the run, to be continued with ``--resume``. SIGTERM (a scheduler stopping
+the job) lets a step that is training finish, checkpoints the last completed step if it is not on
+disk, and exits 143 naming the checkpoint ``--resume`` will use (within ``run.term_grace_s``).
 """
 
 from __future__ import annotations
@@ -28,298 +33,121 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
-
-import rlactors  # noqa: E402
-from nodes.trainer.manifest import CheckpointError, resume_point, write_latest  # noqa: E402
-from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config  # noqa: E402
-from recipes.gsm8k_parts import (  # noqa: E402
-    get_batch,
-    resolve_model,
-    start_servers,
-    train_config,
-    workflow_spec,
-)
-
-# --- the run -------------------------------------------------------------------------------------
-
-# A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
-# buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
-ROLLOUT_MAX_RESTARTS = 3
+import rlactors
+from nodes.advantage import batch_advantages, shape_rewards
+from nodes.evaluator import Evaluator
+from nodes.metrics import MetricsLogger, format_step_line
+from nodes.run_state import RunState, Terminated, Termination
+from nodes.trainer.manifest import CheckpointError
+from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config
+from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane
 
 
-async def evaluate(
-    workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int
-) -> dict[str, float]:
-    """Accuracy of one sample per test prompt at the eval temperature (runs beside training), with
-    the policy version it started at (weights may move on while it runs)."""
-    from nodes.rollout.client import SGLangClient
-
-    client = SGLangClient(urls, version=version)
-    try:
-        groups = await asyncio.gather(
-            *(workflow.arun_episode(client, it, f"eval/v{version}/{i}") for i, it in enumerate(items))
-        )
-    except Exception as e:  # evaluation is a side job: it must not stop training
-        print(f"eval at version {version} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return {"eval/accuracy": float("nan"), "eval/version": version}
-    finally:
-        await client.aclose()
-    from nodes.metrics import accuracy_interval
-
-    correct = sum(g.trajectories[0].reward for g in groups)
-    low, high = accuracy_interval(correct, len(groups))
-    return {
-        "eval/accuracy": correct / max(1, len(groups)),
-        "eval/ci_low": low,
-        "eval/ci_high": high,
-        "eval/n": len(groups),
-        "eval/version": version,
-    }
-
-
-def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
-    """``eval accuracy 0.23 (±0.07) → 0.45 (±0.09) ...``: the run's result in one line."""
-    from nodes.metrics import interval_text
-
-    a, b = first["eval/accuracy"], last["eval/accuracy"]
-
-    if b > first["eval/ci_high"] and a < last["eval/ci_low"]:
-        verdict = "higher, outside both intervals"
-    elif b < first["eval/ci_low"] and a > last["eval/ci_high"]:
-        verdict = "LOWER, outside both intervals"
-    else:
-        verdict = "no clear change: the intervals overlap"
-    return (
-        f"eval accuracy {a:.2f} ({interval_text(first)}) at version {first['eval/version']:.0f} → {b:.2f} ({interval_text(last)}) "
-        f"at version {last['eval/version']:.0f}: {verdict} "
-        f"({last['eval/n']:.0f} held-out problems, 95% intervals)"
-    )
-
-
-@dataclass
-class Prepared:
-    """Everything decided before any process starts: paths, model, data, where to resume."""
-
-    out: Path
-    model: Path
-    train_items: list[dict[str, Any]]
-    eval_items: list[dict[str, Any]]
-    start_step: int
-    cluster: tuple[str, str | None] | None  # (address, secret file) or None for an embedded cluster
-
-
-def prepare(cfg: RecipeConfig, cluster_target: str | None, resume: bool) -> Prepared:
+def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path, list[Any], list[Any]]:
+    """What is decided before any process starts: where the run resumes (a missing or corrupt
+    checkpoint is an error now), the output folder, the model, the training and held-out data."""
     from nodes.data import load_gsm8k
 
-    out = Path(cfg.run.out_dir).expanduser().resolve()
-    # the resume point first: a missing or corrupt checkpoint is an error before anything starts
-    start_step = resume_point(out / "checkpoints")[0] if resume else 0
+    state = RunState(out, resume)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    d = cfg.data
+    train_items, about = load_gsm8k("train", d.source, d.path or None, d.train_limit or None, d.seed)
+    eval_items, _ = load_gsm8k("test", d.source, d.path or None, d.eval_size, d.seed)
+    state.n_items = len(train_items)
     model = resolve_model(cfg.model)
-    train_items, train_desc = load_gsm8k(
-        "train", cfg.data.source, cfg.data.path or None, cfg.data.train_limit or None, cfg.data.seed
-    )
-    eval_items, _ = load_gsm8k(
-        "test", cfg.data.source, cfg.data.path or None, cfg.data.eval_size, cfg.data.seed
-    )
-    print(f"data: {train_desc}")
-    print(f"model: {model}")
-    target: tuple[str, str | None] | None = None
-    if cluster_target and cluster_target.endswith(".toml"):
-        from rlactors.config import load_cluster_config
-
-        cc = load_cluster_config(cluster_target)
-        target = (cc.address, str(Path(cc.cluster.secret_file).expanduser()))
-    elif cluster_target:
-        target = (cluster_target, None)
-    return Prepared(out, model, train_items, eval_items, start_step, target)
+    print(f"data: {about}\nmodel: {model}")
+    return state, model, train_items, eval_items
 
 
-async def run(cfg: RecipeConfig, prep: Prepared, resume: bool) -> None:
-    from nodes.advantage import batch_advantages
-    from nodes.buffer import BufferActor
-    from nodes.governor import GovernorActor
-    from nodes.metrics import MetricsLogger, format_step_line
-    from nodes.policy_sync import PolicySync
-    from nodes.rollout.actor import RolloutActor, RolloutHandle
-    from nodes.rollout.prompts import trained_position
-    from nodes.rollout.reward import shape_rewards
-    from nodes.rollout.workflows import build_workflow
-    from nodes.trainer.rank import TrainerRank
-
-    # SIGTERM (a scheduler stopping the job, `kill`) shuts down like Ctrl-C: cancelling this task
-    # unwinds every `finally` below, so actors, servers and the local cluster are stopped
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    out, model, start_step, version = prep.out, prep.model, prep.start_step, 0
-    train_items, eval_items = prep.train_items, prep.eval_items
-    ckpt_root = out / "checkpoints"
-    B, eta = cfg.async_.batch_size, cfg.async_.max_staleness
-    if prep.cluster is None:
-        cluster = await rlactors.init()
-    else:
-        cluster = await rlactors.connect(prep.cluster[0], secret_file=prep.cluster[1])
+async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | None, resume: bool) -> None:
+    """The run: bring the plane up, then step until ``run.steps``."""
+    state, model, train_items, eval_items = await asyncio.to_thread(prepare, cfg, out, resume)
+    term = Termination(cfg.run.term_grace_s)
+    c = await (rlactors.init() if cluster is None else rlactors.connect(cluster[0], secret_file=cluster[1]))
     metrics = MetricsLogger(
         out,
         tensorboard=cfg.metrics.tensorboard,
         wandb=cfg.metrics.wandb or None,
-        resume_step=start_step if resume else None,
+        resume_step=state.resume_from,
     )
     try:
-        t0 = time.monotonic()
-        # Trainer ranks: one torch.distributed world (gloo on CPU, nccl on GPU).
-        tcfg = train_config(cfg, model, out)
-        tenv = {"OMP_NUM_THREADS": str(tcfg.threads)} if tcfg.device == "cpu" else {}
-        gpu = 1 if tcfg.device == "cuda" else 0
-        ranks = rlactors.ActorGroup(
-            [
-                await cluster.spawn(TrainerRank, tcfg, name=f"trainer-{i}", env=tenv, resources={"gpu": gpu})
-                for i in range(tcfg.n_ranks)
-            ]
-        )
-        await cluster.collective_group(list(ranks), backend="nccl" if gpu else "gloo")
-        _, urls = await start_servers(cluster, cfg, model, out)
-        await ranks.setup()
-        data = {"done_epochs": 0, "trained": []}  # see nodes/rollout/prompts.py: trained_position
-        if resume:
-            state = (await ranks.load(str(ckpt_root / f"step-{start_step}")))[0]
-            version = int(state["version"])
-            data = (state.get("data_position") or {}).get("data", data)
-            print(
-                f"resumed from step {start_step} (policy version {version}; data: {data['done_epochs']} epochs "
-                f"done, {len(data['trained'])} prompts of the next trained)"
-            )
-        sync = PolicySync(cluster, ranks, urls, report=print)
-        await sync.connect()
-        if version:
-            await ranks.push_weights()  # servers start from the base model
-        print(
-            f"cluster ready in {time.monotonic() - t0:.0f}s: {len(urls)} servers, {len(ranks)} trainer ranks"
-        )
-
-        governor = await cluster.spawn(GovernorActor, cfg.async_, version, name="governor")
-        if resume:
-            await governor.recover(version)
-        # On resume the buffer refuses prompts trained before the checkpoint; groups admitted but not
-        # trained by then are generated again.
-        buffer = await cluster.spawn(
-            BufferActor, governor, max_staleness=eta, done_ids=data["trained"], name="buffer"
-        )
-        prompts = {
-            "kind": "items",
-            "items": train_items,
-            "epochs": None,
-            "start_epoch": data["done_epochs"],
-            "shuffle": True,
-            "seed": cfg.data.seed,
-            "name": "gsm8k",
-        }
-        trained = set(data["trained"])
-        rollouts = [
-            RolloutHandle(  # its calls survive a restart: they wait for the new incarnation
-                await cluster.spawn(
-                    RolloutActor,
-                    urls,
-                    governor,
-                    buffer,
-                    prompts,
-                    workflow_spec(cfg, model),
-                    config=cfg.rollout,
-                    shard=i,
-                    num_shards=cfg.rollout.n_actors,
-                    version=version,
-                    name=f"rollout-{i}",
-                    max_restarts=ROLLOUT_MAX_RESTARTS,
-                ),
-                ROLLOUT_MAX_RESTARTS,
-            )
-            for i in range(cfg.rollout.n_actors)
-        ]
-        sync.attach(governor, rollouts)
-        restarts = 0
-        eval_wf = await asyncio.to_thread(build_workflow, workflow_spec(cfg, model, eval_mode=True))
-        eval_task = asyncio.create_task(evaluate(eval_wf, urls, eval_items, version))
-        evals: list[dict[str, float]] = []
-
-        for step in range(start_step, cfg.run.steps):
-            t_wait = time.monotonic()
-            batch = await get_batch(buffer, rollouts, B, version, cfg.run.batch_timeout_s)
-            t_train = time.monotonic()
-            rewards = shape_rewards([g.rewards for g in batch.groups], cfg.reward)
-            advantages = batch_advantages(batch, rewards, cfg.advantage)
-            stats = (await ranks.train_step(batch, advantages))[0]
-            trained.update(g.group_id for g in batch.groups)
-            t_push = time.monotonic()
-            version += 1
-            push = await sync.publish(version)
-            t_end = time.monotonic()
-
-            trajs = batch.trajectories
-            roll = await asyncio.gather(*(r.stats() for r in rollouts))
-            if (n := sum(r["restarts"] for r in roll)) > restarts:
-                print(f"rollout actors restarted after dying: {n} so far (their episodes re-queued)")
-                restarts = n
-            m: dict[str, float] = {
-                "version": version,
-                "reward/mean": sum(t.reward for t in trajs) / len(trajs),
-                "staleness/max": batch.max_staleness,
-                "staleness/mean": stats.get("staleness_mean", 0.0),
-                "staleness/bound": eta,
-                "servers/min_weight_version": min(await sync.weight_versions(), default=-1),
-                "throughput/samples_per_s": len(trajs) / (t_end - t_wait),
-                "throughput/tokens_per_s": sum(r["tokens_per_s"] for r in roll),
-                "time/wait_s": t_train - t_wait,
-                "time/train_s": t_push - t_train,
-                "time/push_s": t_end - t_push,
-                "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
-                "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
-                "rollout/restarts": restarts,
-                **{f"train/{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))},
-                **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
-                "data/groups": ",".join(g.group_id for g in batch.groups),
-            }
-            last = step + 1 == cfg.run.steps
-            if eval_task is not None and eval_task.done():
-                evals.append(eval_task.result())
-                m.update(evals[-1])
-                eval_task = None
-            if last:  # finish an earlier eval still running, then evaluate the final policy
-                if eval_task is not None:
-                    evals.append(await eval_task)
-                eval_task = None
-                evals.append(await evaluate(eval_wf, sync.live, eval_items, version))
-                m.update(evals[-1])
-            elif eval_task is None and cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
-                eval_task = asyncio.create_task(evaluate(eval_wf, sync.live, eval_items, version))
-            metrics.log(step + 1, m)
-            print(format_step_line(step + 1, cfg.run.steps, m), flush=True)
-            if last or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-                path = ckpt_root / f"step-{step + 1}"
-                data = trained_position(trained, len(train_items), data["done_epochs"])
-                trained = set(data["trained"])  # whole epochs are a number from now on
-                position = {"step": step + 1, "version": version, "data": data}
-                await ranks.save(str(path), position)
-                write_latest(ckpt_root, step + 1)
-        if eval_task is not None:
-            eval_task.cancel()
-        done = [e for e in evals if e["eval/accuracy"] == e["eval/accuracy"]]  # not NaN (failed)
-        if len(done) >= 2:
-            print(eval_summary(done[0], done[-1]), flush=True)
-        await asyncio.gather(*(r.stop() for r in rollouts), return_exceptions=True)
-        await sync.aclose()
+        plane = await term.wait(start_plane(c, cfg, model, state, train_items))
+        evaluator = Evaluator(eval_spec(cfg, model), eval_items)
+        await evaluator.start(plane.sync.live, state.version)
+        try:
+            await loop(cfg, plane, state, evaluator, metrics, term)
+        except Terminated:  # SIGTERM: the step in progress finished (or never started training)
+            if state.step and state.saved_step != state.step:
+                await state.save(plane.ranks)
+            raise
+        finally:
+            evaluator.cancel()
+            await plane.stop()
     finally:
+        term.close()
         metrics.close()
-        await cluster.close()
+        await c.close()
+
+
+async def loop(
+    cfg: RecipeConfig,
+    plane: Plane,
+    state: RunState,
+    evaluator: Evaluator,
+    metrics: MetricsLogger,
+    term: Termination,
+) -> None:
+    """Asynchronous GRPO: batch -> rewards -> advantages -> train -> publish -> log (eval, checkpoint)."""
+    B, steps = cfg.async_.batch_size, cfg.run.steps
+    while state.step < steps:
+        t_wait = time.monotonic()
+        batch = await term.wait(plane.get_batch(B, state.version, cfg.run.batch_timeout_s))
+        t_train = time.monotonic()
+        rewards = shape_rewards(batch, cfg.advantage.shaping)  # [advantage.shaping] bias, scale, clip
+        batch.advantages = batch_advantages(batch, rewards, cfg.advantage)  # [advantage] fn (GRPO)
+        stats = (await plane.ranks.train_step(batch))[0]  # [trainer.loss] fn on every rank
+        state.record(batch, stats)  # the step's new policy version is the trainer's
+        t_push = time.monotonic()
+        push = await plane.sync.publish(state.version)  # pause -> push weights -> new version -> continue
+        times = {"wait": t_train - t_wait, "train": t_push - t_train, "push": time.monotonic() - t_push}
+
+        m = await plane.step_metrics(batch, stats, push, times, cfg.async_.max_staleness)
+        if state.step == steps:  # the final policy's accuracy, after any evaluation still running
+            m.update(await evaluator.finish(plane.sync.live, state.version))
+        else:
+            m.update(evaluator.poll() or {})
+            if cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
+                await evaluator.start(plane.sync.live, state.version)
+        metrics.log(state.step, m)
+        print(format_step_line(state.step, steps, m), flush=True)
+        if state.checkpoint_due(cfg.run.checkpoint_every, steps):
+            await state.save(plane.ranks)
+        term.check()
+    if line := evaluator.summary():
+        print(line, flush=True)
+
+
+def cluster_address(target: str | None) -> tuple[str, str | None] | None:
+    """``(head address, secret file)`` of ``--cluster`` (a cluster.toml or an address); None: local."""
+    if target is None or not target.endswith(".toml"):
+        return None if target is None else (target, None)
+    from rlactors.config import load_cluster_config
+
+    cc = load_cluster_config(target)
+    return cc.address, str(Path(cc.cluster.secret_file).expanduser())
+
+
+def last_checkpoint(out: Path) -> Path | None:
+    """The checkpoint ``--resume`` continues from, if any."""
+    latest = out / "checkpoints" / "latest"
+    return out / "checkpoints" / f"step-{latest.read_text().strip()}" if latest.exists() else None
 
 
 def report(out: Path) -> None:
@@ -327,10 +155,15 @@ def report(out: Path) -> None:
     from nodes.metrics import plot_run
 
     png = plot_run(out / "metrics.jsonl", out / "run.png")
-    latest = out / "checkpoints" / "latest"
-    ckpt = out / "checkpoints" / f"step-{latest.read_text().strip()}" if latest.exists() else "-"
-    print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {ckpt}")
+    print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {last_checkpoint(out) or '-'}")
     print(f"      tensorboard --logdir {out / 'tensorboard'}")
+
+
+def resume_hint(out: Path) -> str:
+    """What ``--resume`` will do, for a message about a run that stopped."""
+    if (ckpt := last_checkpoint(out)) is None:
+        return "no checkpoint was saved, so --resume has nothing to continue from"
+    return f"continue from {ckpt} with --resume"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,34 +175,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run.out_dir")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = ap.parse_args(argv)
+    out = Path()
     try:
         cfg = load_config(args.config, args.overrides)
-        prep = prepare(cfg, args.cluster, args.resume)
-        asyncio.run(run(cfg, prep, args.resume))
-        report(prep.out)
+        out = Path(cfg.run.out_dir).expanduser().resolve()
+        asyncio.run(train(cfg, out, cluster_address(args.cluster), args.resume))
+        report(out)
     except (ConfigError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except rlactors.ActorDiedError as e:  # e.g. a trainer rank was killed: the run cannot go on
-        print(
-            f"error: {e}; the run stopped. Continue from the last checkpoint with --resume", file=sys.stderr
-        )
-        return 1
     except rlactors.ClusterError as e:  # e.g. no cluster at the given address
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        if not isinstance(e, rlactors.ActorDiedError):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"error: {e}; the run stopped; {resume_hint(out)}", file=sys.stderr)  # e.g. a rank was killed
+        return 1
     except RuntimeError as e:  # the run cannot continue (no data coming, every server down, ...)
-        print(
-            f"error: {e}; the run stopped. Continue from the last checkpoint with --resume", file=sys.stderr
-        )
+        print(f"error: {e}; the run stopped; {resume_hint(out)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except asyncio.CancelledError:  # SIGTERM (see run)
-        print(
-            "terminated: shut down cleanly; continue from the last checkpoint with --resume", file=sys.stderr
-        )
+    except Terminated:  # SIGTERM: the last completed step is on disk
+        print(f"terminated: shut down cleanly; {resume_hint(out)}", file=sys.stderr)
+        return 143
+    except asyncio.CancelledError:  # SIGTERM, and the step in progress outlasted run.term_grace_s
+        print(f"terminated: shut down cleanly (past run.term_grace_s); {resume_hint(out)}", file=sys.stderr)
         return 143
     return 0
 

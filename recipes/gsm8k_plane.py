@@ -1,21 +1,41 @@
-"""What the GSM8K GRPO loop starts from: the model checkpoint, the inference servers, the trainer's
-and the workflows' configs as the run fills them in, and the batch with a diagnosis when none comes
-(see gsm8k_grpo.py)."""
+"""The plane the GSM8K GRPO loop drives, built from its config: the model checkpoint, the trainer
+ranks, the inference servers, the weight-update group (PolicySync), the governor, the buffer and
+the rollout actors; and the loop's two questions to it: the next batch, and the step's metrics.
+
+Each component gets its own section of the config as it is; the run fills in only what it decides
+itself (the model folder it resolved, the schedule's length, where the disk push writes).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import rlactors
-from nodes.rollout.workflows import WorkflowSpec
+from nodes.buffer import BufferActor
+from nodes.governor import GovernorActor
+from nodes.policy_sync import PolicySync
+from nodes.rollout.actor import RolloutActor, RolloutHandle
+from nodes.rollout.prompts import PromptSpec
+from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
+from nodes.run_state import RunState
 from nodes.trainer.config import TrainConfig
-from recipes.gsm8k_config import ConfigError, ModelConfig, RecipeConfig
+from nodes.trainer.rank import TrainerRank
+from recipes.gsm8k_config import ModelConfig, RecipeConfig
+
+__all__ = ["Plane", "eval_spec", "resolve_model", "start_plane"]
+
+# A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
+# buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
+ROLLOUT_MAX_RESTARTS = 3
 
 
 def resolve_model(cfg: ModelConfig) -> Path:
+    """The model folder: ``model.path``, a tiny random model, or SmolLM2-135M-Instruct."""
     from nodes.inference.models import ensure_smollm2_checkpoint, ensure_tiny_checkpoint
 
     if cfg.path:
@@ -28,38 +48,45 @@ def resolve_model(cfg: ModelConfig) -> Path:
     return ensure_smollm2_checkpoint()
 
 
-async def start_servers(
-    cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path
-) -> tuple[list[Any], list[str]]:
+def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
+    """``[trainer]`` with what the run decides: the model, the schedule's length, the seed, and
+    where the disk push writes."""
+    t = cfg.trainer
+    return dataclasses.replace(
+        t,
+        model_path=str(model),
+        total_steps=max(1, cfg.run.steps * t.n_minibatches),
+        seed=cfg.run.seed,
+        push=dataclasses.replace(t.push, disk_dir=t.push.disk_dir or str(out / "weights")),
+    )
+
+
+def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
+    """Evaluation: one sample per prompt at ``run.eval_temperature`` with the single-turn workflow
+    (the training workflow's settings otherwise, when they are single-turn settings)."""
+    settings = cfg.rollout.workflow_args
+    if not isinstance(settings, RLVRConfig):  # a workflow of another kind: evaluate it as it trains
+        return WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, settings)
+    settings = RLVRConfig(
+        **{f.name: getattr(settings, f.name) for f in dataclasses.fields(RLVRConfig)}
+        | {"n_samples": 1, "temperature": cfg.run.eval_temperature}
+    )
+    return WorkflowSpec("nodes.rollout.workflows:RLVRWorkflow", str(model), cfg.reward, settings)
+
+
+async def _start_servers(cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path) -> list[str]:
     """Spawn the inference servers and wait until each is healthy; each writes its log to
     ``<out>/servers/server-<i>.log`` on its host."""
-    from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig, SGLangServerConfig
+    from nodes.inference.launcher import InferenceServerActor
 
     s = cfg.servers
-    server_cfg: ReferenceServerConfig | SGLangServerConfig
-    if s.kind == "reference":
-        server_cfg = ReferenceServerConfig(
-            model_path=str(model),
-            backend=s.backend,
-            max_running_requests=s.max_running_requests,
-            cache_tokens=s.cache_tokens,
-            dtype=s.dtype,
-            device=s.device,
-            extra_args=s.extra_args,
-        )
-    else:  # real SGLang: on GPUs from this environment, on CPU from its own venv (servers.python)
-        server_cfg = SGLangServerConfig(
-            model_path=str(model),
-            python=s.python,
-            device="cuda" if s.gpus_per_server else "cpu",
-            dtype=s.dtype,
-            extra_args=["--max-running-requests", str(s.max_running_requests), *s.extra_args],
-        )
+    server = s.reference if s.kind == "reference" else s.sglang
+    server = dataclasses.replace(server, model_path=str(model))
     env = {"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {}
     handles = [
         await cluster.spawn(
             InferenceServerActor,
-            server_cfg,
+            server,
             env=env,  # the worker's environment; the server process inherits it
             startup_timeout_s=s.startup_timeout_s,
             # A restarted server would come back with base weights, outside the weight-update
@@ -71,59 +98,130 @@ async def start_servers(
         )
         for i in range(s.n)
     ]
-    urls = list(await asyncio.gather(*(h.url() for h in handles)))
-    return handles, urls
+    return list(await asyncio.gather(*(h.url() for h in handles)))
 
 
-def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
-    """``[trainer]`` with what the run decides: the model, the schedule's length, the seed, the
-    sampling temperature for the loss, and where the disk push writes."""
-    t = cfg.trainer
-    return dataclasses.replace(
-        t,
-        model_path=str(model),
-        total_steps=max(1, cfg.run.steps * t.n_minibatches),
-        seed=cfg.run.seed,
-        loss=dataclasses.replace(t.loss, temperature=cfg.rollout.temperature),
-        push=dataclasses.replace(t.push, disk_dir=t.push.disk_dir or str(out / "weights")),
+@dataclass
+class Plane:
+    """Everything the loop drives. ``sync.live`` is the servers still in use."""
+
+    cluster: rlactors.Cluster
+    ranks: rlactors.ActorGroup
+    sync: PolicySync
+    governor: Any
+    buffer: Any
+    rollouts: list[RolloutHandle]
+    restarts: int = 0  # rollout-actor restarts reported so far
+
+    async def get_batch(self, size: int, version: int, timeout: float) -> Any:
+        """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed)."""
+        try:
+            return await self.buffer.get_batch(size, version, timeout)
+        except TimeoutError:
+            stats = await asyncio.gather(*(r.stats() for r in self.rollouts))
+            failures = [s["failure"] for s in stats if s.get("failure")]
+            why = f"rollout failed: {failures}" if failures else f"buffer: {await self.buffer.stats()}"
+            raise RuntimeError(
+                f"no batch of {size} groups within {timeout:.0f}s at version {version}; {why}"
+            ) from None
+
+    async def step_metrics(
+        self, batch: Any, train: dict[str, Any], push: dict[str, Any], times: dict[str, float], bound: int
+    ) -> dict[str, Any]:
+        """The step's metrics (metrics.jsonl, the step line): the batch, the trainer's and the push's
+        statistics, the rollout actors' counters, the servers' weight versions, the phases' times."""
+        trajs = batch.trajectories
+        roll = await asyncio.gather(*(r.stats() for r in self.rollouts))
+        if (n := sum(r["restarts"] for r in roll)) > self.restarts:
+            print(f"rollout actors restarted after dying: {n} so far (their episodes re-queued)")
+            self.restarts = n
+        return {
+            "version": train["version"],
+            "reward/mean": sum(t.reward for t in trajs) / len(trajs),
+            "staleness/max": batch.max_staleness,
+            "staleness/mean": train.get("staleness_mean", 0.0),
+            "staleness/bound": bound,
+            "servers/min_weight_version": min(await self.sync.weight_versions(), default=-1),
+            "throughput/samples_per_s": len(trajs) / sum(times.values()),
+            "throughput/tokens_per_s": sum(r["tokens_per_s"] for r in roll),
+            **{f"time/{k}_s": v for k, v in times.items()},
+            "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
+            "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
+            "rollout/restarts": self.restarts,
+            **{f"train/{k}": float(v) for k, v in train.items() if isinstance(v, (int, float))},
+            **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
+            "data/groups": ",".join(g.group_id for g in batch.groups),
+        }
+
+    async def stop(self) -> None:
+        """Stop the rollout actors and close the weight-update client (the cluster stops the rest)."""
+        await asyncio.gather(*(r.stop() for r in self.rollouts), return_exceptions=True)
+        await self.sync.aclose()
+
+
+async def start_plane(
+    cluster: rlactors.Cluster,
+    cfg: RecipeConfig,
+    model: Path,
+    state: RunState,
+    train_items: list[dict[str, Any]],
+) -> Plane:
+    """Trainer ranks (one torch.distributed world: gloo on CPU, nccl on GPU), servers, the
+    weight-update group, governor, buffer and rollout actors; on resume, from the checkpoint
+    ``state`` names (its weights pushed to the servers, its trained prompts refused by the buffer)."""
+    t0 = time.monotonic()
+    tcfg = train_config(cfg, model, state.out)
+    gpu = 1 if tcfg.device == "cuda" else 0
+    ranks = await cluster.spawn_group(
+        TrainerRank,
+        tcfg.n_ranks,
+        tcfg,
+        name="trainer",
+        env={"OMP_NUM_THREADS": str(tcfg.threads)} if not gpu else {},
+        resources={"gpu": gpu},
     )
+    await cluster.collective_group(list(ranks), backend="nccl" if gpu else "gloo")
+    urls = await _start_servers(cluster, cfg, model, state.out)
+    await ranks.setup()
+    if state.resume_from is not None:
+        print(await state.load(ranks))
+    sync = PolicySync(cluster, ranks, urls, report=print)
+    await sync.connect()
+    if state.version:
+        await ranks.push_weights()  # servers start from the base model
+    print(f"cluster ready in {time.monotonic() - t0:.0f}s: {len(urls)} servers, {len(ranks)} trainer ranks")
 
-
-def workflow_spec(cfg: RecipeConfig, model: Path, *, eval_mode: bool = False) -> WorkflowSpec:
-    """What a rollout actor builds its workflow from; ``eval_mode``: one sample per prompt at the
-    eval temperature with the single-turn workflow."""
-    from nodes.data import PROMPT_SUFFIX
-    from nodes.plugins import resolve
-
-    r = cfg.rollout
-    workflow = "nodes.rollout.workflows:RLVRWorkflow" if eval_mode else r.workflow
-    settings = {
-        "n_samples": 1 if eval_mode else r.n_samples,
-        "system_prompt": cfg.data.system_prompt or None,
-        "prompt_suffix": PROMPT_SUFFIX,
-        "sampling_params": {
-            "max_new_tokens": r.max_new_tokens,
-            "temperature": cfg.run.eval_temperature if eval_mode else r.temperature,
-        },
-        **({} if eval_mode else r.workflow_args),
-    }
-    config_class = resolve(workflow, "rollout.workflow").config_class
-    try:
-        config = config_class(**settings)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"rollout.workflow_args: {e}") from e
-    return WorkflowSpec(workflow=workflow, tokenizer=str(model), reward=cfg.reward, config=config)
-
-
-async def get_batch(buffer: Any, rollouts: list[Any], size: int, version: int, timeout: float) -> Any:
-    """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed)."""
-    try:
-        return await buffer.get_batch(size, version, timeout)
-    except TimeoutError:
-        failures = [
-            s["failure"] for s in await asyncio.gather(*(r.stats() for r in rollouts)) if s.get("failure")
-        ]
-        why = f"rollout failed: {failures}" if failures else f"buffer: {await buffer.stats()}"
-        raise RuntimeError(
-            f"no batch of {size} groups within {timeout:.0f}s at version {version}; {why}"
-        ) from None
+    governor = await cluster.spawn(GovernorActor, cfg.async_, state.version, name="governor")
+    if state.resume_from is not None:
+        await governor.recover(state.version)
+    # On resume the buffer refuses prompts trained before the checkpoint; groups admitted but not
+    # trained by then are generated again.
+    buffer = await cluster.spawn(BufferActor, governor, cfg.buffer, sorted(state.trained), name="buffer")
+    prompts = PromptSpec(
+        kind="items", items=train_items, epochs=None, start_epoch=state.done_epochs, shuffle=True,
+        seed=cfg.data.seed, name="gsm8k",
+    )  # fmt: skip
+    workflow = WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, cfg.rollout.workflow_args)
+    n = cfg.rollout.n_actors
+    rollouts = [
+        RolloutHandle(  # its calls survive a restart: they wait for the new incarnation
+            await cluster.spawn(
+                RolloutActor,
+                urls,
+                governor,
+                buffer,
+                prompts,
+                workflow,
+                config=cfg.rollout,
+                shard=i,
+                num_shards=n,
+                version=state.version,
+                name=f"rollout-{i}",
+                max_restarts=ROLLOUT_MAX_RESTARTS,
+            ),
+            ROLLOUT_MAX_RESTARTS,
+        )
+        for i in range(n)
+    ]
+    sync.attach(governor, rollouts)
+    return Plane(cluster, ranks, sync, governor, buffer, rollouts)

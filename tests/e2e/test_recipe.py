@@ -21,9 +21,9 @@ SMALL = [
     "data.eval_size=4",
     "async.batch_size=2",
     "async.max_staleness=2",
-    "rollout.n_samples=2",
-    "rollout.max_new_tokens=16",
-    "servers.max_running_requests=16",
+    "rollout.workflow_args.n_samples=2",
+    "rollout.workflow_args.max_new_tokens=16",
+    "servers.reference.max_running_requests=16",
 ]
 
 
@@ -143,7 +143,9 @@ def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc, _ = start_until_first_step([*SMALL, f"run.out_dir={out}"], 50, subprocess.PIPE)
+    proc, _ = start_until_first_step(
+        [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"], 50, subprocess.PIPE
+    )
     try:
         workers = [p for p in _descendants(proc.pid) if "rlactors.worker" in _cmdline(p)]
         ranks = [p for p in workers if "rlactors.worker trainer-1" in _cmdline(p)]
@@ -162,9 +164,11 @@ def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_sigterm_shuts_the_run_down_like_ctrl_c(tmp_path: Path) -> None:
+def test_sigterm_checkpoints_the_last_step_and_shuts_down_like_ctrl_c(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc, _ = start_until_first_step([*SMALL, f"run.out_dir={out}"], 50, subprocess.PIPE)
+    proc, _ = start_until_first_step(
+        [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"], 50, subprocess.PIPE
+    )
     try:
         left = [
             p
@@ -181,6 +185,19 @@ def test_sigterm_shuts_the_run_down_like_ctrl_c(tmp_path: Path) -> None:
     assert "terminated: shut down cleanly" in err and "Traceback" not in err
     assert len(left) >= 7  # 2 trainer ranks, 2 server actors and their servers, governor, buffer, rollout
     assert not [p for p in left if Path(f"/proc/{p}").exists() and _cmdline(p)]  # nothing left running
+    # checkpoint_every = 50: the last completed step was saved on the way out, and the message names it
+    done = rows(out)[-1]["step"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == str(done)
+    assert f"continue from {out / 'checkpoints' / f'step-{done}'} with --resume" in err
+    again = recipe(
+        [*SMALL, f"run.steps={done + 1}", "run.checkpoint_every=50", f"run.out_dir={out}", "--resume"]
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from step {done} (policy version {done};" in again.stdout
+    m = rows(out)
+    assert [r["step"] for r in m] == list(range(1, done + 2))
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == len(set(groups))  # nothing trained twice across the stop
 
 
 @pytest.mark.slow

@@ -38,12 +38,18 @@ def test_cpu_config_is_the_default_and_gpu_config_loads() -> None:
 
 def test_overrides_and_errors() -> None:
     r = recipe_module()
-    cfg = r.load_config(None, ["trainer.lr=1e-5", "async.max_staleness=0", "servers.extra_args=['--x', '1']"])
-    assert cfg.trainer.lr == 1e-5 and cfg.async_.max_staleness == 0 and cfg.servers.extra_args == ["--x", "1"]
+    cfg = r.load_config(
+        None, ["trainer.lr=1e-5", "async.max_staleness=0", "servers.reference.extra_args=['--x', '1']"]
+    )
+    assert cfg.trainer.lr == 1e-5 and cfg.async_.max_staleness == 0
+    assert cfg.servers.reference.extra_args == ["--x", "1"]
+    assert (
+        cfg.servers.reference.backend == "hf" and cfg.servers.reference.cache_tokens == 16384
+    )  # the recipe's
     with pytest.raises(r.ConfigError, match=r"unknown key 'trainer.lrr' \(did you mean 'lr'\?\)"):
         r.load_config(None, ["trainer.lrr=1"])
-    with pytest.raises(r.ConfigError, match=r"'servers\.backend' must be 'hf' or 'sim'"):
-        r.load_config(None, ["servers.backend=vllm"])
+    with pytest.raises(r.ConfigError, match=r"'servers\.reference\.backend' must be 'hf' or 'sim'"):
+        r.load_config(None, ["servers.reference.backend=vllm"])
 
 
 def test_the_rollout_client_section_reaches_the_client_config_and_checks_its_values() -> None:
@@ -59,40 +65,55 @@ def test_the_rollout_client_section_reaches_the_client_config_and_checks_its_val
         r.load_config(None, ["rollout.client.retries=1"])
 
 
-def numeric_keys(cls: type, prefix: str = "") -> list[str]:
-    """Numeric keys of the recipe's own sections (the components' sections check themselves)."""
+def numbers_without_range(cls: type, prefix: str = "") -> list[str]:
+    """Numeric keys of the recipe's own sections that declare no range (field metadata)."""
     hints = typing.get_type_hints(cls)
     keys = []
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name.rstrip('_')}"
         if dataclasses.is_dataclass(hints[f.name]):
             if hints[f.name].__module__.startswith("recipes."):
-                keys += numeric_keys(hints[f.name], key + ".")
-        elif hints[f.name] in (int, float):
+                keys += numbers_without_range(hints[f.name], key + ".")
+        elif hints[f.name] in (int, float) and "check" not in f.metadata:
             keys.append(key)
     return keys
 
 
 def test_every_number_of_the_recipes_sections_has_a_range_and_the_defaults_are_in_it() -> None:
     r = recipe_module()
-    from recipes.gsm8k_config import RANGES
-
-    assert sorted(numeric_keys(r.RecipeConfig)) == sorted(RANGES)
+    assert numbers_without_range(r.RecipeConfig) == []
     r.load_config(None, [])  # the defaults pass their own checks
 
 
 def test_component_sections_are_the_components_own_classes() -> None:
     """One config form: what the recipe loads is what the actors get."""
     from nodes.advantage import AdvantageConfig
+    from nodes.buffer import BufferConfig
     from nodes.governor import GovernorConfig
+    from nodes.inference.launcher import ReferenceServerConfig, SGLangServerConfig
     from nodes.rollout.config import RolloutConfig
     from nodes.rollout.reward import RewardConfig
+    from nodes.rollout.workflows import RLVRConfig
     from nodes.trainer.config import TrainConfig
 
     cfg = recipe_module().load_config(None, [])
     assert type(cfg.trainer) is TrainConfig and type(cfg.rollout) is RolloutConfig
     assert type(cfg.reward) is RewardConfig and type(cfg.advantage) is AdvantageConfig
-    assert type(cfg.async_) is GovernorConfig
+    assert type(cfg.async_) is GovernorConfig and type(cfg.buffer) is BufferConfig
+    assert (
+        type(cfg.servers.reference) is ReferenceServerConfig
+        and type(cfg.servers.sglang) is SGLangServerConfig
+    )
+    assert type(cfg.rollout.workflow_args) is RLVRConfig  # the workflow's settings class, typed from TOML
+
+
+def test_the_buffer_section_reaches_the_buffer() -> None:
+    cfg = recipe_module().load_config(None, ["buffer.order=arrival", "buffer.on_holder_death=report"])
+    assert (cfg.buffer.order, cfg.buffer.on_holder_death, cfg.buffer.max_staleness) == (
+        "arrival",
+        "report",
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -106,10 +127,9 @@ def test_component_sections_are_the_components_own_classes() -> None:
         ("trainer.loss.fn=nodes.trainer.loss:LossSums.nope", "has no 'LossSums.nope'"),
         ("rollout.workflow=nodes.rollout.workflows:chat_ids", "has no config_class"),
         ("rollout.workflow_args={max_turnz=3}", "unknown key 'rollout.workflow_args.max_turnz'"),
-        (
-            "trainer.loss.temperature=0.5",
-            "'trainer.loss.temperature' = 0.5 differs from 'rollout.temperature'",
-        ),
+        # one temperature: the workflow's; the trainer reads it from each trajectory
+        ("trainer.loss.temperature=0.5", "unknown key 'trainer.loss.temperature'"),
+        ("rollout.workflow_args.sampling_params={temperature=0.5}", "must not set ['temperature']"),
         ("reward.fn=final_number_reward", "command line: 'reward.fn' must be an import path"),
     ],
 )
@@ -127,17 +147,19 @@ def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
         None,
         [
             "rollout.workflow=nodes.rollout.workflows:MultiTurnWorkflow",
-            "rollout.workflow_args={max_turns=4, turn_discount=0.5, feedback='Try again.'}",
+            "rollout.workflow_args.max_turns=4",
+            "rollout.workflow_args.turn_discount=0.5",
+            "rollout.workflow_args.feedback='Try again.'",
         ],
     )
-    from recipes.gsm8k_parts import workflow_spec
+    from recipes.gsm8k_plane import eval_spec
 
-    spec = workflow_spec(cfg, tmp_path)
-    assert isinstance(spec.config, MultiTurnConfig)
-    assert (spec.config.max_turns, spec.config.turn_discount, spec.config.feedback) == (4, 0.5, "Try again.")
-    assert spec.config.n_samples == cfg.rollout.n_samples and spec.reward == cfg.reward
-    ev = workflow_spec(cfg, tmp_path, eval_mode=True)
-    assert ev.workflow.endswith(":RLVRWorkflow") and ev.config.n_samples == 1
+    s = cfg.rollout.workflow_args
+    assert isinstance(s, MultiTurnConfig)
+    assert (s.max_turns, s.turn_discount, s.feedback) == (4, 0.5, "Try again.")
+    assert s.n_samples == 8 and s.system_prompt  # the recipe's single-turn settings carry over
+    ev = eval_spec(cfg, tmp_path)
+    assert ev.workflow.endswith(":RLVRWorkflow") and ev.config.n_samples == 1 and ev.config.temperature == 0.0
 
 
 @pytest.mark.parametrize(
@@ -147,11 +169,14 @@ def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
         ("async.max_staleness=-1", "command line: 'async.max_staleness' must be >= 0, got -1"),
         ("trainer.n_ranks=0", "command line: 'trainer.n_ranks' must be >= 1, got 0"),
         ("servers.n=0", "command line: 'servers.n' must be >= 1, got 0"),
-        ("rollout.n_samples=0", "command line: 'rollout.n_samples' must be >= 1, got 0"),
+        (
+            "rollout.workflow_args.n_samples=0",
+            "command line: 'rollout.workflow_args.n_samples' must be >= 1, got 0",
+        ),
         ("run.batch_timeout_s=0", "command line: 'run.batch_timeout_s' must be > 0, got 0.0"),
         ("trainer.lr_schedule=cos", "'trainer.lr_schedule' must be 'constant' or 'linear' or 'cosine'"),
         ("trainer.loss.eps_clip=1.5", "command line: 'trainer.loss.eps_clip' must be in (0, 1), got 1.5"),
-        ("trainer.loss.c_clip=0.5", "command line: 'trainer.loss.c_clip' must be > 1 or unset, got 0.5"),
+        ("trainer.loss.c_clip=0.5", "command line: 'trainer.loss.c_clip' must be > 1, got 0.5"),
         ("trainer.loss.eps_clipp=0.2", "unknown key 'trainer.loss.eps_clipp' (did you mean 'eps_clip'?)"),
         ("trainer.push.bucket_bytes=big", "'trainer.push.bucket_bytes' must be an integer"),
     ],
@@ -193,7 +218,10 @@ def test_cluster_example_is_a_valid_cluster_toml() -> None:
             "no head answered",
         ),
         (["--config", "/nonexistent.toml"], "does not exist"),
-        (["rollout.n_samples=0"], "command line: 'rollout.n_samples' must be >= 1, got 0"),
+        (
+            ["rollout.workflow_args.n_samples=0"],
+            "command line: 'rollout.workflow_args.n_samples' must be >= 1, got 0",
+        ),
     ],
 )
 def test_user_errors_are_clear_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
@@ -273,7 +301,7 @@ def test_a_bad_resume_point_is_an_error_before_anything_starts(
 
 
 def test_eval_summary_says_whether_the_change_is_outside_the_intervals() -> None:
-    from recipes.gsm8k_grpo import eval_summary
+    from nodes.evaluator import eval_summary
 
     def ev(acc: float, low: float, high: float, version: int) -> dict[str, float]:
         return {

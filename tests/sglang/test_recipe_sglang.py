@@ -23,7 +23,7 @@ pytestmark = [
 
 def test_recipe_trains_against_real_sglang(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = ["servers.kind=sglang", "servers.n=1", f"servers.python={SGLANG_PYTHON}", "run.steps=2"]
+    args = ["servers.kind=sglang", "servers.n=1", "servers.sglang.device=cpu", f"servers.sglang.python={SGLANG_PYTHON}", "run.steps=2"]
     run = recipe([*SMALL, *args, "run.checkpoint_every=0", f"run.out_dir={out}"], timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     m = rows(out)

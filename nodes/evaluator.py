@@ -1,0 +1,116 @@
+"""Held-out evaluation beside training: one sample per test prompt through the servers, as a
+background task that never stops training, and the run's result in one line.
+
+:class:`Evaluator` runs at most one evaluation at a time: :meth:`Evaluator.start` begins one at a
+policy version (unless one is still running), :meth:`Evaluator.poll` hands over a finished one,
+:meth:`Evaluator.finish` waits for the running one and evaluates the final policy. Every result it
+produced is kept in ``results``, and :meth:`Evaluator.summary` compares the first with the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from nodes.metrics import accuracy_interval, interval_text
+from nodes.rollout.workflows import WorkflowSpec, build_workflow
+
+__all__ = ["Evaluator", "eval_summary", "evaluate"]
+
+log = structlog.get_logger(__name__)
+
+
+async def evaluate(
+    workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int
+) -> dict[str, float]:
+    """Accuracy of one sample per item (the first trajectory's reward), with its 95% Wilson interval
+    and the policy version the evaluation started at (weights may move on while it runs). A failure
+    is logged and reported as a NaN accuracy: evaluation is a side job."""
+    from nodes.rollout.client import SGLangClient
+
+    client = SGLangClient(urls, version=version)
+    try:
+        groups = await asyncio.gather(
+            *(workflow.arun_episode(client, it, f"eval/v{version}/{i}") for i, it in enumerate(items))
+        )
+    except Exception as e:
+        log.warning("eval_failed", version=version, error=f"{type(e).__name__}: {e}")
+        return {"eval/accuracy": float("nan"), "eval/version": version}
+    finally:
+        await client.aclose()
+    correct = sum(g.trajectories[0].reward for g in groups)
+    low, high = accuracy_interval(correct, len(groups))
+    return {
+        "eval/accuracy": correct / max(1, len(groups)),
+        "eval/ci_low": low,
+        "eval/ci_high": high,
+        "eval/n": len(groups),
+        "eval/version": version,
+    }
+
+
+def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
+    """``eval accuracy 0.23 (±0.07) at version 0 → 0.45 (±0.09) at version 10: higher, ...``."""
+    a, b = first["eval/accuracy"], last["eval/accuracy"]
+    if b > first["eval/ci_high"] and a < last["eval/ci_low"]:
+        verdict = "higher, outside both intervals"
+    elif b < first["eval/ci_low"] and a > last["eval/ci_high"]:
+        verdict = "LOWER, outside both intervals"
+    else:
+        verdict = "no clear change: the intervals overlap"
+    return (
+        f"eval accuracy {a:.2f} ({interval_text(first)}) at version {first['eval/version']:.0f} → "
+        f"{b:.2f} ({interval_text(last)}) at version {last['eval/version']:.0f}: {verdict} "
+        f"({last['eval/n']:.0f} held-out problems, 95% intervals)"
+    )
+
+
+class Evaluator:
+    """Evaluations of ``items`` with the workflow ``spec`` names, one at a time, in the background."""
+
+    def __init__(self, spec: WorkflowSpec, items: list[dict[str, Any]]) -> None:
+        self.spec, self.items = spec, items
+        self.workflow: Any = None
+        self.results: list[dict[str, float]] = []
+        self._task: asyncio.Task | None = None
+
+    async def start(self, urls: list[str], version: int) -> None:
+        """Begin evaluating ``version`` on ``urls``, unless an evaluation is still running."""
+        if self._task is not None:
+            return
+        if self.workflow is None:  # may load a tokenizer
+            self.workflow = await asyncio.to_thread(build_workflow, self.spec)
+        self._task = asyncio.create_task(evaluate(self.workflow, urls, self.items, version), name="eval")
+
+    def poll(self) -> dict[str, float] | None:
+        """The result of an evaluation that finished since the last call, else None."""
+        if self._task is None or not self._task.done():
+            return None
+        result, self._task = self._task.result(), None
+        self.results.append(result)
+        return result
+
+    async def finish(self, urls: list[str], version: int) -> dict[str, float]:
+        """Wait for a running evaluation, then evaluate ``version``; the final result."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+            self.poll()
+        await self.start(urls, version)
+        assert self._task is not None
+        await asyncio.wait([self._task])
+        result = self.poll()
+        assert result is not None
+        return result
+
+    def summary(self) -> str | None:
+        """:func:`eval_summary` of the first and last evaluation that did not fail, if two did."""
+        done = [r for r in self.results if r["eval/accuracy"] == r["eval/accuracy"]]  # not NaN
+        return eval_summary(done[0], done[-1]) if len(done) >= 2 else None
+
+    def cancel(self) -> None:
+        """Stop a running evaluation (the run is ending)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

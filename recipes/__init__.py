@@ -1,0 +1,1 @@
+"""Recipes: runnable programs that compose the RL roles (``python recipes/gsm8k_grpo.py``)."""
