@@ -17,10 +17,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
 
 from rlactors.config import (
@@ -200,25 +202,110 @@ def _running(pid: object) -> bool:
     return any(k in _cmdline(pid) for k in ("rlactors.daemons", "ssh", "srun"))
 
 
-async def _status(
-    address: str | None, secret: str | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from rlactors.cluster import connect
-
-    cluster = await connect(address, secret_file=secret, timeout=5)
-    try:
-        return await cluster.nodes(), await cluster.actors()
-    finally:
-        await cluster._client.close()
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s" if seconds >= 60 else f"{seconds:.0f}s"
+    return f"{int(seconds) // 3600}h{int(seconds) % 3600 // 60:02d}m"
 
 
 def _fmt_res(total: dict[str, float], used: dict[str, float]) -> str:
     return ", ".join(f"{k} {used.get(k, 0):g}/{v:g}" for k, v in sorted(total.items()) if v or used.get(k))
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _doing(a: dict[str, Any]) -> str:
+    """What an actor is doing, in a few words."""
+    if a["state"] == "DEAD":
+        return a["reason"] or "dead"
+    if a["state"] != "ALIVE":
+        return a["state"].lower() + (f": {a['reason']}" if a["reason"] else "")
+    act = a.get("activity")
+    if act is None:
+        return "[red]not answering[/]"
+    if not act["running"]:
+        return "idle"
+    calls = "1 call" if act["running"] == 1 else f"{act['running']} calls"
+    return f"running {calls}; oldest {act['oldest_method']} for {_age(act['oldest_s'])}"
+
+
+def _tables(status: dict[str, Any]) -> Group:
+    """The status as two tables: nodes, then actors (live ones first)."""
+    nodes = Table(title="nodes", title_justify="left")
+    for col in ("node", "host", "state", "last heard", "resources used/total"):
+        nodes.add_column(col)
+    for n in status["nodes"]:
+        nodes.add_row(
+            n["node_id"],
+            n["host"],
+            "[green]alive[/]" if n["alive"] else "[red]dead[/]",
+            _age(n["heard_s"]) + " ago",
+            _fmt_res(n["total"], n["used"]),
+        )
+    actors = Table(title="actors", title_justify="left")
+    for col in ("name", "class", "id", "node", "state", "in state", "restarts", "pid", "last heard", "doing"):
+        actors.add_column(col)
+    for a in status["actors"]:
+        heard = a["heard_s"]
+        actors.add_row(
+            a["name"] or "-",
+            a["class_name"].rsplit(".", 1)[-1],
+            a["actor_id"],
+            a["node_id"],
+            {"ALIVE": "[green]ALIVE[/]", "DEAD": "[red]DEAD[/]"}.get(a["state"], f"[yellow]{a['state']}[/]"),
+            _age(a["state_s"]),
+            str(a["restarts"]),
+            str(a["pid"]),
+            "-" if heard is None else _age(heard) + " ago",
+            _doing(a),
+        )
+    return Group(nodes, actors)
+
+
+async def _statuses(
+    address: str | None, secret: str | None, every: float | None
+) -> AsyncIterator[dict[str, Any]]:
+    """The head's status, once or (``every`` seconds) until interrupted, over one connection."""
+    from rlactors.cluster import connect
+
+    cluster = await connect(address, secret_file=secret, timeout=5)
     try:
-        nodes, actors = asyncio.run(_status(args.address, args.secret_file))
+        while True:
+            yield await cluster._client.head_call("status")
+            if every is None:
+                return
+            await asyncio.sleep(every)
+    finally:
+        await cluster._client.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    every = args.watch
+
+    async def show() -> None:
+        live: Live | None = None
+        try:
+            async for status in _statuses(args.address, args.secret_file, every):
+                if args.json:  # one document, or one line per refresh
+                    sys.stdout.write(json.dumps(status, indent=None if every else 2) + "\n")
+                    sys.stdout.flush()
+                elif every is None:
+                    out.print(_tables(status))
+                elif live is None:
+                    live = Live(_tables(status), console=out, auto_refresh=False)
+                    live.start()
+                else:
+                    live.update(_tables(status), refresh=True)
+        finally:
+            if live is not None:
+                live.stop()
+
+    try:
+        asyncio.run(show())
+    except KeyboardInterrupt:
+        return 0
     except ClusterError as e:
         sf = state_file()
         if args.address is None and sf.exists() and not _running(_load_state().get("head_pid")):
@@ -227,31 +314,6 @@ def cmd_status(args: argparse.Namespace) -> int:
                 "`rlactors down` clears the record"
             ) from e
         raise
-    t = Table(title="nodes")
-    for col in ("node", "host", "state", "resources used/total"):
-        t.add_column(col)
-    for n in nodes:
-        t.add_row(
-            n["node_id"],
-            n["host"],
-            "[green]alive[/]" if n["alive"] else "[red]dead[/]",
-            _fmt_res(n["total"], n["used"]),
-        )
-    out.print(t)
-    t = Table(title="actors")
-    for col in ("name", "class", "id", "node", "state", "restarts", "pid"):
-        t.add_column(col)
-    for a in actors:
-        t.add_row(
-            a["name"] or "-",
-            a["class_name"],
-            a["actor_id"],
-            a["node_id"],
-            a["state"],
-            str(a["restarts"]),
-            str(a["pid"]),
-        )
-    out.print(t)
     return 0
 
 
@@ -341,14 +403,28 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="rlactors", description="Run and inspect rlactors clusters.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start a cluster from a cluster.toml")
-    up.add_argument("config")
+    up.add_argument("config", help="the cluster.toml: head, nodes and how to launch their agents")
     up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    st = sub.add_parser("status", help="show nodes and actors")
-    st.add_argument("--address")
-    st.add_argument("--secret-file")
+    st = sub.add_parser(
+        "status", help="nodes and actors: state, when last heard from, what each actor is doing"
+    )
+    st.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
+    st.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")
+    st.add_argument(
+        "--json", action="store_true", help="print JSON for scripts (one line per refresh with --watch)"
+    )
+    st.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
     sub.add_parser("down", help="stop the cluster started by `rlactors up`")
     se = sub.add_parser("secret", help="create a new cluster secret file")
-    se.add_argument("path")
+    se.add_argument("path", help="where to write it (mode 600; an existing file is not overwritten)")
     args = ap.parse_args(argv)
     handler = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "secret": cmd_secret}[args.cmd]
     try:

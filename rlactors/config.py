@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,7 +97,7 @@ class ClusterSection:
     name: str = "rlactors"
     secret_file: str = "~/.rlactors/secret"
     log_dir: str = "~/.rlactors/logs"
-    python: str = "python3"
+    python: str = ""  # interpreter for the head and agents; defaults to the one running `rlactors up`
     start_timeout: float = 120.0  # seconds `rlactors up` waits for every node to register
     security: Literal["curve", "plain"] = "curve"  # plain: authenticated, not encrypted (trusted networks)
     # largest message between authenticated peers, in bytes (0: RLACTORS_MAX_MESSAGE_BYTES or 1 GiB)
@@ -123,6 +124,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not self.nodes:
             raise ConfigError(f"{self.source or 'cluster config'}: 'nodes' must list at least one node")
+        self.cluster.python = self.cluster.python or sys.executable
         seen: dict[str, int] = {}
         for n in self.nodes:
             if not n.node_id:

@@ -32,6 +32,7 @@ log = structlog.get_logger("rlactors.head")
 START_TIMEOUT_S = 3600.0  # safety net; a lost node fails its calls at once
 MAX_DEAD_ACTORS = 100  # records of dead actors kept (for status, and to say why a late call fails)
 AGENT_CALL_TIMEOUT_S = 30.0
+STATUS_TIMEOUT_S = 3.0  # an agent that does not report its workers within this: their activity is unknown
 
 
 class Head:
@@ -113,6 +114,7 @@ class Head:
             yield event
 
     def _publish(self, rec: ActorRecord) -> None:
+        rec.since = time.monotonic()
         changed, rec.changed = rec.changed, asyncio.Event()
         changed.set()
         self.sessions.publish(rec.event())
@@ -413,6 +415,38 @@ class Head:
 
     async def list_nodes(self) -> list[dict[str, Any]]:
         return [n.info() for n in self.nodes.values()]
+
+    async def status(self) -> dict[str, Any]:
+        """For operators (`rlactors status`): nodes and actors, live ones first, each with the
+        seconds since it was last heard from and, for actors, what they are doing."""
+        alive = [n for n in self.nodes.values() if n.alive]
+        reports = await asyncio.gather(
+            *(
+                wait_for(n.conn.call("worker_status", (), {}, target="agent"), STATUS_TIMEOUT_S)
+                for n in alive
+            ),
+            return_exceptions=True,
+        )
+        workers = {w["actor_id"]: w for r in reports if isinstance(r, list) for w in r}
+        now = time.monotonic()
+        nodes = [dict(n.info(), heard_s=round(now - n.last_seen, 3)) for n in self.nodes.values()]
+        actors = []
+        for rec in self.actors.values():
+            w = workers.get(rec.actor_id)
+            if w is None or w["pid"] != rec.pid or rec.state != "ALIVE":
+                w = {"heard_s": None, "activity": None}
+            actors.append(
+                dict(
+                    rec.info(),
+                    state_s=round(now - rec.since, 3),
+                    heard_s=w["heard_s"],
+                    activity=w["activity"],
+                )
+            )
+        order = {"ALIVE": 0, "PENDING": 1, "RESTARTING": 1, "DEAD": 2}
+        nodes.sort(key=lambda n: not n["alive"])
+        actors.sort(key=lambda a: order.get(a["state"], 1))
+        return {"nodes": nodes, "actors": actors}
 
     async def kv_put(self, key: str, value: Any) -> None:
         self.kv.put(key, value)

@@ -28,9 +28,12 @@ from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
 from rlactors.logging import Throttle
 from rlactors.security import Security
+from rlactors.service import ACTIVITY_TARGET
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
 log = structlog.get_logger("rlactors.node")
+
+STATUS_TIMEOUT_S = 1.0  # a worker that does not say what it is doing within this is "not answering"
 
 LogSink = Callable[[str], None]
 
@@ -361,6 +364,26 @@ class NodeAgent:
         )
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+
+    async def worker_status(self) -> list[dict[str, Any]]:
+        """Each worker of this node: pid, seconds since it was last heard from, and what it is doing
+        (None when it does not answer within a second)."""
+
+        async def one(actor_id: str, live: _Liveness) -> dict[str, Any]:
+            entry: dict[str, Any] = {
+                "actor_id": actor_id,
+                "pid": live.pid,
+                "heard_s": live.heard_s(),
+                "activity": None,
+            }
+            if live.conn is not None and live.conn.linked:
+                with contextlib.suppress(TimeoutError, ClusterError):
+                    call = live.conn.call("activity", (), {}, target=ACTIVITY_TARGET)
+                    entry["activity"] = await wait_for(call, STATUS_TIMEOUT_S)
+                    entry["heard_s"] = 0.0
+            return entry
+
+        return list(await asyncio.gather(*(one(a, live) for a, live in list(self._live.items()))))
 
     async def worker_hello(self, actor_id: str) -> dict[str, Any]:
         """A new worker asks what to run."""

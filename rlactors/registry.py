@@ -62,6 +62,7 @@ class ActorRecord:
     kill_reason: str = ""  # why the head itself killed it, reported instead of the bare exit
     died: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    since: float = field(default_factory=time.monotonic)  # when its state last changed
 
     def info(self) -> dict[str, Any]:
         return {

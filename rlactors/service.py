@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,8 @@ _bind = structlog.contextvars.bind_contextvars
 STREAM_WINDOW = 256  # items a stream may run ahead of the consumer's acknowledgements
 STREAM_CREDIT_TIMEOUT_S = 600.0  # no acknowledgement for this long ends the stream
 LOG_EVERY_S = 10.0  # a flood of malformed messages logs one line per this many seconds
+# Every service answers ``activity()`` under this target, from its loop, ahead of max_concurrency.
+ACTIVITY_TARGET = "__service__"
 
 
 def _on_loop(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -82,6 +85,7 @@ class Service:
         )
         self._running: dict[tuple[bytes, int], asyncio.Task[Any] | asyncio.Future[Any]] = {}
         self._credits: dict[tuple[bytes, int], _Credit] = {}
+        self._started: dict[tuple[bytes, int], tuple[str, float]] = {}  # running call -> (method, start)
         self._asock: AsyncSocket | None = None
         self._outbox: Outbox | None = None
         self.address = ""
@@ -191,6 +195,9 @@ class Service:
         kwargs: dict[str, Any],
         flags: int,
     ) -> None:
+        if target == ACTIVITY_TARGET and method == "activity":
+            self._send_result(ident, call_id, self.activity())
+            return
         methods = self._targets.get(target)
         entry = methods.get(method) if methods is not None else None
         if entry is None:
@@ -213,6 +220,18 @@ class Service:
         else:
             self._credits[key] = _Credit()
             self._running[key] = loop.create_task(self._run_stream(key, fn, kind, args, kwargs))
+        self._started[key] = (method, time.monotonic())
+        self._running[key].add_done_callback(lambda _, k=key: self._started.pop(k, None))
+
+    def activity(self) -> dict[str, Any]:
+        """What this service is doing: how many calls run, and the oldest one's method and age."""
+        now = time.monotonic()
+        oldest = min(self._started.values(), key=lambda c: c[1], default=None)
+        return {
+            "running": len(self._started),
+            "oldest_method": oldest[0] if oldest else None,
+            "oldest_s": round(now - oldest[1], 3) if oldest else 0.0,
+        }
 
     # --- running -------------------------------------------------------------------------------
 

@@ -1,0 +1,149 @@
+"""`rlactors status` for operators: when each node and actor was last heard from, what each actor
+is doing, live ones before dead ones; `--json` for scripts and `--watch`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import rlactors
+from rlactors.config import load_cluster_config
+from tests.cluster.test_cli import free_port, run_cli, write_config
+from tests.runtime.actors import Counter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "RLACTORS_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONPATH": str(ROOT),
+        "COLUMNS": "200",
+    }
+
+
+@pytest.fixture
+def up(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A cluster of one local node started with `rlactors up` (no `python` key: the default)."""
+    cfg = write_config(
+        tmp_path,
+        f"""
+[head]
+host = "127.0.0.1"
+port = {free_port()}
+node_timeout = 3.0
+
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "n1"
+resources = {{ cpu = 4 }}
+""",
+    )
+    started = run_cli(["up", str(cfg)], cli_env)
+    try:
+        assert started.returncode == 0, started.stderr
+        yield cli_env
+    finally:
+        down = run_cli(["down"], cli_env)
+        assert down.returncode == 0, down.stderr
+
+
+def test_cluster_python_defaults_to_the_interpreter_running_up(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, '[head]\nhost = "127.0.0.1"\n\n[[nodes]]\nhost = "127.0.0.1"\n')
+    c = load_cluster_config(cfg)
+    assert c.cluster.python == c.head.python == c.nodes[0].python == sys.executable
+
+
+def _status(env: dict[str, str]) -> dict:
+    res = run_cli(["status", "--json"], env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(up: dict[str, str]) -> None:
+    pids: dict[str, int] = {}
+
+    async def populate() -> None:
+        os.environ["RLACTORS_STATE_DIR"] = up["RLACTORS_STATE_DIR"]
+        try:
+            cluster = await rlactors.connect()
+            gone = await cluster.spawn(Counter, name="gone", detached=True)
+            await cluster.kill(gone)
+            idle = await cluster.spawn(Counter, name="idle", detached=True)
+            busy = await cluster.spawn(Counter, name="busy", detached=True)
+            stopped = await cluster.spawn(Counter, name="stopped", detached=True)
+            busy.sleep.tell(600)
+            busy.sleep.tell(600)
+            assert await busy.add(1) == 1  # calls arrive in order: both sleeps have started
+            for h in (idle, busy, stopped):
+                pids[h.actor_id] = await h.pid()
+            await cluster._client.close()
+        finally:
+            del os.environ["RLACTORS_STATE_DIR"]
+
+    asyncio.run(populate())
+    stopped_pid = next(pid for pid in pids.values() if "rlactors.worker stopped" in _cmdline(pid))
+    os.kill(stopped_pid, signal.SIGSTOP)
+    try:
+        status = _status(up)
+        (node,) = status["nodes"]
+        assert node["node_id"] == "n1" and node["alive"] and 0 <= node["heard_s"] < 3.0
+        actors = {a["name"]: a for a in status["actors"]}
+        assert [a["name"] for a in status["actors"]][-1] == "gone"  # live ones first
+        assert actors["gone"]["state"] == "DEAD" and actors["gone"]["heard_s"] is None
+        assert actors["idle"]["activity"] == {"running": 0, "oldest_method": None, "oldest_s": 0.0}
+        assert actors["idle"]["heard_s"] == 0.0
+        busy = actors["busy"]["activity"]
+        assert busy["running"] == 2 and busy["oldest_method"] == "sleep" and busy["oldest_s"] > 0
+        # A stopped worker is ALIVE to the head, but says nothing: the status shows it.
+        deadline = time.monotonic() + 30
+        while (a := {x["name"]: x for x in _status(up)["actors"]}["stopped"])["heard_s"] in (0.0, None):
+            assert time.monotonic() < deadline, a
+        assert a["state"] == "ALIVE" and a["activity"] is None and a["heard_s"] >= 6.0
+        table = run_cli(["status"], up)
+        assert table.returncode == 0, table.stderr
+        for text in ("last heard", "not answering", "running 2 calls; oldest sleep for", "idle", "DEAD"):
+            assert text in table.stdout, table.stdout
+    finally:
+        os.kill(stopped_pid, signal.SIGCONT)
+
+
+def test_status_watch_prints_a_json_line_per_refresh_until_interrupted(up: dict[str, str]) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlactors.cli", "status", "--json", "--watch", "0.2"],
+        env=up,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first, second = (json.loads(proc.stdout.readline()) for _ in range(2))
+        assert first["nodes"][0]["node_id"] == second["nodes"][0]["node_id"] == "n1"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
