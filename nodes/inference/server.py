@@ -551,13 +551,44 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     parser = argparse.ArgumentParser(
         prog="python -m nodes.inference.server", description=__doc__.split("\n")[0]
     )
+    helps = {
+        "model_path": "model folder or Hugging Face id (sim: optional, for its tokenizer)",
+        "tokenizer_path": "tokenizer folder or id, if not the model's",
+        "host": "address to listen on",
+        "port": "port to listen on",
+        "backend": "hf: a real model with transformers; sim: a simulated one (timings below)",
+        "max_running_requests": "sequences decoded at once; more wait in the queue",
+        "cache_tokens": "prefix-cache budget, in tokens",
+        "dtype": "auto | float32 | bfloat16 | float16",
+        "device": "auto | cpu | cuda | cuda:N",
+        "random_seed": "seed for sampling",
+        "weight_version": "the weight version reported before the first update",
+        "strict_weight_update_session": "refuse distributed weight updates outside "
+        "/begin_weight_update ... /end_weight_update, as SGLang 0.5.23",
+        "sim_prefill_s_per_token": "sim: seconds of prefill per prompt token",
+        "sim_decode_s_base": "sim: seconds per decode step",
+        "sim_decode_s_per_seq": "sim: extra seconds per decode step for each running sequence",
+        "sim_eos_prob": "sim: chance that a step emits EOS",
+        "sim_vocab_size": "sim: vocabulary size without a tokenizer",
+        "num_threads": "torch intra-op threads (0: torch's default)",
+        "context_length": "longest prompt + max_new_tokens (0: the model's max_position_embeddings, else 32768)",
+        "allow_auto_truncate": "truncate prompts past the context length instead of answering 400",
+        "max_request_bytes": "request bodies larger than this get 413",
+        "max_n": "largest n (samples per prompt) one request may ask for; more get 400",
+        "max_batch_size": "most sequences (prompts x n) in one /generate; more get 400",
+        "max_logprob_entries": "most log-prob entries one /generate may ask for "
+        "(top_logprobs_num x n x new tokens, summed); more get 400",
+        "incremental_streaming_output": "stream events carry only what is new, as SGLang's flag",
+        "log_level": "debug | info | warning | error",
+    }
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
+        text = helps.get(f.name, "(no description yet)")
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
         else:
             typ = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=typ, default=f.default)
+            parser.add_argument(flag, type=typ, default=f.default, help=text + " (default: %(default)s)")
     ns = parser.parse_args(argv)
     return ServerArgs(**vars(ns))
 
