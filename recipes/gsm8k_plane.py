@@ -67,10 +67,7 @@ def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
     settings = cfg.rollout.workflow_args
     if not isinstance(settings, RLVRConfig):  # a workflow of another kind: evaluate it as it trains
         return WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, settings)
-    settings = RLVRConfig(
-        **{f.name: getattr(settings, f.name) for f in dataclasses.fields(RLVRConfig)}
-        | {"n_samples": 1, "temperature": cfg.run.eval_temperature}
-    )
+    settings = dataclasses.replace(settings, n_samples=1, temperature=cfg.run.eval_temperature)
     return WorkflowSpec("nodes.rollout.workflows:RLVRWorkflow", str(model), cfg.reward, settings)
 
 
