@@ -444,7 +444,7 @@ class Head:
                 )
             )
         order = {"ALIVE": 0, "PENDING": 1, "RESTARTING": 1, "DEAD": 2}
-        nodes.sort(key=lambda n: not n["alive"])
+        nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
         actors.sort(key=lambda a: order.get(a["state"], 1))
         return {"nodes": nodes, "actors": actors}
 
