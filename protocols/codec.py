@@ -2,7 +2,12 @@
 
 A message is a list of frames. Frame 0 is msgpack; tensors and numpy arrays inside it are
 replaced by a small header (dtype, shape, frame index) and their bytes travel as their own
-frames, handed to ZeroMQ without a copy. Dataclasses registered with :func:`register`
+frames, handed to ZeroMQ without a copy. So do ``bytes``, ``bytearray`` and ``memoryview``
+values over :data:`INLINE_LIMIT` found within a few levels of the message (a call's arguments,
+a result, the items of a small list or dict, a registered type's fields): each arrives as a
+read-only ``memoryview`` of the received message, without a copy (``bytes(view)`` copies it
+out), freed with the last reference to it. Smaller ones, and those deep inside large
+containers, are packed inline and arrive as ``bytes``. Dataclasses registered with :func:`register`
 round-trip by name. There is no pickle: an unknown type is an error at the sender, and the
 receiver resolves only registered names, importing a module for one only inside a trusted
 package (:func:`trust_package`), never any module a peer names.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -40,10 +46,17 @@ T = TypeVar("T")
 EXT_DATACLASS = 1
 EXT_ARRAY = 2
 EXT_CUSTOM = 3
+EXT_BUFFER = 4
 
 # Buffers at or below this size are carried inline in the msgpack body; a separate
 # frame costs more than copying a few hundred bytes.
 INLINE_LIMIT = 1024
+# msgpack packs bytes-likes itself, with a copy, and offers no hook for them: before packing, the
+# encoder looks for large ones among at most this many container items per message, so a message
+# with a long list (token ids) costs no more than before, and its buffers deep inside go inline.
+LIFT_BUDGET = 64
+_BUFFER_KINDS = {bytes: "bytes", bytearray: "bytearray", memoryview: "memoryview"}
+_LIFTED = frozenset((*_BUFFER_KINDS, list, tuple, dict))  # the types lift() looks at
 
 _MAIN_ALIASES = ("__main__", "__mp_main__")
 
@@ -211,6 +224,17 @@ def _array_from(header: list[Any], frames: Sequence[Any]) -> Any:
     raise CodecError(f"unknown array kind {kind!r}")
 
 
+def _buffer_from(header: Any, frames: Sequence[Any]) -> memoryview:
+    """A bytes-like sent as its own frame: a read-only view of that frame, without a copy."""
+    if not (isinstance(header, list) and len(header) == 2 and header[0] in _BUFFER_KINDS.values()):
+        raise CodecError(f"malformed buffer reference {header!r}")
+    where = header[1]
+    if not isinstance(where, int) or not 0 <= where < len(frames):
+        raise CodecError(f"buffer refers to frame {where!r}, message has {len(frames)}")
+    buf = frames[where]
+    return memoryview(getattr(buf, "buffer", buf)).toreadonly()  # zmq.Frame -> its memory
+
+
 # --- encode / decode --------------------------------------------------------------------------
 
 
@@ -219,16 +243,44 @@ class _Default:
     ``frames``. An object rather than a self-referencing closure, for the reason given at
     :class:`_ExtHook`: the frames hold the sender's buffers."""
 
-    __slots__ = ("frames",)
+    __slots__ = ("budget", "frames")
 
     def __init__(self, frames: list[Any]) -> None:
         self.frames = frames
+        self.budget = LIFT_BUDGET
+
+    def lift(self, obj: Any) -> Any:
+        """``obj`` with its large bytes-likes replaced by frame references (containers on their path
+        copied; ``obj`` itself when there are none). The common message, with no container or
+        buffer inside its containers, costs one C-level type scan per container."""
+        cls = type(obj)
+        if cls is list or cls is tuple:
+            if len(obj) > self.budget or _LIFTED.isdisjoint(map(type, obj)):
+                return obj
+            self.budget -= len(obj)
+            out = [self.lift(x) if type(x) in _LIFTED else x for x in obj]
+            return obj if all(map(operator.is_, out, obj)) else out
+        if cls is dict:
+            if len(obj) > self.budget or _LIFTED.isdisjoint(map(type, obj.values())):
+                return obj
+            self.budget -= len(obj)
+            lifted = {k: self.lift(v) if type(v) in _LIFTED else v for k, v in obj.items()}
+            return obj if all(map(operator.is_, lifted.values(), obj.values())) else lifted
+        if cls in _BUFFER_KINDS and _nbytes(obj) > INLINE_LIMIT:
+            return self._buffer(obj, cls)
+        return obj
+
+    def _buffer(self, obj: Any, cls: type) -> msgpack.ExtType:
+        if cls is memoryview and not obj.c_contiguous:
+            obj = obj.tobytes()  # ZeroMQ sends one contiguous block: this one needs a copy
+        self.frames.append(obj)
+        return msgpack.ExtType(EXT_BUFFER, _pack([_BUFFER_KINDS[cls], len(self.frames) - 1], self))
 
     def __call__(self, obj: Any) -> Any:
         cls = type(obj)
         name = _custom_by_type.get(cls)
         if name is not None:
-            return msgpack.ExtType(EXT_CUSTOM, _pack([name, _custom[name][1](obj)], self))
+            return msgpack.ExtType(EXT_CUSTOM, _pack([name, self.lift(_custom[name][1](obj))], self))
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             name = _type_name(cls)
             if name not in _dataclasses:
@@ -236,7 +288,7 @@ class _Default:
                     f"dataclass {name} is not registered; decorate it with @protocols.codec.register"
                 )
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            return msgpack.ExtType(EXT_DATACLASS, _pack([name, fields], self))
+            return msgpack.ExtType(EXT_DATACLASS, _pack([name, self.lift(fields)], self))
         mod = cls.__module__
         if (mod.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")) or (
             mod == "numpy" and cls.__name__ == "ndarray"
@@ -249,6 +301,10 @@ class _Default:
         raise CodecError(
             f"cannot send a value of type {cls.__module__}.{cls.__qualname__} (no pickle on the wire)"
         )
+
+
+def _nbytes(buf: Any) -> int:
+    return buf.nbytes if type(buf) is memoryview else len(buf)
 
 
 def _pack(obj: Any, default: Callable[[Any], Any]) -> bytes:
@@ -272,6 +328,8 @@ class _ExtHook:
         inner = msgpack.unpackb(data, ext_hook=self, raw=False, strict_map_key=False)
         if code == EXT_ARRAY:
             return _array_from(inner, self.frames)
+        if code == EXT_BUFFER:
+            return _buffer_from(inner, self.frames)
         if code == EXT_DATACLASS:
             name, fields = inner
             cls = _lookup_dataclass(name)
@@ -291,13 +349,14 @@ class _ExtHook:
 def encode(obj: Any) -> list[Any]:
     """Encode ``obj`` into frames: ``[msgpack body, raw buffer, ...]``.
 
-    Contiguous CPU buffers are not copied: they are sent from the caller's memory, so a tensor
-    or array must not be modified until the call carrying it has been sent (the next turn of
-    the event loop) — pass a copy if you must change it at once.
+    Contiguous CPU buffers are not copied: they are sent from the caller's memory, so a tensor,
+    array, bytearray or memoryview must not be modified until the call carrying it has been sent
+    (the next turn of the event loop) — pass a copy if you must change it at once.
     """
     frames: list[Any] = [b""]
     try:
-        frames[0] = _pack(obj, _Default(frames))
+        default = _Default(frames)
+        frames[0] = _pack(default.lift(obj), default)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as e:
