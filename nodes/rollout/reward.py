@@ -129,18 +129,19 @@ def _symbolic_worker(conn: Any) -> None:
 
     # math_verify's own timeouts are signal based; this process is killed from outside instead
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    conn.send("ready")
-    while True:
-        try:
+    try:
+        conn.send("ready")
+        while True:
             ref, pred = conn.recv()
-        except EOFError:
-            return
-        try:
-            gold = parse(f"${ref}$", parsing_timeout=None)  # type: ignore[arg-type]
-            guess = parse(f"${pred}$", parsing_timeout=None)  # type: ignore[arg-type]
-            conn.send(bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=None)))
-        except Exception:
-            conn.send(False)
+            try:
+                gold = parse(f"${ref}$", parsing_timeout=None)  # type: ignore[arg-type]
+                guess = parse(f"${pred}$", parsing_timeout=None)  # type: ignore[arg-type]
+                ok = bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=None))
+            except Exception:
+                ok = False
+            conn.send(ok)
+    except (EOFError, OSError):  # the parent went away (its process ended): nothing to answer
+        return
 
 
 class _SymbolicChecker:
