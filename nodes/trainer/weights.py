@@ -209,7 +209,7 @@ class WeightPusher:
         """
         t0 = time.perf_counter()
         distributed = self.cfg.method == "distributed"
-        pause = self.rank == 0 and self.cfg.pause_mode is not None
+        pause = self.cfg.pause_mode if self.rank == 0 else None  # rank 0 pauses, in this mode
         session = self.rank == 0 and distributed and self.cfg.weight_update_session
         self._timing = {"gather_s": 0.0, "wait_s": 0.0}
         undo: dict[str, list[str]] = {url: [] for url in self.urls}  # per server, in order
@@ -267,14 +267,12 @@ class WeightPusher:
             **self._timing,
         }
 
-    def _prepare(self, url: str, pause: bool, session: bool, undo: list[str]) -> None:
-        """One server: pause generation, then open the weight-update session; ``undo`` gets the
-        steps that put it back, in order."""
+    def _prepare(self, url: str, pause: str | None, session: bool, undo: list[str]) -> None:
+        """One server: pause generation (in mode ``pause``, if any), then open the weight-update
+        session; ``undo`` gets the steps that put it back, in order."""
         if pause:  # continue even after a failed or unanswered pause: harmless if it did not pause
             undo.append("/continue_generation")
-            self._post(
-                url, "/pause_generation", request_body(PauseGenerationRequest(mode=self.cfg.pause_mode))
-            )
+            self._post(url, "/pause_generation", request_body(PauseGenerationRequest(mode=pause)))
         if session:
             opened = True
             try:
