@@ -9,7 +9,7 @@ ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, Union
+from typing import Annotated, Any, ClassVar, Literal, NotRequired, Self, TypedDict, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -247,7 +247,7 @@ class SamplingParams(_Body):
         if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**63:
             raise ProtocolError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {self.sampling_seed}.")
         grammars = (self.json_schema, self.regex, self.ebnf, self.structural_tag)
-        if sum(g is not None for g in grammars) > 1:
+        if sum(bool(g) for g in grammars) > 1:  # SGLang: an empty grammar is no grammar
             raise ProtocolError("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
 
     @property
@@ -256,6 +256,13 @@ class SamplingParams(_Body):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_patterns(self) -> list[str]:
+        """``stop_regex`` normalised to a list."""
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
 
     @property
     def greedy(self) -> bool:
@@ -594,6 +601,7 @@ class GenerateBody(TypedDict):
     sampling_params: dict[str, Any]
     rid: str
     return_logprob: bool
+    top_logprobs_num: NotRequired[int]  # the most likely tokens at each output position
 
 
 class ContinueGenerationRequest(_Body):

@@ -67,6 +67,7 @@ class GenRequest:
     input_ids: list[int]
     sampling_params: dict[str, Any] = field(default_factory=dict)
     rid: str | None = None
+    top_logprobs_num: int = 0  # > 0: also the most likely tokens at each output position
 
 
 @dataclass
@@ -87,6 +88,8 @@ class GenResult:
     failovers: int = 0
     weight_version: str | None = None
     matched_stop: Any = None
+    # with GenRequest.top_logprobs_num: per output token, [(logprob, token id), ...] most likely first
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
 
 class SGLangClient:
@@ -252,6 +255,8 @@ class SGLangClient:
                 "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
                 "return_logprob": True,
             }
+            if request.top_logprobs_num:
+                body["top_logprobs_num"] = request.top_logprobs_num
             # servers that failed this post; a later post may go back to one that recovered
             data, server = await self._post_with_failover(server, body, set(), res)
             res.posts += 1
@@ -263,6 +268,9 @@ class SGLangClient:
             ids += chunk_ids
             lps += chunk_lps
             vers += chunk_vers
+            if request.top_logprobs_num:
+                tops = meta.get("output_top_logprobs") or [[] for _ in chunk_ids]
+                res.output_top_logprobs += [[(float(e[0]), int(e[1])) for e in row or ()] for row in tops]
             self.counters["labelled_tokens"] += labelled
             texts.append(data.get("text") or "")
             cached.append(int(meta.get("cached_tokens") or 0))

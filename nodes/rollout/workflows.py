@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 import structlog
 
 from nodes.plugins import resolve
+from nodes.rollout.chat import ChatError, continuation_ids
 from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.reward import RewardConfig, RewardFn, RewardRunner
 from protocols.codec import register
@@ -41,6 +42,7 @@ __all__ = [
     "MultiTurnWorkflow",
     "RLVRConfig",
     "RLVRWorkflow",
+    "Sample",
     "Workflow",
     "WorkflowSpec",
     "build_workflow",
@@ -62,9 +64,6 @@ class Workflow(Protocol):
     async def arun_episode(
         self, client: Generator, item: Any, group_id: str | None = None
     ) -> TrajectoryGroup: ...
-
-
-_ANSWER_MARK = "RLACTORS-ANSWER-4f1c"
 
 
 def sample_rid(group_id: str, i: int, attempt: str) -> str:
@@ -128,11 +127,16 @@ class RLVRConfig:
 
     def request_params(self) -> dict[str, Any]:
         """The SGLang sampling parameters of one request."""
-        return {**self.sampling_params, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        return {
+            **self.sampling_params,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+        }
 
 
-class _Sample:
-    """One growing sequence: ids with per-token mask, logprob and version, kept aligned."""
+class Sample:
+    """One growing sequence: ids with per-token mask, logprob and version, kept aligned; the model's
+    outputs (mask 1) and the context between them (mask 0), sampled at ``temperature``."""
 
     def __init__(self, prompt_ids: list[int], temperature: float) -> None:
         self.temperature = temperature
@@ -141,6 +145,18 @@ class _Sample:
         self.logprobs = [0.0] * len(prompt_ids)
         self.versions = [-1] * len(prompt_ids)
         self.meta: dict[str, Any] = {"cached_tokens": 0, "aborts": 0, "failovers": 0, "finish_reasons": []}
+
+    def fork(self) -> Sample:
+        """A copy to grow apart (another sample of the same prompt)."""
+        twin = Sample([], self.temperature)
+        twin.ids, twin.mask, twin.logprobs, twin.versions = (
+            [*self.ids],
+            [*self.mask],
+            [*self.logprobs],
+            [*self.versions],
+        )
+        twin.meta = {**self.meta, "finish_reasons": [*self.meta["finish_reasons"]]}
+        return twin
 
     def add_output(self, res: GenResult) -> None:
         self.ids += res.output_ids
@@ -209,7 +225,7 @@ class RLVRWorkflow:
         rewards = await asyncio.gather(*(self.reward(t, item) for t in texts))
         trajs = []
         for res, reward in zip(results, rewards, strict=True):
-            s = _Sample(prompt, self.config.temperature)
+            s = Sample(prompt, self.config.temperature)
             s.add_output(res)
             s.meta["turns"] = 1
             trajs.append(s.trajectory(reward, gid, len(prompt)))
@@ -251,7 +267,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         c = self.config
         messages = self.prompt_messages(item)
         prompt = chat_ids(self.tokenizer, messages)
-        s = _Sample(prompt, c.temperature)
+        s = Sample(prompt, c.temperature)
         reward = 0.0
         for turn in range(c.max_turns):
             # one rid for every turn: sticky routing sends the next turn to the server holding the prefix
@@ -272,39 +288,15 @@ class MultiTurnWorkflow(RLVRWorkflow):
         return s.trajectory(reward, gid, len(prompt))
 
     def _feedback_ids(self, messages: list[dict[str, str]], res: GenResult) -> list[int]:
-        """Tokens that close the assistant turn as the template would and open the feedback turn.
-
-        The generated ids are kept as sampled (re-tokenising the answer could change them);
-        only the template text *after* the answer is tokenised: the end-of-turn marker (unless
-        the model already emitted it), the feedback user turn and the next assistant header.
-        """
-        tok = self.tokenizer
-        # a marker in place of the answer finds where the template's closing text starts, even
-        # when the template rewrites the content (e.g. ``| trim``)
-        marked = [*messages[:-1], {**messages[-1], "content": _ANSWER_MARK}]
-        with_answer = tok.apply_chat_template(marked, tokenize=False, add_generation_prompt=False)
-        with_feedback = tok.apply_chat_template(
-            [*marked, {"role": "user", "content": self.config.feedback}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        if not with_feedback.startswith(with_answer):
-            raise ValueError(
-                "chat template does not extend the conversation by appending; cannot add a feedback turn"
+        """Tokens that close the assistant turn (``messages[-1]``) as the template would and open
+        the feedback turn; the generated ids stay as sampled (nodes/rollout/chat.py)."""
+        feedback = [{"role": "user", "content": self.config.feedback}]
+        try:
+            return continuation_ids(
+                self.tokenizer, messages[:-1], feedback, None, res.output_ids, res.finish_reason
             )
-        end = with_answer.rfind(_ANSWER_MARK)
-        if end < 0:
-            raise ValueError("chat template drops the assistant's answer; cannot add a feedback turn")
-        closing = with_answer[end + len(_ANSWER_MARK) :]
-        eos = tok.eos_token or ""
-        if (
-            res.finish_reason == "stop"
-            and eos
-            and closing.startswith(eos)
-            and res.output_ids[-1:] == [tok.eos_token_id]
-        ):
-            closing = closing[len(eos) :]  # the model emitted the end-of-turn token itself
-        return list(tok.encode(closing + with_feedback[len(with_answer) :], add_special_tokens=False))
+        except ChatError as e:
+            raise ValueError(f"{e}; cannot add a feedback turn") from None
 
 
 class ByteChatTokenizer:

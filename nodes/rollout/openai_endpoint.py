@@ -1,0 +1,601 @@
+"""An OpenAI-compatible chat endpoint over the rollout plane, so agent code written against the
+OpenAI SDK (or any framework that takes a ``base_url``) is trained unchanged.
+
+``/v1/chat/completions`` renders the messages with the model's chat template (tools included,
+nodes/rollout/chat.py), generates through an :class:`~nodes.rollout.client.SGLangClient` (aborts and
+resumes, sticky routing, per-token policy versions, retries and failover as for any episode), reads
+tool calls back from the output (Hermes ``<tool_call>`` blocks) and answers as OpenAI does, streamed
+(SSE chunks, tool-call deltas included) or not. ``/v1/models`` lists the model.
+
+Each episode has its own base_url (``/episodes/<id>/v1``; the standalone server's is ``/v1``), and
+the endpoint keeps every completion it served there. A request that continues one (its messages are
+that completion's messages, the assistant answer it got, then new messages) extends that
+completion's exact token ids with the template's rendering of only the new messages: the model's
+output is never re-tokenised, and an episode is one token sequence (a :class:`Sample`) whose loss
+mask covers exactly the model's tokens. A request that does not continue one (the agent edited its
+history) starts another sample; ``Episode.counters`` says how often that happened.
+
+Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with its status
+codes; no request stops the endpoint. Streaming is sent once the generation is complete (the
+plane generates whole requests, resumable across weight updates), token by token in OpenAI's chunk
+format.
+
+Standalone, in front of any SGLang or reference server::
+
+    python -m nodes.rollout.openai_endpoint --server-url http://127.0.0.1:30000 --model-path DIR --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, parse_tool_calls, prompt_ids
+from nodes.rollout.client import GenerationError, GenRequest, GenResult
+from nodes.rollout.workflows import Sample
+
+__all__ = ["ChatEndpoint", "EndpointError", "Episode"]
+
+log = structlog.get_logger(__name__)
+
+MAX_N = 16  # choices per request
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+DEFAULT_MAX_TOKENS = 1024
+KEPT_COMPLETIONS = 4096  # per episode (the standalone server's one episode keeps the newest)
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses: OpenAI's error body with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status, dumps=lambda o: orjson.dumps(o).decode())
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text (a string, or text parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise EndpointError(400, f"{where}[{i}]: only text content parts are supported", where)
+            parts.append(p["text"])
+        return "".join(parts)
+    raise EndpointError(400, f"{where} must be a string or a list of text parts", where)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise EndpointError(400, f"{where} must be a list", where)
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise EndpointError(400, f"{where}[{i}].function.name is required", f"{where}[{i}]")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise EndpointError(400, f"{where}[{i}].function.arguments must be a string", f"{where}[{i}]")
+        out.append(
+            {
+                "id": str(c.get("id") or ""),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
+    return out
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """The request's messages with only what rendering and matching need, checked."""
+    if not isinstance(messages, list) or not messages:
+        raise EndpointError(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise EndpointError(400, f"{where} must be an object", where)
+        role = m.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
+            raise EndpointError(
+                400, f"{where}.role must be system, developer, user, assistant or tool, got {role!r}", where
+            )
+        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise EndpointError(400, f"{where}.tool_call_id is required for a tool message", where)
+            msg["tool_call_id"] = m["tool_call_id"]
+        out.append(msg)
+    return out
+
+
+@dataclass
+class ChatRequest:
+    """A checked ``/v1/chat/completions`` body."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: Any  # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    sampling: dict[str, Any]
+
+    @classmethod
+    def parse(cls, body: Any) -> ChatRequest:
+        if not isinstance(body, dict):
+            raise EndpointError(400, "the request body must be a JSON object")
+        messages = normalize_messages(body.get("messages"))
+        tools = body.get("tools") or None
+        if tools is not None:
+            if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools
+            ):
+                raise EndpointError(
+                    400, "'tools' must be a list of {type: function, function: {name, ...}}", "tools"
+                )
+        names = {t["function"]["name"] for t in tools or ()}
+        choice = body.get("tool_choice") or ("auto" if tools else "none")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if name not in names:
+                raise EndpointError(
+                    400, f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice"
+                )
+        elif choice not in ("auto", "none", "required") or (choice == "required" and not tools):
+            raise EndpointError(
+                400,
+                f"tool_choice {choice!r} is not auto, none, required (with tools) or a function",
+                "tool_choice",
+            )
+        n = _int(body, "n", 1, 1, MAX_N)
+        top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        if top and not body.get("logprobs"):
+            raise EndpointError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        sampling: dict[str, Any] = {
+            "max_new_tokens": DEFAULT_MAX_TOKENS
+            if max_tokens is None
+            else _int({"max_tokens": max_tokens}, "max_tokens", 0, 1, 1 << 20)
+        }
+        for key, sglang, lo, hi in (("temperature", "temperature", 0.0, 2.0), ("top_p", "top_p", 0.0, 1.0),
+                                    ("frequency_penalty", "frequency_penalty", -2.0, 2.0),
+                                    ("presence_penalty", "presence_penalty", -2.0, 2.0)):  # fmt: skip
+            if body.get(key) is not None:
+                v = body[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                    raise EndpointError(400, f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
+                sampling[sglang] = float(v)
+        sampling.setdefault("temperature", 1.0)  # OpenAI's default
+        if body.get("seed") is not None:
+            sampling["sampling_seed"] = _int(body, "seed", 0, -(1 << 63), (1 << 63) - 1)
+        stop = body.get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if (
+                not isinstance(stops, list)
+                or not all(isinstance(s, str) and s for s in stops)
+                or len(stops) > 4
+            ):
+                raise EndpointError(400, "'stop' must be a string or up to 4 strings", "stop")
+            sampling["stop"] = stops
+        options = body.get("stream_options") or {}
+        return cls(messages, tools, choice, n, bool(body.get("stream")), bool(options.get("include_usage")),
+                   bool(body.get("logprobs")), top, sampling)  # fmt: skip
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise EndpointError(400, f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}", key)
+    return v
+
+
+# -- episodes ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Completion:
+    """One choice the endpoint served: what a later request must repeat to continue it."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    reply: dict[str, Any]  # the assistant message, as matching compares it
+    sample: Sample
+    end: int  # len(sample.ids) right after this completion's output
+    output_ids: list[int]
+    finish_reason: str
+
+
+def _same_reply(sent: dict[str, Any], served: dict[str, Any]) -> bool:
+    if sent.get("role") != "assistant" or (sent.get("content") or "") != (served.get("content") or ""):
+        return False
+    calls = [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in sent.get("tool_calls") or ()
+    ]
+    return calls == [
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in served.get("tool_calls") or ()
+    ]
+
+
+@dataclass
+class Episode:
+    """What one agent episode generated: its samples (token sequences) and counters."""
+
+    id: str
+    samples: list[Sample] = field(default_factory=list)
+    counters: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(
+            ("calls", "continued", "new_samples", "tool_calls", "errors"), 0
+        )
+    )
+    _completions: OrderedDict[int, _Completion] = field(default_factory=OrderedDict)
+    _next: int = 0
+
+    def find(
+        self, messages: list[dict[str, Any]], tools: Any, temperature: float
+    ) -> tuple[_Completion, int] | None:
+        """The completion ``messages`` continue (its sample not grown past it, sampled at the same
+        temperature), newest first, and where the new messages start."""
+        for c in reversed(self._completions.values()):
+            k = len(c.messages)
+            if (
+                len(messages) > k + 1
+                and c.tools == tools
+                and c.sample.temperature == temperature
+                and len(c.sample.ids) == c.end
+                and messages[:k] == c.messages
+                and _same_reply(messages[k], c.reply)
+            ):
+                return c, k + 1
+        return None
+
+    def keep(self, c: _Completion) -> None:
+        self._completions[self._next] = c
+        self._next += 1
+        while len(self._completions) > KEPT_COMPLETIONS:
+            self._completions.popitem(last=False)
+
+
+class ChatEndpoint:
+    """The OpenAI-compatible endpoint: ``client`` generates (an SGLangClient, or anything with its
+    ``agenerate``), ``tokenizer`` renders and decodes, ``model`` is the name ``/v1/models`` gives."""
+
+    def __init__(self, client: Any, tokenizer: Any, model: str = "policy") -> None:
+        self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.episodes: dict[str, Episode] = {}
+        self.default = Episode("default")  # the standalone server's /v1
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+        self.app = web.Application(client_max_size=32 << 20)
+        self.app.router.add_post("/v1/chat/completions", self._chat_default)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/episodes/{eid}/v1/chat/completions", self._chat_episode)
+        self.app.router.add_get("/episodes/{eid}/v1/models", self._models)
+        self.app.middlewares.append(_errors)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on ``host:port`` (0: a free port); returns the root URL."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        self.url = f"http://{host}:{bound[1]}"
+        return self.url
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def open_episode(self, episode_id: str | None = None) -> tuple[Episode, str]:
+        """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``)."""
+        ep = Episode(episode_id or uuid.uuid4().hex)
+        self.episodes[ep.id] = ep
+        return ep, f"{self.url}/episodes/{ep.id}/v1"
+
+    def close_episode(self, episode_id: str) -> Episode:
+        """Stop serving an episode; its samples are the caller's."""
+        return self.episodes.pop(episode_id)
+
+    # -- routes ------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
+            }
+        )
+
+    async def _chat_default(self, request: web.Request) -> web.StreamResponse:
+        return await self._chat(request, self.default)
+
+    async def _chat_episode(self, request: web.Request) -> web.StreamResponse:
+        ep = self.episodes.get(request.match_info["eid"])
+        if ep is None:
+            raise EndpointError(
+                404, f"no episode {request.match_info['eid']!r} is open here", code="episode_not_found"
+            )
+        return await self._chat(request, ep)
+
+    async def _chat(self, request: web.Request, ep: Episode) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
+        req = ChatRequest.parse(body)
+        ep.counters["calls"] += 1
+        try:
+            choices = await self.complete(ep, req)
+        except GenerationError as e:
+            ep.counters["errors"] += 1
+            raise EndpointError(503, f"generation failed: {e}") from None
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        usage = {
+            "prompt_tokens": choices[0][1].prompt_tokens,
+            "completion_tokens": sum(len(r.output_ids) for _, r, _ in choices),
+        }
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if req.stream:
+            return await self._stream(request, req, choices, cid, created, usage)
+        return _json({
+            "id": cid, "object": "chat.completion", "created": created, "model": self.model,
+            "choices": [
+                {"index": i, "message": msg, "logprobs": self._logprobs(res, req) if req.logprobs else None,
+                 "finish_reason": finish}
+                for i, (msg, res, finish) in enumerate(choices)
+            ],
+            "usage": usage, "system_fingerprint": None,
+        })  # fmt: skip
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def complete(self, ep: Episode, req: ChatRequest) -> list[tuple[dict[str, Any], GenResult, str]]:
+        """Generate ``req.n`` choices in ``ep``: ``(assistant message, result, finish_reason)`` each."""
+        tools = req.tools if req.tool_choice != "none" else None
+        found = ep.find(req.messages, tools, req.sampling["temperature"])
+        if found is not None:
+            ep.counters["continued"] += 1
+            done, start = found
+            new = await asyncio.to_thread(
+                continuation_ids, self.tokenizer, done.messages, req.messages[start:], tools,
+                done.output_ids, done.finish_reason,
+            )  # fmt: skip
+            base = done.sample
+            base.add_context(new)
+        else:
+            ep.counters["new_samples"] += 1
+            try:
+                ids = await asyncio.to_thread(prompt_ids, self.tokenizer, req.messages, tools)
+            except ChatError as e:
+                raise EndpointError(400, str(e), "messages") from None
+            base = Sample(ids, req.sampling["temperature"])
+            ep.samples.append(base)
+        forced = self._forced_prefix(req)
+        samples = [base] + [base.fork() for _ in range(req.n - 1)]
+        ep.samples.extend(samples[1:])
+        for s in samples:
+            s.add_context(forced)
+        results = await asyncio.gather(*(self._generate(ep, s, req) for s in samples))
+        out = []
+        for s, res in zip(samples, results, strict=True):
+            s.add_output(res)
+            text = self.tokenizer.decode([*forced, *res.output_ids], skip_special_tokens=True)
+            text = _trim_stop(text, res, req)
+            msg, finish = self._message(text, res, req, tools)
+            ep.counters["tool_calls"] += len(msg.get("tool_calls") or ())
+            ep.keep(
+                _Completion(
+                    req.messages, tools, msg, s, len(s.ids), [*forced, *res.output_ids], res.finish_reason
+                )
+            )
+            out.append((msg, res, finish))
+        return out
+
+    async def _generate(self, ep: Episode, s: Sample, req: ChatRequest) -> GenResult:
+        rid = f"agent/{ep.id}/s{ep.samples.index(s)}/"
+        return await self.client.agenerate(
+            GenRequest(list(s.ids), dict(req.sampling), rid=rid, top_logprobs_num=req.top_logprobs)
+        )
+
+    def _forced_prefix(self, req: ChatRequest) -> list[int]:
+        """Ids put at the start of the answer for tool_choice ``required`` or a named function
+        (no grammar here: the call's opening is written for the model; context, not trained on)."""
+        if req.tool_choice == "required":
+            return list(self.tokenizer.encode("<tool_call>\n", add_special_tokens=False))
+        if isinstance(req.tool_choice, dict):
+            name = req.tool_choice["function"]["name"]
+            head = '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+            return list(self.tokenizer.encode(head, add_special_tokens=False))
+        return []
+
+    def _message(self, text: str, res: GenResult, req: ChatRequest, tools: Any) -> tuple[dict[str, Any], str]:
+        finish = "length" if res.finish_reason == "length" else "stop"
+        calls: list[ToolCall] = []
+        content: str | None = text
+        if tools:
+            content, calls = parse_tool_calls(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = [c.as_openai() for c in calls]
+            finish = "tool_calls" if finish == "stop" else finish
+        return msg, finish
+
+    def _logprobs(self, res: GenResult, req: ChatRequest) -> dict[str, Any]:
+        tok = self.tokenizer
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            text = tok.decode([tid])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        content = []
+        for i, (tid, lp) in enumerate(zip(res.output_ids, res.output_logprobs, strict=True)):
+            e = entry(tid, lp)
+            tops = res.output_top_logprobs[i] if i < len(res.output_top_logprobs) else []
+            e["top_logprobs"] = [entry(t, v) for v, t in tops[: req.top_logprobs]]
+            content.append(e)
+        return {"content": content, "refusal": None}
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    async def _stream(
+        self, request: web.Request, req: ChatRequest, choices: list[Any], cid: str, created: int, usage: dict
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
+                "system_fingerprint": None}  # fmt: skip
+
+        async def send(choice: dict[str, Any] | None, **extra: Any) -> None:
+            chunk = {**head, "choices": [] if choice is None else [choice], **extra}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+
+        for i, (msg, res, finish) in enumerate(choices):
+            await send(
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            lps = self._logprobs(res, req)["content"] if req.logprobs else None
+            for k, piece in enumerate(self._pieces(res, msg)):
+                lp = (
+                    {"content": lps[k : k + 1], "refusal": None} if lps is not None and k < len(lps) else None
+                )
+                await send({"index": i, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None})
+            for j, call in enumerate(msg.get("tool_calls") or ()):
+                first = {
+                    "index": j,
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""},
+                }
+                await send(
+                    {"index": i, "delta": {"tool_calls": [first]}, "logprobs": None, "finish_reason": None}
+                )
+                more = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
+                await send(
+                    {"index": i, "delta": {"tool_calls": [more]}, "logprobs": None, "finish_reason": None}
+                )
+            await send({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish})
+        if req.include_usage:
+            await send(None, usage=usage)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _pieces(self, res: GenResult, msg: dict[str, Any]) -> list[str]:
+        """The content in one piece per output token (decoded incrementally) while the decoded text
+        is the content's start; the rest (past a tool call, a trimmed stop) in one piece."""
+        content = msg.get("content") or ""
+        pieces, sent = [], 0
+        for k in range(1, len(res.output_ids) + 1):
+            text = self.tokenizer.decode(res.output_ids[:k], skip_special_tokens=True)
+            if len(text) > len(content) or not content.startswith(text):
+                break
+            if len(text) > sent:
+                pieces.append(text[sent:])
+                sent = len(text)
+        if sent < len(content):
+            pieces.append(content[sent:])
+        return pieces
+
+
+def _trim_stop(text: str, res: GenResult, req: ChatRequest) -> str:
+    """OpenAI leaves a matched stop string out of the content."""
+    if res.finish_reason == "stop" and isinstance(res.matched_stop, str) and text.endswith(res.matched_stop):
+        return text[: -len(res.matched_stop)]
+    return text
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure as OpenAI's error body; none stops the endpoint."""
+    try:
+        return await handler(request)
+    except EndpointError as e:
+        return e.response()
+    except web.HTTPException as e:  # unknown route or method
+        return EndpointError(e.status, f"{request.method} {request.path}: {e.reason}").response()
+    except Exception as e:
+        log.exception("openai_endpoint.error", path=request.path)
+        return EndpointError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the endpoint in front of SGLang-protocol servers, to try an agent without training."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument(
+        "--server-url", action="append", required=True, help="an SGLang or reference server (repeatable)"
+    )
+    ap.add_argument(
+        "--model-path", required=True, help="the served model's folder (its tokenizer and chat template)"
+    )
+    ap.add_argument("--model-name", default="", help="the name /v1/models gives (default: the folder's name)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
+    args = ap.parse_args(argv)
+
+    async def serve() -> None:
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        from nodes.rollout.client import SGLangClient
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
+        client = SGLangClient(args.server_url)
+        endpoint = ChatEndpoint(client, tokenizer, args.model_name or Path(args.model_path).name)
+        url = await endpoint.start(args.host, args.port)
+        print(f"base_url: {url}/v1", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await endpoint.aclose()
+            await client.aclose()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

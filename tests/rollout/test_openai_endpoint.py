@@ -1,0 +1,313 @@
+"""The OpenAI-compatible endpoint driven by the official ``openai`` SDK: chat, tool calls, logprobs,
+streaming, n > 1, errors, token-exact continuation, 64 concurrent episodes; then in front of a real
+reference server through the rollout client, with an abort and resume mid-turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from nodes.inference.models import ensure_tiny_checkpoint
+from nodes.rollout.chat import continuation_ids, prompt_ids
+from nodes.rollout.client import GenRequest, GenResult, SGLangClient
+from nodes.rollout.openai_endpoint import ChatEndpoint
+from tests.helpers.servers import reference_server, wait_decoding
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ensure_tiny_checkpoint()), local_files_only=True)
+
+
+class Scripted:
+    """Stands in for SGLangClient: answers each request with the next scripted text (as ids, then
+    the end-of-turn token), log-probs -0.5 - i/100 and versions 7; records every request."""
+
+    def __init__(self, tokenizer: Any, script: list[str]) -> None:
+        self.tok, self.script, self.requests = tokenizer, list(script), []
+
+    async def agenerate(self, request: GenRequest) -> GenResult:
+        self.requests.append(request)
+        text = self.script.pop(0) if self.script else "ok"
+        ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
+        await asyncio.sleep(0)
+        res = GenResult(request.rid or "", ids, [-0.5 - i / 100 for i in range(len(ids))], [7] * len(ids),
+                        "stop", text, len(request.input_ids), [0], "scripted")  # fmt: skip
+        if request.top_logprobs_num:
+            res.output_top_logprobs = [
+                [(lp, t), (lp - 1.0, 42)] for t, lp in zip(ids, res.output_logprobs, strict=True)
+            ]
+        return res
+
+
+@pytest.fixture
+async def endpoint(tokenizer: Any) -> AsyncIterator[tuple[ChatEndpoint, Scripted]]:
+    gen = Scripted(tokenizer, [])
+    ep = ChatEndpoint(gen, tokenizer, "tiny")
+    await ep.start()
+    try:
+        yield ep, gen
+    finally:
+        await ep.aclose()
+
+
+def sdk(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+async def test_chat_and_models(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, gen = endpoint
+    gen.script = ["Hello there."]
+    episode, url = ep.open_episode()
+    client = sdk(url)
+    r = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=32
+    )
+    assert r.choices[0].message.content == "Hello there." and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(gen.requests and episode.samples[0].ids) - r.usage.prompt_tokens
+    assert gen.requests[0].sampling_params["max_new_tokens"] == 32
+    assert [m.id for m in (await client.models.list()).data] == ["tiny"]
+
+
+async def test_tool_call_round_trip_is_one_token_exact_sequence(
+    endpoint: tuple[ChatEndpoint, Scripted], tokenizer: Any
+) -> None:
+    ep, gen = endpoint
+    gen.script = [f"Let me add. {CALL}", "The answer is 5."]
+    episode, url = ep.open_episode()
+    client = sdk(url)
+    messages: list[Any] = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3?"}]
+    r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    m1 = r1.choices[0].message
+    assert r1.choices[0].finish_reason == "tool_calls" and m1.content == "Let me add."
+    (call,) = m1.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    # the agent runs the tool and sends the history back, as any OpenAI agent does
+    messages += [m1.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    r2 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+    assert r2.choices[0].message.content == "The answer is 5." and r2.choices[0].finish_reason == "stop"
+
+    first, second = gen.requests
+    out1 = [*tokenizer.encode(f"Let me add. {CALL}", add_special_tokens=False), tokenizer.eos_token_id]
+    new = continuation_ids(tokenizer, messages[:2], messages[3:], TOOLS, out1, "stop")
+    assert first.input_ids == prompt_ids(
+        tokenizer, messages[:2], TOOLS
+    )  # Hermes preamble: SmolLM2 has no tools
+    assert second.input_ids == first.input_ids + out1 + new  # never re-tokenised
+    assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(new)
+    (sample,) = episode.samples
+    out2 = [*tokenizer.encode("The answer is 5.", add_special_tokens=False), tokenizer.eos_token_id]
+    assert sample.ids == second.input_ids + out2
+    assert sample.mask == [0] * len(first.input_ids) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
+    assert [v for v, m in zip(sample.versions, sample.mask, strict=True) if m] == [7] * (
+        len(out1) + len(out2)
+    )
+    assert episode.counters == {"calls": 2, "continued": 1, "new_samples": 1, "tool_calls": 1, "errors": 0}
+
+
+async def test_edited_history_starts_another_sample(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, gen = endpoint
+    gen.script = ["one", "two"]
+    episode, url = ep.open_episode()
+    client = sdk(url)
+    r1 = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}])
+    edited = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "ONE (edited)"},
+              {"role": "user", "content": "b"}]  # fmt: skip
+    await client.chat.completions.create(model="tiny", messages=edited)
+    assert r1.choices[0].message.content == "one"
+    assert (
+        len(episode.samples) == 2
+        and episode.counters["new_samples"] == 2
+        and episode.counters["continued"] == 0
+    )
+
+
+async def test_logprobs_per_token_with_top_logprobs(
+    endpoint: tuple[ChatEndpoint, Scripted], tokenizer: Any
+) -> None:
+    ep, gen = endpoint
+    gen.script = ["abc def"]
+    _, url = ep.open_episode()
+    r = await sdk(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2
+    )
+    lps = r.choices[0].logprobs.content
+    ids = [*tokenizer.encode("abc def", add_special_tokens=False), tokenizer.eos_token_id]
+    assert [e.logprob for e in lps] == pytest.approx([-0.5 - i / 100 for i in range(len(ids))])
+    assert [e.token for e in lps] == [tokenizer.decode([t]) for t in ids]
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob for e in lps)
+    assert gen.requests[0].top_logprobs_num == 2
+
+
+async def test_streaming_with_tool_call_deltas(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, gen = endpoint
+    gen.script = [f"Sure. {CALL}"]
+    _, url = ep.open_episode()
+    stream = await sdk(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "2+3"}], tools=TOOLS, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    content, calls, finish, usage, chunks = "", {}, None, None, 0
+    async for chunk in stream:
+        chunks += 1
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or ():
+                c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = d.id or c["id"]
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = ch.finish_reason or finish
+    assert content == "Sure." and finish == "tool_calls" and chunks > 4
+    assert (
+        calls[0]["name"] == "add" and json.loads(calls[0]["arguments"]) == {"a": 2, "b": 3} and calls[0]["id"]
+    )
+    assert usage is not None and usage.completion_tokens > 0
+
+
+async def test_n_choices_are_samples_of_their_own(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, gen = endpoint
+    gen.script = ["first", "second", "third"]
+    episode, url = ep.open_episode()
+    r = await sdk(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+    assert sorted(c.message.content for c in r.choices) == ["first", "second", "third"]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len(episode.samples) == 3 and len({req.rid for req in gen.requests}) == 3  # one rid per sample
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "5"}]}, "messages[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content",
+        ),
+    ],
+)
+async def test_malformed_requests_are_openai_errors_and_the_endpoint_serves_on(
+    endpoint: tuple[ChatEndpoint, Scripted], kwargs: dict[str, Any], param: str
+) -> None:
+    ep, gen = endpoint
+    _, url = ep.open_episode()
+    client = sdk(url)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="tiny", **kwargs)
+    assert (
+        e.value.status_code == 400
+        and e.value.body["param"] == param
+        and e.value.body["type"] == "invalid_request_error"
+    )
+    gen.script = ["still here"]
+    r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert r.choices[0].message.content == "still here"
+
+
+async def test_bad_json_unknown_episode_and_route(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, _ = endpoint
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{ep.url}/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = await http.get(f"{ep.url}/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        await sdk(f"{ep.url}/episodes/nope/v1").chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}]
+        )
+
+
+async def test_64_concurrent_episodes(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, gen = endpoint
+    gen.script = [f"answer {i}" for i in range(128)]
+
+    async def episode(i: int) -> tuple[Any, int]:
+        record, url = ep.open_episode(f"e{i}")
+        client = sdk(url)
+        msgs: list[Any] = [{"role": "user", "content": f"q{i}"}]
+        r = await client.chat.completions.create(model="tiny", messages=msgs)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="tiny", messages=msgs)
+        return ep.close_episode(record.id), i
+
+    done = await asyncio.gather(*(episode(i) for i in range(64)))
+    assert all(len(rec.samples) == 1 and rec.counters["continued"] == 1 for rec, _ in done)
+    assert not ep.episodes
+
+
+# -- in front of a real reference server, through the rollout client --------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_sim() -> Any:
+    """A sim server slow enough (20 ms per step, no EOS) to be paused in the middle of a request."""
+    args = [
+        "--backend",
+        "sim",
+        "--sim-decode-s-base",
+        "0.02",
+        "--sim-eos-prob",
+        "0",
+        "--sim-vocab-size",
+        "49152",
+    ]
+    with reference_server(args) as url:
+        yield url
+
+
+async def test_abort_and_resume_mid_turn_is_invisible_to_agent_and_trajectory(
+    slow_sim: str, tokenizer: Any
+) -> None:
+    client = SGLangClient([slow_sim])
+    ep = ChatEndpoint(client, tokenizer, "sim")
+    await ep.start()
+    try:
+        episode, url = ep.open_episode()
+        agent = asyncio.ensure_future(
+            sdk(url).chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=40
+            )
+        )
+        async with httpx.AsyncClient(base_url=slow_sim) as http:
+            await wait_decoding(http)  # a few steps in
+            client.pause()  # as PolicySync pauses the plane for a weight update
+            assert (await http.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+            client.resume()
+            await http.post("/continue_generation", json={})
+        r = await agent
+        (sample,) = episode.samples
+        out = [t for t, m in zip(sample.ids, sample.mask, strict=True) if m]
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40 == len(out)
+        assert sample.meta["aborts"] >= 1  # it was cut off and resumed on the server's cache
+        assert r.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+    finally:
+        await ep.aclose()
+        await client.aclose()
