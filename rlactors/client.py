@@ -387,11 +387,6 @@ class Connection:
         """The connection is established now (its handshake done, its heartbeats answered)."""
         return self._link_up.is_set() and self._closed_error is None
 
-    @property
-    def unreachable(self) -> bool:
-        """The peer was lost and is not back: calls fail with ActorUnreachableError until it is."""
-        return self._unreachable is not None
-
     async def wait_link(self) -> None:
         """Return once the connection is established (again), or closed."""
         await self._link_up.wait()

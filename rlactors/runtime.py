@@ -290,8 +290,9 @@ class RuntimeClient:
                 await st.changed.wait()
 
     async def wait_reachable(self, actor_id: str, timeout: float) -> None:
-        """After an :class:`ActorUnreachableError`: wait until the actor answers again, or its node
-        agent has replaced it (it was hung; see ``fence_after``) and the new incarnation is alive.
+        """After an :class:`ActorUnreachableError`: wait until the actor's connection is back (it
+        answers again), or its node agent has replaced it (it was hung; see ``fence_after``) and
+        the new incarnation is alive.
 
         Raises ActorDiedError if it ends up dead, TimeoutError if neither happens in ``timeout``.
         """
@@ -303,7 +304,7 @@ class RuntimeClient:
                 if st.state == "DEAD":
                     raise st.died_error()
                 conn = self._conns.get(st.address) if st.state == "ALIVE" else None
-                if st.state == "ALIVE" and (conn is None or conn.closed or not conn.unreachable):
+                if st.state == "ALIVE" and (conn is None or conn.closed or conn.linked):
                     return
                 waits = [asyncio.ensure_future(st.changed.wait())]
                 if conn is not None:

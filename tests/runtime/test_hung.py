@@ -85,3 +85,25 @@ async def test_a_stopped_worker_without_restarts_is_left_to_wake_up(cluster: rla
         os.kill(pid, signal.SIGCONT)
     await wait_for(current_client().wait_reachable(c.actor_id, 30), 35)
     assert await c.value() == 11  # the same incarnation, state kept
+
+
+async def test_a_caller_that_found_it_unreachable_waits_for_the_new_incarnation() -> None:
+    # Default bounds: callers give up on the silent worker (about 10 s) before its agent kills it
+    # (fence_after = node_timeout 5 s + 6 s), as RolloutHandle sees it.
+    async with rlactors.init() as cluster:
+        c = await cluster.spawn(Counter, 10, name="slow-hung", max_restarts=1)
+        pid = await c.pid()
+        pending = c.sleep(60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(rlactors.ActorUnreachableError):
+                await wait_for(pending, DETECT + 10)
+            with pytest.raises(rlactors.ActorUnreachableError):  # until it is back or replaced: at once
+                await c.value()
+            await wait_for(current_client().wait_reachable(c.actor_id, 60), 65)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert _gone(pid)
+        assert await wait_for(c.value(), 30) == 10
+        assert await c.pid() != pid
