@@ -68,6 +68,10 @@ class ServerArgs:
     max_request_bytes: int = 16 << 20
     max_n: int = 64
     max_batch_size: int = 256
+    # log-prob entries one /generate may ask for (top_logprobs_num and token_ids_logprob entries
+    # at every reported position, summed over its sequences, e.g. top_logprobs_num x n x new
+    # tokens); past it, 400. About 40 bytes of JSON each: the default bounds a response near 40 MB
+    max_logprob_entries: int = 1 << 20
     # stream events carry what is new since the previous one (output ids, text, output log-probs)
     # instead of everything so far, as SGLang's --incremental-streaming-output
     incremental_streaming_output: bool = False
@@ -150,9 +154,9 @@ class Engine:
         if self.args.allow_auto_truncate:
             return text[:limit]
         raise ProtocolError(
-                f"The input text ({len(text)} characters) is longer than the model's context length "
-                f"({self.context_len} tokens) can hold."
-            )
+            f"The input text ({len(text)} characters) is longer than the model's context length "
+            f"({self.context_len} tokens) can hold."
+        )
 
     def check_length(self, input_ids: list[int], sp: Any) -> None:
         """SGLang's length rules (``TokenizerManager``): a prompt must be shorter than the context
@@ -162,7 +166,9 @@ class Engine:
         n, ctx = len(input_ids), self.context_len
         if n >= ctx:
             if not self.args.allow_auto_truncate:
-                raise ProtocolError(f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).")
+                raise ProtocolError(
+                    f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+                )
             del input_ids[ctx:]
             n = len(input_ids)
         if sp.max_new_tokens is None:
@@ -260,7 +266,9 @@ class Engine:
                     "partially updated. Please discard the whole weights."
                 )
             self.set_weight_version(req.weight_version)  # with the weights, before the next step
-            ok, message = self._flush_after_update(req.flush_cache, True, "Succeeded to update parameter online.")
+            ok, message = self._flush_after_update(
+                req.flush_cache, True, "Succeeded to update parameter online."
+            )
         if ok and req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
         return ok, message

@@ -23,6 +23,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
+import re
+import re._parser as re_parser
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -46,6 +49,14 @@ from protocols.sglang import (
 log = structlog.get_logger(__name__)
 
 
+@functools.cache
+def _regex_tail_tokens(pattern: str) -> int:
+    """How many output tokens a ``stop_regex`` is searched in: one more than the most characters
+    it can match (a token holds at least one), as SGLang bounds it; unbounded: all of them."""
+    width = re_parser.parse(pattern).getwidth()[1]
+    return width + 1 if width < 1 << 20 else 1 << 30
+
+
 class SchedulerStopped(RuntimeError):
     """The scheduler loop is not running (it crashed, or the server is shutting down)."""
 
@@ -63,7 +74,6 @@ class Req:
     prefilled: bool = False
     abort_message: str | None = None
     finish_reason: dict[str, Any] | None = None
-    stop_str_at: int | None = None
     retractions: int = 0  # times a retract pause sent it back to the queue (SGLang's num_retractions)
     progress: asyncio.Event | None = None  # streamed requests: set when a step adds output tokens
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)  # top_logprobs_num, per token
@@ -100,6 +110,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self.crash: BaseException | None = None  # why the loop died, if it did
         self.steps = 0
+        self.stepping = False  # a prefill or decode step is in progress
         self.prefill_tokens = 0  # tokens actually computed in prefill (not served by the cache)
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -268,7 +279,11 @@ class Scheduler:
             async with self.step_lock:
                 self._reap_aborts()
                 if not self.paused:
-                    did = await self._step()
+                    self.stepping = True
+                    try:
+                        did = await self._step()
+                    finally:
+                        self.stepping = False
                     self._reap_aborts()
             if not did and not self._has_work():
                 self._wake.clear()
@@ -360,9 +375,11 @@ class Scheduler:
                 tail = self.backend.detokenize(out[-16:], p.skip_special_tokens)
                 for s in p.stop_strings:
                     if s in tail:
-                        text = self.backend.detokenize(out, p.skip_special_tokens)
-                        req.stop_str_at = text.find(s)
                         return finish_stop(s)
+            for pattern in p.stop_patterns:  # SGLang searches the tail the pattern can span
+                tail = self.backend.detokenize(out[-_regex_tail_tokens(pattern) :], p.skip_special_tokens)
+                if re.search(pattern, tail):
+                    return finish_stop(pattern)
         if len(out) >= p.max_new_tokens:
             return finish_length(p.max_new_tokens)
         return None
@@ -431,8 +448,13 @@ class Scheduler:
         if reason and reason["type"] == "stop" and isinstance(reason["matched"], int) and not p.no_stop_trim:
             shown = seq.output_ids[:-1]
         text = self.backend.detokenize(shown, p.skip_special_tokens)
-        if req.stop_str_at is not None and not p.no_stop_trim and not partial:
-            text = text[: req.stop_str_at]
+        if reason and reason["type"] == "stop" and isinstance(reason["matched"], str):
+            # SGLang's trim (trim_matched_stop): at the first occurrence of the matched string, kept
+            # with no_stop_trim; a stop_regex is searched as literal text, so it rarely trims
+            matched = reason["matched"]
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[: pos + len(matched)] if p.no_stop_trim else text[:pos]
         return GenerateResult(
             rid=seq.rid,
             text=text,
@@ -467,8 +489,8 @@ class Scheduler:
                 rep.input_top = [None, *(inp.top or [])]
             if rep.input_ids_lp is not None:
                 rep.input_ids_lp = [None, *(inp.ids or [])]
-        if req.logprob_text:
-            rep.text = lambda t: self.backend.detokenize([t], skip_special_tokens=False)
+        if req.logprob_text:  # once per distinct token: a top-k list repeats the same ids
+            rep.text = functools.cache(lambda t: self.backend.detokenize([t], skip_special_tokens=False))
         return rep
 
     def stats(self) -> dict[str, Any]:

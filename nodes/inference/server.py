@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,6 +49,7 @@ from protocols.sglang import (
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     GenerateRequest,
+    GenerateResult,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
     PauseGenerationRequest,
@@ -105,9 +107,43 @@ async def _body(request: Request, limit: int, allow_empty: bool = False) -> Any:
             return {}
         raise ProtocolError("request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, nesting too deep
         raise ProtocolError(f"invalid JSON body: {e}") from None
+    if _MAYBE_SURROGATE.search(raw):
+        try:
+            _refuse_surrogates(data, "")
+        except RecursionError:
+            raise ProtocolError("invalid JSON body: nested too deeply") from None
+    return data
+
+
+# a UTF-16 surrogate escape (``\ud800``), or one encoded as UTF-8, which json.loads lets through
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _refuse_surrogates(value: Any, where: str) -> None:
+    """400 naming the first string with a lone surrogate: legal JSON, but no text (it cannot be
+    tokenized, logged or sent back). SGLang's JSON parser refuses the body the same way (400,
+    "no low surrogate in string"). A surrogate pair is one character by then and passes."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise ProtocolError(
+                    f"invalid JSON body: {where or 'the body'}: no low surrogate in string "
+                    "(a lone UTF-16 surrogate is not text)"
+                ) from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _refuse_surrogates(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            name = k.encode("utf-8", "backslashreplace").decode()  # the message must be text itself
+            key = f"{where}.{name}" if where else name
+            _refuse_surrogates(k, key)
+            _refuse_surrogates(v, key)
 
 
 def _per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
@@ -136,6 +172,7 @@ async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, S
         if sp.n > args.max_n:
             where = f"sampling_params[{i}]" if isinstance(req.sampling_params, list) else "sampling_params"
             raise ProtocolError(f"{where}.n: {sp.n} is over this server's limit of {args.max_n} (--max-n)")
+        _check_sampling(sp, engine.backend.vocab_size)
     total = sum(sp.n for sp in sps)
     if total > args.max_batch_size:
         raise ProtocolError(
@@ -167,6 +204,44 @@ async def _build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, S
             seed = sp.sampling_seed if sp.sampling_seed is not None else engine.rng.getrandbits(63)
             seqs.append((i, Seq(rid=this_rid, input_ids=list(ids), params=sp, seed=seed + j)))
     return seqs
+
+
+MAX_STOP_COUNT = 32  # SGLang's limits on stop strings and stop_regex patterns per request
+MAX_STOP_REGEX_LEN = 256  # bytes
+GRAMMAR_REFUSED = (
+    "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the "
+    "server is launched with --grammar-backend none"
+)
+
+
+def _check_sampling(sp: SamplingParams, vocab: int) -> None:
+    """What SGLang 0.5.23 checks once it knows the tokenizer and model, in its words: stop and
+    stop_regex counts and sizes, logit_bias keys (token ids as strings), and no grammar (this
+    server has no grammar backend: SGLang launched with ``--grammar-backend none`` refuses them
+    so; an empty one is none). A stop_regex that does not compile is refused here; SGLang
+    answers it with 500."""
+    if len(sp.stop_strings) > MAX_STOP_COUNT:
+        raise ProtocolError(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(sp.stop_strings)}")
+    patterns = sp.stop_patterns
+    if len(patterns) > MAX_STOP_COUNT:
+        raise ProtocolError(f"at most {MAX_STOP_COUNT} stop_regex patterns are allowed, got {len(patterns)}")
+    for pattern in patterns:
+        size = len(pattern.encode())
+        if size > MAX_STOP_REGEX_LEN:
+            raise ProtocolError(f"stop_regex is {size} bytes, over the {MAX_STOP_REGEX_LEN}-byte limit")
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as e:
+            raise ProtocolError(f"invalid stop_regex {pattern!r}: {e}") from None
+    for key in sp.logit_bias or {}:
+        try:
+            token = int(key)
+        except ValueError as e:
+            raise ProtocolError(str(e)) from None
+        if not 0 <= token < vocab:
+            raise ProtocolError(f"logit_bias must has keys in [0, {vocab - 1}], got {key}.")
+    if sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag:
+        raise ProtocolError(GRAMMAR_REFUSED)
 
 
 def _refuse_unlaunched_features(req: GenerateRequest) -> None:
@@ -202,22 +277,27 @@ def _refuse_unlaunched_features(req: GenerateRequest) -> None:
 
 
 def _ask_logprobs(
-    req: GenerateRequest, indexed: list[tuple[int, Seq]], flags: list[bool], vocab: int
+    req: GenerateRequest, indexed: list[tuple[int, Seq]], flags: list[bool], args: ServerArgs, vocab: int
 ) -> None:
     """Hand each sequence of a ``return_logprob`` prompt the extra log-probs it asks for
     (``logprob_start_len``, ``top_logprobs_num``, ``token_ids_logprob``); SGLang ignores them
-    without ``return_logprob``."""
+    without ``return_logprob``. A request whose extras add up past ``--max-logprob-entries`` is
+    refused: its answer alone could stall the server and fill memory."""
     count = req.prompt_count
     starts = _per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
     tops = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
     ids = req.token_ids_logprob
     if ids is None or not ids or isinstance(ids[0], int):  # one list for every prompt
         per_ids: list[Any] = [ids] * count
+    elif not req.is_batch:  # SGLang's words for [[...]] with one prompt
+        raise ProtocolError("token_ids_logprob must be a flat list of integers.")
     else:
         per_ids = _per_prompt(ids, count, "token_ids_logprob", None)
+    per_ids = [want or None for want in per_ids]  # an empty list asks for none, as in SGLang
     for want in per_ids:
         if want:
             _check_vocab(want, vocab, "token_ids_logprob")
+    entries = 0
     for i, seq in indexed:
         if not flags[i]:
             continue
@@ -228,8 +308,19 @@ def _ask_logprobs(
                 f"len(req.origin_input_ids)={n}. Please use a smaller logprob_start_len."
             )
         seq.logprob_start = start if 0 <= start < n else None  # -1 (or the prompt's end): none
-        seq.top_logprobs = max(0, tops[i])
+        seq.top_logprobs = min(max(0, tops[i]), vocab)
         seq.token_ids_logprob = None if per_ids[i] is None else list(per_ids[i])
+        positions = (seq.params.max_new_tokens or 0) + (
+            0 if seq.logprob_start is None else n - seq.logprob_start
+        )
+        entries += positions * (seq.top_logprobs + len(seq.token_ids_logprob or ()))
+    if entries > args.max_logprob_entries:
+        raise ProtocolError(
+            f"the request asks for {entries} log-prob entries (top_logprobs_num and token_ids_logprob "
+            f"at each reported position, x n, x prompts), over this server's limit of "
+            f"{args.max_logprob_entries} (--max-logprob-entries); ask for fewer top log-probs, "
+            "tokens or sequences per request"
+        )
 
 
 async def _abort_on_disconnect(engine: Engine, request: Request, rids: list[str]) -> None:
@@ -265,6 +356,37 @@ def _delta(event: dict[str, Any], sent: list[int]) -> dict[str, Any]:
     return event
 
 
+# a response with more log-prob entries than this is rendered in a worker thread, not on the event loop
+HEAVY_ENTRIES = 20_000
+
+
+def _entries(res: GenerateResult) -> int:
+    """How many log-prob entries rendering ``res`` makes (0 without ``return_logprob``)."""
+    lp = res.logprobs
+    if lp is None:
+        return 0
+    width = 1 + (len(lp.output_top[0]) if lp.output_top else 0) + len(lp.token_ids or ())
+    return (len(lp.output) + len(lp.input)) * width
+
+
+def _body_bytes(results: list[GenerateResult], many: bool) -> bytes:
+    """The ``/generate`` answer: one body, or a list of them, each rendered on its own (orjson
+    holds the GIL for a whole call: one call per body lets the event loop run in between)."""
+    parts = [orjson.dumps(r.to_json(), option=orjson.OPT_NON_STR_KEYS) for r in results]
+    return b"[" + b",".join(parts) + b"]" if many else parts[0]
+
+
+def _event(res: GenerateResult, sent: list[int] | None, index: int | None) -> bytes:
+    """One server-sent event: ``res`` in full, or what is new since ``sent`` (incremental
+    streaming), tagged with its sequence's ``index`` when several share the stream."""
+    item = res.to_json()
+    if sent is not None:
+        item = _delta(item, sent)
+    if index is not None:
+        item["index"] = index
+    return b"data: " + orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
+
+
 async def _stream(
     engine: Engine, rids: list[str], futs: list[asyncio.Future[Any]], many: bool
 ) -> AsyncIterator[bytes]:
@@ -280,7 +402,7 @@ async def _stream(
     async def pump(i: int) -> None:
         try:
             async for res in sched.follow(rids[i], futs[i]):
-                await queue.put((i, res.to_json()))
+                await queue.put((i, res))
         except Exception as e:
             await queue.put((i, e))
         await queue.put((i, None))
@@ -299,11 +421,11 @@ async def _stream(
                        "code": code, "retryable": False}  # fmt: skip
                 yield b"data: " + orjson.dumps({"error": err}) + b"\n\n"
                 break
-            if sent is not None:
-                item = _delta(item, sent[i])
-            if many:
-                item["index"] = i
-            yield b"data: " + orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS) + b"\n\n"
+            args = (item, None if sent is None else sent[i], i if many else None)
+            if _entries(item) < HEAVY_ENTRIES:
+                yield _event(*args)
+            else:  # off the event loop: /health and other requests keep being served
+                yield await asyncio.to_thread(_event, *args)
         yield b"data: [DONE]\n\n"
     finally:  # done, failed, or the client went away (the response is cancelled): stop the rest
         for t in tasks:
@@ -360,7 +482,7 @@ def create_app(engine: Engine) -> Starlette:
             if s.rid in sched.by_rid or s.rid in seen:
                 raise ProtocolError(f"Duplicate request ID detected: {s.rid}")
             seen.add(s.rid)
-        _ask_logprobs(req, indexed, flags, engine.backend.vocab_size)
+        _ask_logprobs(req, indexed, flags, engine.args, engine.backend.vocab_size)
         rids = [s.rid for s in seqs]
         futs = []
         try:
@@ -384,9 +506,12 @@ def create_app(engine: Engine) -> Starlette:
             raise
         finally:
             watcher.cancel()
-        bodies = [r.to_json() for r in results]
-        out: Any = bodies if (req.is_batch or len(bodies) > 1) else bodies[0]
-        return OrjsonResponse(out)
+        many = req.is_batch or len(results) > 1
+        if sum(_entries(r) for r in results) < HEAVY_ENTRIES:
+            return Response(_body_bytes(results, many), media_type="application/json")
+        # a large answer is rendered off the event loop, so /health and other requests are served meanwhile
+        content = await asyncio.to_thread(_body_bytes, results, many)
+        return Response(content, media_type="application/json")
 
     async def abort_request(request: Request) -> Response:
         req = AbortRequest.from_json(await body(request, allow_empty=True))
@@ -414,8 +539,9 @@ def create_app(engine: Engine) -> Starlette:
     async def health_generate(request: Request) -> Response:
         if not sched.alive:
             return Response(status_code=503)
-        if sched.paused or sched.running:
-            return Response(status_code=200)  # the loop is alive and busy: no probe needed
+        if sched.paused or sched.running or sched.stepping:
+            # the loop is alive and busy: no probe, which would wait behind the step in progress
+            return Response(status_code=200)
         seq = Seq(
             rid=f"HEALTH_CHECK_{time.time()}_{uuid.uuid4().hex[:6]}",
             input_ids=[0],

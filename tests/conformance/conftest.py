@@ -27,6 +27,9 @@ EXTERNAL_URL = os.environ.get("RLACTORS_CONFORMANCE_URL")
 SGLANG_PYTHON = os.environ.get("RLACTORS_CONFORMANCE_SGLANG")
 # both servers run with this many requests at most, so a test can make one wait in the queue
 MAX_RUNNING = 4
+# real SGLang launched without what the reference server lacks, so both refuse the same requests
+# in the same words (its CPU install has the xgrammar backend and would serve regex and the like)
+SGLANG_AS_REFERENCE = ["--grammar-backend", "none"]
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +53,11 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
         yield EXTERNAL_URL.rstrip("/")
     elif SGLANG_PYTHON:
         yield from serving(
-            start_sglang_server(SGLANG_PYTHON, str(tiny_ckpt), ["--max-running-requests", str(MAX_RUNNING)])
+            start_sglang_server(
+                SGLANG_PYTHON,
+                str(tiny_ckpt),
+                ["--max-running-requests", str(MAX_RUNNING), *SGLANG_AS_REFERENCE],
+            )
         )
     else:
         yield from serving(start_reference_server(["--backend", "sim", "--model-path", str(tiny_ckpt),

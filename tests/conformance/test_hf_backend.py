@@ -229,3 +229,36 @@ def test_packed_parameters_take_buckets_of_consecutive_parameters(tiny_ckpt: Pat
     named[3][1].data = named[3][1].data.clone()  # the model's storage moved: no longer the buffer's
     assert packed.bucket(names, torch.float32, shapes) is None
     assert packed.bucket(names[:1], torch.float32, shapes[:1]) is not None
+
+
+HEALTH_BOUND_S = 2.0  # /health answers within this while a heavy request runs (issue 30 item 3)
+
+
+async def test_heavy_logprob_requests_are_bounded_and_health_keeps_answering(hf: httpx.AsyncClient) -> None:
+    """The issue's request (n=64, every token's log-prob, their texts, 8 tokens: 25M entries,
+    940 MB, 115 s, /health 30-52 s) is refused at once naming the flag. One at the default limit
+    (64 x 2,048 x 8 = 2**20 entries, ~40 MB) is served while /health answers within 2 s
+    throughout: the forward passes and the rendering run off the event loop."""
+    sp = {"n": 64, "max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}
+    body = {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True,
+            "return_text_in_logprobs": True}  # fmt: skip
+    r = await hf.post("/generate", json={**body, "top_logprobs_num": 49_152}, timeout=10)
+    assert (
+        r.status_code == 400 and "25165824 log-prob entries" in r.text and "--max-logprob-entries" in r.text
+    )
+    heavy = asyncio.create_task(hf.post("/generate", json={**body, "top_logprobs_num": 2048}, timeout=120))
+    polls, worst = 0, 0.0
+    while not heavy.done():
+        start = asyncio.get_running_loop().time()
+        assert (await hf.get("/health", timeout=HEALTH_BOUND_S * 5)).status_code == 200
+        worst = max(worst, asyncio.get_running_loop().time() - start)
+        polls += 1
+        await asyncio.wait({heavy}, timeout=0.05)  # poll pace; returns at once when it is done
+    r = await heavy
+    assert r.status_code == 200, r.text[:300]
+    out = r.json()
+    assert len(out) == 64 and all(len(o["meta_info"]["output_top_logprobs"]) == 8 for o in out)
+    assert all(
+        len(top) == 2048 and isinstance(top[0][2], str) for top in out[0]["meta_info"]["output_top_logprobs"]
+    )
+    assert polls >= 3 and worst < HEALTH_BOUND_S, (polls, worst)

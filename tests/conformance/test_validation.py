@@ -421,3 +421,110 @@ def test_a_dead_scheduler_still_exits_on_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+# ---- sampling fields SGLang checks against the model, and grammars (issue 28 item 2) -------
+
+GRAMMAR = ("Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the "
+           "server is launched with --grammar-backend none")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("sampling", "words"),
+    [
+        ({"regex": "[ab]+"}, GRAMMAR),
+        ({"json_schema": '{"type": "object"}'}, GRAMMAR),
+        ({"ebnf": 'root ::= "a"'}, GRAMMAR),
+        ({"structural_tag": "{}"}, GRAMMAR),
+        ({"regex": "a", "ebnf": "b"}, "Only one of json_schema, regex, ebnf, or structural_tag can be set."),
+        ({"stop": ["a"] * 33}, "at most 32 stop strings are allowed, got 33"),
+        ({"stop_regex": ["a"] * 33}, "at most 32 stop_regex patterns are allowed, got 33"),
+        ({"stop_regex": "a" * 300}, "stop_regex is 300 bytes, over the 256-byte limit"),
+        ({"logit_bias": {"abc": 1.0}}, "invalid literal for int() with base 10: 'abc'"),
+        ({"logit_bias": {"49152": 1.0}}, "logit_bias must has keys in [0, 49151], got 49152."),
+        ({"logit_bias": {"-1": 1.0}}, "logit_bias must has keys in [0, 49151], got -1."),
+    ],
+    ids=[
+        "regex",
+        "json-schema",
+        "ebnf",
+        "structural-tag",
+        "two-grammars",
+        "stop-count",
+        "stop-regex-count",
+        "stop-regex-size",
+        "logit-bias-key",
+        "logit-bias-past-vocab",
+        "logit-bias-negative",
+    ],
+)
+async def test_sampling_fields_are_refused_in_sglangs_words(
+    client: httpx.AsyncClient, sampling: dict[str, Any], words: str
+) -> None:
+    """The server has no grammar backend: a grammar gets the 400 SGLang launched with
+    ``--grammar-backend none`` gives (the stage launches it so), not unconstrained text."""
+    r = await client.post("/generate", json=gen({"max_new_tokens": 2, **sampling}), timeout=TIMEOUT)
+    assert r.status_code == 400 and message(r).endswith(words), r.text  # the reference names the field first
+
+
+async def test_empty_grammars_and_custom_params_are_served(client: httpx.AsyncClient) -> None:
+    """SGLang: an empty grammar is no grammar; ``custom_params`` only feeds a custom logit
+    processor (refused above), so it is carried and changes nothing."""
+    plain = await client.post("/generate", json=gen({"max_new_tokens": 3, "temperature": 0}), timeout=TIMEOUT)
+    for extra in ({"regex": "", "json_schema": "", "ebnf": ""}, {"custom_params": {"a": 1, "b": {"c": [1]}}}):
+        r = await client.post(
+            "/generate", json=gen({"max_new_tokens": 3, "temperature": 0, **extra}), timeout=TIMEOUT
+        )
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["output_ids"] == plain.json()["output_ids"]
+
+
+SURROGATES = [
+    b'{"text": "hi\\ud800", "sampling_params": {"max_new_tokens": 2}}',
+    b'{"input_ids": [5, 6], "rid": "\\ud800", "sampling_params": {"max_new_tokens": 2}}',
+    b'{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "stop": ["x", "\\udc00"]}}',
+    b'{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "logit_bias": {"\\ud800": 1.0}}}',
+    b'{"text": "hi\xed\xa0\x80", "sampling_params": {"max_new_tokens": 2}}',  # one encoded as UTF-8
+]
+
+
+@pytest.mark.parametrize("raw", SURROGATES, ids=["text", "rid", "stop", "key", "utf8-encoded"])
+async def test_a_lone_surrogate_is_400(client: httpx.AsyncClient, is_reference: bool, raw: bytes) -> None:
+    """Legal JSON, but not text: SGLang's parser refuses the body (400); the reference server
+    refused it with 500 (issue 30 item 3)."""
+    r = await client.post(
+        "/generate", content=raw, headers={"Content-Type": "application/json"}, timeout=TIMEOUT
+    )
+    assert r.status_code == 400, r.text
+    if is_reference:
+        assert "no low surrogate in string" in message(r)
+    await assert_still_serving(client)
+
+
+async def test_a_surrogate_pair_is_text(client: httpx.AsyncClient) -> None:
+    raw = b'{"text": "hi \\ud83d\\ude00", "sampling_params": {"max_new_tokens": 2}}'
+    r = await client.post(
+        "/generate", content=raw, headers={"Content-Type": "application/json"}, timeout=TIMEOUT
+    )
+    assert r.status_code == 200, r.text
+
+
+async def test_token_ids_logprob_empty_asks_for_none_and_nested_is_refused(client: httpx.AsyncClient) -> None:
+    """SGLang 0.5.23: ``[]`` asks for no token ids (no such fields); ``[[...]]`` for one prompt
+    gets its 400. Both were a 500 (IndexError) on the hf backend."""
+    body = gen({"max_new_tokens": 2}, return_logprob=True, token_ids_logprob=[])
+    r = await client.post("/generate", json=body, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert "output_token_ids_logprobs" not in r.json()["meta_info"]
+    for nested in ([[]], [[3]]):
+        body = gen({"max_new_tokens": 2}, return_logprob=True, token_ids_logprob=nested)
+        r = await client.post("/generate", json=body, timeout=TIMEOUT)
+        assert (r.status_code, message(r)) == (400, "token_ids_logprob must be a flat list of integers.")
+
+
+@pytest.mark.usefixtures("reference_only")
+async def test_a_stop_regex_that_does_not_compile_is_400(client: httpx.AsyncClient) -> None:
+    """SGLang answers 500 (its ``normalize`` raises re.error); a client error is a 400 here."""
+    r = await client.post("/generate", json=gen({"max_new_tokens": 2, "stop_regex": "("}), timeout=TIMEOUT)
+    assert r.status_code == 400 and message(r).startswith("invalid stop_regex '('"), r.text
+    await assert_still_serving(client)

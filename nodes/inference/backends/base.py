@@ -51,6 +51,26 @@ class Seq:
         return self.logprob_start is not None and self.input_logprobs is None
 
 
+def adjusts_logits(seq: Seq) -> bool:
+    """Whether SGLang would change this sequence's logits before sampling the next token: output
+    penalties once there is output, a ``logit_bias``, or stop tokens barred by ``min_new_tokens``."""
+    p = seq.params
+    penalties = p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+    return bool((penalties and seq.output_ids) or p.logit_bias or len(seq.output_ids) < p.min_new_tokens)
+
+
+def penalize(params: SamplingParams, logit: float, count: int) -> float:
+    """One token's logit after SGLang's output penalties (``penaltylib``), ``count`` being how
+    often the sequence has output it (prompt tokens are not counted): the additive ones first
+    (``frequency_penalty`` per occurrence, ``presence_penalty`` once), then
+    ``repetition_penalty`` (a positive logit divided by it, a negative one multiplied)."""
+    if count <= 0:
+        return logit
+    logit -= params.frequency_penalty * count + params.presence_penalty
+    r = params.repetition_penalty
+    return logit * r if logit < 0 else logit / r
+
+
 @dataclass
 class Sample:
     """One sampled token and its log-probability (log_softmax(logits / T), as SGLang reports);

@@ -7,7 +7,8 @@ attention mask and per-row positions), rebuilt only when the batch's membership 
 release a row's KV is cut out and handed to the radix cache; a later request that extends that
 prefix starts from it and prefills only the rest.
 
-Sampling: temperature, top_k, top_p, min_p. The reported log-probability is
+Sampling: SGLang's penalties and ``logit_bias`` (:meth:`HFBackend._adjust`), then temperature,
+top_k, top_p, min_p. The reported log-probability is
 ``log_softmax(logits / T)`` of the sampled token (``T = 1`` when greedy), SGLang's default since
 its PR #2664, so a trainer recomputing log-probs at the same temperature gets the same numbers.
 """
@@ -22,7 +23,7 @@ import structlog
 import torch
 
 from nodes.inference import weight_sync
-from nodes.inference.backends.base import InputLogprobs, Sample, Seq
+from nodes.inference.backends.base import InputLogprobs, Sample, Seq, adjusts_logits
 
 log = structlog.get_logger(__name__)
 
@@ -242,6 +243,8 @@ class HFBackend:
         for row, seq in enumerate(seqs):
             p = seq.params
             x = logits[row]
+            if adjusts_logits(seq):
+                x = self._adjust(seq, x.clone())
             if p.greedy:
                 logp = torch.log_softmax(x, dim=-1)
                 token = int(torch.argmax(x))
@@ -259,6 +262,28 @@ class HFBackend:
                 sample.ids = ids[0] if ids is not None else None
             out.append(sample)
         return out
+
+    def _adjust(self, seq: Seq, x: torch.Tensor) -> torch.Tensor:
+        """SGLang's changes to a row of logits before sampling, in its order: the output penalties
+        (see :func:`~nodes.inference.backends.base.penalize`), stop tokens barred while fewer
+        than ``min_new_tokens`` are out, then ``logit_bias`` added. The reported log-probs
+        (sampled, top, token ids) come from the changed logits, as SGLang's do."""
+        p, out = seq.params, seq.output_ids
+        if out and (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0):
+            counts = torch.bincount(torch.tensor(out, device=x.device), minlength=x.numel())[: x.numel()]
+            seen = counts > 0
+            x -= p.frequency_penalty * counts.to(x.dtype) + p.presence_penalty * seen.to(x.dtype)
+            if p.repetition_penalty != 1.0:
+                r = p.repetition_penalty
+                x = torch.where(seen, torch.where(x < 0, x * r, x / r), x)
+        if len(out) < p.min_new_tokens:
+            stops = [t for t in self.eos_token_ids | set(p.stop_token_ids or ()) if 0 <= t < x.numel()]
+            x[stops] = float("-inf")
+        if p.logit_bias:
+            bias = {int(k): v for k, v in p.logit_bias.items()}  # "1" and "01" are one token (the last wins)
+            ids = torch.tensor(list(bias), dtype=torch.long, device=x.device)
+            x[ids] += torch.tensor(list(bias.values()), dtype=x.dtype, device=x.device)
+        return x
 
     @staticmethod
     def _input_logprobs(seq: Seq, logits: torch.Tensor, targets: list[int]) -> InputLogprobs:
@@ -335,7 +360,7 @@ def _extras(
         vals, idx = torch.topk(logp, min(seq.top_logprobs, logp.shape[-1]), dim=-1)
         top = [list(zip(v, i, strict=True)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)]
     if seq.token_ids_logprob is not None:
-        ids = logp[:, torch.tensor(seq.token_ids_logprob, device=logp.device)].tolist()
+        ids = logp[:, torch.tensor(seq.token_ids_logprob, dtype=torch.long, device=logp.device)].tolist()
     return top, ids
 
 

@@ -7,20 +7,28 @@ checkpoint on disk (or of the tensors received over a weight-update group), so l
 weights back restores the same outputs, as with a real model. Latency: ``prefill_s_per_token``
 per uncached prompt token, ``decode_s_base + decode_s_per_seq * batch`` per decode step, both
 spent in ``asyncio.sleep`` so hundreds of requests cost almost nothing.
+
+SGLang's penalties, ``logit_bias`` and ``min_new_tokens`` move tokens within the sim's order of
+tokens at a position (:meth:`SimBackend._sample_adjusted`): a penalised token drops, a biased one
+rises, greedy picks the best, and the reported log-probs are the moved values.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import itertools
+import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from nodes.inference.backends.base import InputLogprobs, Sample, Seq
+from nodes.inference.backends.base import InputLogprobs, Sample, Seq, adjusts_logits, penalize
 from nodes.inference.radix import NoKV
 
 log = structlog.get_logger(__name__)
@@ -151,9 +159,69 @@ class SimBackend:
             ids = [lp - step * self._rank(g, t) for t in seq.token_ids_logprob]
         return top, ids
 
+    def _adjusted(self, seq: Seq, g: int, lp: float) -> dict[int, float]:
+        """The tokens whose value SGLang's logit changes move, with their new values: output
+        penalties (:func:`~nodes.inference.backends.base.penalize`), stop tokens barred before
+        ``min_new_tokens``, then ``logit_bias``. Every other token keeps its place in the order."""
+        p, out, step = seq.params, seq.output_ids, 4.0 / self.vocab_size
+        adj: dict[int, float] = {}
+        if out and (p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0):
+            for t, count in collections.Counter(out).items():
+                adj[t] = penalize(p, lp - step * self._rank(g, t), count)
+        if len(out) < p.min_new_tokens:
+            for t in self.eos_token_ids | set(p.stop_token_ids or ()):
+                if 0 <= t < self.vocab_size:
+                    adj[t] = -math.inf
+        for key, bias in (p.logit_bias or {}).items():
+            t = int(key)
+            adj[t] = adj.get(t, lp - step * self._rank(g, t)) + bias
+        return adj
+
+    def _sample_adjusted(self, seq: Seq, h: int) -> Sample:
+        """A sample from the order led by the unadjusted greedy token, with :meth:`_adjusted`'s
+        values in place of the moved tokens': greedy takes the best; with temperature, the drawn
+        token competes with the moved ones (Gumbel-max on the hash). Log-probs are the values."""
+        g, lp = self._pick(h)
+        step = 4.0 / self.vocab_size
+        adj = self._adjusted(seq, g, lp)
+
+        def value(t: int) -> float:
+            return adj[t] if t in adj else lp - step * self._rank(g, t)
+
+        def order() -> Iterator[int]:  # the unmoved tokens, best first
+            r = 0
+            while True:
+                t = g if r == 0 else self._ranked(g, r)
+                if t not in adj:
+                    yield t
+                r += 1
+
+        p = seq.params
+        if p.greedy:
+            token = max([next(order()), *adj], key=lambda t: (value(t), -t))
+        else:
+            n_out = len(seq.output_ids)
+            drawn, _ = self._pick(_mix(h ^ seq.seed ^ (n_out << 32)))
+
+            def score(t: int) -> float:
+                u = (_mix(h ^ seq.seed ^ t) >> 11) / float(1 << 53)
+                return value(t) / p.temperature - math.log(-math.log(max(u, 1e-300)))
+
+            token = max({drawn, *adj}, key=score)
+        sample = Sample(token=token, logprob=value(token))
+        if seq.top_logprobs > 0:
+            k = min(seq.top_logprobs, self.vocab_size)
+            free = [(value(t), t) for t in itertools.islice(order(), k)]
+            sample.top = sorted([*free, *((v, t) for t, v in adj.items())], key=lambda e: -e[0])[:k]
+        if seq.token_ids_logprob is not None:
+            sample.ids = [value(t) for t in seq.token_ids_logprob]
+        return sample
+
     def _sample(self, seq: Seq) -> Sample:
         n_out = len(seq.output_ids)
         h = self._dist(seq.slot, len(seq.input_ids) + n_out)  # (seq.ids would copy both lists)
+        if adjusts_logits(seq):
+            return self._sample_adjusted(seq, h)
         token, logprob = self._pick(h if seq.params.greedy else _mix(h ^ seq.seed ^ (n_out << 32)))
         sample = Sample(token=token, logprob=logprob)
         if seq.wants_extras:
