@@ -1,11 +1,14 @@
 """Fuzzing ``/generate``: hypothesis-generated bodies, well-formed and not, against a running
-reference server (sim backend). Every answer must be 200 or 400, in time; the server must stay
-healthy and still serve a normal request afterwards.
+reference server, on the sim backend and on the hf backend (the tiny checkpoint). Every answer
+must be 200 or 400, in time; the server must stay healthy and still serve a normal request
+afterwards.
 
 The values mix the right types with wrong ones (strings for numbers, floats for ints, booleans,
 nulls, NaN, nested lists) in every field SGLang's contract types, plus raw bytes that are not
-JSON. Generation lengths stay small (``max_new_tokens`` up to 8, or huge and refused) so a run of
-300 examples takes seconds.
+JSON, strings with lone surrogates (legal JSON, not text), empty and nested ``token_ids_logprob``,
+log-prob requests past ``--max-logprob-entries``, logit_bias keys that are no token, grammars and
+stop_regex patterns that do not compile. Generation lengths stay small (``max_new_tokens`` up to
+8, or huge and refused), so 2,000 bodies per backend take well under a minute.
 """
 
 from __future__ import annotations
@@ -22,18 +25,21 @@ from hypothesis import strategies as st
 from tests.conformance.conftest import EXTERNAL_URL, SGLANG_PYTHON
 
 pytestmark = pytest.mark.skipif(
-    bool(EXTERNAL_URL or SGLANG_PYTHON), reason="fuzzes the reference server (sim backend)"
+    bool(EXTERNAL_URL or SGLANG_PYTHON), reason="fuzzes the reference server (sim and hf backends)"
 )
 
 REQUEST_TIMEOUT_S = 30.0  # a valid example generates at most a few tokens per sequence
-EXAMPLES = 300
+EXAMPLES = 1500  # /generate bodies per backend (plus a third as many raw byte strings)
 
 # numbers that probe edges: sign, zero, float-for-int, past i64, NaN/inf
 INTS = st.one_of(st.integers(-3, 8), st.sampled_from([2**31, 2**63, -(2**63) - 1, 10**30]))
 FLOATS = st.one_of(
     st.floats(-3, 3, allow_nan=False), st.sampled_from([0.0, 1.0, 1.5, math.nan, math.inf, -math.inf, 1e300])
 )
-SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, st.text(max_size=8))
+# strings with a lone surrogate (``"\\ud800"`` on the wire), and a pair that is one real character
+ODD_TEXT = st.sampled_from(["hi\ud800", "\udc00x", "a\udbff\udfff", "ok \U0001f600"])
+TEXT = st.one_of(st.text(max_size=8), ODD_TEXT)
+SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXT)
 ANY_JSON = st.recursive(
     SCALARS,
     lambda inner: st.one_of(
@@ -58,7 +64,10 @@ SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "top_k": field(INTS),
     "min_p": field(st.floats(0, 1)),
     "n": field(st.integers(1, 4)),
-    "stop": field(st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3))),
+    "stop": field(st.one_of(TEXT, st.lists(TEXT, max_size=3))),
+    "stop_regex": field(
+        st.one_of(st.sampled_from(["a", "(", "[z-a]", "a{2,1}", "x*", ""]), st.lists(TEXT, max_size=3))
+    ),
     "stop_token_ids": field(st.lists(TOKEN, max_size=3)),
     "ignore_eos": field(st.booleans()),
     "skip_special_tokens": field(st.booleans()),
@@ -68,6 +77,12 @@ SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "repetition_penalty": field(FLOATS),
     "sampling_seed": field(INTS),
     "regex": field(st.text(max_size=4)),
+    "json_schema": field(st.sampled_from(["", "{}", "not json"])),
+    "ebnf": field(st.sampled_from(["", 'root ::= "a"'])),
+    "structural_tag": field(st.sampled_from(["", "{}"])),
+    "logit_bias": field(
+        st.dictionaries(st.one_of(st.integers(-2, 50_000).map(str), TEXT), FLOATS, max_size=3)
+    ),
     "custom_params": field(st.dictionaries(st.text(max_size=4), SCALARS, max_size=2)),
     "bogus": ANY_JSON,  # unknown: always refused
 }
@@ -96,26 +111,33 @@ def generate_bodies(draw: st.DrawFn) -> Any:
     if draw(st.booleans()):
         body["input_ids"] = draw(prompt)
     else:
-        body["text"] = draw(
-            field(st.one_of(st.text(max_size=20), st.lists(st.text(max_size=10), max_size=3)))
-        )
-    if draw(st.booleans()):
-        body["sampling_params"] = draw(
-            st.one_of(sampling_params(), st.lists(sampling_params(), max_size=3), ANY_JSON)
-        )
+        body["text"] = draw(field(st.one_of(st.text(max_size=20), ODD_TEXT, st.lists(TEXT, max_size=3))))
+    sp = draw(st.one_of(st.none(), sampling_params(), st.lists(sampling_params(), max_size=3), ANY_JSON))
+    # keep valid examples short (SGLang's default is 128 new tokens, seconds on the hf backend)
+    for one in sp if isinstance(sp, list) else [sp]:
+        if isinstance(one, dict):
+            one.setdefault("max_new_tokens", draw(st.integers(0, 8)))
+    body["sampling_params"] = sp if sp is not None else {"max_new_tokens": draw(st.integers(0, 8))}
     extras = {
-        "rid": field(
-            st.one_of(st.text(min_size=1, max_size=8), st.lists(st.text(min_size=1, max_size=8), max_size=3))
-        ),
+        "rid": field(st.one_of(st.text(min_size=1, max_size=8), ODD_TEXT, st.lists(TEXT, max_size=3))),
         "return_logprob": field(st.one_of(st.booleans(), st.lists(st.booleans(), max_size=3))),
         "stream": field(st.booleans()),
         "logprob_start_len": field(INTS),
-        "top_logprobs_num": field(INTS),
+        "top_logprobs_num": field(st.one_of(INTS, st.sampled_from([20, 10**6]))),
+        "token_ids_logprob": field(
+            st.one_of(
+                st.just([]),
+                st.just([[]]),
+                st.lists(TOKEN, max_size=3),
+                st.lists(st.lists(TOKEN, max_size=2), max_size=3),
+            )
+        ),
+        "return_text_in_logprobs": field(st.booleans()),
         "lora_path": field(st.none()),
         "priority": field(INTS),
         "bogus_top_level": ANY_JSON,
     }
-    for key in draw(st.lists(st.sampled_from(sorted(extras)), unique=True, max_size=3)):
+    for key in draw(st.lists(st.sampled_from(sorted(extras)), unique=True, max_size=4)):
         body[key] = draw(extras[key])
     return body
 
@@ -132,9 +154,11 @@ RAW_BODIES = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def http(server_url: str) -> Any:
-    with httpx.Client(base_url=server_url, timeout=REQUEST_TIMEOUT_S) as c:
+@pytest.fixture(scope="module", params=["sim", "hf"])
+def http(request: pytest.FixtureRequest, server_url: str) -> Any:
+    """The reference server under test: its sim backend, then its hf backend."""
+    url = server_url if request.param == "sim" else request.getfixturevalue("hf_url")
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as c:
         yield c
 
 
