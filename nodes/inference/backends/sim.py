@@ -180,7 +180,8 @@ class SimBackend:
     def _sample_adjusted(self, seq: Seq, h: int) -> Sample:
         """A sample from the order led by the unadjusted greedy token, with :meth:`_adjusted`'s
         values in place of the moved tokens': greedy takes the best; with temperature, the drawn
-        token competes with the moved ones (Gumbel-max on the hash). Log-probs are the values."""
+        token competes with the moved ones and the best unmoved one (Gumbel-max on the hash).
+        Log-probs are the values."""
         g, lp = self._pick(h)
         step = 4.0 / self.vocab_size
         adj = self._adjusted(seq, g, lp)
@@ -207,7 +208,7 @@ class SimBackend:
                 u = (_mix(h ^ seq.seed ^ t) >> 11) / float(1 << 53)
                 return value(t) / p.temperature - math.log(-math.log(max(u, 1e-300)))
 
-            token = max({drawn, *adj}, key=score)
+            token = max({drawn, next(order()), *adj}, key=score)  # the best unmoved one too: never all barred
         sample = Sample(token=token, logprob=value(token))
         if seq.top_logprobs > 0:
             k = min(seq.top_logprobs, self.vocab_size)
