@@ -98,11 +98,12 @@ async def test_repetition_penalty_lowers_only_output_tokens(c: httpx.AsyncClient
     assert margins(hit, token=2) == pytest.approx(margins(base, token=2), abs=TOL)
 
 
-async def test_min_new_tokens_bars_the_stop_token(c: httpx.AsyncClient) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_min_new_tokens_bars_the_stop_token(c: httpx.AsyncClient, temperature: float) -> None:
     """EOS made the certain pick: it still comes only after min_new_tokens tokens."""
-    eos = (await gen(c, n=1, logit_bias={"2": 100.0}))["output_ids"]
+    eos = (await gen(c, n=1, logit_bias={"2": 100.0}, temperature=temperature))["output_ids"]
     assert eos == [2]
-    body = await gen(c, n=8, logit_bias={"2": 100.0}, min_new_tokens=3)
+    body = await gen(c, n=8, logit_bias={"2": 100.0}, min_new_tokens=3, temperature=temperature)
     assert len(body["output_ids"]) == 4 and body["output_ids"][-1] == 2 and 2 not in body["output_ids"][:3]
     assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
 
