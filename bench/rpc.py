@@ -1,12 +1,15 @@
-"""Actor-call benchmark: rlactors vs raw asyncio pyzmq + msgpack vs Ray, measured in one run.
+"""Actor-call benchmark: rlactors vs raw asyncio pyzmq + msgpack vs Ray and Monarch, in one run.
 
-    python bench/rpc.py                 # everything (Ray only if installed)
+    python bench/rpc.py                 # everything (Ray and Monarch only if installed)
     python bench/rpc.py --quick         # shorter runs
 
 Prints, for each system: one-call-at-a-time round trip p50/p99, calls/s with 64 in flight,
-and 64 MiB tensor GiB/s (actor to actor; median of interleaved rounds against raw pyzmq from
-a worker process), each with its ratio to the raw baseline and to Ray;
-and how long a caller waits for ActorDiedError after kill -9 of the actor's process.
+64 MiB tensor GiB/s (actor to actor; median of interleaved rounds against raw pyzmq from
+a worker process), and a 64 MiB ``bytes`` echo from the driver (64 MiB over the round trip's
+time; median of interleaved rounds against raw pyzmq echoing the frame without a copy), each
+with its ratio to the raw baseline, to Ray and to Monarch; and how long a caller waits for
+ActorDiedError after kill -9 of the actor's process. Ray (``pip install ray``) and Monarch
+(``pip install torchmonarch``) are skipped, saying so, when not installed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ import zmq.asyncio
 
 import rlactors
 
+try:  # Monarch is optional, as Ray is: pip install torchmonarch
+    from monarch.actor import Actor as MonarchActor
+    from monarch.actor import endpoint, this_host
+except ImportError:
+    MonarchActor = None  # type: ignore[assignment,misc]
+
 MIB64 = 64 * 1024 * 1024
 TENSOR_ROUNDS = 7
 ROUNDS = 5  # alternating rounds of latency and throughput measurements
@@ -47,32 +56,43 @@ async def raw_server(address: str) -> None:
     while True:
         frames = await sock.recv_multipart(copy=False)
         ident, body = frames[0], frames[1]
-        call_id, _method, args = msgpack.unpackb(body.bytes)
-        if len(frames) > 2:  # a payload frame: acknowledge its size
+        call_id, method, args = msgpack.unpackb(body.bytes)
+        if method == "echo_frame":  # send the payload frame back as it came, without a copy
+            await sock.send_multipart([ident, msgpack.packb([call_id, None]), frames[2]], copy=False)
+        elif len(frames) > 2:  # a payload frame: acknowledge its size
             await sock.send_multipart([ident, msgpack.packb([call_id, len(frames[2].buffer)])], copy=False)
         else:
             await sock.send_multipart([ident, msgpack.packb([call_id, args[0]])])
 
 
 class RawClient:
-    def __init__(self, address: str) -> None:
+    """One DEALER; ``call`` waits for the reply. ``multipart``: replies may carry a payload frame,
+    received without a copy (for the bytes echo; the small-call baseline reads single frames)."""
+
+    def __init__(self, address: str, *, multipart: bool = False) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.connect(address)
         self.pending: dict[int, asyncio.Future[object]] = {}
         self.next_id = 0
-        self.reader = asyncio.ensure_future(self._read())
+        self.reader = asyncio.ensure_future(self._read_frames() if multipart else self._read())
 
     async def _read(self) -> None:
         while True:
             call_id, result = msgpack.unpackb(await self.sock.recv())
             self.pending.pop(call_id).set_result(result)
 
-    async def call(self, arg: object, payload: object = None) -> object:
+    async def _read_frames(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            call_id, result = msgpack.unpackb(frames[0].bytes)
+            self.pending.pop(call_id).set_result(frames[1].buffer if len(frames) > 1 else result)
+
+    async def call(self, arg: object, payload: object = None, method: str = "echo") -> object:
         self.next_id += 1
         fut = asyncio.get_running_loop().create_future()
         self.pending[self.next_id] = fut
-        frames = [msgpack.packb([self.next_id, "echo", [arg]])]
+        frames = [msgpack.packb([self.next_id, method, [arg]])]
         if payload is not None:
             frames.append(payload)
         await self.sock.send_multipart(frames, copy=False)
@@ -201,6 +221,7 @@ async def bench_rlactors(
             raw.append(await raw_sender.push(raw_address, MIB64, reps))
         res["tensor_gib_s"] = statistics.median(ours)
         raw_res["tensor_gib_s"] = statistics.median(raw)
+        res["bytes_gib_s"], raw_res["bytes_gib_s"] = await bytes_echo_rounds(echo.echo, raw_address, reps)
         # Death detection: kill -9 the actor's process while a call is pending.
         deaths = []
         for _ in range(5):
@@ -216,10 +237,77 @@ async def bench_rlactors(
     return res, raw_res
 
 
+async def bytes_echo_rate(call, reps: int) -> float:
+    """64 MiB of ``bytes`` sent and returned ``reps`` times: GiB/s of payload over the round trips."""
+    payload = b"\x01" * MIB64
+    back = await call(payload)
+    assert len(back) == MIB64
+    del back
+    start = time.perf_counter()
+    for _ in range(reps):
+        back = await call(payload)
+        assert len(back) == MIB64
+        del back  # a received view holds its message: drop it before the next one arrives
+    return MIB64 * reps / (time.perf_counter() - start) / 2**30
+
+
+async def bytes_echo_rounds(ours, raw_address: str, reps: int) -> tuple[float, float]:
+    """The bytes echo, rlactors and raw in alternating rounds from this process; medians."""
+    raw_client = RawClient(raw_address, multipart=True)
+    try:
+
+        async def raw(payload: bytes) -> object:
+            return await raw_client.call(0, payload, method="echo_frame")
+
+        rates: dict[str, list[float]] = {"ours": [], "raw": []}
+        for _ in range(TENSOR_ROUNDS):
+            rates["ours"].append(await bytes_echo_rate(ours, reps))
+            rates["raw"].append(await bytes_echo_rate(raw, reps))
+        return statistics.median(rates["ours"]), statistics.median(rates["raw"])
+    finally:
+        raw_client.close()
+
+
+if MonarchActor is not None:
+
+    class MonarchEcho(MonarchActor):
+        """Defined in the script: Monarch sends the class to its processes by value (cloudpickle)."""
+
+        @endpoint
+        async def echo(self, x: object) -> object:
+            return x
+
+
+def bench_monarch(seconds: float, n_lat: int, reps: int) -> dict[str, float] | None:
+    """Monarch (torchmonarch): the driver and one actor in a process of a one-process mesh."""
+    if MonarchActor is None:
+        print("monarch: not installed (pip install torchmonarch): skipped", flush=True)
+        return None
+
+    async def run() -> dict[str, float]:
+        procs = this_host().spawn_procs(per_host={"procs": 1})
+        try:
+            actor = procs.spawn("echo", MonarchEcho)
+
+            async def call(x: object) -> object:
+                return await actor.echo.call_one(x)
+
+            await latency_samples(call, 200)  # warm up
+            res = percentiles(await latency_samples(call, n_lat))
+            res["calls_per_s"] = await measure_throughput(call, seconds)
+            res["bytes_gib_s"] = statistics.median([await bytes_echo_rate(call, reps) for _ in range(3)])
+            return res
+        finally:
+            await procs.stop()
+
+    return asyncio.run(run())
+
+
 def bench_ray(seconds: float, n_lat: int, reps: int) -> dict[str, float] | None:
     try:
         import ray
     except ImportError:
+        print("ray: not installed (pip install ray): skipped", flush=True)
         return None
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -262,6 +350,12 @@ def bench_ray(seconds: float, n_lat: int, reps: int) -> dict[str, float] | None:
         res["calls_per_s"] = count / (time.perf_counter() - t)
         s = RaySender.remote()
         res["tensor_gib_s"] = ray.get(s.push.remote(a, MIB64, reps))
+        payload = b"\x01" * MIB64
+        ray.get(a.echo.remote(payload))
+        start = time.perf_counter()
+        for _ in range(reps):
+            assert len(ray.get(a.echo.remote(payload))) == MIB64
+        res["bytes_gib_s"] = MIB64 * reps / (time.perf_counter() - start) / 2**30
         return res
     finally:
         ray.shutdown()
@@ -273,6 +367,10 @@ def start_raw_server(address: str) -> subprocess.Popen[str]:
     )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
+
+
+def fmt_rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def fmt_ratio(x: float | None, base: float | None, lower_is_better: bool = False) -> str:
@@ -287,6 +385,7 @@ def main() -> None:
     ap.add_argument("--raw-server", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="shorter runs")
     ap.add_argument("--no-ray", action="store_true")
+    ap.add_argument("--no-monarch", action="store_true")
     args = ap.parse_args()
     try:
         import uvloop
@@ -319,28 +418,39 @@ def main() -> None:
     ray_res = None if args.no_ray else bench_ray(seconds, n_lat, reps)
     if ray_res:
         results["ray"] = ray_res
+    monarch_res = None if args.no_monarch else bench_monarch(seconds, n_lat, reps)
+    if monarch_res:
+        results["monarch"] = monarch_res
 
     print(
         f"\nmachine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, python {platform.python_version()}, "
         f"pyzmq {zmq.__version__}, uvloop {'yes' if uvloop else 'no'}"
     )
     print(
-        f"{'system':34} {'p50 µs':>8} {'p99 µs':>8} {'calls/s@64':>11} {'64MiB GiB/s':>12}  "
-        f"{'p50 vs raw':>10} {'calls vs raw':>12} {'GiB/s vs raw':>12} {'calls vs Ray':>12}"
+        f"{'system':34} {'p50 µs':>8} {'p99 µs':>8} {'calls/s@64':>11} {'tensor GiB/s':>12} {'bytes GiB/s':>11}  "
+        f"{'p50 vs raw':>10} {'calls vs raw':>12} {'tensor vs raw':>13} {'bytes vs raw':>12} "
+        f"{'calls vs Ray':>12} {'p50 vs Monarch':>14} {'calls vs Monarch':>16} {'bytes vs Monarch':>16}"
     )
     for name, r in results.items():
-        base = results.get(bases.get(name, ""), {})
+        base = results.get(bases.get(name, ""), {}) if name in bases else {}
+        peers = name not in ("ray", "monarch") and not name.startswith("raw")
+        mon = monarch_res if peers and monarch_res else {}
         print(
-            f"{name:34} {r['p50_us']:8.0f} {r['p99_us']:8.0f} {r['calls_per_s']:11.0f} {r.get('tensor_gib_s', 0):12.2f}  "
-            f"{fmt_ratio(r['p50_us'], base['p50_us'], True) if name in bases else '':>10} "
-            f"{fmt_ratio(r['calls_per_s'], base['calls_per_s']) if name in bases else '':>12} "
-            f"{fmt_ratio(r.get('tensor_gib_s'), base.get('tensor_gib_s')) if name in bases else '':>12} "
-            f"{fmt_ratio(r['calls_per_s'], ray_res['calls_per_s']) if ray_res and name != 'ray' else '':>12}"
+            f"{name:34} {r['p50_us']:8.0f} {r['p99_us']:8.0f} {r['calls_per_s']:11.0f} "
+            f"{fmt_rate(r.get('tensor_gib_s')):>12} {fmt_rate(r.get('bytes_gib_s')):>11}  "
+            f"{fmt_ratio(r['p50_us'], base.get('p50_us'), True):>10} "
+            f"{fmt_ratio(r['calls_per_s'], base.get('calls_per_s')):>12} "
+            f"{fmt_ratio(r.get('tensor_gib_s'), base.get('tensor_gib_s')):>13} "
+            f"{fmt_ratio(r.get('bytes_gib_s'), base.get('bytes_gib_s')):>12} "
+            f"{fmt_ratio(r['calls_per_s'], ray_res['calls_per_s'] if ray_res and peers else None):>12} "
+            f"{fmt_ratio(r['p50_us'], mon.get('p50_us'), True):>14} "
+            f"{fmt_ratio(r['calls_per_s'], mon.get('calls_per_s')):>16} "
+            f"{fmt_ratio(r.get('bytes_gib_s'), mon.get('bytes_gib_s')):>16}"
         )
     for name, r in results.items():
         if "death_ms" in r:
             print(f"{name}: kill -9 -> ActorDiedError at the caller in {r['death_ms']:.0f} ms (median of 5)")
-    print("(p50 ratio is raw/rlactors: >= 0.8 means within 1.25x of raw)")
+    print("(p50 ratios are theirs/ours: >= 0.8 vs raw means within 1.25x of raw; '-': not measured)")
 
 
 if __name__ == "__main__":
