@@ -234,6 +234,25 @@ def _load_easy(split: str, seed: int) -> tuple[list[dict[str, str]], str]:
     return items, f"single-digit sums and differences, generated offline ({split} split, seed {seed})"
 
 
+# -- products: arithmetic a calculator gets right ------------------------------------------
+
+PRODUCTS_TEST_SIZE = 64
+PRODUCTS_TRAIN_SIZE = 512
+
+
+def _load_products(split: str, seed: int) -> tuple[list[dict[str, str]], str]:
+    """``What is a * b?`` with a three-digit and a two-digit factor: beyond SmolLM2-135M unaided,
+    one line of Python with a tool (the agent config's task); test and train pairs disjoint."""
+    rnd = random.Random(f"products/{seed}")
+    pairs: dict[tuple[int, int], None] = {}
+    while len(pairs) < PRODUCTS_TEST_SIZE + PRODUCTS_TRAIN_SIZE:
+        pairs[(rnd.randint(100, 999), rnd.randint(11, 99))] = None
+    pool = list(pairs)
+    rows = pool[:PRODUCTS_TEST_SIZE] if split == "test" else pool[PRODUCTS_TEST_SIZE:]
+    items = [_item("products", split, i, f"What is {a} * {b}?", str(a * b)) for i, (a, b) in enumerate(rows)]
+    return items, f"three-digit by two-digit products, generated offline ({split} split, seed {seed})"
+
+
 # -- entry point --------------------------------------------------------------------------
 
 
@@ -263,6 +282,8 @@ def load_gsm8k(
         items, desc = _load_offline(split, seed, limit)
     elif source == "easy":
         items, desc = _load_easy(split, seed)
+    elif source == "products":
+        items, desc = _load_products(split, seed)
     elif source == "auto":
         try:
             items, desc = _load_hub(split, hub_timeout_s)
@@ -271,7 +292,7 @@ def load_gsm8k(
             items, desc = _load_offline(split, seed, limit)
             fallback = f"; used because {e}"
     else:
-        raise ValueError(f"unknown GSM8K source {source!r}; use auto, hub, local, offline or easy")
+        raise ValueError(f"unknown GSM8K source {source!r}; use auto, hub, local, offline, easy or products")
     items = _limited(items, limit)
     if not items:
         raise DataUnavailableError(f"no GSM8K {split} items: {desc}")

@@ -42,13 +42,19 @@ async def evaluate(
         await client.aclose()
     correct = sum(g.trajectories[0].reward for g in groups)
     low, high = accuracy_interval(correct, len(groups))
-    return {
+    out = {
         "eval/accuracy": correct / max(1, len(groups)),
         "eval/ci_low": low,
         "eval/ci_high": high,
         "eval/n": len(groups),
         "eval/version": version,
     }
+    if any("tool_calls" in g.trajectories[0].meta for g in groups):  # an agent's episodes
+        calling = sum(1 for g in groups if g.trajectories[0].meta.get("tool_calls"))
+        low, high = accuracy_interval(calling, len(groups))
+        out.update({"eval/tool_call_rate": calling / max(1, len(groups)), "eval/tool_call_ci_low": low,
+                    "eval/tool_call_ci_high": high})  # fmt: skip
+    return out
 
 
 def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:

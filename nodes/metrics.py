@@ -261,6 +261,11 @@ def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -
         parts.append(f"reward {r:.2f}")
     if (a := _num(metrics, "eval/accuracy")) is not None:
         parts.append(f"acc {a:.2f}{interval_text(metrics)}")
+    if (t := _num(metrics, "eval/tool_call_rate")) is not None:  # an agent's held-out episodes
+        half = (
+            (_num(metrics, "eval/tool_call_ci_high") or t) - (_num(metrics, "eval/tool_call_ci_low") or t)
+        ) / 2
+        parts.append(f"tools {t:.2f}±{half:.2f}")
     mean, mx = _num(metrics, "staleness/mean"), _num(metrics, "staleness/max")
     if mean is not None or mx is not None:
         parts.append("stale " + "/".join(f"{v:.{n}f}" for v, n in ((mean, 1), (mx, 0)) if v is not None))

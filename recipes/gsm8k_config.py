@@ -70,7 +70,8 @@ class ServersConfig:
 class DataConfig:
     # easy: single-digit sums SmolLM2-135M can learn on CPU (see nodes/data.py); GSM8K proper:
     # hub, local, offline (reasoning-gym's GSM8K-style generator) or auto (hub, else offline)
-    source: Literal["auto", "hub", "local", "offline", "easy"] = "easy"
+    # products: three-digit by two-digit products, for agents with a Python tool (configs/agent_cpu.toml)
+    source: Literal["auto", "hub", "local", "offline", "easy", "products"] = "easy"
     path: str = ""  # local parquet/jsonl file or folder (data.source = local or auto)
     train_limit: int = field(default=0, metadata=at_least(0))  # 0 = all
     # held-out problems, evaluated at version 0, every run.eval_every steps, at the end

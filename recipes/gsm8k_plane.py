@@ -21,7 +21,7 @@ from nodes.governor import GovernorActor
 from nodes.policy_sync import PolicySync
 from nodes.rollout.actor import RolloutActor, RolloutHandle
 from nodes.rollout.prompts import PromptSpec
-from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
+from nodes.rollout.workflows import WorkflowSpec
 from nodes.run_state import RunState
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.rank import TrainerRank
@@ -62,13 +62,18 @@ def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
 
 
 def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
-    """Evaluation: one sample per prompt at ``run.eval_temperature`` with the single-turn workflow
-    (the training workflow's settings otherwise, when they are single-turn settings)."""
+    """Evaluation: the training workflow (or the one it names as its ``eval_workflow``) with its
+    settings, one sample per prompt at ``run.eval_temperature``."""
+    from nodes.plugins import resolve
+
+    workflow = getattr(
+        resolve(cfg.rollout.workflow, "rollout.workflow"), "eval_workflow", cfg.rollout.workflow
+    )
     settings = cfg.rollout.workflow_args
-    if not isinstance(settings, RLVRConfig):  # a workflow of another kind: evaluate it as it trains
-        return WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, settings)
-    settings = dataclasses.replace(settings, n_samples=1, temperature=cfg.run.eval_temperature)
-    return WorkflowSpec("nodes.rollout.workflows:RLVRWorkflow", str(model), cfg.reward, settings)
+    names = {f.name for f in dataclasses.fields(settings)}
+    one = {"n_samples": 1, "temperature": cfg.run.eval_temperature}
+    settings = dataclasses.replace(settings, **{k: v for k, v in one.items() if k in names})
+    return WorkflowSpec(workflow, str(model), cfg.reward, settings)
 
 
 async def _start_servers(cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path) -> list[str]:
@@ -145,6 +150,8 @@ class Plane:
             "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
             "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
             "rollout/restarts": self.restarts,
+            **_workflow_counters(roll),
+            **_episode_info(trajs),
             **{f"train/{k}": float(v) for k, v in train.items() if isinstance(v, (int, float))},
             **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
             "data/groups": ",".join(g.group_id for g in batch.groups),
@@ -222,3 +229,19 @@ async def start_plane(
     ]
     sync.attach(governor, rollouts)
     return Plane(cluster, ranks, sync, governor, buffer, rollouts)
+
+
+def _workflow_counters(roll: list[dict[str, Any]]) -> dict[str, float]:
+    """The workflows' own counters (``workflow_<name>`` in the rollout actors' stats), summed."""
+    keys = {k for r in roll for k in r if k.startswith("workflow_")}
+    return {f"rollout/{k[len('workflow_') :]}": float(sum(r.get(k, 0) for r in roll)) for k in sorted(keys)}
+
+
+def _episode_info(trajs: list[Any]) -> dict[str, float]:
+    """Means of the numbers workflows put in a trajectory's ``meta["info"]`` (an agent's extra
+    return values, e.g. turns), as ``episode/<name>``."""
+    sums: dict[str, list[float]] = {}
+    for t in trajs:
+        for k, v in (t.meta.get("info") or {}).items():
+            sums.setdefault(k, []).append(float(v))
+    return {f"episode/{k}": sum(v) / len(v) for k, v in sorted(sums.items())}

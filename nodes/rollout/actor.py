@@ -117,6 +117,7 @@ class Rollout:
         """Own counters, the client's, and rates since start."""
         elapsed = time.monotonic() - self._started_at if self._started_at else 0.0
         out: dict[str, Any] = {**self.counters, **{f"client_{k}": v for k, v in self.client.counters.items()}}
+        out.update({f"workflow_{k}": v for k, v in getattr(self.workflow, "counters", {}).items()})
         out.update(inflight=len(self._tasks), paused=not self._dispatch.is_set(), version=self.client.version,
                    exhausted=self._exhausted, elapsed_s=elapsed,
                    episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,

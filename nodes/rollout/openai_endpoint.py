@@ -149,7 +149,8 @@ class ChatRequest:
     sampling: dict[str, Any]
 
     @classmethod
-    def parse(cls, body: Any) -> ChatRequest:
+    def parse(cls, body: Any, defaults: dict[str, Any]) -> ChatRequest:
+        """Check ``body``; ``defaults`` gives max_new_tokens and temperature when it does not."""
         if not isinstance(body, dict):
             raise EndpointError(400, "the request body must be a JSON object")
         messages = normalize_messages(body.get("messages"))
@@ -181,7 +182,7 @@ class ChatRequest:
             raise EndpointError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         sampling: dict[str, Any] = {
-            "max_new_tokens": DEFAULT_MAX_TOKENS
+            "max_new_tokens": defaults["max_new_tokens"]
             if max_tokens is None
             else _int({"max_tokens": max_tokens}, "max_tokens", 0, 1, 1 << 20)
         }
@@ -193,7 +194,7 @@ class ChatRequest:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                     raise EndpointError(400, f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
                 sampling[sglang] = float(v)
-        sampling.setdefault("temperature", 1.0)  # OpenAI's default
+        sampling.setdefault("temperature", defaults["temperature"])
         if body.get("seed") is not None:
             sampling["sampling_seed"] = _int(body, "seed", 0, -(1 << 63), (1 << 63) - 1)
         stop = body.get("stop")
@@ -252,6 +253,7 @@ class Episode:
     """What one agent episode generated: its samples (token sequences) and counters."""
 
     id: str
+    client: Any = None  # what generates its completions (None: the endpoint's client)
     samples: list[Sample] = field(default_factory=list)
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
@@ -288,10 +290,20 @@ class Episode:
 
 class ChatEndpoint:
     """The OpenAI-compatible endpoint: ``client`` generates (an SGLangClient, or anything with its
-    ``agenerate``), ``tokenizer`` renders and decodes, ``model`` is the name ``/v1/models`` gives."""
+    ``agenerate``; an episode may bring its own), ``tokenizer`` renders and decodes, ``model`` is the
+    name ``/v1/models`` gives."""
 
-    def __init__(self, client: Any, tokenizer: Any, model: str = "policy") -> None:
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Any,
+        model: str = "policy",
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        default_temperature: float = 1.0,
+    ) -> None:
+        """``default_*``: what a request that does not say gets (OpenAI's temperature is 1)."""
         self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.defaults = {"max_new_tokens": default_max_tokens, "temperature": default_temperature}
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default")  # the standalone server's /v1
         self._runner: web.AppRunner | None = None
@@ -318,9 +330,10 @@ class ChatEndpoint:
             await self._runner.cleanup()
             self._runner = None
 
-    def open_episode(self, episode_id: str | None = None) -> tuple[Episode, str]:
-        """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``)."""
-        ep = Episode(episode_id or uuid.uuid4().hex)
+    def open_episode(self, episode_id: str | None = None, client: Any = None) -> tuple[Episode, str]:
+        """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``); its
+        completions generate through ``client`` (default: the endpoint's)."""
+        ep = Episode(episode_id or uuid.uuid4().hex, client=client)
         self.episodes[ep.id] = ep
         return ep, f"{self.url}/episodes/{ep.id}/v1"
 
@@ -354,7 +367,7 @@ class ChatEndpoint:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as e:
             raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
-        req = ChatRequest.parse(body)
+        req = ChatRequest.parse(body, self.defaults)
         ep.counters["calls"] += 1
         try:
             choices = await self.complete(ep, req)
@@ -425,7 +438,7 @@ class ChatEndpoint:
 
     async def _generate(self, ep: Episode, s: Sample, req: ChatRequest) -> GenResult:
         rid = f"agent/{ep.id}/s{ep.samples.index(s)}/"
-        return await self.client.agenerate(
+        return await (ep.client or self.client).agenerate(
             GenRequest(list(s.ids), dict(req.sampling), rid=rid, top_logprobs_num=req.top_logprobs)
         )
 

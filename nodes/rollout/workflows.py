@@ -45,6 +45,7 @@ __all__ = [
     "Sample",
     "Workflow",
     "WorkflowSpec",
+    "all_or_none",
     "build_workflow",
     "chat_ids",
 ]
@@ -80,7 +81,7 @@ def new_attempt() -> str:
     return uuid.uuid4().hex[:8]
 
 
-async def _all_or_none(aws: Any) -> list[Any]:
+async def all_or_none(aws: Any) -> list[Any]:
     """Await all; on the first failure cancel the rest (no orphan generations keep a server busy
     after the episode was abandoned) and raise it. Being cancelled cancels them all, as with gather."""
     tasks = [asyncio.ensure_future(a) for a in aws]
@@ -215,7 +216,7 @@ class RLVRWorkflow:
         gid = group_id or uuid.uuid4().hex
         prompt = chat_ids(self.tokenizer, self.prompt_messages(item))
         attempt = new_attempt()
-        results = await _all_or_none(
+        results = await all_or_none(
             client.agenerate(
                 GenRequest(prompt, self.config.request_params(), rid=sample_rid(gid, i, attempt))
             )
@@ -245,6 +246,9 @@ class MultiTurnConfig(RLVRConfig):
 class MultiTurnWorkflow(RLVRWorkflow):
     """After a wrong answer, append a feedback user turn and generate again (AReaL's multi-turn example)."""
 
+    # held-out accuracy is the first answer's: evaluated as single-turn RLVR
+    eval_workflow: ClassVar[str] = "nodes.rollout.workflows:RLVRWorkflow"
+
     config: MultiTurnConfig
     config_class: ClassVar[type] = MultiTurnConfig
 
@@ -258,7 +262,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
     ) -> TrajectoryGroup:
         """Run ``n_samples`` independent conversations concurrently; one group."""
         gid, attempt = group_id or uuid.uuid4().hex, new_attempt()
-        trajs = await _all_or_none(
+        trajs = await all_or_none(
             self._conversation(client, item, gid, i, attempt) for i in range(self.config.n_samples)
         )
         return TrajectoryGroup(gid, list(trajs))

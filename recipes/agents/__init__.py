@@ -1,0 +1,1 @@
+"""Agents written against the OpenAI SDK, trained by nodes.rollout.agents:AgentWorkflow."""
