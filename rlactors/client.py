@@ -138,7 +138,10 @@ class Connection:
         *,
         name: str = "",
         on_link: Callable[[bool], None] | None = None,
+        first_link_within: float | None = None,
     ) -> None:
+        """``first_link_within``: seconds the first connection may take before calls fail with
+        ActorUnreachableError as after a lost one (None: wait; for a peer that may not be up yet)."""
         self.address = address
         self.name = name or address
         self._ids = itertools.count(1)
@@ -161,6 +164,9 @@ class Connection:
             on_too_large=self._on_too_large,
         )
         self._outbox = Outbox(self._asock, routed=False)
+        self._connect_timer: asyncio.TimerHandle | None = None
+        if first_link_within is not None:
+            self._connect_timer = self._loop.call_later(first_link_within, self._first_link_overdue)
         self._drop_log = Throttle(log, "dropped a reply that cannot be decoded", LOG_EVERY_S)
 
     @property
@@ -355,6 +361,9 @@ class Connection:
         if up:
             self._link_down, self._unreachable = False, None
             self._link_up.set()
+            if self._connect_timer is not None:
+                self._connect_timer.cancel()
+                self._connect_timer = None
             return
         self._link_up.clear()
         # The peer knows a reconnected socket by a new identity: replies to calls sent before
@@ -364,14 +373,25 @@ class Connection:
         if self._link_timer is None and self._closed_error is None:
             self._link_timer = self._loop.call_later(LINK_GRACE_S, self._link_lost)
 
-    def _link_lost(self) -> None:
+    def _first_link_overdue(self) -> None:
+        """Never connected (a partition, or a stopped process): fail as a lost connection does."""
+        self._connect_timer = None
+        if self._closed_error is None and not self._link_up.is_set():
+            self._link_down = True
+            self._link_lost(never=True)
+
+    def _link_lost(self, never: bool = False) -> None:
         self._link_timer = None
         if self._closed_error is not None:
             return
+        what = (
+            f"could not connect to {self.name}"
+            if never
+            else f"lost the connection to {self.name} (silent for {HEARTBEAT_TIMEOUT_MS / 1000:g}s, or gone) "
+            f"and it was not back {LINK_GRACE_S:g}s later"
+        )
         err = ActorUnreachableError(
-            f"lost the connection to {self.name} (silent for {HEARTBEAT_TIMEOUT_MS / 1000:g}s, or gone) "
-            f"and it was not back {LINK_GRACE_S:g}s later: a network partition, or a stopped process? "
-            "The call failed; it may or may not have run there"
+            f"{what}: a network partition, or a stopped process? The call failed; it may or may not have run there"
         )
         lost = list(self._pending) if self._link_down else [i for i in self._at_risk if i in self._pending]
         self._at_risk.clear()
@@ -392,9 +412,10 @@ class Connection:
         await self._link_up.wait()
 
     def close(self, exc: BaseException | None = None) -> None:
-        if self._link_timer is not None:
-            self._link_timer.cancel()
-            self._link_timer = None
+        for timer in (self._link_timer, self._connect_timer):
+            if timer is not None:
+                timer.cancel()
+        self._link_timer = self._connect_timer = None
         if self._closed_error is None:
             self._closed_error = exc or RuntimeShutdownError(f"connection to {self.name} closed")
         self.fail_all(self._closed_error)

@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 
 from rlactors.aio import wait_for
-from rlactors.client import ActorState, Args, Connection, StreamCall
+from rlactors.client import LINK_GRACE_S, ActorState, Args, Connection, StreamCall
 from rlactors.errors import (
     ActorDiedError,
     ActorNotFoundError,
@@ -21,6 +21,7 @@ from rlactors.errors import (
 )
 from rlactors.logging import Throttle
 from rlactors.security import Security
+from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
 log = structlog.get_logger("rlactors.runtime")
 
@@ -213,8 +214,13 @@ class RuntimeClient:
         conn = self._conns.get(st.address)
         if conn is None or conn.closed:
             who = f"actor {st.name} ({st.actor_id})" if st.name else f"actor {st.actor_id}"
+            # The actor was listening when the head made it ALIVE: a first connection that does
+            # not come up (a partition, a stopped worker) fails its calls rather than leave them waiting.
             conn = self._conns[st.address] = Connection(
-                st.address, self.security, name=f"{who} at {st.address}"
+                st.address,
+                self.security,
+                name=f"{who} at {st.address}",
+                first_link_within=HEARTBEAT_TIMEOUT_MS / 1000 + LINK_GRACE_S,
             )
         return conn
 

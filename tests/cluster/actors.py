@@ -43,6 +43,9 @@ class Member(rlactors.Actor):
     async def node(self) -> str:
         return rlactors.get_context().node_id
 
+    async def pid(self) -> int:
+        return os.getpid()
+
     async def hostname_ip(self) -> str:
         import socket
 

@@ -184,6 +184,50 @@ async def test_a_one_way_partition_between_caller_and_worker_fails_the_call(two_
             await asyncio.sleep(0.2)
 
 
+async def test_a_worker_cut_off_from_one_caller_is_not_replaced(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    caller = await cluster.spawn(Member, node_id="h0")
+    worker = await cluster.spawn(Member, node_id="h1", max_restarts=1)
+    pid = await worker.pid()
+    c2.hosts.blackhole(1, c2.hosts.ip(0))
+    try:  # the caller's first connection to it cannot come up: its call fails, never waits forever
+        outcome = await wait_for(caller.call_other(worker, "busy", 60), 40)
+        assert outcome.startswith("ActorUnreachableError: could not connect"), outcome
+    finally:
+        c2.hosts.unblackhole(1, c2.hosts.ip(0))
+    # The caller gave up about 9 s after the cut, past fence_after (node_timeout + 6 s): had the
+    # worker's own agent lost it too, it would have been killed by now. Its agent still hears it.
+    (info,) = [a for a in await cluster.actors() if a["actor_id"] == worker.actor_id]
+    assert info["state"] == "ALIVE" and info["restarts"] == 0 and info["pid"] == pid
+    assert await wait_for(worker.pid(), NO_HANG) == pid
+
+
+async def test_a_partitioned_nodes_actor_is_not_run_twice(two_hosts) -> None:
+    cluster, c2 = two_hosts
+    m = await cluster.spawn(Member, name="once", node_id="h1", max_restarts=2)
+    pid = await m.pid()
+    c2.hosts.partition(1)
+    try:
+        death = await wait_for(cluster.watch(m), 30)
+        # Dead, not restarted (here or on h0): its old incarnation may still run, cut off.
+        assert death["state"] == "DEAD" and not death["restarting"], death
+        await _wait_nodes(cluster, {"h0"})
+        assert _running(pid)  # it does still run
+        with pytest.raises(rlactors.ActorNotFoundError):
+            await cluster.get_actor("once")
+    finally:
+        c2.hosts.heal(1)
+    # Back, its agent is told it was declared dead and stops the stale worker before registering.
+    await _wait_nodes(cluster, {"h0", "h1"})
+    async with asyncio.timeout(NO_HANG):
+        while _running(pid):  # noqa: ASYNC110 (another process's state)
+            await asyncio.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
 # A driver on host h0 with an actor on h1: it prints the actor's id, then (told on stdin) calls it.
 DRIVER = """
 import asyncio, sys
