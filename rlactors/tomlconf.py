@@ -208,7 +208,7 @@ def from_dict(
             path = f"{prefix}.{name}" if prefix else name
             current = kwargs[name] if name in kwargs else _default(f)
             tp = _settings_class(fields, name, data, base, source, path)
-            kwargs[name] = _as_settings(current, tp) or tp()
+            kwargs[name] = _as_settings(current, tp) or from_dict(tp, {}, source=source, prefix=path)
         if (
             name not in kwargs
             and f.default is dataclasses.MISSING

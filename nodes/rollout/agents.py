@@ -67,8 +67,6 @@ class AgentWorkflow:
 
     def __init__(self, tokenizer: Any, reward: RewardRunner, config: AgentConfig | None = None) -> None:
         self.tokenizer, self.config = tokenizer, config or AgentConfig()
-        if not self.config.agent:
-            raise ValueError("AgentWorkflow needs workflow_args.agent = 'module:function'")
         self.agent = resolve(self.config.agent, "rollout.workflow_args.agent")
         c = self.config
         # one endpoint for the workflow's episodes, whichever client each generates with (the
