@@ -23,6 +23,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from rlactors.config import (
@@ -207,8 +208,10 @@ def _age(seconds: float | None) -> str:
         return "-"
     if seconds < 10:
         return f"{seconds:.1f}s"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
     if seconds < 3600:
-        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s" if seconds >= 60 else f"{seconds:.0f}s"
+        return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
     return f"{int(seconds) // 3600}h{int(seconds) % 3600 // 60:02d}m"
 
 
@@ -218,17 +221,20 @@ def _fmt_res(total: dict[str, float], used: dict[str, float]) -> str:
 
 def _doing(a: dict[str, Any]) -> str:
     """What an actor is doing, in a few words."""
+    reason = escape(a["reason"])  # a reason may hold brackets rich would read as markup
     if a["state"] == "DEAD":
-        return a["reason"] or "dead"
+        return reason or "dead"
     if a["state"] != "ALIVE":
-        return a["state"].lower() + (f": {a['reason']}" if a["reason"] else "")
+        return a["state"].lower() + (f": {reason}" if reason else "")
     act = a.get("activity")
+    if act is None and a["heard_s"] is not None and a["heard_s"] < 2:
+        return "[red]not answering[/] (its process does: a blocked event loop?)"
     if act is None:
         return "[red]not answering[/]"
     if not act["running"]:
         return "idle"
     calls = "1 call" if act["running"] == 1 else f"{act['running']} calls"
-    return f"running {calls}; oldest {act['oldest_method']} for {_age(act['oldest_s'])}"
+    return f"running {calls}; oldest {escape(act['oldest_method'])} for {_age(act['oldest_s'])}"
 
 
 def _tables(status: dict[str, Any]) -> Group:

@@ -80,6 +80,10 @@ class Blob(rlactors.Actor):
     async def echo(self, data: object) -> object:
         return data
 
+    async def block_loop(self, seconds: float) -> None:
+        """Blocks this worker's event loop (a CPU-bound step in an async method)."""
+        time.sleep(seconds)  # noqa: ASYNC251 (the point: it blocks the loop)
+
     async def bound(self) -> int:
         from rlactors.transport import max_message_bytes
 

@@ -18,6 +18,7 @@ import pytest
 
 import rlactors
 from rlactors.config import load_cluster_config
+from tests.cluster.actors import Blob
 from tests.cluster.test_cli import free_port, run_cli, write_config
 from tests.runtime.actors import Counter
 
@@ -88,6 +89,8 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
             idle = await cluster.spawn(Counter, name="idle", detached=True)
             busy = await cluster.spawn(Counter, name="busy", detached=True)
             stopped = await cluster.spawn(Counter, name="stopped", detached=True)
+            blocked = await cluster.spawn(Blob, name="blocked", detached=True)
+            blocked.block_loop.tell(600)
             busy.sleep.tell(600)
             busy.sleep.tell(600)
             assert await busy.add(1) == 1  # calls arrive in order: both sleeps have started
@@ -111,6 +114,11 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
         assert actors["idle"]["heard_s"] == 0.0
         busy = actors["busy"]["activity"]
         assert busy["running"] == 2 and busy["oldest_method"] == "sleep" and busy["oldest_s"] > 0
+        # A blocked event loop says nothing, but its process answers ZeroMQ's heartbeats.
+        deadline = time.monotonic() + 30
+        while (b := {x["name"]: x for x in _status(up)["actors"]}["blocked"])["activity"] is not None:
+            assert time.monotonic() < deadline, b  # not blocked yet: the told call is on its way
+        assert b["heard_s"] == 0.0
         # A stopped worker is ALIVE to the head, but says nothing: the status shows it.
         deadline = time.monotonic() + 30
         while (a := {x["name"]: x for x in _status(up)["actors"]}["stopped"])["heard_s"] in (0.0, None):
@@ -118,7 +126,14 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
         assert a["state"] == "ALIVE" and a["activity"] is None and a["heard_s"] >= 6.0
         table = run_cli(["status"], up)
         assert table.returncode == 0, table.stderr
-        for text in ("last heard", "not answering", "running 2 calls; oldest sleep for", "idle", "DEAD"):
+        for text in (
+            "last heard",
+            "not answering",
+            "a blocked event loop?",
+            "running 2 calls; oldest sleep for",
+            "idle",
+            "DEAD",
+        ):
             assert text in table.stdout, table.stdout
     finally:
         os.kill(stopped_pid, signal.SIGCONT)
