@@ -10,12 +10,14 @@ produced is kept in ``results``, and :meth:`Evaluator.summary` compares the firs
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import structlog
 
 from nodes.metrics import accuracy_interval, interval_text
 from nodes.rollout.workflows import WorkflowSpec, build_workflow
+from nodes.trace import TRACE
 
 __all__ = ["Evaluator", "eval_summary", "evaluate"]
 
@@ -31,6 +33,7 @@ async def evaluate(
     from nodes.rollout.client import SGLangClient
 
     client = SGLangClient(urls, version=version)
+    started = time.time()
     try:
         groups = await asyncio.gather(
             *(workflow.arun_episode(client, it, f"eval/v{version}/{i}") for i, it in enumerate(items))
@@ -40,6 +43,7 @@ async def evaluate(
         return {"eval/accuracy": float("nan"), "eval/version": version}
     finally:
         await client.aclose()
+        TRACE.span("eval", started, time.time(), thread="eval", version=version)
     correct = sum(g.trajectories[0].reward for g in groups)
     low, high = accuracy_interval(correct, len(groups))
     out = {

@@ -96,6 +96,7 @@ class RunConfig:
     batch_timeout_s: float = field(default=900.0, metadata=above(0))
     # after SIGTERM: finish the step in progress and checkpoint it within this, else stop at once
     term_grace_s: float = field(default=120.0, metadata=above(0))
+    trace: bool = True  # <out_dir>/trace.json (Perfetto, chrome://tracing) and timeline.png
     seed: int = field(default=0, metadata=at_least(0))
 
     def __post_init__(self) -> None:

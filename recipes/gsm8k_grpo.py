@@ -107,7 +107,7 @@ async def loop(
     """Asynchronous GRPO: batch -> rewards -> advantages -> train -> publish -> log (eval, checkpoint)."""
     B, steps = cfg.async_.batch_size, cfg.run.steps
     while state.step < steps:
-        t_wait = time.monotonic()
+        started, t_wait = time.time(), time.monotonic()
         batch = await term.wait(plane.get_batch(B, state.version, cfg.run.batch_timeout_s))
         t_train = time.monotonic()
         rewards = shape_rewards(batch, cfg.advantage.shaping)  # [advantage.shaping] bias, scale, clip
@@ -127,6 +127,7 @@ async def loop(
                 await evaluator.start(plane.sync.live, state.version)
         metrics.log(state.step, m)
         print(format_step_line(state.step, steps, m), flush=True)
+        await plane.record_step(state.step, started, times)  # the run's timeline (run.trace)
         if state.checkpoint_due(cfg.run.checkpoint_every, steps):
             await state.save(plane.ranks)
         term.check()
@@ -153,9 +154,12 @@ def last_checkpoint(out: Path) -> Path | None:
 def report(out: Path) -> None:
     """The plot, and where everything is."""
     from nodes.metrics import plot_run
+    from nodes.trace import plot_timeline
 
     png = plot_run(out / "metrics.jsonl", out / "run.png")
     print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {last_checkpoint(out) or '-'}")
+    if (trace := out / "trace.json").exists() and (timeline := plot_timeline(trace, out / "timeline.png")):
+        print(f"      timeline {trace} (Perfetto, chrome://tracing) | {timeline}")
     print(f"      tensorboard --logdir {out / 'tensorboard'}")
 
 

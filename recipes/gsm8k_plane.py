@@ -23,6 +23,7 @@ from nodes.rollout.actor import RolloutActor, RolloutHandle
 from nodes.rollout.prompts import PromptSpec
 from nodes.rollout.workflows import WorkflowSpec
 from nodes.run_state import RunState
+from nodes.trace import TRACE, TraceWriter
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.rank import TrainerRank
 from recipes.gsm8k_config import ModelConfig, RecipeConfig
@@ -113,6 +114,7 @@ class Plane:
     governor: Any
     buffer: Any
     rollouts: list[RolloutHandle]
+    tracer: TraceWriter | None = None  # the run's timeline (run.trace)
     restarts: int = 0  # rollout-actor restarts reported so far
 
     async def get_batch(self, size: int, version: int, timeout: float) -> Any:
@@ -157,10 +159,35 @@ class Plane:
             "data/groups": ",".join(g.group_id for g in batch.groups),
         }
 
+    async def record_step(self, step: int, started: float, times: dict[str, float]) -> None:
+        """Append the step to the run's timeline (``tracer``; nothing without one): its phases on
+        the driver's track, then every actor's events since the last step."""
+        if self.tracer is None:
+            return
+        t = started
+        for name, seconds in times.items():
+            TRACE.span(name, t, t + seconds)
+            t += seconds
+        TRACE.span("step", started, t, step=step)
+        self.tracer.write(await self.trace_events())
+
+    async def trace_events(self) -> list[dict[str, Any]]:
+        """Every actor's timeline events since the last call (their recording starts with the
+        first), and counters of the governor's admission and the buffer's size."""
+        rollouts = await asyncio.gather(*(r.drain_trace() for r in self.rollouts))
+        ranks = await self.ranks.drain_trace()
+        gov, buf = await asyncio.gather(self.governor.stats(), self.buffer.stats())
+        TRACE.counter("governor", capacity=gov["capacity"], running=gov["running"])
+        TRACE.counter("buffer", ready=buf["ready"], in_flight=buf["in_flight"])
+        return [e for events in (*rollouts, *ranks) for e in events] + TRACE.drain()
+
     async def stop(self) -> None:
-        """Stop the rollout actors and close the weight-update client (the cluster stops the rest)."""
+        """Stop the rollout actors and close the weight-update client and the timeline (the
+        cluster stops the rest)."""
         await asyncio.gather(*(r.stop() for r in self.rollouts), return_exceptions=True)
         await self.sync.aclose()
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 async def start_plane(
@@ -228,7 +255,12 @@ async def start_plane(
         for i in range(n)
     ]
     sync.attach(governor, rollouts)
-    return Plane(cluster, ranks, sync, governor, buffer, rollouts)
+    plane = Plane(cluster, ranks, sync, governor, buffer, rollouts)
+    if cfg.run.trace:
+        TRACE.track = "driver"
+        plane.tracer = TraceWriter(state.out / "trace.json")
+        plane.tracer.write(await plane.trace_events())  # every process records from now on
+    return plane
 
 
 def _workflow_counters(roll: list[dict[str, Any]]) -> dict[str, float]:

@@ -31,6 +31,7 @@ from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import PromptSpec, prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
+from nodes.trace import TRACE
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
 from rlactors.runtime import current_client
@@ -256,6 +257,7 @@ class Rollout:
         await _aw(self.governor.finish(self.holder_id, 0, n))
 
     async def _episode(self, gid: str, item: Any) -> None:
+        started = time.time()
         try:
             try:
                 group = await self.workflow.arun_episode(self.client, item, gid)
@@ -278,6 +280,7 @@ class Rollout:
         finally:
             self._tasks.pop(gid, None)
             self._slot_freed.set()
+            TRACE.async_span("episode", f"{gid}#{started}", started, time.time(), TRACE.track, group=gid)
 
     async def _put(self, gid: str, group: Any) -> None:
         for attempt in range(self.config.put_retries + 1):
@@ -364,6 +367,7 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         if isinstance(buffer, str):
             buffer = await ctx.cluster.get_actor(buffer)
         holder_id = f"{ctx.actor_id}:{ctx.restarts}"  # a restarted incarnation is a new holder
+        TRACE.track = ctx.name or holder_id
         await governor.register(holder_id, ctx.actor_id)
         await buffer.register(holder_id, ctx.actor_id)
         # A restart re-runs this with the spawn's arguments: take the version the servers hold now
@@ -392,6 +396,11 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
                 log.info("rollout.dispatch_ended_while_stopping", error=self.failure)
                 return
             log.error("rollout.dispatch_failed", error=self.failure)
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """This process's timeline events since the last call (nodes/trace.py); recording starts
+        with the first call."""
+        return TRACE.drain()
 
     def retire_server(self, url: str) -> bool:
         """Stop routing to a server that is gone."""

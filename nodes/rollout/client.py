@@ -34,6 +34,7 @@ import structlog
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
 from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, Session, WireError
+from nodes.trace import TRACE
 from protocols.sglang import AbortRequest, GenerateBody, request_body
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
@@ -68,6 +69,7 @@ class GenRequest:
     sampling_params: dict[str, Any] = field(default_factory=dict)
     rid: str | None = None
     top_logprobs_num: int = 0  # > 0: also the most likely tokens at each output position
+    trace_id: str | None = None  # the trajectory's, on this request's span in the run's timeline
 
 
 @dataclass
@@ -204,6 +206,7 @@ class SGLangClient:
     async def agenerate(self, request: GenRequest) -> GenResult:
         """Generate to completion across pauses (abort mode), retries and failovers."""
         rid = request.rid or uuid.uuid4().hex
+        started = time.time()
         sp = dict(request.sampling_params)
         if sp.get("n", 1) != 1:
             raise ValueError("GenRequest: sampling_params.n must be 1; send n requests for n samples")
@@ -213,9 +216,13 @@ class SGLangClient:
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(request.input_ids)
         try:
-            return await self._generate_loop(request, rid, sp, budget, server, res)
+            await self._generate_loop(request, rid, sp, budget, server, res)
         finally:
             self._active.pop(rid, None)
+        TRACE.async_span("generate", f"{rid}#{started}", started, time.time(), f"server {res.server}",
+                         rid=rid, trace_id=request.trace_id, prompt_tokens=res.prompt_tokens,
+                         output_tokens=len(res.output_ids), aborts=res.aborts, posts=res.posts)  # fmt: skip
+        return res
 
     async def _generate_loop(
         self,

@@ -438,9 +438,9 @@ class ChatEndpoint:
 
     async def _generate(self, ep: Episode, s: Sample, req: ChatRequest) -> GenResult:
         rid = f"agent/{ep.id}/s{ep.samples.index(s)}/"
-        return await (ep.client or self.client).agenerate(
-            GenRequest(list(s.ids), dict(req.sampling), rid=rid, top_logprobs_num=req.top_logprobs)
-        )
+        trace_id = s.meta.setdefault("trace_id", rid.rstrip("/"))
+        request = GenRequest(list(s.ids), dict(req.sampling), rid, req.top_logprobs, trace_id)
+        return await (ep.client or self.client).agenerate(request)
 
     def _forced_prefix(self, req: ChatRequest) -> list[int]:
         """Ids put at the start of the answer for tool_choice ``required`` or a named function

@@ -157,6 +157,7 @@ class Sample:
             [*self.versions],
         )
         twin.meta = {**self.meta, "finish_reasons": [*self.meta["finish_reasons"]]}
+        twin.meta.pop("trace_id", None)  # its own, set when it generates
         return twin
 
     def add_output(self, res: GenResult) -> None:
@@ -218,17 +219,22 @@ class RLVRWorkflow:
         attempt = new_attempt()
         results = await all_or_none(
             client.agenerate(
-                GenRequest(prompt, self.config.request_params(), rid=sample_rid(gid, i, attempt))
+                GenRequest(
+                    prompt,
+                    self.config.request_params(),
+                    rid=sample_rid(gid, i, attempt),
+                    trace_id=f"{gid}/s{i}",
+                )
             )
             for i in range(self.config.n_samples)
         )
         texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
         rewards = await asyncio.gather(*(self.reward(t, item) for t in texts))
         trajs = []
-        for res, reward in zip(results, rewards, strict=True):
+        for i, (res, reward) in enumerate(zip(results, rewards, strict=True)):
             s = Sample(prompt, self.config.temperature)
             s.add_output(res)
-            s.meta["turns"] = 1
+            s.meta.update(turns=1, trace_id=f"{gid}/s{i}")
             trajs.append(s.trajectory(reward, gid, len(prompt)))
         return TrajectoryGroup(gid, trajs)
 
@@ -272,11 +278,12 @@ class MultiTurnWorkflow(RLVRWorkflow):
         messages = self.prompt_messages(item)
         prompt = chat_ids(self.tokenizer, messages)
         s = Sample(prompt, c.temperature)
+        s.meta["trace_id"] = f"{gid}/s{i}"
         reward = 0.0
         for turn in range(c.max_turns):
             # one rid for every turn: sticky routing sends the next turn to the server holding the prefix
             res = await client.agenerate(
-                GenRequest(s.ids, c.request_params(), rid=sample_rid(gid, i, attempt))
+                GenRequest(s.ids, c.request_params(), rid=sample_rid(gid, i, attempt), trace_id=f"{gid}/s{i}")
             )
             s.add_output(res)
             text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from nodes.plugins import resolve
+from nodes.trace import TRACE
 from nodes.trainer.balance import plan_batch, split_across_ranks
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.loss import LossSums, gather_logprobs_entropy
@@ -163,7 +164,7 @@ class FSDPTrainer:
         ``batch.advantages`` has one value per trajectory of ``batch.trajectories``
         (nodes/advantage.py), put on each of its loss tokens.
         """
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         trajs = batch.trajectories
         if len(batch.advantages) != len(trajs):
             raise ValueError(
@@ -185,6 +186,7 @@ class FSDPTrainer:
                     mb.ref_logp = self._recompute(self.ref_model, mb)
         self.model.train()
         t_prox = time.perf_counter() - t0
+        TRACE.span("proximal log-probs", wall0, wall0 + t_prox)
 
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
@@ -197,10 +199,11 @@ class FSDPTrainer:
             for k, mb in enumerate(mini):
                 if isinstance(self.model, FSDPModule):
                     self.model.set_requires_gradient_sync(k == len(mini) - 1)
-                out = self._forward_loss(mb)
-                # FSDP averages gradients over ranks; the loss is a token mean over the global minibatch
-                scale = self.world / max(1, global_loss_tokens)
-                (out.loss_sum * scale).backward()
+                with TRACE.phase("forward/backward", minibatch=i, microbatch=k):
+                    out = self._forward_loss(mb)
+                    # FSDP averages gradients over ranks; the loss is a token mean over the global minibatch
+                    scale = self.world / max(1, global_loss_tokens)
+                    (out.loss_sum * scale).backward()
                 loss_sum += out.loss_sum.detach()
                 for key, v in out.sums.items():
                     sums[key] = sums[key] + v.double() if key in sums else v.double()
@@ -208,11 +211,13 @@ class FSDPTrainer:
                     maxes[key] = torch.maximum(maxes[key], v.double()) if key in maxes else v.double()
                 for key, v in out.mins.items():
                     mins[key] = torch.minimum(mins[key], v.double()) if key in mins else v.double()
+            opt_start = time.time()
             grad_norms.append(self._clip_grads())
             self._check_update(loss_sum, grad_norms[-1], f"minibatch {i + 1} of {len(mbs)}")
             lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
             self.optimizer.step()
             self.scheduler.step()
+            TRACE.span("optimizer", opt_start, time.time(), minibatch=i)
             self.optim_steps += 1
         loss_tokens = sum(t.loss_tokens for t in trajs)
         stats = self._reduce_stats(sums, maxes, mins, loss_tokens)
@@ -233,6 +238,13 @@ class FSDPTrainer:
         )
         self.version += 1
         stats["version"] = self.version
+        TRACE.span(
+            "train step",
+            wall0,
+            time.time(),
+            version=self.version,
+            trace_ids=[t.meta.get("trace_id") for t in trajs],
+        )
         self.log.info(
             "train_step",
             version=self.version,

@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 import rlactors
+from nodes.trace import TRACE
 from nodes.trainer.config import TrainConfig
 from protocols.rl import Batch  # imported here so this worker can decode the batches it is sent
 
@@ -52,6 +53,7 @@ class TrainerRank(rlactors.Actor):
             # the node agent may narrow CUDA_VISIBLE_DEVICES to this actor's GPU(s)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         self.trainer = FSDPTrainer(train_cfg)
+        TRACE.track = f"trainer-{dist.get_rank()}"
         log.info("trainer_rank_ready", rank=dist.get_rank(), world_size=dist.get_world_size())
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "version": self.trainer.version}
 
@@ -119,6 +121,11 @@ class TrainerRank(rlactors.Actor):
         from nodes.trainer import checkpoint
 
         return dataclasses.asdict(checkpoint.load(self._need(), path))
+
+    def drain_trace(self) -> list[dict[str, Any]]:
+        """This rank's timeline events since the last call (nodes/trace.py); recording starts with
+        the first call. Not collective."""
+        return TRACE.drain()
 
     def version(self) -> int:
         """The policy version the weights are at."""

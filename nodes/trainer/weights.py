@@ -37,6 +37,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from nodes.trace import TRACE
 from nodes.trainer.config import PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
@@ -207,7 +208,7 @@ class WeightPusher:
         caller continues them once its clients have re-posted, so each server has work the moment
         it continues. A push that fails continues them whatever ``keep_paused`` says.
         """
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         distributed = self.cfg.method == "distributed"
         pause = self.cfg.pause_mode if self.rank == 0 else None  # rank 0 pauses, in this mode
         session = self.rank == 0 and distributed and self.cfg.weight_update_session
@@ -246,6 +247,11 @@ class WeightPusher:
                 log.warning("weight_push_prepare_unfinished", servers=len(late))
             self._undo(undo)  # best effort: never leave a server paused or in our session
         elapsed = time.perf_counter() - t0
+        paused, sent = wall0 + (t_paused - t0), wall0 + (t_sent - t0)
+        TRACE.span("pause servers", wall0, paused)
+        TRACE.span("send weights", paused, sent, bytes=nbytes)
+        TRACE.span("resume servers", sent, wall0 + elapsed)
+        TRACE.span("weight push", wall0, wall0 + elapsed, version=version)
         if self.rank == 0:
             log.info(
                 "weights_pushed",
@@ -342,7 +348,8 @@ class WeightPusher:
     def _timed_gather(self, k: int) -> list[tuple[str, torch.Tensor]]:
         t0 = time.perf_counter()
         try:
-            return self.gatherer.gather(k)
+            with TRACE.phase("gather", bucket=k):
+                return self.gatherer.gather(k)
         finally:
             self._timing["gather_s"] += time.perf_counter() - t0
 
@@ -367,9 +374,10 @@ class WeightPusher:
     def _finish(self, inflight: tuple[list, list[Future]]) -> None:
         t0 = time.perf_counter()
         works, posts = inflight
-        for w in works:
-            w.wait(datetime.timedelta(seconds=self.cfg.group_timeout_s))
-        self._wait(posts)
+        with TRACE.phase("broadcast"):
+            for w in works:
+                w.wait(datetime.timedelta(seconds=self.cfg.group_timeout_s))
+            self._wait(posts)
         self._timing["wait_s"] += time.perf_counter() - t0
 
     def _push_disk(self, version: int) -> int:

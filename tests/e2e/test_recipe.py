@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from nodes.trace import read_trace
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
 SMALL = [
@@ -42,6 +44,35 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def check_timeline(out: Path) -> None:
+    """trace.json is trace-event JSON with every phase, complete spans nest on each track, and a
+    trajectory's trace id is on its generate span and on the train step that consumed it."""
+    events = read_trace(out / "trace.json")
+    json.loads((out / "trace.json").read_text())  # closed: strict JSON
+    names = {e["name"] for e in events if e.get("ph") in ("X", "b")}
+    assert names >= {"step", "wait", "train", "push", "eval", "train step", "proximal log-probs",
+                     "forward/backward", "optimizer", "weight push", "pause servers", "send weights",
+                     "resume servers", "gather", "broadcast", "generate", "episode"}  # fmt: skip
+    assert {e["name"] for e in events if e.get("ph") == "C"} == {"governor", "buffer"}
+    tracks: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in tracks.values():
+        for a0, a1 in spans:
+            for b0, b1 in spans:  # disjoint, or one inside the other
+                assert (
+                    a1 <= b0 + 1
+                    or b1 <= a0 + 1
+                    or (a0 <= b0 + 1 and b1 <= a1 + 1)
+                    or (b0 <= a0 + 1 and a1 <= b1 + 1)
+                )
+    trained = {i for e in events if e.get("name") == "train step" for i in e["args"]["trace_ids"]}
+    generated = {e["args"]["trace_id"] for e in events if e.get("ph") == "b" and e["name"] == "generate"}
+    assert trained and trained <= generated  # every trained trajectory's requests are on the timeline
+    assert (out / "timeline.png").stat().st_size > 10_000
+
+
 @pytest.mark.slow
 def test_three_async_steps_then_resume(tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -58,6 +89,7 @@ def test_three_async_steps_then_resume(tmp_path: Path) -> None:
     assert (out / "run.png").stat().st_size > 10_000
     assert (out / "checkpoints" / "step-3").is_dir()
     assert f"checkpoint {out / 'checkpoints' / 'step-3'}" in first.stdout
+    check_timeline(out)
 
     second = recipe([*SMALL, "run.steps=5", "run.checkpoint_every=5", f"run.out_dir={out}", "--resume"])
     assert second.returncode == 0, second.stderr[-3000:]
