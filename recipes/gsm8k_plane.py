@@ -169,7 +169,9 @@ class Plane:
             TRACE.span(name, t, t + seconds)
             t += seconds
         TRACE.span("step", started, t, step=step)
+        begun = time.time()
         self.tracer.write(await self.trace_events())
+        TRACE.span("trace", begun, time.time())  # what this costs the loop (bench/trace_overhead.py)
 
     async def trace_events(self) -> list[dict[str, Any]]:
         """Every actor's timeline events since the last call (their recording starts with the
