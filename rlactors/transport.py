@@ -10,11 +10,12 @@ ROUTER sockets set ``ROUTER_MANDATORY``: a reply to a peer that is gone raises i
 vanishing, and is logged. When ZeroMQ's high-water mark is reached, messages wait in a
 local backlog and are retried; nothing is dropped silently.
 
-Message size: every socket sets ``ZMQ_MAXMSGSIZE`` to :data:`FRAME_BYTES` (plus CURVE's
+Message size: every TCP socket sets ``ZMQ_MAXMSGSIZE`` to :data:`FRAME_BYTES` (plus CURVE's
 overhead), so a peer that has not authenticated can make this process hold at most one such
 frame before its handshake fails: a frame header declaring 4 GiB closes the connection at once.
 Larger buffers travel as several frames of at most :data:`FRAME_BYTES` and are joined again on
-arrival (a marker frame says how). A whole message is bounded by ``max_message_bytes``
+arrival (a marker frame says how; one copy). Over ipc, whose sockets live in a folder only their
+user can enter, frames travel whole (no copy). A whole message is bounded by ``max_message_bytes``
 (``RLACTORS_MAX_MESSAGE_BYTES``, default 1 GiB): the sender refuses a bigger one with
 :class:`~rlactors.errors.MessageTooLargeError`, and so does a receiver with a smaller bound.
 
@@ -193,6 +194,7 @@ class AsyncSocket:
         *,
         name: str = "",
         on_too_large: Callable[[list[Any], str], None] | None = None,
+        whole_frames: bool = False,
     ) -> None:
         self.sock = sock
         self.name = name
@@ -200,6 +202,7 @@ class AsyncSocket:
         # Told of a message over max_message_bytes (its frames, joined, and why), instead of on_message.
         self._on_too_large = on_too_large
         self._skip = 1 if sock.type == zmq.ROUTER else 0  # the peer's identity frame
+        self._whole = whole_frames  # send frames uncut (ipc: no stranger can connect)
         self._size_log = Throttle(log, "refused a message over max_message_bytes", REJECT_LOG_EVERY_S)
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
@@ -252,7 +255,7 @@ class AsyncSocket:
     def _receive(self, frames: list[Any]) -> None:
         k = self._skip
         size = 0
-        if (len(frames) - k) * _MAXMSGSIZE > _max_message_bytes:  # else it cannot be over the bound
+        if self._whole or (len(frames) - k) * _MAXMSGSIZE > _max_message_bytes:  # else within the bound
             size = message_bytes(frames[k:])
         if len(frames) > k and len(frames[k]) and frames[k].buffer[0] == _CHUNKED[0]:
             try:
@@ -274,7 +277,9 @@ class AsyncSocket:
         """Send one multipart message now, or queue it behind earlier ones at the high-water mark."""
         if self.closed:
             raise ConnectionError(f"socket {self.name} is closed")
-        if self._skip:
+        if self._whole:
+            frames = list(frames)
+        elif self._skip:
             frames = [frames[0], *_cut(frames[1:])]
         else:
             frames = _cut(frames)
@@ -386,12 +391,18 @@ def _batches(envelopes: list[list[Any]]) -> list[list[list[Any]]]:
     return out
 
 
-def _configure(sock: zmq.Socket) -> None:
+def _whole_frames(address: str) -> bool:
+    """Whether frames to and from ``address`` travel uncut: ipc only (see the module's docstring)."""
+    return address.startswith("ipc://")
+
+
+def _configure(sock: zmq.Socket, whole_frames: bool) -> None:
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.LINGER, 0)
     # Before authentication a peer can make us hold one frame: keep that small (see FRAME_BYTES).
-    sock.setsockopt(zmq.MAXMSGSIZE, _MAXMSGSIZE)
+    # Over ipc only our own user can connect; max_message_bytes is checked on arrival.
+    sock.setsockopt(zmq.MAXMSGSIZE, -1 if whole_frames else _MAXMSGSIZE)
     # ZMTP heartbeats are answered by ZeroMQ's I/O thread, so a busy event loop still answers them;
     # a peer that stays silent is disconnected, which the caller turns into failed calls.
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
@@ -420,14 +431,15 @@ def bind_router(
     """Bind a ROUTER socket; returns it and the concrete address (with the chosen port)."""
     sock = context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    _configure(sock)
+    whole = _whole_frames(address)
+    _configure(sock, whole)
     if security is not None:
         security.apply_server(sock)
     if address.startswith("tcp://") and address.endswith(":0"):
         address = address[:-2] + ":*"
     sock.bind(address)
     concrete = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large)
+    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole)
     if security is not None:
         _log_rejections(asock)
     return asock, concrete
@@ -466,13 +478,14 @@ def connect_dealer(
     ``on_link(False)`` when it is lost (peer gone, or silent past the heartbeat timeout).
     """
     sock = context().socket(zmq.DEALER)
-    _configure(sock)
+    whole = _whole_frames(address)
+    _configure(sock, whole)
     sock.setsockopt(zmq.IMMEDIATE, 0)
     # A connection attempt into a partition gives up and retries, so the link is back soon after it heals.
     sock.setsockopt(zmq.CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if security is not None:
         security.apply_client(sock)
-    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large)
+    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole)
     if on_link is not None:
         monitor(
             asock,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 import rlactors
 from rlactors import transport
@@ -152,3 +153,18 @@ async def test_buffers_larger_than_a_frame_arrive_whole(address: str) -> None:
         assert isinstance(back, np.ndarray) and back.shape == (n,)
         assert np.array_equal(back, data)
         assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize(("scheme", "limit"), [("tcp", transport.FRAME_BYTES + 64), ("ipc", -1)])
+async def test_only_tcp_sockets_bound_frames(tmp_path: Path, scheme: str, limit: int) -> None:
+    # ipc sockets live in a folder only their user can enter: no stranger, and frames stay whole
+    # (no copy to join them); a TCP socket refuses a frame past FRAME_BYTES before anything else.
+    address = f"ipc://{tmp_path}/s" if scheme == "ipc" else "tcp://127.0.0.1:0"
+    router, bound = transport.bind_router(address, lambda frames: None, None, name="router")
+    dealer = transport.connect_dealer(bound, lambda frames: None, None, name="dealer")
+    try:
+        for asock in (router, dealer):
+            assert asock.sock.getsockopt(zmq.MAXMSGSIZE) == limit
+    finally:
+        dealer.close()
+        router.close()
