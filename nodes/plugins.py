@@ -2,14 +2,22 @@
 
 The recipe names its reward, advantage estimator, loss and workflow this way, as AReaL names its
 workflows: a new one is a function in any importable module, not an edit here.
+
+A function brings its own settings as a workflow does: a dataclass set as its ``config_class``
+attribute (``fn.config_class = MySettings``), filled from the ``fn_args`` table beside its ``fn``
+(``[reward.fn_args]``, ``[advantage.fn_args]``, ``[trainer.loss.fn_args]``);
+:func:`function_settings` finds it for the config loader. A function without one takes no table.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["resolve"]
+from protocols.codec import register
+
+__all__ = ["NoSettings", "function_settings", "resolve"]
 
 
 def resolve(path: str, key: str = "import path") -> Any:
@@ -27,3 +35,18 @@ def resolve(path: str, key: str = "import path") -> Any:
         except AttributeError:
             raise ValueError(f"'{key}' = {path!r}: {module!r} has no {attr!r}") from None
     return obj
+
+
+@register
+@dataclass
+class NoSettings:
+    """The settings of a function that declares none: its ``fn_args`` table must stay empty."""
+
+
+def function_settings(path: str, key: str = "fn") -> type:
+    """The settings class (``config_class``) of the function at import path ``path``, or
+    :class:`NoSettings`; errors name ``key``."""
+    settings = getattr(resolve(path, key), "config_class", NoSettings)
+    if not isinstance(settings, type):
+        raise ValueError(f"'{key}' = {path!r}: its config_class must be a dataclass, got {settings!r}")
+    return settings

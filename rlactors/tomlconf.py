@@ -190,7 +190,11 @@ def from_dict(
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = (
-                f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(fields))})"
+                f" (did you mean '{close[0]}'?)"
+                if close
+                else f" (valid keys: {', '.join(sorted(fields))})"
+                if fields
+                else " (this table takes no keys)"
             )
             raise ConfigError(f"{source}: unknown key '{path}'{hint}")
         inner = getattr(base, key) if base is not None else _default(fields[key])

@@ -9,12 +9,51 @@ is a ``ValueError`` naming the key and what is allowed; the recipe's loader adds
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from nodes.plugins import function_settings
 from protocols.codec import register
 from rlactors.tomlconf import above, at_least, check_ranges, import_path, within
 
-__all__ = ["LossConfig", "PushConfig", "TrainConfig"]
+__all__ = ["LossConfig", "MismatchCorrections", "PushConfig", "TrainConfig", "loss_settings"]
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+@register
+@dataclass
+class MismatchCorrections:
+    """:func:`~nodes.trainer.loss.decoupled_ppo_loss`'s own settings (``[trainer.loss.fn_args]``):
+    corrections for the train-inference mismatch, on top of decoupled PPO. All off by default and
+    composable; the formulas and their sources are in the loss's docstring.
+
+    The behaviour weight is ``w = pi_prox / pi_behave`` per token. Token MIS and IcePop are the same
+    two-sided token mask on it (IcePop's published bounds: ``mis_low = 0.5``, ``mis_high = 5``).
+    """
+
+    tis_cap: float | None = field(default=None, metadata=above(0))  # token TIS: w -> min(w, C)
+    mis_low: float | None = field(default=None, metadata=at_least(0))  # token MIS/IcePop: w < low masked
+    mis_high: float | None = field(default=None, metadata=above(0))  # token MIS/IcePop: w > high masked
+    # a sequence whose geometric-mean w (exp of its mean log w) is outside [low, high] is masked
+    geo_low: float | None = field(default=None, metadata=at_least(0))
+    geo_high: float | None = field(default=None, metadata=above(0))
+    seq_ratio: bool = (
+        False  # GSPO: the PPO ratio is the sequence's geometric-mean ratio, clipped per sequence
+    )
+    seq_eps_clip: float = field(default=3e-4, metadata=within(0, 1, open_=True))  # GSPO paper's values
+    seq_eps_clip_higher: float = field(default=4e-4, metadata=above(0))
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        for lo, hi in (("mis_low", "mis_high"), ("geo_low", "geo_high")):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a is not None and b is not None and a > b:
+                raise ValueError(f"'{lo}' must be <= {hi} ({b}), got {a}")
+
+
+def loss_settings(path: str) -> type:
+    """The settings class of the loss function at import path ``path`` (its ``config_class``)."""
+    return function_settings(path, "trainer.loss.fn")
 
 
 @register
@@ -23,9 +62,17 @@ class LossConfig:
     """The policy loss, by import path, and its knobs (defaults: AReaL's GSM8K GRPO recipe).
 
     ``fn`` is called with keyword arguments ``logp, prox_logp, behave_logp, advantages, loss_mask,
-    cfg, entropy, ref_logp`` (token-aligned tensors; ``cfg`` is this object) and returns a
-    :class:`nodes.trainer.loss.LossSums`: the loss as a token sum and its statistics, each in the
-    table that says how it reduces over micro-batches and ranks. See :func:`decoupled_ppo_loss`.
+    cfg, entropy, ref_logp`` (token-aligned ``[sequences, tokens]`` tensors, one row per sequence;
+    ``cfg`` is this object) and returns a :class:`nodes.trainer.loss.LossSums`: the loss as a sum
+    the trainer divides by the global count of loss tokens or sequences, and its statistics, each in
+    the table that says how it reduces over micro-batches and ranks. See :func:`decoupled_ppo_loss`.
+
+    The function's own settings are ``cfg.fn_args``: an instance of its ``config_class`` from
+    ``[trainer.loss.fn_args]`` (:class:`MismatchCorrections` for the default loss).
+    ``agg`` says how token losses become the loss (every step exact over micro-batches and ranks):
+    ``token-mean`` (sum over all loss tokens / their count), ``seq-mean-token-mean`` (each
+    sequence's token mean, averaged over sequences), ``seq-mean-token-sum`` (each sequence's token
+    sum / ``agg_norm``, averaged over sequences: Dr. GRPO with ``agg_norm`` = the max new tokens).
     """
 
     fn: str = field(default="nodes.trainer.loss:decoupled_ppo_loss", metadata=import_path())
@@ -35,6 +82,10 @@ class LossConfig:
     c_clip: float | None = field(default=None, metadata=above(1))  # dual clip for negative advantages
     behav_imp_weight_cap: float | None = field(default=5.0, metadata=above(0))
     kl_coef: float = field(default=0.0, metadata=at_least(0))  # k3 KL to a reference model, added to the loss
+    agg: Aggregation = "token-mean"  # how token losses are averaged (see above)
+    agg_norm: float = field(default=1.0, metadata=above(0))  # seq-mean-token-sum's constant divisor
+    # the function's own settings: an instance of its config_class, from [trainer.loss.fn_args]
+    fn_args: Any = field(default_factory=MismatchCorrections, metadata={"settings_of": ("fn", loss_settings)})
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -192,8 +192,14 @@ class FSDPTrainer:
         maxes: dict[str, torch.Tensor] = {}
         mins: dict[str, torch.Tensor] = {}
         grad_norms = []
+        objective = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's share
         for i, (groups, mini) in enumerate(zip(self.minibatches(batch), mbs, strict=True)):
-            global_loss_tokens = sum(t.loss_tokens for g in groups for t in batch.groups[g].trajectories)
+            # the loss divides by a count over the whole (multi-rank) minibatch: of loss tokens, or
+            # of sequences with a loss token (the seq-mean aggregations)
+            counts = {"tokens": 0, "sequences": 0}
+            for t in (t for g in groups for t in batch.groups[g].trajectories):
+                counts["tokens"] += t.loss_tokens
+                counts["sequences"] += t.loss_tokens > 0
             self.optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             for k, mb in enumerate(mini):
@@ -201,10 +207,11 @@ class FSDPTrainer:
                     self.model.set_requires_gradient_sync(k == len(mini) - 1)
                 with TRACE.phase("forward/backward", minibatch=i, microbatch=k):
                     out = self._forward_loss(mb)
-                    # FSDP averages gradients over ranks; the loss is a token mean over the global minibatch
-                    scale = self.world / max(1, global_loss_tokens)
+                    # FSDP averages gradients over ranks: scale by world / the global count
+                    scale = self.world / max(1, counts[out.mean_over])
                     (out.loss_sum * scale).backward()
                 loss_sum += out.loss_sum.detach()
+                objective += out.loss_sum.detach().double() * (scale / self.world)
                 for key, v in out.sums.items():
                     sums[key] = sums[key] + v.double() if key in sums else v.double()
                 for key, v in out.maxes.items():
@@ -221,6 +228,8 @@ class FSDPTrainer:
             self.optim_steps += 1
         loss_tokens = sum(t.loss_tokens for t in trajs)
         stats = self._reduce_stats(sums, maxes, mins, loss_tokens)
+        dist.all_reduce(objective)
+        stats["loss"] = float(objective) / len(mbs)  # the objective, averaged over optimizer steps
         stats.update(self._staleness(trajs))
         elapsed = time.perf_counter() - t0
         stats.update(

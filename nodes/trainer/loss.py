@@ -6,12 +6,17 @@ trainer's weights at the start of this step, log-probs recomputed without grad),
 policy being updated. The PPO ratio and its clip are taken against the proximal policy; the
 off-policyness of the samples is corrected by the behaviour importance weight
 ``exp(prox - behave)``. Tokens whose behaviour weight exceeds ``behav_imp_weight_cap`` are masked
-out of the loss (they still count in the token-mean denominator), as AReaL does.
+out of the loss (they still count in the denominator), as AReaL does.
 
-A loss returns a :class:`LossSums`: the loss as a token *sum* and its statistics in three
-tables that say how each reduces over micro-batches and ranks (token sums, reported per loss
-token; maxima; minima), so a micro-batched, multi-rank step divides by the global token count and
-reduces statistics it has never heard of. Another loss is a function with
+Corrections for the train-inference mismatch (``[trainer.loss.fn_args]``,
+:class:`~nodes.trainer.config.MismatchCorrections`) change that weight, mask tokens or whole
+sequences, or make the PPO ratio sequence-level (GSPO); each reports its statistics.
+
+A loss returns a :class:`LossSums`: the loss as a *sum* over tokens or sequences (``mean_over``)
+and its statistics in three tables that say how each reduces over micro-batches and ranks (token
+sums, reported per loss token; maxima; minima), so a micro-batched, multi-rank step divides by the
+global count and reduces statistics it has never heard of. :func:`aggregate` turns token losses
+into that sum for ``[trainer.loss] agg``. Another loss is a function with
 :func:`decoupled_ppo_loss`'s keyword arguments, named in ``[trainer.loss] fn``.
 """
 
@@ -19,12 +24,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from nodes.trainer.config import LossConfig
+from nodes.trainer.config import LossConfig, MismatchCorrections
 
-__all__ = ["LossConfig", "LossSums", "decoupled_ppo_loss", "gather_logprobs_entropy"]
+__all__ = [
+    "LossConfig",
+    "LossSums",
+    "MismatchCorrections",
+    "aggregate",
+    "decoupled_ppo_loss",
+    "gather_logprobs_entropy",
+]
 
 
 def gather_logprobs_entropy(
@@ -54,11 +67,13 @@ def gather_logprobs_entropy(
 
 @dataclass
 class LossSums:
-    """A micro-batch's loss as a token sum (divide by the global loss-token count) and its stats.
+    """A micro-batch's loss as a sum (the trainer divides it by the global count of loss tokens, or
+    of sequences with a loss token, as ``mean_over`` says) and its statistics.
 
     ``sums`` are token sums (divide by ``n_tokens`` after reducing), ``maxes``/``mins`` reduce by
     max/min (±inf when the micro-batch has no loss tokens). All are 0-d tensors on the logits'
-    device, so a step can stack and all-reduce them once instead of syncing per micro-batch.
+    device, so a step can stack and all-reduce them once instead of syncing per micro-batch. The
+    step's ``loss`` statistic is the trainer's: the objective it differentiated.
     """
 
     loss_sum: torch.Tensor
@@ -66,6 +81,41 @@ class LossSums:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     maxes: dict[str, torch.Tensor] = field(default_factory=dict)
     mins: dict[str, torch.Tensor] = field(default_factory=dict)
+    mean_over: Literal["tokens", "sequences"] = "tokens"
+
+
+def aggregate(
+    token_loss: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, Literal["tokens", "sequences"]]:
+    """``token_loss`` (``[sequences, tokens]``, zero off the loss mask) as the sum the trainer
+    divides by a global count, and which count, for ``cfg.agg``:
+
+    - ``token-mean``: ``sum_it l_it / N_tokens``;
+    - ``seq-mean-token-mean``: ``sum_i (sum_t l_it / n_i) / N_seqs`` (GSPO's and GRPO's paper form);
+    - ``seq-mean-token-sum``: ``sum_i (sum_t l_it / agg_norm) / N_seqs`` (Dr. GRPO, Liu et al. 2025,
+      "Understanding R1-Zero-Like Training": a constant normaliser, no length bias).
+
+    ``n_i`` is sequence ``i``'s loss tokens, ``N_seqs`` counts sequences with at least one. Rows
+    are whole sequences, so every per-sequence quantity is local to a micro-batch and the division
+    by global counts makes the loss exact across micro-batches and ranks.
+    """
+    if cfg.agg == "token-mean":
+        return token_loss.sum(), "tokens"
+    per_seq = token_loss.sum(-1)
+    if cfg.agg == "seq-mean-token-mean":
+        per_seq = per_seq / loss_mask.sum(-1).clamp(min=1).to(per_seq.dtype)
+    elif cfg.agg == "seq-mean-token-sum":
+        per_seq = per_seq / cfg.agg_norm
+    else:
+        raise ValueError(
+            f"agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got {cfg.agg!r}"
+        )
+    return per_seq.sum(), "sequences"
+
+
+def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Per-row mean of ``x`` over the loss tokens (0 for a row without any)."""
+    return (x * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
 def decoupled_ppo_loss(
@@ -78,16 +128,49 @@ def decoupled_ppo_loss(
     entropy: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
 ) -> LossSums:
-    """The decoupled PPO loss summed over the loss tokens (all inputs aligned, same shape).
+    """The decoupled PPO loss over the loss tokens (inputs ``[sequences, tokens]``, aligned),
+    aggregated as ``cfg.agg`` says (:func:`aggregate`).
 
-    ``logp`` carries the grad; the other log-prob tensors are constants. The caller divides
-    ``loss_sum`` by the number of loss tokens in the whole (multi-rank) minibatch.
+    ``logp`` carries the grad; the other log-prob tensors are constants. Per token, with
+    ``r = pi / pi_prox`` and behaviour weight ``w = pi_prox / pi_behave``:
+    ``l = w * max(-A r, -A clip(r, 1 - eps, 1 + eps_high))`` (dual clip: ``min(l, c A)`` for
+    ``A < 0``), plus ``kl_coef * k3(ref)``. The corrections of ``cfg.fn_args``
+    (:class:`MismatchCorrections`) compose with it:
+
+    - token TIS, ``tis_cap = C``: ``w -> min(w, C)`` (Yao et al. 2025, "Your efficient RL framework
+      secretly brings you off-policy RL training"; verl ``docs/algo/rollout_corr.md``, token IS);
+    - token MIS / IcePop, ``mis_low, mis_high``: tokens with ``w`` outside ``[low, high]`` are
+      masked (``w = 0``; verl's token rejection sampling; IcePop, Ling Team 2025, "Every Step
+      Evolves" (Ring-1T): a two-sided mask on the train/inference ratio, ``[0.5, 5]``);
+    - geometric-mean sequence mask, ``geo_low, geo_high``: a sequence whose
+      ``exp(mean_t log w_t)`` is outside ``[low, high]`` is masked whole (verl's geometric
+      rejection sampling; Liu, Li et al. 2025, "When Speed Kills Stability");
+    - ``seq_ratio`` (GSPO, Zheng et al. 2025, "Group Sequence Policy Optimization"): ``r`` becomes
+      the sequence ratio ``s_i = exp(mean_t log(pi / pi_prox))``, clipped at
+      ``[1 - seq_eps_clip, 1 + seq_eps_clip_higher]``, in the paper's GSPO-token form (value
+      ``s_i`` on every token, gradient ``s_i * grad log pi_t``): with ``seq-mean-token-mean``
+      its gradient is GSPO's. The behaviour weight stays per token (decoupled PPO).
+
+    The cap, MIS and the sequence mask all mask; masked tokens still count in the denominator.
     """
+    corr = cfg.fn_args if isinstance(cfg.fn_args, MismatchCorrections) else MismatchCorrections()
     mask = loss_mask.bool()
+    m = mask.to(logp.dtype)
     prox_logp, behave_logp = prox_logp.detach(), behave_logp.detach()
-    ratio = torch.where(mask, torch.exp(logp - prox_logp), torch.zeros_like(logp))
-    upper = 1.0 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher)
-    clipped = ratio.clamp(1.0 - cfg.eps_clip, upper)
+    seq_ratio = None
+    if corr.seq_ratio:
+        log_s = _seq_mean(logp - prox_logp, m)
+        seq_ratio = log_s.detach().exp()
+        ratio = torch.exp(log_s.detach().unsqueeze(-1) + logp - logp.detach())
+        lo, hi = 1.0 - corr.seq_eps_clip, 1.0 + corr.seq_eps_clip_higher
+    else:
+        ratio = torch.exp(logp - prox_logp)
+        lo, hi = (
+            1.0 - cfg.eps_clip,
+            1.0 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher),
+        )
+    ratio = torch.where(mask, ratio, torch.zeros_like(logp))
+    clipped = ratio.clamp(lo, hi)
     loss1, loss2 = -advantages * ratio, -advantages * clipped
     pg = torch.maximum(loss1, loss2)
     clip_mask = (loss1.detach() < loss2.detach()) & mask
@@ -99,10 +182,26 @@ def decoupled_ppo_loss(
         dual_mask = (bound < pg.detach()) & mask
         pg = torch.minimum(pg, bound)
 
-    behave_kl = prox_logp - behave_logp
-    behave_w = behave_kl.exp()
-    behave_mask = mask if cfg.behav_imp_weight_cap is None else mask & (behave_w <= cfg.behav_imp_weight_cap)
-    behave_w = torch.where(behave_mask, behave_w, torch.zeros_like(behave_w))
+    behave_kl = prox_logp - behave_logp  # log w
+    w = behave_kl.exp()
+    none = torch.zeros_like(mask)
+    cap_drop = none if cfg.behav_imp_weight_cap is None else mask & (w > cfg.behav_imp_weight_cap)
+    mis_drop = none
+    if corr.mis_low is not None:
+        mis_drop = mis_drop | (mask & (w < corr.mis_low))
+    if corr.mis_high is not None:
+        mis_drop = mis_drop | (mask & (w > corr.mis_high))
+    geo = _seq_mean(behave_kl, m).exp()  # per sequence
+    seq_drop = torch.zeros_like(geo, dtype=torch.bool)
+    if corr.geo_low is not None:
+        seq_drop = seq_drop | (geo < corr.geo_low)
+    if corr.geo_high is not None:
+        seq_drop = seq_drop | (geo > corr.geo_high)
+    geo_drop = mask & seq_drop.unsqueeze(-1)
+    keep = mask & ~cap_drop & ~mis_drop & ~geo_drop
+    truncated = none if corr.tis_cap is None else mask & (w > corr.tis_cap)
+    weight = w if corr.tis_cap is None else w.clamp(max=corr.tis_cap)
+    behave_w = torch.where(keep, weight, torch.zeros_like(weight))
     token_loss = torch.where(mask, pg * behave_w, torch.zeros_like(pg))
 
     ref_kl = None
@@ -111,18 +210,18 @@ def decoupled_ppo_loss(
         ref_kl = torch.where(mask, d.exp() - d - 1.0, torch.zeros_like(d))  # k3, unbiased, >= 0
         token_loss = token_loss + cfg.kl_coef * ref_kl
 
-    out = LossSums(loss_sum=token_loss.sum(), n_tokens=mask.sum())
+    loss_sum, mean_over = aggregate(token_loss, m, cfg)
+    out = LossSums(loss_sum=loss_sum, n_tokens=mask.sum(), mean_over=mean_over)
     with torch.no_grad():  # stats stay tensors: no device sync per micro-batch
-        m = mask.to(logp.dtype)
         out.sums = {
-            "loss": token_loss.detach().sum(),
+            "token_loss": token_loss.detach().sum(),
             "clip_frac": clip_mask.sum(),
             "dual_clip_frac": dual_mask.sum(),
             "ratio": ratio.detach().sum(),
             "approx_kl": ((logp.detach() - prox_logp) * m).sum(),
             "behave_imp_weight": behave_w.sum(),
-            "behave_approx_kl": (behave_kl * behave_mask).sum(),
-            "behave_masked_frac": (mask & ~behave_mask).sum(),
+            "behave_approx_kl": (behave_kl * keep).sum(),
+            "behave_masked_frac": (mask & ~keep).sum(),
             "advantage": (advantages * m).sum(),
         }
         if entropy is not None:
@@ -133,7 +232,23 @@ def decoupled_ppo_loss(
         r = ratio.detach()
         out.maxes = {
             "ratio_max": torch.where(mask, r, -inf).max(),
-            "behave_imp_weight_max": torch.where(mask, behave_kl.exp(), -inf).max(),
+            "behave_imp_weight_max": torch.where(mask, w, -inf).max(),
         }
         out.mins = {"ratio_min": torch.where(mask, r, inf).min()}
+        if corr.tis_cap is not None:
+            out.sums["tis_truncated_frac"] = truncated.sum()
+        if corr.mis_low is not None or corr.mis_high is not None:
+            out.sums["mis_masked_frac"] = mis_drop.sum()
+        has_tokens = mask.any(-1)
+        seq_inf = torch.full_like(geo, math.inf)
+        if corr.geo_low is not None or corr.geo_high is not None:
+            out.sums["geo_masked_frac"] = geo_drop.sum()
+            out.maxes["geo_ratio_max"] = torch.where(has_tokens, geo, -seq_inf).max()
+            out.mins["geo_ratio_min"] = torch.where(has_tokens, geo, seq_inf).min()
+        if seq_ratio is not None:
+            out.maxes["seq_ratio_max"] = torch.where(has_tokens, seq_ratio, -seq_inf).max()
+            out.mins["seq_ratio_min"] = torch.where(has_tokens, seq_ratio, seq_inf).min()
     return out
+
+
+decoupled_ppo_loss.config_class = MismatchCorrections  # type: ignore[attr-defined]

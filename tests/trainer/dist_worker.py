@@ -288,6 +288,44 @@ def nonfinite_scenario(trainer, out: Path) -> None:
     (out / f"nonfinite_{rank}.json").write_text(json.dumps(seen))
 
 
+AGG_CASES = {  # name: LossConfig keywords (the last: sequence-level corrections, row-local)
+    "token-mean": {},
+    "seq-mean-token-mean": {"agg": "seq-mean-token-mean"},
+    "seq-mean-token-sum": {"agg": "seq-mean-token-sum", "agg_norm": 12.0},
+    "gspo+geo+tis": {"agg": "seq-mean-token-mean", "behav_imp_weight_cap": None},
+}
+
+
+def aggregation_scenario(model: str, out: Path, tag: str, max_tokens_per_mb: int) -> None:
+    """One step per aggregation mode without clipping; rank 0 saves the gradient and the loss."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from nodes.trainer.config import LossConfig, MismatchCorrections
+    from nodes.trainer.fsdp import FSDPTrainer
+
+    losses = {}
+    for name, kw in AGG_CASES.items():
+        corr = MismatchCorrections()
+        if name == "gspo+geo+tis":
+            corr = MismatchCorrections(seq_ratio=True, geo_low=0.5, geo_high=2.0, tis_cap=1.5)
+        loss = LossConfig(**{"eps_clip": 0.2, "behav_imp_weight_cap": 1.5, **kw}, fn_args=corr)
+        cfg = dataclasses.replace(
+            train_config(model), grad_clip=0.0, max_tokens_per_mb=max_tokens_per_mb, loss=loss
+        )
+        trainer = FSDPTrainer(cfg)
+        stats = train(trainer, batch(1, n_groups=4))
+        grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
+        losses[name] = {"loss": stats["loss"], "n_microbatches": stats["n_microbatches"]}
+        if dist.get_rank() == 0:
+            save_file(
+                {k: v.contiguous() for k, v in grads.items()}, str(out / f"grad_{tag}_{name}.safetensors")
+            )
+    if dist.get_rank() == 0:
+        (out / f"agg_{tag}.json").write_text(json.dumps(losses))
+
+
 def main() -> None:
     scenario, out, model = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -295,8 +333,13 @@ def main() -> None:
     from nodes.trainer import checkpoint
     from nodes.trainer.fsdp import FSDPTrainer
 
-    trainer = FSDPTrainer(train_config(model))
     rank = dist.get_rank()
+    if scenario == "aggregation":  # builds its own trainers
+        aggregation_scenario(model, out, sys.argv[4], int(sys.argv[5]))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    trainer = FSDPTrainer(train_config(model))
     if scenario == "fresh":
         stats = train(trainer, batch(1))
         if rank == 0:

@@ -1,4 +1,5 @@
-"""The decoupled PPO loss against direct hand-written computations."""
+"""The decoupled PPO loss, its mismatch corrections and aggregation modes against direct
+hand-written computations."""
 
 from __future__ import annotations
 
@@ -7,64 +8,110 @@ import math
 import pytest
 import torch
 
-from nodes.trainer.loss import LossConfig, decoupled_ppo_loss, gather_logprobs_entropy
+from nodes.trainer.loss import LossConfig, MismatchCorrections, decoupled_ppo_loss, gather_logprobs_entropy
 
 
 def _reference_loss(logits, labels, prox, behave, adv, mask, cfg: LossConfig, T: float, ref=None):
-    """Token by token, straight from the objective's definition, with python scalars around autograd."""
-    total = 0.0
-    n = sum(int(m) for m in mask.flatten())
+    """Token by token, straight from the objective's definition, with python scalars around autograd;
+    then aggregated over sequences (rows) as ``cfg.agg`` says."""
+    corr = cfg.fn_args
+    per_seq = []  # (token terms of the sequence) for each row with loss tokens
     for b in range(logits.shape[0]):
-        for t in range(logits.shape[1]):
-            if not mask[b, t]:
-                continue
+        toks = [t for t in range(logits.shape[1]) if mask[b, t]]
+        if not toks:
+            continue
+        lps = {}
+        for t in toks:
             z = logits[b, t] / T
-            lp = z[labels[b, t]] - torch.logsumexp(z, dim=0)
-            r = torch.exp(lp - prox[b, t])
+            lps[t] = z[labels[b, t]] - torch.logsumexp(z, dim=0)
+        log_w = [float(prox[b, t] - behave[b, t]) for t in toks]
+        geo = math.exp(sum(log_w) / len(log_w))
+        seq_masked = (corr.geo_low is not None and geo < corr.geo_low) or (
+            corr.geo_high is not None and geo > corr.geo_high
+        )
+        if corr.seq_ratio:  # GSPO-token: the value of s_i, the gradient of s_i * log pi_t
+            s = torch.exp(sum(lps[t] - prox[b, t] for t in toks) / len(toks)).detach()
+        terms = []
+        for t in toks:
+            lp = lps[t]
             a = adv[b, t]
-            hi = 1 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher)
-            rc = torch.clamp(r, 1 - cfg.eps_clip, hi)
-            term = torch.maximum(-a * r, -a * rc)
+            if corr.seq_ratio:
+                r = s * torch.exp(lp - lp.detach())
+                lo, hi = 1 - corr.seq_eps_clip, 1 + corr.seq_eps_clip_higher
+            else:
+                r = torch.exp(lp - prox[b, t])
+                lo = 1 - cfg.eps_clip
+                hi = 1 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher)
+            term = torch.maximum(-a * r, -a * torch.clamp(r, lo, hi))
             if cfg.c_clip is not None and a < 0:
                 term = torch.minimum(term, -cfg.c_clip * a)
             w = math.exp(float(prox[b, t] - behave[b, t]))
-            if cfg.behav_imp_weight_cap is not None and w > cfg.behav_imp_weight_cap:
-                w = 0.0  # masked out, still counted in n
-            term = term * w
+            masked = (
+                (cfg.behav_imp_weight_cap is not None and w > cfg.behav_imp_weight_cap)
+                or (corr.mis_low is not None and w < corr.mis_low)
+                or (corr.mis_high is not None and w > corr.mis_high)
+                or seq_masked
+            )
+            if corr.tis_cap is not None:
+                w = min(w, corr.tis_cap)
+            term = term * (0.0 if masked else w)  # masked out, still counted in the denominator
             if ref is not None and cfg.kl_coef:
                 d = ref[b, t] - lp
                 term = term + cfg.kl_coef * (torch.exp(d) - d - 1)
-            total = total + term
-    return total / n
+            terms.append(term)
+        per_seq.append(terms)
+    if cfg.agg == "token-mean":
+        return sum(sum(ts) for ts in per_seq) / sum(len(ts) for ts in per_seq)
+    if cfg.agg == "seq-mean-token-mean":
+        return sum(sum(ts) / len(ts) for ts in per_seq) / len(per_seq)
+    return sum(sum(ts) / cfg.agg_norm for ts in per_seq) / len(per_seq)
 
 
-@pytest.mark.parametrize(
-    ("cfg", "T"),
-    [
-        (LossConfig(eps_clip=0.2, behav_imp_weight_cap=None), 1.0),
-        (LossConfig(eps_clip=0.2, eps_clip_higher=0.3, behav_imp_weight_cap=1.5), 0.7),
-        (LossConfig(eps_clip=0.1, c_clip=3.0, behav_imp_weight_cap=2.0, kl_coef=0.05), 1.0),
-    ],
-    ids=["plain", "cap+clip_higher+T", "dual_clip+kl"],
-)
-def test_loss_and_gradient_match_hand_written(cfg, T):
-    g = torch.Generator().manual_seed(0)
-    B, T, V = 3, 7, 11
-    logits = torch.randn(B, T, V, generator=g, dtype=torch.float64, requires_grad=True)
-    labels = torch.randint(0, V, (B, T), generator=g)
+def _inputs(seed: int = 0, B: int = 6, L: int = 7, V: int = 11, spread: float = 0.8):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, L, V, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (B, L), generator=g)
     with torch.no_grad():
-        cur, _ = gather_logprobs_entropy(logits, labels, T)
+        cur, _ = gather_logprobs_entropy(logits, labels, 1.0)
     # proximal and behaviour policies a little (and sometimes a lot) away from the current one
-    prox = cur + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    behave = prox - 0.8 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    ref = cur + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
-    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).contiguous()
-    mask = torch.rand(B, T, generator=g) < 0.7
+    prox = cur + 0.5 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    behave = prox - spread * torch.randn(B, L, generator=g, dtype=torch.float64)
+    ref = cur + 0.3 * torch.randn(B, L, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, L).contiguous()
+    mask = torch.rand(B, L, generator=g) < 0.7
     mask[:, 0] = False
+    return logits, labels, prox, behave, ref, adv, mask
 
+
+MC = MismatchCorrections
+CASES = {
+    "plain": (LossConfig(eps_clip=0.2, behav_imp_weight_cap=None), 1.0),
+    "cap+clip_higher+T": (LossConfig(eps_clip=0.2, eps_clip_higher=0.3, behav_imp_weight_cap=1.5), 0.7),
+    "dual_clip+kl": (LossConfig(eps_clip=0.1, c_clip=3.0, behav_imp_weight_cap=2.0, kl_coef=0.05), 1.0),
+    "tis": (LossConfig(eps_clip=0.2, behav_imp_weight_cap=None, fn_args=MC(tis_cap=1.2)), 1.0),
+    "mis": (LossConfig(eps_clip=0.2, behav_imp_weight_cap=None, fn_args=MC(mis_low=0.5, mis_high=2.0)), 1.0),
+    "geo_mask+tis": (
+        LossConfig(behav_imp_weight_cap=None, fn_args=MC(geo_low=0.8, geo_high=1.25, tis_cap=2)),
+        1,
+    ),
+    "gspo": (LossConfig(behav_imp_weight_cap=3.0, fn_args=MC(seq_ratio=True, seq_eps_clip=0.05)), 1.0),
+    "seq-mean-token-mean": (LossConfig(eps_clip=0.2, agg="seq-mean-token-mean"), 0.7),
+    "seq-mean-token-sum": (LossConfig(c_clip=3.0, agg="seq-mean-token-sum", agg_norm=5.0), 1.0),
+    "gspo+seq-mean+icepop": (
+        LossConfig(agg="seq-mean-token-mean", fn_args=MC(seq_ratio=True, mis_low=0.5, mis_high=5.0)),
+        1.0,
+    ),
+}
+
+
+@pytest.mark.parametrize(("cfg", "T"), list(CASES.values()), ids=list(CASES))
+def test_loss_and_gradient_match_hand_written(cfg, T):
+    logits, labels, prox, behave, ref, adv, mask = _inputs()
     logp, ent = gather_logprobs_entropy(logits, labels, T)
     out = decoupled_ppo_loss(logp, prox, behave, adv, mask, cfg, entropy=ent, ref_logp=ref)
-    loss = out.loss_sum / out.n_tokens
+    n_seqs = int(mask.any(-1).sum())
+    assert out.mean_over == ("tokens" if cfg.agg == "token-mean" else "sequences")
+    loss = out.loss_sum / (out.n_tokens if out.mean_over == "tokens" else n_seqs)
     (grad,) = torch.autograd.grad(loss, logits)
 
     ref_loss = _reference_loss(logits, labels, prox, behave, adv, mask, cfg, T, ref=ref)
@@ -76,17 +123,61 @@ def test_loss_and_gradient_match_hand_written(cfg, T):
     # masked positions get no gradient
     assert torch.all(grad[~mask] == 0)
     # stats are consistent with the direct computation
-    assert math.isclose(float(out.sums["loss"]), float(out.loss_sum.detach()), rel_tol=1e-12)
     w = torch.exp(prox - behave)[mask]
-    if cfg.behav_imp_weight_cap is not None:
+    corr = cfg.fn_args
+    if cfg.behav_imp_weight_cap is not None and corr.geo_low is None and corr.mis_low is None:
         assert int(out.sums["behave_masked_frac"]) == int((w > cfg.behav_imp_weight_cap).sum())
         assert out.sums["behave_masked_frac"] > 0  # the case is exercised
+    if corr.tis_cap is not None:
+        assert int(out.sums["tis_truncated_frac"]) == int((w > corr.tis_cap).sum()) > 0
+    if corr.mis_low is not None:
+        assert int(out.sums["mis_masked_frac"]) == int(((w < corr.mis_low) | (w > corr.mis_high)).sum()) > 0
+    if corr.geo_low is not None:
+        m = mask.double()
+        geo = torch.exp(((prox - behave) * m).sum(-1) / m.sum(-1).clamp(min=1))
+        out_seq = ((geo < corr.geo_low) | (geo > corr.geo_high)) & mask.any(-1)
+        assert int(out.sums["geo_masked_frac"]) == int(mask[out_seq].sum()) > 0
+        assert 0 < out_seq.sum() < n_seqs  # some sequences masked, some kept
+        assert math.isclose(float(out.maxes["geo_ratio_max"]), float(geo[mask.any(-1)].max()), rel_tol=1e-12)
     r = torch.exp(logp - prox)[mask]
     a = adv[mask]
-    lo, hi = 1 - cfg.eps_clip, 1 + (cfg.eps_clip_higher or cfg.eps_clip)
-    expect_clip = int((((a > 0) & (r > hi)) | ((a < 0) & (r < lo))).sum())
-    assert int(out.sums["clip_frac"]) == expect_clip
-    assert math.isclose(float(out.maxes["ratio_max"]), float(r.detach().max()), rel_tol=1e-12)
+    if not corr.seq_ratio:
+        lo, hi = 1 - cfg.eps_clip, 1 + (cfg.eps_clip_higher or cfg.eps_clip)
+        expect_clip = int((((a > 0) & (r > hi)) | ((a < 0) & (r < lo))).sum())
+        assert int(out.sums["clip_frac"]) == expect_clip
+        assert math.isclose(float(out.maxes["ratio_max"]), float(r.detach().max()), rel_tol=1e-12)
+    else:
+        assert out.sums["clip_frac"] > 0  # whole sequences clipped
+        assert float(out.maxes["seq_ratio_max"]) >= float(out.mins["seq_ratio_min"])
+
+
+def test_gspo_gradient_is_the_sequence_level_objective():
+    """GSPO (Zheng et al. 2025, eq. 5-7): with the sequence mean over sequences and no behaviour
+    correction, the loss and gradient are those of ``mean_i max(-A_i s_i, -A_i clip(s_i))`` with
+    ``s_i = (pi(y_i) / pi_prox(y_i)) ** (1 / |y_i|)``, differentiated directly."""
+    logits, labels, prox, _, _, adv, mask = _inputs(seed=3, spread=0.0)
+    prox = prox * 0.2 + gather_logprobs_entropy(logits, labels)[0].detach() * 0.8  # ratios near 1
+    eps = (0.01, 0.02)
+    cfg = LossConfig(
+        agg="seq-mean-token-mean", fn_args=MC(seq_ratio=True, seq_eps_clip=eps[0], seq_eps_clip_higher=eps[1])
+    )
+    logp, _ = gather_logprobs_entropy(logits, labels)
+    out = decoupled_ppo_loss(logp, prox, prox, adv, mask, cfg)
+    rows = [b for b in range(mask.shape[0]) if mask[b].any()]
+    loss = out.loss_sum / len(rows)
+    (grad,) = torch.autograd.grad(loss, logits)
+
+    logp, _ = gather_logprobs_entropy(logits, labels)
+    terms = []
+    for b in rows:
+        s = torch.exp((logp[b] - prox[b])[mask[b]].mean())
+        a = adv[b, 0]
+        terms.append(torch.maximum(-a * s, -a * torch.clamp(s, 1 - eps[0], 1 + eps[1])))
+    want = sum(terms) / len(rows)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-12)
+    assert grad.abs().sum() > 0 and out.sums["clip_frac"] > 0  # some sequences clipped, some not
 
 
 def test_logprobs_use_temperature_and_entropy_is_correct():
@@ -103,6 +194,7 @@ def test_fresh_samples_give_plain_policy_gradient():
     adv = torch.tensor([[1.0, 1.0, -2.0]])
     out = decoupled_ppo_loss(logp, logp.detach(), logp.detach(), adv, torch.ones(1, 3), LossConfig())
     assert math.isclose(float(out.loss_sum.detach()) / int(out.n_tokens), 0.0, abs_tol=1e-7)
+    assert math.isclose(float(out.sums["token_loss"]), float(out.loss_sum.detach()), abs_tol=1e-7)
     assert int(out.sums["clip_frac"]) == 0 and int(out.sums["behave_masked_frac"]) == 0
 
 
