@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from rlactors.errors import (
     RuntimeShutdownError,
     exception_from_payload,
 )
+from rlactors.forensics import CURRENT_CALL
 from rlactors.logging import Throttle
 from rlactors.security import Security
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS, AsyncSocket, Outbox, check_size, connect_dealer
@@ -74,6 +76,8 @@ class StreamCall(AsyncIterator[Any]):
         self._wake.set()
 
     def _finish(self, error: BaseException | None = None) -> None:
+        if self._conn is not None:
+            self._conn._sent.pop(self._call_id, None)
         self._done = True
         self._error = error
         self._wake.set()
@@ -146,6 +150,9 @@ class Connection:
         self.name = name or address
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any] | StreamCall] = {}
+        # pending call -> (method, target, when sent, the incoming method it was made from)
+        self._sent: dict[int, tuple[str, str | None, float, str | None]] = {}
+        self.peer: tuple[str, str | None] | None = None  # (actor id, name) when the peer is an actor
         self._waiting: collections.deque[list[Any]] = collections.deque()
         self._closed_error: BaseException | None = None
         self._loop = asyncio.get_running_loop()
@@ -201,6 +208,7 @@ class Connection:
             fut.set_exception(e)
             return fut
         self._pending[call_id] = fut
+        self._sent[call_id] = (method, target, time.monotonic(), CURRENT_CALL.get())
         fut.add_done_callback(lambda f, cid=call_id: self._on_future_done(cid, f))
         self._put(env)
         return fut
@@ -240,8 +248,19 @@ class Connection:
             s._finish(e)
             return s
         self._pending[call_id] = s
+        self._sent[call_id] = (method, target, time.monotonic(), CURRENT_CALL.get())
         self._put(env)
         return s
+
+    def pending_calls(self) -> list[dict[str, Any]]:
+        """The calls waiting for a reply here: call id, method, target, age and the incoming method
+        they were made from (for forensics)."""
+        now = time.monotonic()
+        return [
+            {"call_id": cid, "method": m, "target": t, "age_s": round(now - t0, 3), "from": origin}
+            for cid, (m, t, t0, origin) in list(self._sent.items())
+            if cid in self._pending
+        ]
 
     def _put(self, env: list[Any]) -> None:
         if self._waiting or len(self._pending) > MAX_IN_FLIGHT:
@@ -254,11 +273,13 @@ class Connection:
             self._outbox.put(self._waiting.popleft())
 
     def _on_future_done(self, call_id: int, fut: asyncio.Future[Any]) -> None:
+        self._sent.pop(call_id, None)
         if fut.cancelled() and self._pending.pop(call_id, None) is not None:
             self._cancel(call_id)
 
     def _cancel(self, call_id: int) -> None:
         self._pending.pop(call_id, None)
+        self._sent.pop(call_id, None)
         if self._closed_error is None:
             self._put(wire.encode_envelope(Kind.CANCEL, call_id))
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from rlactors.handle import ActorGroup, ActorHandle
 from rlactors.local import LocalCluster, ensure_logging, start_local
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret
+from rlactors.stacks import ActorStacks, StacksReport, build_report
 
 log = structlog.get_logger("rlactors.cluster")
 
@@ -130,6 +132,28 @@ class Cluster:
 
     async def nodes(self) -> list[dict[str, Any]]:
         return await self._client.head_call("list_nodes")
+
+    async def stacks(self, names: Sequence[str] | None = None, timeout_s: float = 5.0) -> StacksReport:
+        """What every actor (or these, by name or id) is doing and who waits on whom, for a hung run.
+
+        Each worker answers from its event loop, even while its actor is busy: its calls (running,
+        or queued behind ``max_concurrency``) with their await chains or thread stacks, its
+        outgoing calls, its threads and its loop's lag. A worker whose loop is stuck is reported
+        unresponsive, with the Python stacks it dumps on a signal; a dead actor as dead. This
+        process's own pending calls are included as a driver; other drivers' are not (the head
+        cannot reach them), so a call from one shows with an unknown caller. Returns within about
+        ``timeout_s``. ``str(report)`` is readable text; ``report.cycles`` and ``report.waited_on``
+        name the wait-for cycles and the actors at the ends of the longest wait chains.
+        """
+        t0 = time.monotonic()
+        call = self._client.head_call("stacks", list(names) if names is not None else None, timeout_s)
+        answers = await wait_for(call, timeout_s + 2.0)
+        actors = [ActorStacks.from_answer(a) for a in answers]
+        if "RLACTORS_ACTOR_ID" not in os.environ:  # a driver: its pending calls are the chains' roots
+            outgoing = self._client.outgoing_calls()
+            if outgoing:
+                actors.append(ActorStacks.driver(self._client.client_id, outgoing))
+        return build_report(actors, time.monotonic() - t0)
 
     async def kv_put(self, key: str, value: Any) -> None:
         await self._client.head_call("kv_put", key, value)

@@ -448,6 +448,46 @@ class Head:
         actors.sort(key=lambda a: order.get(a["state"], 1))
         return {"nodes": nodes, "actors": actors}
 
+    async def stacks(self, names: list[str] | None = None, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """For ``cluster.stacks()``: each actor (these names or ids; None: all) as its node agent
+        reports it (see ``NodeAgent.worker_stacks``), or dead, or unknown. Bounded by ``timeout_s``:
+        a node that does not answer in time has its actors reported as not answering."""
+        if names is None:
+            recs = list(self.actors.values())
+            unknown: list[str] = []
+        else:
+            by_name = {r.name: r for r in self.actors.values() if r.name is not None}
+            by_name.update({n: self.actors[a] for n, a in self.names.items()})  # live ones win
+            recs = [by_name.get(n) or self.actors.get(n) for n in names]  # type: ignore[misc]
+            unknown = [n for n, r in zip(names, recs, strict=True) if r is None]
+            recs = [r for r in recs if r is not None]
+        live: dict[str, list[str]] = {}
+        for r in recs:
+            node = self.nodes.get(r.node_id)
+            if r.state == "ALIVE" and node is not None and node.alive:
+                live.setdefault(r.node_id, []).append(r.actor_id)
+
+        async def ask(node_id: str, ids: list[str]) -> list[dict[str, Any]]:
+            call = self.nodes[node_id].conn.call("worker_stacks", (ids, timeout_s * 0.7), {}, target="agent")
+            return await wait_for(call, timeout_s * 0.85)
+
+        replies = await asyncio.gather(*(ask(n, ids) for n, ids in live.items()), return_exceptions=True)
+        workers = {w["actor_id"]: w for r in replies if isinstance(r, list) for w in r}
+        out = []
+        for r in recs:
+            entry = dict(r.info())
+            entry.pop("methods", None)
+            w = workers.get(r.actor_id)
+            if w is not None and w["pid"] == r.pid:
+                entry.update(w)
+            elif r.state == "ALIVE":
+                entry["responsive"] = False  # its node did not answer in time, or it just restarted
+            out.append(entry)
+        out.extend(
+            {"name": n, "actor_id": "", "state": "UNKNOWN", "reason": "no such actor"} for n in unknown
+        )
+        return out
+
     async def kv_put(self, key: str, value: Any) -> None:
         self.kv.put(key, value)
 

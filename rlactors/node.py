@@ -26,6 +26,7 @@ import structlog
 from rlactors.aio import wait_for
 from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
+from rlactors.forensics import collect_dump, read_tick
 from rlactors.logging import Throttle
 from rlactors.security import Security
 from rlactors.service import ACTIVITY_TARGET
@@ -190,6 +191,7 @@ class NodeAgent:
             RLACTORS_ACTOR_ID=actor_id,
             RLACTORS_NODE_ID=self.node_id,
             RLACTORS_PARENT_PID=str(os.getpid()),
+            RLACTORS_FORENSICS=str(self._forensics_files(actor_id, int(spec.get("restarts", 0)))),
             PYTHONUNBUFFERED="1",
         )
         if self.secret_file:
@@ -384,6 +386,33 @@ class NodeAgent:
             return entry
 
         return list(await asyncio.gather(*(one(a, live) for a, live in list(self._live.items()))))
+
+    def _forensics_files(self, actor_id: str, restarts: int) -> Path:
+        """Where a worker's stacks dump (``.stacks``) and loop tick (``.tick``) go: the session dir."""
+        return self.session_dir / f"forensics-{actor_id}-{restarts}"
+
+    async def worker_stacks(
+        self, actor_ids: list[str] | None, timeout_s: float = 3.0
+    ) -> list[dict[str, Any]]:
+        """What each of these workers (None: all) is doing, from its own loop (see
+        ``Service.stacks``); a worker whose loop does not answer within a third of ``timeout_s`` is
+        unresponsive: for how long its loop has not ticked, and its stacks dumped by signal."""
+
+        async def one(actor_id: str, live: _Liveness) -> dict[str, Any]:
+            entry: dict[str, Any] = {"actor_id": actor_id, "pid": live.pid, "responsive": False}
+            if live.conn is not None and live.conn.linked:
+                with contextlib.suppress(TimeoutError, ClusterError):
+                    call = live.conn.call("stacks", (), {}, target=ACTIVITY_TARGET)
+                    entry.update(await wait_for(call, timeout_s / 3), responsive=True)
+                    return entry
+            files = self._forensics_files(actor_id, int(live.spec.get("restarts", 0)))
+            tick = read_tick(files.with_suffix(".tick"))
+            entry["unresponsive_s"] = None if tick is None else round(time.monotonic() - tick, 3)
+            entry["dump"] = await collect_dump(live.pid, files.with_suffix(".stacks"), timeout_s / 3)
+            return entry
+
+        wanted = [(a, live) for a, live in list(self._live.items()) if actor_ids is None or a in actor_ids]
+        return list(await asyncio.gather(*(one(a, live) for a, live in wanted)))
 
     async def worker_hello(self, actor_id: str) -> dict[str, Any]:
         """A new worker asks what to run."""

@@ -222,7 +222,20 @@ class RuntimeClient:
                 name=f"{who} at {st.address}",
                 first_link_within=HEARTBEAT_TIMEOUT_MS / 1000 + LINK_GRACE_S,
             )
+            conn.peer = (st.actor_id, st.name)
         return conn
+
+    def outgoing_calls(self) -> list[dict[str, Any]]:
+        """This process's calls to actors still waiting for a reply, each with the target actor's
+        id and name (for ``cluster.stacks()``)."""
+        out = []
+        for conn in list(self._conns.values()):
+            if conn.peer is not None and len(conn):
+                actor_id, name = conn.peer
+                st = self._actors.get(actor_id)
+                name = (st.name if st is not None else None) or name
+                out.extend(dict(c, actor_id=actor_id, name=name) for c in conn.pending_calls())
+        return out
 
     def _forget_old_dead(self, actor_id: str) -> None:
         self._dead.append(actor_id)

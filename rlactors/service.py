@@ -22,6 +22,8 @@ import concurrent.futures
 import contextlib
 import contextvars
 import functools
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +34,7 @@ from protocols import codec, wire
 from protocols.wire import Flags, Kind
 from rlactors.aio import wait_for
 from rlactors.errors import MessageTooLargeError, exception_payload
+from rlactors.forensics import CURRENT_CALL, LoopProbe, coroutine_stack, thread_stacks
 from rlactors.logging import Throttle
 from rlactors.methods import ASYNC, ASYNCGEN, SYNC, method_table, runs_on_loop
 from rlactors.security import Security
@@ -86,6 +89,13 @@ class Service:
         self._running: dict[tuple[bytes, int], asyncio.Task[Any] | asyncio.Future[Any]] = {}
         self._credits: dict[tuple[bytes, int], _Credit] = {}
         self._started: dict[tuple[bytes, int], tuple[str, float]] = {}  # running call -> (method, start)
+        # Forensics (stacks()): async calls past max_concurrency, the sync call on the thread now,
+        # this process's outgoing calls (the worker sets it) and its loop's lag probe.
+        self._admitted: set[tuple[bytes, int]] = set()
+        self._sync_now: tuple[tuple[bytes, int], int] | None = None  # (call, thread ident)
+        self.max_concurrency = max_concurrency
+        self.outgoing: Callable[[], list[dict[str, Any]]] | None = None
+        self.probe: LoopProbe | None = None
         self._asock: AsyncSocket | None = None
         self._outbox: Outbox | None = None
         self.address = ""
@@ -198,6 +208,9 @@ class Service:
         if target == ACTIVITY_TARGET and method == "activity":
             self._send_result(ident, call_id, self.activity())
             return
+        if target == ACTIVITY_TARGET and method == "stacks":
+            self._send_result(ident, call_id, self.stacks())
+            return
         methods = self._targets.get(target)
         entry = methods.get(method) if methods is not None else None
         if entry is None:
@@ -214,7 +227,10 @@ class Service:
         elif kind == SYNC:
             ctx = contextvars.copy_context()
             ctx.run(_bind, method=fn.__name__, call=call_id)
-            fut = loop.run_in_executor(self._executor, functools.partial(ctx.run, fn, *args, **kwargs))
+            ctx.run(CURRENT_CALL.set, method)
+            fut = loop.run_in_executor(
+                self._executor, functools.partial(ctx.run, self._in_thread, key, fn, *args, **kwargs)
+            )
             self._running[key] = fut
             fut.add_done_callback(functools.partial(self._sync_done, key, flags))
         else:
@@ -233,6 +249,45 @@ class Service:
             "oldest_s": round(now - oldest[1], 3) if oldest else 0.0,
         }
 
+    def stacks(self) -> dict[str, Any]:
+        """What this process is doing, for ``cluster.stacks()``: each incoming call (method, age,
+        its await chain or its thread's stack; queued behind max_concurrency or the sync thread, or
+        running), its outgoing calls, every thread's stack and the loop's lag."""
+        now = time.monotonic()
+        threads = thread_stacks()
+        by_ident = {t["ident"]: t["stack"] for t in threads}
+        incoming = []
+        for key, (method, start) in self._started.items():
+            task = self._running.get(key)
+            entry: dict[str, Any] = {"call_id": key[1], "method": method, "age_s": round(now - start, 3)}
+            if isinstance(task, asyncio.Task):
+                queued = key not in self._admitted and not isinstance(self._sem, contextlib.nullcontext)
+                entry["state"] = "queued" if queued and key not in self._credits else "running"
+                entry["stack"] = coroutine_stack(task.get_coro())
+            elif self._sync_now is not None and self._sync_now[0] == key:
+                entry["state"], entry["stack"] = "running", by_ident.get(self._sync_now[1], [])
+                entry["thread"] = True
+            else:
+                entry["state"], entry["stack"] = "queued", []  # behind the sync thread's current call
+                entry["thread"] = True
+            incoming.append(entry)
+        return {
+            "pid": os.getpid(),
+            "max_concurrency": self.max_concurrency,
+            "incoming": incoming,
+            "outgoing": self.outgoing() if self.outgoing is not None else [],
+            "threads": [{"name": t["name"], "stack": t["stack"]} for t in threads],
+            "loop": self.probe.report() if self.probe is not None else None,
+        }
+
+    def _in_thread(self, key: tuple[bytes, int], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a sync method on the worker thread, noting which call it is (for stacks())."""
+        self._sync_now = (key, threading.get_ident())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._sync_now = None
+
     # --- running -------------------------------------------------------------------------------
 
     async def _run_async(
@@ -246,8 +301,10 @@ class Service:
         ident, call_id = key
         # This task runs in its own copy of the context: bind the call for log lines it emits.
         _bind(method=fn.__name__, call=call_id)
+        CURRENT_CALL.set(getattr(fn, "__name__", None))
         try:
             async with self._sem:
+                self._admitted.add(key)
                 result = await fn(*args, **kwargs)
         except asyncio.CancelledError:
             if key in self._cancelled:
@@ -269,6 +326,7 @@ class Service:
         finally:
             self._running.pop(key, None)
             self._cancelled.discard(key)
+            self._admitted.discard(key)
 
     def _sync_done(self, key: tuple[bytes, int], flags: int, fut: asyncio.Future[Any]) -> None:
         self._running.pop(key, None)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -26,6 +28,7 @@ from rlactors.classpath import load_class
 from rlactors.client import Connection
 from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
+from rlactors.forensics import DUMP_SIGNAL, LoopProbe, register_dump
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret
 from rlactors.service import Service
@@ -58,9 +61,7 @@ async def main() -> int:
     mechanism = os.environ.get("RLACTORS_SECURITY", "curve")
     security = Security(load_secret(secret_file), mechanism) if secret_file else None
     agent = Connection(os.environ["RLACTORS_AGENT"], security, name="agent")
-    spec: dict[str, Any] = await wait_for(
-        agent.call("worker_hello", (actor_id,), {}, target="agent"), 60
-    )
+    spec: dict[str, Any] = await wait_for(agent.call("worker_hello", (actor_id,), {}, target="agent"), 60)
     name = spec.get("name")
     rlog.configure(actor=name or actor_id, node=spec.get("node_id"))
     for p in reversed(spec.get("sys_path") or []):
@@ -76,6 +77,13 @@ async def main() -> int:
         name=name or actor_id, max_concurrency=int(spec.get("max_concurrency", 1000)), security=security
     )
     client = RuntimeClient(spec["head_address"], security, name=name or actor_id)
+    # Forensics: the agent reads this worker's stacks by signal when its loop cannot answer, and
+    # its loop's last tick (see rlactors.forensics).
+    files = os.environ.get("RLACTORS_FORENSICS")
+    dump = register_dump(Path(files + ".stacks")) if files else None
+    probe = LoopProbe(Path(files + ".tick") if files else None)
+    probe.start()
+    service.probe, service.outgoing = probe, client.outgoing_calls
     try:
         cls = load_class(spec["class"])
         codec.trust_package(spec["class"]["module"])  # types the actor receives may live beside it
@@ -128,6 +136,10 @@ async def main() -> int:
     await service.close()
     await client.close()
     agent.close()
+    probe.stop()
+    if dump is not None:
+        faulthandler.unregister(DUMP_SIGNAL)
+        dump.close()
     return 0
 
 

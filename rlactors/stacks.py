@@ -1,0 +1,409 @@
+"""The cluster's stacks report: who waits on whom, wait-for cycles, and what the waited-on are doing.
+
+``await cluster.stacks()`` gathers, from every worker's event loop (see
+:mod:`rlactors.forensics`), its incoming calls with their await chains, its outgoing calls and its
+threads; a worker whose loop is stuck is reported unresponsive with the stacks it dumped on a
+signal; a dead actor is reported dead. This module turns those answers into a
+:class:`StacksReport`: an edge A → B of the wait-for graph is a call A made to B still waiting for
+its reply (queued behind B's ``max_concurrency`` or running there); :attr:`StacksReport.cycles`
+are the graph's cycles, :attr:`StacksReport.waited_on` the actors at the ends of its longest
+chains. ``str(report)`` is the text ``rlactors stack`` prints.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ActorStacks", "IncomingCall", "OutgoingCall", "StacksReport", "WaitCycle", "WaitEdge", "WaitEnd"]
+
+MAX_PATHS = 20_000  # path expansions when looking for cycles and longest chains (graphs are small)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
+
+
+def _age(s: float | None) -> str:
+    return "?" if s is None else f"{s:.1f} s"
+
+
+def innermost(stack: list[str]) -> str:
+    """The innermost frame of a stack (outermost first) or a faulthandler dump, as
+    ``func (file:line)``; '' when there is none."""
+    frames = [m for line in stack for m in [_FRAME.search(line)] if m]
+    if not frames:
+        return ""
+    # the innermost frame outside the runtime's own code says what the actor's code waits in
+    ours = [f for f in frames if "/rlactors/" not in f.group(1)]
+    f = (ours or frames)[-1]
+    return f"{f.group(3)} ({f.group(1).rsplit('/', 1)[-1]}:{f.group(2)})"
+
+
+def _dump_main_thread(dump: str) -> list[str]:
+    """The loop thread's frames from a faulthandler dump, outermost first (the dump lists the
+    current thread, the one the signal interrupted, most recent call first)."""
+    blocks = dump.strip().split("\n\n")
+    block = next((b for b in blocks if b.startswith("Current thread")), blocks[0] if blocks else "")
+    return list(reversed([line for line in block.splitlines()[1:] if line.strip()]))
+
+
+@dataclass
+class IncomingCall:
+    """A call an actor received and has not answered: running, or queued (behind its
+    ``max_concurrency``, or behind the sync thread's current call)."""
+
+    method: str
+    age_s: float
+    state: str  # "running" | "queued"
+    stack: list[str]  # its await chain (async) or its thread's stack (sync), outermost first
+    call_id: int = 0
+    caller: str | None = None  # matched from the callers' outgoing calls in this report
+    thread: bool = False  # a sync method (runs on the worker thread)
+
+
+@dataclass
+class OutgoingCall:
+    """A call an actor (or driver) made that is still waiting for its reply."""
+
+    target: str  # the target actor's name (its id when unnamed)
+    actor_id: str
+    method: str
+    age_s: float
+    origin: str | None = None  # the incoming method it was made from
+    call_id: int = 0
+
+
+@dataclass
+class ActorStacks:
+    """One actor's (or the driver's) part of the report."""
+
+    name: str  # the actor's name, its id when unnamed; "driver …" for a driver
+    actor_id: str
+    state: str  # ALIVE, DEAD, RESTARTING, PENDING, UNKNOWN (no such actor), DRIVER
+    class_name: str = ""
+    node_id: str = ""
+    pid: int | None = None
+    reason: str = ""  # why it is dead
+    responsive: bool = True  # its loop answered in time
+    unresponsive_s: float | None = None  # for how long its loop has not ticked (when not responsive)
+    max_concurrency: int | None = None
+    incoming: list[IncomingCall] = field(default_factory=list)
+    outgoing: list[OutgoingCall] = field(default_factory=list)
+    threads: dict[str, list[str]] = field(default_factory=dict)  # name -> stack, outermost first
+    loop_lag_s: float | None = None
+    max_loop_lag_s: float | None = None  # since the last report
+    dump: str | None = None  # the faulthandler dump of an unresponsive worker
+
+    @property
+    def queued(self) -> list[IncomingCall]:
+        return [c for c in self.incoming if c.state == "queued"]
+
+    @property
+    def running(self) -> list[IncomingCall]:
+        return [c for c in self.incoming if c.state == "running"]
+
+    def summary(self) -> str:
+        """What it is doing, in one line."""
+        if self.state == "DEAD":
+            return f"dead: {self.reason or 'process exited'}"
+        if self.state == "UNKNOWN":
+            return self.reason or "no such actor"
+        if self.state in ("PENDING", "RESTARTING"):
+            return self.state.lower() + (f": {self.reason}" if self.reason else "")
+        if not self.responsive:
+            where = innermost(_dump_main_thread(self.dump)) if self.dump else ""
+            how = f"unresponsive for {_age(self.unresponsive_s)}" if self.unresponsive_s else "unresponsive"
+            return how + (
+                f": its loop is stuck in {where}" if where else " (no stacks came: a stopped process?)"
+            )
+        parts = []
+        for c in sorted(self.running, key=lambda c: -c.age_s)[:1]:
+            at = innermost(c.stack)
+            parts.append(f"running {c.method} for {_age(c.age_s)}" + (f", in {at}" if at else ""))
+        if len(self.running) > 1:
+            parts.append(f"{len(self.running)} calls running")
+        if self.queued:
+            parts.append(f"{len(self.queued)} queued")
+        if self.outgoing:
+            o = max(self.outgoing, key=lambda o: o.age_s)
+            parts.append(f"waiting on {o.target}.{o.method} for {_age(o.age_s)}")
+        return "; ".join(parts) or "idle"
+
+    def text(self, *, threads: bool = False) -> str:
+        """Its section of the report; ``threads``: every thread's stack too."""
+        what = ", ".join(
+            x
+            for x in (
+                self.class_name.rsplit(".", 1)[-1],
+                self.actor_id if self.actor_id != self.name else "",
+                f"node {self.node_id}" if self.node_id else "",
+                f"pid {self.pid}" if self.pid else "",
+                f"max_concurrency={self.max_concurrency}" if self.max_concurrency else "",
+                f"loop lag {self.loop_lag_s * 1000:.0f} ms" if self.loop_lag_s is not None else "",
+            )
+            if x
+        )
+        lines = [f"{self.name} ({what}): {self.summary()}" if what else f"{self.name}: {self.summary()}"]
+        for c in self.incoming:
+            why = ""
+            if c.state == "queued":
+                why = (
+                    " behind the sync thread"
+                    if c.thread
+                    else f" behind max_concurrency={self.max_concurrency}"
+                )
+            src = f" from {c.caller}" if c.caller else ""
+            lines.append(f"  call {c.method}{src}: {c.state}{why} for {_age(c.age_s)}")
+            lines.extend("    " + s for s in c.stack)
+        for o in self.outgoing:
+            src = f" (from {o.origin})" if o.origin else ""
+            lines.append(f"  waits on {o.target}.{o.method}{src} for {_age(o.age_s)}")
+        if self.dump:
+            lines.append("  stacks dumped by signal (most recent call first):")
+            lines.extend("    " + s for s in self.dump.rstrip().splitlines())
+        if threads:
+            for tname, stack in self.threads.items():
+                lines.append(f"  thread {tname}:")
+                lines.extend("    " + s for s in stack)
+        return "\n".join(lines)
+
+    @classmethod
+    def from_answer(cls, a: dict[str, Any]) -> ActorStacks:
+        """From the head's entry for one actor (``Head.stacks``)."""
+        loop = a.get("loop") or {}
+        return cls(
+            name=a.get("name") or a.get("actor_id", "?"),
+            actor_id=a.get("actor_id", ""),
+            state=a.get("state", "UNKNOWN"),
+            class_name=a.get("class_name", ""),
+            node_id=a.get("node_id", ""),
+            pid=a.get("pid"),
+            reason=a.get("reason", ""),
+            responsive=bool(a.get("responsive", a.get("state") != "ALIVE")),
+            unresponsive_s=a.get("unresponsive_s"),
+            max_concurrency=a.get("max_concurrency"),
+            incoming=[
+                IncomingCall(
+                    c["method"],
+                    c["age_s"],
+                    c["state"],
+                    c["stack"],
+                    c["call_id"],
+                    thread=c.get("thread", False),
+                )
+                for c in a.get("incoming", [])
+            ],
+            outgoing=[_outgoing(o) for o in a.get("outgoing", [])],
+            threads={t["name"]: t["stack"] for t in a.get("threads", [])},
+            loop_lag_s=loop.get("lag_s"),
+            max_loop_lag_s=loop.get("max_lag_s"),
+            dump=a.get("dump"),
+        )
+
+    @classmethod
+    def driver(cls, client_id: str, outgoing: list[dict[str, Any]]) -> ActorStacks:
+        """A driver process: only its outgoing calls."""
+        return cls(
+            name=client_id,
+            actor_id=client_id,
+            state="DRIVER",
+            outgoing=[_outgoing(o) for o in outgoing],
+        )
+
+
+def _outgoing(o: dict[str, Any]) -> OutgoingCall:
+    return OutgoingCall(
+        o.get("name") or o["actor_id"], o["actor_id"], o["method"], o["age_s"], o.get("from"), o["call_id"]
+    )
+
+
+@dataclass
+class WaitEdge:
+    """``waiter`` waits on ``target``: its call of ``method`` there has no reply yet."""
+
+    waiter: str
+    target: str
+    method: str
+    age_s: float
+    origin: str | None  # the waiter's incoming method that made the call
+    state: str  # "running" or "queued" there; "unseen" when the target did not report it
+    behind: str = ""  # what a queued call waits behind ("max_concurrency=1", "the sync thread")
+
+    def __str__(self) -> str:
+        waiter = f"{self.waiter}.{self.origin}" if self.origin else self.waiter
+        there = {"running": "running there", "queued": "queued there"}.get(self.state, "not seen there")
+        there += f" behind {self.behind}" if self.behind else ""
+        return f"{waiter} waits on {self.target}.{self.method} ({there}, {_age(self.age_s)})"
+
+
+@dataclass
+class WaitCycle:
+    """Actors that wait on each other in a ring: none can go on until another does."""
+
+    actors: list[str]  # a → b → … (→ back to the first)
+    edges: list[WaitEdge]
+
+    def __str__(self) -> str:
+        ring = " → ".join([*self.actors, self.actors[0]])
+        return "\n".join([f"wait cycle: {ring}", *(f"  {e}" for e in self.edges)])
+
+
+@dataclass
+class WaitEnd:
+    """An actor at the end of a wait chain: others wait on it, it waits on no one (or it is in a
+    wait cycle)."""
+
+    name: str
+    chain: list[str]  # the longest chain of waiters ending here, first waiter first
+    stacks: ActorStacks
+
+    @property
+    def summary(self) -> str:
+        """One line: who, at the end of which chain, doing what."""
+        return f"{self.name} at the end of {' → '.join(self.chain)}: {self.stacks.summary()}"
+
+
+@dataclass
+class StacksReport:
+    """What every actor is doing, who waits on whom, and the cycles and chain ends of that graph."""
+
+    actors: list[ActorStacks]
+    cycles: list[WaitCycle]
+    waited_on: list[WaitEnd]
+    edges: list[WaitEdge]
+    taken_s: float = 0.0
+
+    def __getitem__(self, name: str) -> ActorStacks:
+        for a in self.actors:
+            if name in (a.name, a.actor_id):
+                return a
+        raise KeyError(name)
+
+    @property
+    def unresponsive(self) -> list[ActorStacks]:
+        return [a for a in self.actors if not a.responsive]
+
+    @property
+    def dead(self) -> list[ActorStacks]:
+        return [a for a in self.actors if a.state == "DEAD"]
+
+    def __str__(self) -> str:
+        n = len([a for a in self.actors if a.state != "DRIVER"])
+        head = f"stacks of {n} actor{'s' * (n != 1)}, taken in {self.taken_s:.2f} s"
+        head += f"; {len(self.cycles)} wait cycle{'s' * (len(self.cycles) != 1)}" if self.cycles else ""
+        out = [head]
+        if self.cycles:
+            out += ["", "WAIT CYCLES", *(str(c) for c in self.cycles)]
+        if self.waited_on:
+            out += ["", "WAITED ON (the ends of the longest wait chains)"]
+            out += [w.summary for w in self.waited_on]
+        if self.edges:
+            out += ["", "WHO WAITS ON WHOM", *(str(e) for e in self.edges)]
+        out += ["", "ACTORS"]
+        ends = {w.name for w in self.waited_on}
+        order = sorted(self.actors, key=lambda a: (a.state == "DRIVER", a.state == "DEAD", a.name))
+        busy = [a for a in order if a.incoming or a.outgoing or not a.responsive or a.state != "ALIVE"]
+        for a in busy:
+            out.append(a.text(threads=a.name in ends and a.responsive))
+        idle = [a.name for a in order if a not in busy]
+        if idle:
+            out.append(f"idle: {', '.join(idle)}")
+        return "\n".join(out)
+
+
+def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksReport:
+    """The wait-for graph of these actors' outgoing calls, its cycles and chain ends."""
+    by_id = {a.actor_id: a for a in actors if a.actor_id}
+    incoming = {(a.actor_id, c.call_id, c.method): c for a in actors for c in a.incoming}
+    edges: list[WaitEdge] = []
+    graph: dict[str, list[str]] = {}
+    for a in actors:
+        for o in a.outgoing:
+            c = incoming.get((o.actor_id, o.call_id, o.method))
+            if c is not None:
+                c.caller = f"{a.name}.{o.origin}" if o.origin else a.name
+            callee = by_id.get(o.actor_id)
+            target = callee.name if callee is not None else o.target
+            behind = ""
+            if c is not None and c.state == "queued" and callee is not None:
+                behind = "the sync thread" if c.thread else f"max_concurrency={callee.max_concurrency}"
+            edges.append(
+                WaitEdge(a.name, target, o.method, o.age_s, o.origin, c.state if c else "unseen", behind)
+            )
+            if target not in graph.setdefault(a.name, []):
+                graph[a.name].append(target)
+    cycles = _cycles(graph)
+    in_cycle = {m for c in cycles for m in c}
+    waiters = {e.waiter for e in edges}
+    targets = {e.target for e in edges}
+    ends = [t for t in targets if t not in waiters or t in in_cycle]
+    chains = sorted(((_longest_chain_to(t, graph), t) for t in ends), key=lambda x: (-len(x[0]), x[1]))
+    stub = {a.name: a for a in actors}
+    waited_on = [
+        WaitEnd(t, chain, stub.get(t) or ActorStacks(t, "", "UNKNOWN", reason="not in this report"))
+        for chain, t in chains
+    ]
+    return StacksReport(
+        actors=actors,
+        cycles=[
+            WaitCycle(
+                c,
+                [
+                    e
+                    for i, m in enumerate(c)
+                    for e in edges
+                    if e.waiter == m and e.target == c[(i + 1) % len(c)]
+                ],
+            )
+            for c in cycles
+        ],
+        waited_on=waited_on,
+        edges=sorted(edges, key=lambda e: -e.age_s),
+        taken_s=taken_s,
+    )
+
+
+def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The graph's elementary cycles, each once (rotated to start at its least member)."""
+    found: dict[tuple[str, ...], list[str]] = {}
+    budget = [MAX_PATHS]
+
+    def walk(start: str, node: str, path: list[str], on: set[str]) -> None:
+        for nxt in graph.get(node, []):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return
+            if nxt == start:
+                i = path.index(min(path))
+                ring = path[i:] + path[:i]
+                found.setdefault(tuple(ring), ring)
+            elif nxt not in on and nxt > start:  # each cycle is walked from its least member only
+                on.add(nxt)
+                walk(start, nxt, [*path, nxt], on)
+                on.discard(nxt)
+
+    for s in sorted(graph):
+        walk(s, s, [s], {s})
+    return list(found.values())
+
+
+def _longest_chain_to(end: str, graph: dict[str, list[str]]) -> list[str]:
+    """The longest simple chain of waiters that ends at ``end`` (first waiter first)."""
+    waiters_of: dict[str, list[str]] = {}
+    for w, ts in graph.items():
+        for t in ts:
+            waiters_of.setdefault(t, []).append(w)
+    best = [end]
+    budget = [MAX_PATHS]
+
+    def back(node: str, path: list[str]) -> None:
+        nonlocal best
+        if len(path) > len(best):
+            best = path
+        for w in waiters_of.get(node, []):
+            budget[0] -= 1
+            if budget[0] < 0 or w in path:
+                continue
+            back(w, [w, *path])
+
+    back(end, [end])
+    return best

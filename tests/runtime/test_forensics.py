@@ -1,0 +1,189 @@
+"""cluster.stacks(): who waits on whom, from every worker's loop; a wait cycle named; a sync method's
+frame; a stuck loop reported unresponsive with its dumped stacks; a dead actor reported dead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+import rlactors
+from rlactors.aio import wait_for
+from rlactors.stacks import ActorStacks, OutgoingCall, StacksReport, WaitEdge, build_report
+
+
+class Ping(rlactors.Actor):
+    """Spawned with max_concurrency=1: ``f`` calls the peer, whose ``g`` calls back ``h``, which
+    queues behind ``f``."""
+
+    def __init__(self) -> None:
+        self.peer: Any = None
+
+    async def set_peer(self, peer: Any) -> None:
+        self.peer = peer
+
+    async def f(self) -> str:
+        return await self.peer.g()
+
+    async def h(self) -> str:
+        return "h"
+
+
+class Pong(rlactors.Actor):
+    def __init__(self, peer: Any) -> None:
+        self.peer = peer
+
+    async def g(self) -> str:
+        return await self.peer.h()
+
+
+class Busy(rlactors.Actor):
+    def nap_in_thread(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    async def spin_on_the_loop(self, seconds: float) -> None:
+        t = time.time() + seconds
+        while time.time() < t:
+            pass
+
+    async def ping(self) -> str:
+        return "pong"
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[rlactors.Cluster]:
+    async with rlactors.init() as c:
+        yield c
+
+
+async def report_when(
+    cluster: rlactors.Cluster, ok: Callable[[StacksReport], bool], within: float, **kw: Any
+) -> StacksReport:
+    """Ask for the report until ``ok`` holds; fail with the last one after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        report = await cluster.stacks(**kw)
+        if ok(report) or time.monotonic() > deadline:
+            assert ok(report), str(report)
+            return report
+
+
+async def start_cycle(cluster: rlactors.Cluster, a: str = "fa", b: str = "fb", **kw: Any) -> Any:
+    pa = await cluster.spawn(Ping, name=a, max_concurrency=1, **kw)
+    pb = await cluster.spawn(Pong, pa, name=b, **kw)
+    await pa.set_peer(pb)
+    return pa
+
+
+async def test_a_wait_cycle_is_named_within_5_s(cluster: rlactors.Cluster) -> None:
+    pa = await start_cycle(cluster)
+    stuck = pa.f.submit()
+    t0 = time.monotonic()
+    # (a call still on the wire shows "not seen there" for a moment)
+    report = await report_when(
+        cluster, lambda r: bool(r.cycles) and all(e.state != "unseen" for e in r.edges), within=5.0
+    )
+    assert time.monotonic() - t0 < 5.0
+    (cycle,) = report.cycles
+    assert sorted(cycle.actors) == ["fa", "fb"]
+    text = str(cycle)
+    assert "fa.f waits on fb.g (running there" in text, text
+    assert "fb.g waits on fa.h (queued there" in text, text
+    # the queued call is behind fa's max_concurrency=1; the driver's call roots the chain
+    fa = report["fa"]
+    assert [c.method for c in fa.queued] == ["h"] and fa.max_concurrency == 1
+    assert {c.method: c.caller for c in fa.incoming}["h"] == "fb.g"
+    assert any(a.state == "DRIVER" and a.outgoing[0].method == "f" for a in report.actors)
+    longest = report.waited_on[0]
+    assert longest.chain[1:] == ["fa", "fb"] and longest.chain[0].startswith("driver-")
+    assert longest.summary.startswith("fb at the end of driver-")
+    print(report)
+    # fb's await chain reaches its call to fa
+    (g,) = report["fb"].incoming
+    assert any("in g" in line for line in g.stack) and "awaiting" in g.stack[-1]
+    assert "WAIT CYCLES" in str(report) and "behind max_concurrency=1" in str(report)
+    stuck.cancel()
+
+
+async def test_a_sync_method_shows_its_frame(cluster: rlactors.Cluster) -> None:
+    busy = await cluster.spawn(Busy, name="napper")
+    napping = busy.nap_in_thread.submit(60)
+
+    def napping_shown(r: StacksReport) -> bool:
+        calls = r["napper"].running
+        return bool(calls) and any("in nap_in_thread" in line for line in calls[0].stack)
+
+    report = await report_when(cluster, napping_shown, within=5.0, names=["napper"])
+    (call,) = report["napper"].running
+    assert call.thread and "time.sleep(seconds)" in "\n".join(call.stack)
+    assert "nap_in_thread" in report["napper"].summary()
+    assert any("-sync" in name for name in report["napper"].threads)  # the worker thread, by name
+    napping.cancel()
+
+
+async def test_a_stuck_loop_is_reported_unresponsive_with_its_stack(cluster: rlactors.Cluster) -> None:
+    busy = await cluster.spawn(Busy, name="spinner")
+    await busy.ping()
+    spinning = busy.spin_on_the_loop.submit(60)
+    report = await report_when(
+        cluster,
+        lambda r: not r["spinner"].responsive and (r["spinner"].unresponsive_s or 0) > 0.5,
+        within=10.0,
+        names=["spinner"],
+        timeout_s=3.0,
+    )
+    spinner = report["spinner"]
+    assert spinner.dump is not None and "spin_on_the_loop" in spinner.dump
+    summary = spinner.summary()
+    assert summary.startswith("unresponsive for ") and "spin_on_the_loop" in summary, summary
+    assert report.taken_s < 5.0
+    await cluster.kill(busy)
+    with pytest.raises(rlactors.ActorDiedError):
+        await spinning
+
+
+async def test_a_dead_actor_is_reported_dead(cluster: rlactors.Cluster) -> None:
+    gone = await cluster.spawn(Busy, name="gone")
+    alive = await cluster.spawn(Busy, name="alive")
+    await cluster.kill(gone)
+    report = await cluster.stacks(["gone", "alive", "never-was"], timeout_s=2.0)
+    assert report["gone"].state == "DEAD" and report["gone"].summary().startswith("dead: ")
+    assert report["alive"].responsive and report["alive"].summary() == "idle"
+    assert report["never-was"].state == "UNKNOWN"
+    assert report.taken_s < 3.0
+    await alive.ping()
+
+
+async def test_a_call_to_a_dead_actor_ends_a_chain_there() -> None:
+    # the graph alone, without processes: a driver waits on a, a on b, which is dead
+    a = ActorStacks("a", "ida", "ALIVE", outgoing=[OutgoingCall("b", "idb", "g", 2.0, "f", 7)])
+    b = ActorStacks("b", "idb", "DEAD", reason="worker process killed by SIGKILL")
+    driver = ActorStacks.driver(
+        "driver-1", [{"actor_id": "ida", "name": "a", "method": "f", "age_s": 3.0, "call_id": 1}]
+    )
+    report = build_report([a, b, driver])
+    assert not report.cycles
+    (end,) = report.waited_on
+    assert end.name == "b" and end.chain == ["driver-1", "a", "b"]
+    assert end.summary == "b at the end of driver-1 → a → b: dead: worker process killed by SIGKILL"
+    assert str(report.edges[-1]) == str(WaitEdge("a", "b", "g", 2.0, "f", "unseen"))
+    assert "a.f waits on b.g (not seen there, 2.0 s)" in str(report)
+
+
+async def test_the_report_is_bounded_when_a_worker_answers_nothing(cluster: rlactors.Cluster) -> None:
+    # a stopped process neither answers nor dumps: reported, not waited for
+    busy = await cluster.spawn(Busy, name="stopped")
+    (pid,) = [a["pid"] for a in await cluster.actors() if a["name"] == "stopped"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        report = await cluster.stacks(timeout_s=2.0)
+        assert time.monotonic() - t0 < 4.0
+        assert not report["stopped"].responsive
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert await wait_for(busy.ping(), 10) == "pong"
