@@ -1,4 +1,4 @@
-"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``down``, ``secret``.
+"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``stack``, ``down``, ``secret``.
 
 ``up`` starts the head and one node agent per host (locally, over ssh, or with srun inside
 a Slurm allocation), waits until every node has registered, and records the cluster in
@@ -323,6 +323,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _stacks(address: str | None, secret: str | None, names: list[str], timeout_s: float) -> str:
+    from rlactors.cluster import connect
+
+    cluster = await connect(address, secret_file=secret, timeout=5)
+    try:
+        return str(await cluster.stacks(names or None, timeout_s=timeout_s))
+    finally:
+        await cluster._client.close()
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    try:
+        text = asyncio.run(_stacks(args.address, args.secret_file, args.actors, args.timeout))
+    except ClusterError as e:
+        sf = state_file()
+        if args.address is None and sf.exists() and not _running(_load_state().get("head_pid")):
+            raise ClusterError(
+                f"the cluster recorded in {sf} is not running (its head has exited); "
+                "`rlactors down` clears the record"
+            ) from e
+        raise
+    sys.stdout.write(text + "\n")  # plain text: stacks hold brackets rich would read as markup
+    return 0
+
+
 async def _down(address: str, secret: str, security: str) -> int:
     from rlactors.cluster import connect
 
@@ -428,11 +453,27 @@ def main(argv: list[str] | None = None) -> None:
         metavar="SECONDS",
         help="refresh every SECONDS (default 2) until Ctrl-C",
     )
+    sk = sub.add_parser(
+        "stack",
+        help="what every actor is doing and who waits on whom: wait cycles, the ends of wait chains, stacks",
+    )
+    sk.add_argument("actors", nargs="*", metavar="ACTOR", help="actor names or ids (default: all)")
+    sk.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
+    sk.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")
+    sk.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the workers' answers (default 5)"
+    )
     sub.add_parser("down", help="stop the cluster started by `rlactors up`")
     se = sub.add_parser("secret", help="create a new cluster secret file")
     se.add_argument("path", help="where to write it (mode 600; an existing file is not overwritten)")
     args = ap.parse_args(argv)
-    handler = {"up": cmd_up, "status": cmd_status, "down": cmd_down, "secret": cmd_secret}[args.cmd]
+    handler = {
+        "up": cmd_up,
+        "status": cmd_status,
+        "stack": cmd_stack,
+        "down": cmd_down,
+        "secret": cmd_secret,
+    }[args.cmd]
     try:
         sys.exit(handler(args))
     except (ClusterError, ConfigError, FileExistsError, FileNotFoundError, PermissionError) as e:

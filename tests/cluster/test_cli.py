@@ -208,7 +208,10 @@ workdir = "/scratch/run"
             '[head]\n[cluster]\nstart_timeout = 0\n[[nodes]]\nhost = "a"',
             "'cluster.start_timeout' must be > 0",
         ),
-        ('[head]\n[[nodes]]\nhost = "a"\nresources = { gpu = -1 }', "'nodes[0].resources' must not be negative: gpu"),
+        (
+            '[head]\n[[nodes]]\nhost = "a"\nresources = { gpu = -1 }',
+            "'nodes[0].resources' must not be negative: gpu",
+        ),
         ('[[nodes]]\nhost = "a"\nresources = { cpu = "many" }', "'nodes[0].resources.cpu' must be a float"),
         ('[[nodes]]\nhost = "a"\nlaunch = "telnet"', "'nodes[0].launch' must be 'local' or 'ssh' or 'slurm'"),
         ('[head]\n[[nodes]]\nhost = "a"\n[[nodes]]\nhost = "b"\nnode_id = "a"', "duplicate node_id"),
@@ -272,3 +275,57 @@ def test_down_with_a_dead_head_stops_the_agents_at_once(tmp_path: Path, cli_env:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_stack_prints_the_wait_cycle_of_an_up_cluster(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    cfg = write_config(
+        tmp_path,
+        f"""
+[head]
+host = "127.0.0.1"
+port = {free_port()}
+
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "solo"
+resources = {{ cpu = 2 }}
+""",
+    )
+    up = run_cli(["up", str(cfg)], cli_env)
+    try:
+        assert up.returncode == 0, up.stderr
+
+        async def make_a_cycle() -> None:
+            from tests.runtime.test_forensics import report_when, start_cycle
+
+            os.environ["RLACTORS_STATE_DIR"] = cli_env["RLACTORS_STATE_DIR"]
+            try:
+                cluster = await rlactors.connect()
+                fa = await start_cycle(cluster, detached=True)
+                fa.f.tell()  # fa.f → fb.g → fa.h, queued behind fa.f: stuck for good
+                await report_when(
+                    cluster, lambda r: bool(r.cycles) and all(e.state != "unseen" for e in r.edges), 5.0
+                )
+                await cluster._client.close()
+            finally:
+                del os.environ["RLACTORS_STATE_DIR"]
+
+        asyncio.run(make_a_cycle())
+        stack = run_cli(["stack"], cli_env)
+        assert stack.returncode == 0, stack.stderr
+        for text in (
+            "wait cycle: fa → fb → fa",
+            "fa.f waits on fb.g (running there",
+            "fb.g waits on fa.h (queued there behind max_concurrency=1",
+            "return await self.peer.g()",  # fa.f's await chain
+        ):
+            assert text in stack.stdout, stack.stdout
+        one = run_cli(["stack", "fb"], cli_env)
+        assert one.returncode == 0 and "fb (Pong" in one.stdout and "fa (Ping" not in one.stdout, one.stdout
+    finally:
+        down = run_cli(["down"], cli_env)
+    assert down.returncode == 0, down.stderr
