@@ -28,6 +28,7 @@ import bisect
 import dataclasses
 import heapq
 import itertools
+import time
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class _InFlight:
     group_id: str
     item: Any
     admit_version: int
+    since: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -360,6 +362,15 @@ class TrajectoryBuffer:
     def accepted_ids(self) -> list[str]:
         """Ids of every group accepted (or trained before a resume): their ``begin`` is refused."""
         return sorted(self._accepted_ids)
+
+    def oldest_in_flight(self) -> dict[str, Any] | None:
+        """The episode in flight the longest: ``{group, holder, actor_id, age_s}`` (the actor that
+        holds it), or None; what a stall watchdog asks."""
+        if not self._in_flight:
+            return None
+        e = min(self._in_flight.values(), key=lambda e: e.since)
+        return {"group": e.group_id, "holder": e.holder_id, "actor_id": e.holder_id.split(":")[0],
+                "age_s": time.monotonic() - e.since}  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes, flat, for logging."""

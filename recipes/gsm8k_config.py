@@ -97,6 +97,9 @@ class RunConfig:
     # after SIGTERM: finish the step in progress and checkpoint it within this, else stop at once
     term_grace_s: float = field(default=120.0, metadata=above(0))
     trace: bool = True  # <out_dir>/trace.json (Perfetto, chrome://tracing) and timeline.png
+    # a step running longer writes <out_dir>/stalls/step-N.txt and names what it waits on;
+    # 0: the larger of 600 s and 10 times the median step
+    stall_after_s: float = field(default=0.0, metadata=at_least(0))
     seed: int = field(default=0, metadata=at_least(0))
 
     def __post_init__(self) -> None:

@@ -45,6 +45,7 @@ from nodes.evaluator import Evaluator
 from nodes.metrics import MetricsLogger, format_step_line
 from nodes.run_state import RunState, Terminated, Termination
 from nodes.trainer.manifest import CheckpointError
+from nodes.watchdog import StallWatchdog
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config
 from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane
 
@@ -81,13 +82,15 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
         evaluator = Evaluator(eval_spec(cfg, model), eval_items)
         await evaluator.start(plane.sync.live, state.version)
+        stall = StallWatchdog(plane, out, cfg.run.stall_after_s)
         try:
-            await loop(cfg, plane, state, evaluator, metrics, term)
+            await loop(cfg, plane, state, evaluator, metrics, term, stall)
         except Terminated:  # SIGTERM: the step in progress finished (or never started training)
             if state.step and state.saved_step != state.step:
                 await state.save(plane.ranks)
             raise
         finally:
+            stall.close()
             evaluator.cancel()
             await plane.stop()
     finally:
@@ -103,11 +106,13 @@ async def loop(
     evaluator: Evaluator,
     metrics: MetricsLogger,
     term: Termination,
+    stall: StallWatchdog,
 ) -> None:
     """Asynchronous GRPO: batch -> rewards -> advantages -> train -> publish -> log (eval, checkpoint)."""
     B, steps = cfg.async_.batch_size, cfg.run.steps
     while state.step < steps:
         started, t_wait = time.time(), time.monotonic()
+        stall.begin(state.step + 1)  # a step past run.stall_after_s leaves a report naming what it waits on
         batch = await term.wait(plane.get_batch(B, state.version, cfg.run.batch_timeout_s))
         t_train = time.monotonic()
         rewards = shape_rewards(batch, cfg.advantage.shaping)  # [advantage.shaping] bias, scale, clip
@@ -117,6 +122,7 @@ async def loop(
         t_push = time.monotonic()
         push = await plane.sync.publish(state.version)  # pause -> push weights -> new version -> continue
         times = {"wait": t_train - t_wait, "train": t_push - t_train, "push": time.monotonic() - t_push}
+        stall.end()
 
         m = await plane.step_metrics(batch, stats, push, times, cfg.async_.max_staleness)
         if state.step == steps:  # the final policy's accuracy, after any evaluation still running

@@ -123,7 +123,7 @@ class Rollout:
                    exhausted=self._exhausted, elapsed_s=elapsed,
                    episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
                    tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0,
-                   resume_reposts=[list(r) for r in self.client.reposts],
+                   resume_reposts=[list(r) for r in self.client.reposts], waiting=self.client.waiting(),
                    loop_lag_max_s=self.loop_lag_max_s)  # fmt: skip
         return out
 

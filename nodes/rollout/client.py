@@ -113,6 +113,7 @@ class SGLangClient:
         self._retired: list[ServerPool] = []  # retired servers' pools, closed with the client
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
+        self._since: dict[str, float] = {}  # rid -> when it started (monotonic), while it runs
         self._paused = False
         # requests held over a pause, per server: resume() wakes them a server at a time, in turn
         self._held: dict[str, deque[asyncio.Future[None]]] = {}
@@ -186,6 +187,16 @@ class SGLangClient:
         """The server a running request (by its rid) is on, e.g. to abort it there."""
         return self._active.get(rid)
 
+    def waiting(self) -> dict[str, dict[str, float]]:
+        """Per server with requests running: how many, and how long the oldest has run (s); what
+        a stall watchdog asks (nodes/watchdog.py)."""
+        now, out = time.monotonic(), {}
+        for rid, url in self._active.items():
+            w = out.setdefault(url, {"requests": 0, "oldest_s": 0.0})
+            w["requests"] += 1
+            w["oldest_s"] = max(w["oldest_s"], now - self._since.get(rid, now))
+        return out
+
     def load(self) -> dict[str, int]:
         """Requests in flight per server, as this client sees them."""
         return {u: s.inflight for u, s in self._servers.items()}
@@ -207,6 +218,7 @@ class SGLangClient:
         """Generate to completion across pauses (abort mode), retries and failovers."""
         rid = request.rid or uuid.uuid4().hex
         started = time.time()
+        self._since[rid] = time.monotonic()
         sp = dict(request.sampling_params)
         if sp.get("n", 1) != 1:
             raise ValueError("GenRequest: sampling_params.n must be 1; send n requests for n samples")
@@ -219,6 +231,7 @@ class SGLangClient:
             await self._generate_loop(request, rid, sp, budget, server, res)
         finally:
             self._active.pop(rid, None)
+            self._since.pop(rid, None)
         TRACE.async_span("generate", f"{rid}#{started}", started, time.time(), f"server {res.server}",
                          rid=rid, trace_id=request.trace_id, prompt_tokens=res.prompt_tokens,
                          output_tokens=len(res.output_ids), aborts=res.aborts, posts=res.posts)  # fmt: skip
