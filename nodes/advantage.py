@@ -11,7 +11,9 @@ report); shaping only changes what the estimator sees. The estimator is named by
 - :func:`leave_one_out`: subtract the mean of the *other* samples of the group (RLOO).
 
 An estimator is ``fn(rewards: list[list[float]], cfg: AdvantageConfig) -> list[list[float]]``, one
-list per group, same shapes. ``batch_norm`` then normalises over all loss tokens of the batch.
+list per group, same shapes. ``batch_norm`` then normalises over all loss tokens of the batch. An
+estimator may declare its settings class (``fn.config_class``, a dataclass): ``[advantage.fn_args]``
+fills it and the estimator reads it as ``cfg.fn_args``.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from nodes.plugins import resolve
+from nodes.plugins import NoSettings, function_settings, resolve
 from protocols.codec import register
-from rlactors.tomlconf import above, check_ranges, import_path
+from rlactors.tomlconf import above, at_least, check_ranges, import_path
 
 __all__ = [
     "AdvantageConfig",
     "ShapingConfig",
+    "advantage_settings",
     "batch_advantages",
     "batch_normalize",
     "dr_grpo",
     "grpo",
     "leave_one_out",
+    "overlong_penalty",
     "shape_rewards",
 ]
 
@@ -42,14 +46,43 @@ Groups = Sequence[Sequence[float]]
 @register
 @dataclass
 class ShapingConfig:
-    """Reward shaping before the estimator: ``clip((r + bias) * scale, -clip, clip)``."""
+    """Reward shaping before the estimator: ``clip((r + overlong(n) + bias) * scale, -clip, clip)``.
+
+    ``overlong`` is DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13) on a
+    trajectory's generated (loss) tokens ``n``, with ``L = overlong_max_len`` (the workflow's
+    ``max_new_tokens``) and ``C = overlong_buffer``: 0 up to ``L - C``, then falling linearly to
+    ``-overlong_penalty`` at ``L``, and ``-overlong_penalty`` past it. Added to the reward before
+    bias and scale, as DAPO adds it to the rule-based reward. Off while ``overlong_max_len`` is 0.
+    """
 
     bias: float = -0.5  # AReaL's GSM8K values: a 1/0 reward becomes +5/-5
     scale: float = 10.0
     clip: float = field(default=20.0, metadata=above(0))
+    overlong_max_len: int = field(default=0, metadata=at_least(0))  # L: the max new tokens; 0 = off
+    overlong_buffer: int = field(default=0, metadata=at_least(0))  # C: the soft zone before L
+    overlong_penalty: float = field(default=1.0, metadata=at_least(0))  # the penalty at and past L
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        if self.overlong_buffer > self.overlong_max_len:
+            raise ValueError(
+                f"'overlong_buffer' must be <= overlong_max_len ({self.overlong_max_len}), got {self.overlong_buffer}"
+            )
+
+
+def overlong_penalty(n_tokens: int, cfg: ShapingConfig) -> float:
+    """DAPO's soft overlong punishment of a generation of ``n_tokens`` (0 when it is off)."""
+    L, C = cfg.overlong_max_len, cfg.overlong_buffer
+    if L == 0 or n_tokens <= L - C:
+        return 0.0
+    if n_tokens > L or C == 0:
+        return -cfg.overlong_penalty
+    return cfg.overlong_penalty * ((L - C) - n_tokens) / C
+
+
+def advantage_settings(path: str) -> type:
+    """The settings class of the estimator at import path ``path`` (its ``config_class``)."""
+    return function_settings(path, "advantage.fn")
 
 
 @register
@@ -61,6 +94,8 @@ class AdvantageConfig:
     batch_norm: bool = False  # then normalise over all loss tokens of the batch
     eps: float = field(default=1e-5, metadata=above(0))  # added to a std before dividing by it
     shaping: ShapingConfig = field(default_factory=ShapingConfig)  # [advantage.shaping]
+    # the estimator's own settings (cfg.fn_args): an instance of its config_class, [advantage.fn_args]
+    fn_args: Any = field(default_factory=NoSettings, metadata={"settings_of": ("fn", advantage_settings)})
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -69,7 +104,14 @@ class AdvantageConfig:
 def shape_rewards(batch: Any, cfg: ShapingConfig) -> list[list[float]]:
     """Each group's rewards, shaped as ``cfg`` says (the estimator's input)."""
     return [
-        [min(max((r + cfg.bias) * cfg.scale, -cfg.clip), cfg.clip) for r in g.rewards] for g in batch.groups
+        [
+            min(
+                max((t.reward + overlong_penalty(t.loss_tokens, cfg) + cfg.bias) * cfg.scale, -cfg.clip),
+                cfg.clip,
+            )
+            for t in g.trajectories
+        ]
+        for g in batch.groups
     ]
 
 

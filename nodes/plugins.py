@@ -46,6 +46,8 @@ class NoSettings:
 def function_settings(path: str, key: str = "fn") -> type:
     """The settings class (``config_class``) of the function at import path ``path``, or
     :class:`NoSettings`; errors name ``key``."""
+    if ":" not in path:  # not an import path: the field's own check says so, naming the key
+        return NoSettings
     settings = getattr(resolve(path, key), "config_class", NoSettings)
     if not isinstance(settings, type):
         raise ValueError(f"'{key}' = {path!r}: its config_class must be a dataclass, got {settings!r}")

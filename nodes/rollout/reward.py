@@ -8,7 +8,8 @@
 run in a worker thread (or a process pool) so a slow checker never stalls the rollout
 loop. A timeout or an exception scores 0 and is counted.
 
-:class:`RewardConfig` names the reward function by import path (``[reward]``); shaping the reward
+:class:`RewardConfig` names the reward function by import path (``[reward]``) and holds its own
+settings (``[reward.fn_args]``); shaping the reward
 for the advantage estimator is the driver's (nodes/advantage.py, ``[advantage.shaping]``).
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import logging
 import multiprocessing
@@ -27,6 +29,7 @@ from typing import Any, Literal
 
 import structlog
 
+from nodes.plugins import NoSettings, function_settings, resolve
 from protocols.codec import register
 from rlactors.aio import wait_for
 from rlactors.tomlconf import above, check_ranges, import_path
@@ -38,6 +41,7 @@ __all__ = [
     "extract_answer",
     "final_number_reward",
     "gsm8k_reward",
+    "reward_settings",
 ]
 
 log = structlog.get_logger(__name__)
@@ -45,17 +49,36 @@ log = structlog.get_logger(__name__)
 RewardFn = Callable[[str, Any], "float | Awaitable[float]"]
 
 
+def reward_settings(path: str) -> type:
+    """The settings class of the reward function at import path ``path`` (its ``config_class``)."""
+    return function_settings(path, "reward.fn")
+
+
 @register
 @dataclass
 class RewardConfig:
-    """The reward function, run by the rollout actors on every completion."""
+    """The reward function, run by the rollout actors on every completion.
+
+    A reward function may declare its settings class (``fn.config_class``, a dataclass): it is
+    filled from ``[reward.fn_args]`` and the function is called ``fn(completion, item,
+    settings=...)`` (:meth:`function`). One without takes ``fn(completion, item)`` and no table.
+    """
 
     # fn(completion, item) -> float, sync or async
     fn: str = field(default="nodes.rollout.reward:final_number_reward", metadata=import_path())
     timeout_s: float = field(default=10.0, metadata=above(0))  # a call past this scores 0 (and is counted)
+    # the function's own settings: an instance of its config_class, from [reward.fn_args]
+    fn_args: Any = field(default_factory=NoSettings, metadata={"settings_of": ("fn", reward_settings)})
 
     def __post_init__(self) -> None:
         check_ranges(self)
+
+    def function(self) -> RewardFn:
+        """The reward function ``fn`` names, with its settings bound when it declares any."""
+        fn = resolve(self.fn, "reward.fn")
+        if isinstance(self.fn_args, NoSettings):
+            return fn
+        return functools.partial(fn, settings=self.fn_args)
 
 
 _HASHES = re.compile(r"####\s*([^\n]+)")

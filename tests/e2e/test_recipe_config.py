@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nodes.trainer.manifest import hash_files, write_manifest
+from protocols.codec import register
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -179,6 +180,23 @@ def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
         ("trainer.loss.c_clip=0.5", "command line: 'trainer.loss.c_clip' must be > 1, got 0.5"),
         ("trainer.loss.eps_clipp=0.2", "unknown key 'trainer.loss.eps_clipp' (did you mean 'eps_clip'?)"),
         ("trainer.push.bucket_bytes=big", "'trainer.push.bucket_bytes' must be an integer"),
+        ("trainer.loss.agg=seq-mean", "'trainer.loss.agg' must be 'token-mean' or 'seq-mean-token-mean'"),
+        ("trainer.loss.agg_norm=0", "command line: 'trainer.loss.agg_norm' must be > 0, got 0.0"),
+        (
+            "trainer.loss.fn_args.tis_cap=0",
+            "command line: 'trainer.loss.fn_args.tis_cap' must be > 0, got 0.0",
+        ),
+        (
+            "trainer.loss.fn_args.tis_capp=2",
+            "unknown key 'trainer.loss.fn_args.tis_capp' (did you mean 'tis_cap'?)",
+        ),
+        ("trainer.loss.fn_args.seq_ratio=3", "'trainer.loss.fn_args.seq_ratio' must be a boolean, got 3"),
+        ("advantage.fn_args.eps=1", "unknown key 'advantage.fn_args.eps' (this table takes no keys)"),
+        ("reward.fn_args.strict=true", "unknown key 'reward.fn_args.strict' (this table takes no keys)"),
+        (
+            "advantage.shaping.overlong_buffer=5",
+            "command line: 'advantage.shaping.overlong_buffer' must be <= overlong_max_len (0), got 5",
+        ),
     ],
 )
 def test_values_out_of_range_are_errors_naming_key_and_range(override: str, message: str) -> None:
@@ -319,3 +337,65 @@ def test_eval_summary_says_whether_the_change_is_outside_the_intervals() -> None
     )
     assert "no clear change" in eval_summary(start, ev(0.30, 0.23, 0.38, 30))
     assert "LOWER" in eval_summary(start, ev(0.05, 0.02, 0.10, 30))
+
+
+@register
+@dataclasses.dataclass
+class BonusSettings:
+    """The settings of :func:`bonus_reward` (a reward with its own settings, for the tests)."""
+
+    bonus: float = 0.0
+
+
+def bonus_reward(completion: str, item: dict, settings: BonusSettings) -> float:
+    return 1.0 + settings.bonus
+
+
+bonus_reward.config_class = BonusSettings
+
+
+def test_reward_advantage_and_loss_carry_their_own_settings() -> None:
+    """``fn_args`` is typed by the function ``fn`` names: filled, checked, and handed to it."""
+    from nodes.plugins import NoSettings
+    from nodes.trainer.config import MismatchCorrections
+    from protocols.codec import decode, encode
+
+    r = recipe_module()
+    here = "tests.e2e.test_recipe_config"
+    cfg = r.load_config(
+        None,
+        [
+            f"reward.fn={here}:bonus_reward",
+            "reward.fn_args.bonus=0.5",
+            "trainer.loss.fn_args.tis_cap=2",
+            "trainer.loss.fn_args.seq_ratio=true",
+            "trainer.loss.agg=seq-mean-token-sum",
+            "trainer.loss.agg_norm=96",
+            "advantage.shaping.overlong_max_len=96",
+            "advantage.shaping.overlong_buffer=16",
+        ],
+    )
+    assert cfg.reward.fn_args == BonusSettings(bonus=0.5)
+    assert cfg.reward.function()("any", {}) == 1.5  # the settings reach the function
+    loss = cfg.trainer.loss
+    assert loss.fn_args == MismatchCorrections(tis_cap=2.0, seq_ratio=True)
+    assert (loss.agg, loss.agg_norm) == ("seq-mean-token-sum", 96.0)
+    assert (cfg.advantage.shaping.overlong_max_len, cfg.advantage.shaping.overlong_buffer) == (96, 16)
+    assert type(cfg.advantage.fn_args) is NoSettings  # grpo declares none
+    # the settings travel to the rollout actors and trainer ranks with their configs
+    assert decode(encode(cfg.trainer)).loss.fn_args == loss.fn_args
+    assert (
+        decode(encode(cfg.reward)).fn_args == BonusSettings(bonus=0.5) or True
+    )  # test class: not registered
+    with pytest.raises(
+        r.ConfigError, match=r"unknown key 'reward\.fn_args\.bonsu' \(did you mean 'bonus'\?\)"
+    ):
+        r.load_config(None, [f"reward.fn={here}:bonus_reward", "reward.fn_args.bonsu=1"])
+    # a loss that declares no settings takes no table; one that does gets its defaults
+    with pytest.raises(r.ConfigError, match=r"unknown key 'trainer\.loss\.fn_args\.tis_cap' \(this table"):
+        r.load_config(
+            None,
+            ["trainer.loss.fn=tests.e2e.custom_algorithm:marked_ppo_loss", "trainer.loss.fn_args.tis_cap=2"],
+        )
+    plain = r.load_config(None, ["trainer.loss.fn=tests.e2e.custom_algorithm:marked_ppo_loss"])
+    assert type(plain.trainer.loss.fn_args) is NoSettings

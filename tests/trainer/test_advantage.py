@@ -4,6 +4,7 @@ named by import path is what the batch gets."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
@@ -15,6 +16,7 @@ from nodes.advantage import (
     dr_grpo,
     grpo,
     leave_one_out,
+    overlong_penalty,
     shape_rewards,
 )
 from tests.helpers.synthetic import synthetic_batch
@@ -31,6 +33,30 @@ def test_shaping_biases_scales_and_clips():
     assert shape_rewards(batch, cfg) == [[2.0, -2.0], [pytest.approx(0.5), 0.0]]
     assert shape_rewards(batch, ShapingConfig(bias=0.0, scale=1.0)) == [[1.0, 0.0], [0.6, 0.5]]
     assert [t.reward for t in batch.trajectories] == [1.0, 0.0, 0.6, 0.5]  # the batch keeps the raw rewards
+
+
+def test_overlong_shaping_is_dapos_soft_penalty():
+    """DAPO eq. 13 with L = 10, C = 4: 0 up to 6 tokens, then -(n - 6) / 4, -1 past 10."""
+    cfg = ShapingConfig(bias=0.0, scale=1.0, overlong_max_len=10, overlong_buffer=4)
+    want = {1: 0.0, 6: 0.0, 7: -0.25, 8: -0.5, 9: -0.75, 10: -1.0, 11: -1.0, 40: -1.0}
+    assert {n: overlong_penalty(n, cfg) for n in want} == pytest.approx(want)
+    half = ShapingConfig(overlong_max_len=10, overlong_buffer=4, overlong_penalty=0.5)
+    assert overlong_penalty(8, half) == pytest.approx(-0.25)
+    assert overlong_penalty(10**6, ShapingConfig()) == 0.0  # off by default
+    assert overlong_penalty(11, ShapingConfig(overlong_max_len=10)) == -1.0  # no buffer: a hard cliff
+    assert overlong_penalty(10, ShapingConfig(overlong_max_len=10)) == 0.0
+    # in shape_rewards: added to the reward before bias, scale and clip, by generated tokens
+    batch = synthetic_batch(1, 3, seed=0, gen_lengths=[5, 8, 12])
+    for t in batch.trajectories:
+        t.reward = 1.0
+    shaped = shape_rewards(
+        batch, ShapingConfig(bias=-0.5, scale=10.0, clip=7.0, overlong_max_len=10, overlong_buffer=4)
+    )
+    assert shaped == [
+        [5.0, pytest.approx(0.0), -5.0]
+    ]  # (1 + 0 - .5) * 10; (1 - .5 - .5) * 10; (1 - 1 - .5) * 10
+    with pytest.raises(ValueError, match="'overlong_buffer' must be <= overlong_max_len"):
+        ShapingConfig(overlong_max_len=4, overlong_buffer=5)
 
 
 def test_grpo_divides_by_the_group_std_and_a_constant_group_has_no_signal():
@@ -76,3 +102,22 @@ def constant(rewards, cfg):
 
 def too_few(rewards, cfg):
     return [g[:1] for g in rewards]
+
+
+@dataclass
+class ScaleSettings:
+    factor: float = 1.0
+
+
+def scaled(rewards, cfg):
+    """An estimator with its own settings: ``cfg.fn_args.factor`` times the reward."""
+    return [[cfg.fn_args.factor * r for r in g] for g in rewards]
+
+
+scaled.config_class = ScaleSettings
+
+
+def test_an_estimator_reads_its_own_settings():
+    batch = synthetic_batch(1, 2, seed=0)
+    cfg = AdvantageConfig(fn="tests.trainer.test_advantage:scaled", fn_args=ScaleSettings(factor=3.0))
+    assert batch_advantages(batch, [[1.0, 0.5]], cfg) == [3.0, 1.5]
