@@ -100,7 +100,6 @@ class RunConfig:
     # a step running longer writes <out_dir>/stalls/step-N.txt and names what it waits on;
     # 0: the larger of 600 s and 10 times the median step
     stall_after_s: float = field(default=0.0, metadata=at_least(0))
-    seed: int = field(default=0, metadata=at_least(0))
 
     def __post_init__(self) -> None:
         check_ranges(self)

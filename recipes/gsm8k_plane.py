@@ -50,14 +50,13 @@ def resolve_model(cfg: ModelConfig) -> Path:
 
 
 def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
-    """``[trainer]`` with what the run decides: the model, the schedule's length, the seed, and
-    where the disk push writes."""
+    """``[trainer]`` with what the run decides: the model, the schedule's length, and where the
+    disk push writes."""
     t = cfg.trainer
     return dataclasses.replace(
         t,
         model_path=str(model),
         total_steps=max(1, cfg.run.steps * t.n_minibatches),
-        seed=cfg.run.seed,
         push=dataclasses.replace(t.push, disk_dir=t.push.disk_dir or str(out / "weights")),
     )
 
