@@ -183,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cluster", help="cluster.toml started with `rlactors up`, or a head address (default: local)"
     )
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run.out_dir")
-    ap.add_argument("overrides", nargs="*", metavar="section.key=value")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. run.steps=20 trainer.lr=1e-5",
+    )
     args = ap.parse_args(argv)
     out = Path()
     try:
