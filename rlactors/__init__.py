@@ -23,6 +23,7 @@ from rlactors.errors import (
 )
 from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod
 from rlactors.methods import blocking
+from rlactors.stacks import StacksReport
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ __all__ = [
     "PlacementGroup",
     "RemoteError",
     "RuntimeShutdownError",
+    "StacksReport",
     "__version__",
     "blocking",
     "connect",
