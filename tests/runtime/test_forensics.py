@@ -82,31 +82,32 @@ async def start_cycle(cluster: rlactors.Cluster, a: str = "fa", b: str = "fb", *
 async def test_a_wait_cycle_is_named_within_5_s(cluster: rlactors.Cluster) -> None:
     pa = await start_cycle(cluster)
     stuck = pa.f.submit()
-    t0 = time.monotonic()
-    # (a call still on the wire shows "not seen there" for a moment)
-    report = await report_when(
-        cluster, lambda r: bool(r.cycles) and all(e.state != "unseen" for e in r.edges), within=5.0
-    )
-    assert time.monotonic() - t0 < 5.0
-    (cycle,) = report.cycles
-    assert sorted(cycle.actors) == ["fa", "fb"]
-    text = str(cycle)
-    assert "fa.f waits on fb.g (running there" in text, text
-    assert "fb.g waits on fa.h (queued there" in text, text
-    # the queued call is behind fa's max_concurrency=1; the driver's call roots the chain
-    fa = report["fa"]
-    assert [c.method for c in fa.queued] == ["h"] and fa.max_concurrency == 1
-    assert {c.method: c.caller for c in fa.incoming}["h"] == "fb.g"
-    assert any(a.state == "DRIVER" and a.outgoing[0].method == "f" for a in report.actors)
-    longest = report.waited_on[0]
-    assert longest.chain[1:] == ["fa", "fb"] and longest.chain[0].startswith("driver-")
-    assert longest.summary.startswith("fb at the end of driver-")
-    print(report)
-    # fb's await chain reaches its call to fa
-    (g,) = report["fb"].incoming
-    assert any("in g" in line for line in g.stack) and "awaiting" in g.stack[-1]
-    assert "WAIT CYCLES" in str(report) and "behind max_concurrency=1" in str(report)
-    stuck.cancel()
+    try:
+        t0 = time.monotonic()
+        # (a call still on the wire shows "not seen there" for a moment)
+        report = await report_when(
+            cluster, lambda r: bool(r.cycles) and all(e.state != "unseen" for e in r.edges), within=5.0
+        )
+        assert time.monotonic() - t0 < 5.0
+        (cycle,) = report.cycles
+        assert sorted(cycle.actors) == ["fa", "fb"]
+        text = str(cycle)
+        assert "fa.f waits on fb.g (running there" in text, text
+        assert "fb.g waits on fa.h (queued there" in text, text
+        # the queued call is behind fa's max_concurrency=1; the driver's call roots the chain
+        fa = report["fa"]
+        assert [c.method for c in fa.queued] == ["h"] and fa.max_concurrency == 1
+        assert {c.method: c.caller for c in fa.incoming}["h"] == "fb.g"
+        assert any(a.state == "DRIVER" and a.outgoing[0].method == "f" for a in report.actors)
+        longest = report.waited_on[0]
+        assert longest.chain[1:] == ["fa", "fb"] and longest.chain[0].startswith("driver-")
+        assert longest.summary.startswith("fb at the end of driver-")
+        # fb's await chain reaches its call to fa
+        (g,) = report["fb"].incoming
+        assert any("in g" in line for line in g.stack) and "awaiting" in g.stack[-1]
+        assert "WAIT CYCLES" in str(report) and "behind max_concurrency=1" in str(report)
+    finally:
+        stuck.cancel()
 
 
 async def test_a_sync_method_shows_its_frame(cluster: rlactors.Cluster) -> None:
