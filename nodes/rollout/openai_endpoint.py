@@ -237,15 +237,12 @@ class _Completion:
     finish_reason: str
 
 
-def _same_reply(sent: dict[str, Any], served: dict[str, Any]) -> bool:
-    if sent.get("role") != "assistant" or (sent.get("content") or "") != (served.get("content") or ""):
-        return False
-    calls = [
-        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in sent.get("tool_calls") or ()
-    ]
-    return calls == [
-        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in served.get("tool_calls") or ()
-    ]
+def _reply_key(m: dict[str, Any]) -> tuple[str, tuple[tuple[str, str, str], ...]]:
+    """What a sent-back assistant message must repeat of the answer served: content, tool calls."""
+    calls = tuple(
+        (c["id"], c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or ()
+    )
+    return m.get("content") or "", calls
 
 
 @dataclass
@@ -261,6 +258,9 @@ class Episode:
         )
     )
     _completions: OrderedDict[int, _Completion] = field(default_factory=OrderedDict)
+    # (number of messages before the answer, _reply_key(answer)) -> numbers of the completions kept:
+    # a request is matched against only the completions whose answer it repeats, not all kept
+    _by_reply: dict[tuple[int, Any], list[int]] = field(default_factory=dict)
     _next: int = 0
 
     def find(
@@ -268,24 +268,32 @@ class Episode:
     ) -> tuple[_Completion, int] | None:
         """The completion ``messages`` continue (its sample not grown past it, sampled at the same
         temperature), newest first, and where the new messages start."""
-        for c in reversed(self._completions.values()):
-            k = len(c.messages)
-            if (
-                len(messages) > k + 1
-                and c.tools == tools
-                and c.sample.temperature == temperature
-                and len(c.sample.ids) == c.end
-                and messages[:k] == c.messages
-                and _same_reply(messages[k], c.reply)
-            ):
-                return c, k + 1
-        return None
+        best: tuple[int, _Completion] | None = None
+        for k in range(1, len(messages) - 1):  # where the answer would be, with a message after it
+            if messages[k]["role"] != "assistant":
+                continue
+            for n in self._by_reply.get((k, _reply_key(messages[k])), ()):
+                c = self._completions[n]
+                if (
+                    (best is None or n > best[0])
+                    and c.tools == tools
+                    and c.sample.temperature == temperature
+                    and len(c.sample.ids) == c.end
+                    and messages[:k] == c.messages
+                ):
+                    best = n, c
+        return None if best is None else (best[1], len(best[1].messages) + 1)
 
     def keep(self, c: _Completion) -> None:
         self._completions[self._next] = c
+        self._by_reply.setdefault((len(c.messages), _reply_key(c.reply)), []).append(self._next)
         self._next += 1
         while len(self._completions) > KEPT_COMPLETIONS:
-            self._completions.popitem(last=False)
+            n, gone = self._completions.popitem(last=False)
+            key = (len(gone.messages), _reply_key(gone.reply))
+            self._by_reply[key].remove(n)
+            if not self._by_reply[key]:
+                del self._by_reply[key]
 
 
 class ChatEndpoint:
@@ -437,7 +445,9 @@ class ChatEndpoint:
         return out
 
     async def _generate(self, ep: Episode, s: Sample, req: ChatRequest) -> GenResult:
-        rid = f"agent/{ep.id}/s{ep.samples.index(s)}/"
+        # the sample's place in the episode (searched from the end, where a new one is)
+        i = next(i for i in range(len(ep.samples) - 1, -1, -1) if ep.samples[i] is s)
+        rid = f"agent/{ep.id}/s{i}/"
         trace_id = s.meta.setdefault("trace_id", rid.rstrip("/"))
         request = GenRequest(list(s.ids), dict(req.sampling), rid, req.top_logprobs, trace_id)
         return await (ep.client or self.client).agenerate(request)
@@ -604,8 +614,15 @@ def main(argv: list[str] | None = None) -> None:
             await endpoint.aclose()
             await client.aclose()
 
+    run: Any = asyncio.run
     try:
-        asyncio.run(serve())
+        import uvloop
+
+        run = uvloop.run  # the loop a rollout actor (and so its endpoint) runs on
+    except ImportError:
+        pass
+    try:
+        run(serve())
     except KeyboardInterrupt:
         pass
 

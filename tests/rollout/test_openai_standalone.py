@@ -120,3 +120,30 @@ async def test_standalone_prints_a_working_base_url_and_continues_token_exactly(
         assert r3.usage.prompt_tokens == len(prompt_ids(tokenizer, edited, None))  # a new sample
     finally:
         await client.close()
+
+
+def test_the_one_episode_keeps_only_the_newest_completions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standalone server's episode lives as long as the server: it matches a request against
+    the newest KEPT_COMPLETIONS answers (found by the answer repeated, not by a scan of all)."""
+    from nodes.rollout import openai_endpoint
+    from nodes.rollout.workflows import Sample
+
+    monkeypatch.setattr(openai_endpoint, "KEPT_COMPLETIONS", 2)
+    ep = openai_endpoint.Episode("default")
+    user = [{"role": "user", "content": "q"}]
+    kept = []
+    for i in range(3):
+        reply = {"role": "assistant", "content": f"a{i}"}
+        c = openai_endpoint._Completion(user, None, reply, Sample([1, 2], 1.0), 2, [], "stop")
+        ep.keep(c)
+        kept.append(c)
+
+    def find(i: int) -> Any:
+        messages = [*user, {"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": "more"}]
+        return ep.find(messages, None, 1.0)
+
+    assert find(0) is None  # evicted
+    assert find(1) == (kept[1], 2) and find(2) == (kept[2], 2)
+    assert ep.find([*user, {"role": "assistant", "content": "a2"}], None, 1.0) is None  # nothing new
+    other_temperature = [*user, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "x"}]
+    assert ep.find(other_temperature, None, 0.5) is None
