@@ -26,17 +26,21 @@ async def test_every_generate_body_the_client_posts_is_a_generate_body_the_serve
             lambda b: reply([5, 6], "abort", message="paused"),
             lambda b: httpx.Response(503),
             lambda b: reply([7], "length"),
+            lambda b: reply([8], "length"),
         ]
     )
     client = SGLangClient(["http://a:1"], FAST, transport=script.transport())
     await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 3, "min_new_tokens": 1}, rid="r"))
+    await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 1}, rid="t", top_logprobs_num=2))
     await client.aclose()
-    assert len(script.posts) == 3
-    for _, body in script.posts:
-        assert set(body) == set(typing.get_type_hints(GenerateBody))
+    assert len(script.posts) == 4
+    for _, body in script.posts[:3]:
+        assert set(body) == GenerateBody.__required_keys__  # the optional keys only when asked
         req = GenerateRequest.from_json(body)
         assert req.input_ids[:3] == [1, 2, 3] and req.return_logprob is True
-    assert [b["rid"] for _, b in script.posts] == ["r", "r-r1", "r-r1-t1"]
+    assert set(script.posts[3][1]) == GenerateBody.__required_keys__ | {"top_logprobs_num"}
+    assert GenerateRequest.from_json(script.posts[3][1]).top_logprobs_num == 2
+    assert [b["rid"] for _, b in script.posts] == ["r", "r-r1", "r-r1-t1", "t"]
     assert script.posts[-1][1]["sampling_params"] == {"max_new_tokens": 1, "min_new_tokens": 0}
 
 
