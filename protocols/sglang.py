@@ -9,7 +9,7 @@ ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, NotRequired, Self, TypedDict, Union
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -593,15 +593,19 @@ def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
 # TypedDict: typed for the checker, a plain dict at run time that orjson encodes as it is.
 
 
-class GenerateBody(TypedDict):
-    """The ``/generate`` body the rollout client posts: one prompt as token ids, its sampling
-    parameters and a request id, log-probs on (:class:`GenerateRequest` is how a server reads it)."""
-
+class _GenerateBodyRequired(TypedDict):
     input_ids: list[int]
     sampling_params: dict[str, Any]
     rid: str
     return_logprob: bool
-    top_logprobs_num: NotRequired[int]  # the most likely tokens at each output position
+
+
+class GenerateBody(_GenerateBodyRequired, total=False):
+    """The ``/generate`` body the rollout client posts: one prompt as token ids, its sampling
+    parameters and a request id, log-probs on (:class:`GenerateRequest` is how a server reads it);
+    the optional keys only when asked."""
+
+    top_logprobs_num: int  # the most likely tokens at each output position
 
 
 class ContinueGenerationRequest(_Body):

@@ -41,7 +41,7 @@ async def test_every_generate_body_the_client_posts_is_a_generate_body_the_serve
     assert set(script.posts[3][1]) == GenerateBody.__required_keys__ | {"top_logprobs_num"}
     assert GenerateRequest.from_json(script.posts[3][1]).top_logprobs_num == 2
     assert [b["rid"] for _, b in script.posts] == ["r", "r-r1", "r-r1-t1", "t"]
-    assert script.posts[-1][1]["sampling_params"] == {"max_new_tokens": 1, "min_new_tokens": 0}
+    assert script.posts[2][1]["sampling_params"] == {"max_new_tokens": 1, "min_new_tokens": 0}
 
 
 def test_generate_body_names_only_fields_of_the_generate_request() -> None:
