@@ -48,7 +48,7 @@ Groups = Sequence[Sequence[float]]
 class ShapingConfig:
     """Reward shaping before the estimator: ``clip((r + overlong(n) + bias) * scale, -clip, clip)``.
 
-    ``overlong`` is DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13) on a
+    ``overlong`` is DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", sec. 3.4) on a
     trajectory's generated (loss) tokens ``n``, with ``L = overlong_max_len`` (the workflow's
     ``max_new_tokens``) and ``C = overlong_buffer``: 0 up to ``L - C``, then falling linearly to
     ``-overlong_penalty`` at ``L``, and ``-overlong_penalty`` past it. Added to the reward before

@@ -36,7 +36,7 @@ def test_shaping_biases_scales_and_clips():
 
 
 def test_overlong_shaping_is_dapos_soft_penalty():
-    """DAPO eq. 13 with L = 10, C = 4: 0 up to 6 tokens, then -(n - 6) / 4, -1 past 10."""
+    """DAPO's soft overlong punishment with L = 10, C = 4: 0 up to 6 tokens, then -(n - 6) / 4, -1 past 10."""
     cfg = ShapingConfig(bias=0.0, scale=1.0, overlong_max_len=10, overlong_buffer=4)
     want = {1: 0.0, 6: 0.0, 7: -0.25, 8: -0.5, 9: -0.75, 10: -1.0, 11: -1.0, 40: -1.0}
     assert {n: overlong_penalty(n, cfg) for n in want} == pytest.approx(want)

@@ -152,7 +152,7 @@ def test_loss_and_gradient_match_hand_written(cfg, T):
 
 
 def test_gspo_gradient_is_the_sequence_level_objective():
-    """GSPO (Zheng et al. 2025, eq. 5-7): with the sequence mean over sequences and no behaviour
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): with the sequence mean over sequences and no behaviour
     correction, the loss and gradient are those of ``mean_i max(-A_i s_i, -A_i clip(s_i))`` with
     ``s_i = (pi(y_i) / pi_prox(y_i)) ** (1 / |y_i|)``, differentiated directly."""
     logits, labels, prox, _, _, adv, mask = _inputs(seed=3, spread=0.0)
