@@ -358,6 +358,6 @@ class WorkflowSpec:
 def build_workflow(spec: WorkflowSpec) -> Workflow:
     """The workflow ``spec`` names, with its tokenizer, reward and settings."""
     cls = resolve(spec.workflow, "rollout.workflow")
-    reward = RewardRunner(resolve(spec.reward.fn, "reward.fn"), spec.reward.timeout_s)
+    reward = RewardRunner(spec.reward.function(), spec.reward.timeout_s)  # its settings bound
     config = spec.config if spec.config is not None else cls.config_class()
     return cls(_load_tokenizer(spec.tokenizer), reward, config)

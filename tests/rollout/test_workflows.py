@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -168,3 +169,25 @@ def test_final_number_reward_reads_boxed_else_the_last_number() -> None:
     assert reward("\\boxed{38} not 40", item) == 1.0  # ... unless the answer is boxed
     assert reward("\\boxed{37}, surely 38", item) == 0.0
     assert reward("1,038", {"answer": "1038"}) == 1.0 and reward("no number at all", item) == 0.0
+
+
+@dataclasses.dataclass
+class BonusSettings:
+    bonus: float = 0.0
+
+
+def bonus_reward(completion: str, item: dict, settings: BonusSettings) -> float:
+    """A reward with settings of its own ([reward.fn_args])."""
+    return settings.bonus
+
+
+bonus_reward.config_class = BonusSettings  # type: ignore[attr-defined]
+
+
+async def test_a_reward_functions_settings_reach_it_in_the_workflow() -> None:
+    from nodes.rollout.reward import RewardConfig
+    from nodes.rollout.workflows import WorkflowSpec, build_workflow
+
+    fn = "tests.rollout.test_workflows:bonus_reward"
+    wf = build_workflow(WorkflowSpec(reward=RewardConfig(fn=fn, fn_args=BonusSettings(bonus=0.75))))
+    assert await wf.reward("anything", {}) == 0.75 and wf.reward.counters["errors"] == 0
