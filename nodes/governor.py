@@ -87,6 +87,7 @@ class StalenessGovernor:
         self.config = config
         self.version = version
         self.running = 0
+        self.max_concurrent = config.max_concurrent  # follows the live servers (set_servers)
         self.accepted = version * config.batch_size
         self._leases: Counter[str] = Counter()
         self._dead: set[str] = set()
@@ -98,7 +99,7 @@ class StalenessGovernor:
     def capacity(self) -> int:
         """How many new episodes may start now (never negative)."""
         c = self.config
-        by_concurrency = c.max_concurrent - self.running
+        by_concurrency = self.max_concurrent - self.running
         by_staleness = (c.max_staleness + self.version + 1) * c.batch_size - (self.accepted + self.running)
         return max(0, min(by_concurrency, by_staleness))
 
@@ -195,6 +196,13 @@ class StalenessGovernor:
         self.version = version
         self._notify()
 
+    def set_servers(self, live: int, planned: int) -> None:
+        """``live`` servers serve now where ``max_concurrent`` was set for ``planned``: scale it in
+        proportion, so a pool that lost servers does not queue the same load on fewer, and one
+        that grew fills the new ones."""
+        self.max_concurrent = max(1, round(self.config.max_concurrent * live / max(1, planned)))
+        self._notify()
+
     def recover(self, version: int) -> None:
         """Reset after a resume from a checkpoint at ``version``.
 
@@ -217,6 +225,7 @@ class StalenessGovernor:
             "running": self.running,
             "accepted": self.accepted,
             "capacity": self.capacity(),
+            "max_concurrent": self.max_concurrent,
             "holders": len(self._leases),
             "acquires": s.acquires,
             "granted": s.granted,

@@ -266,6 +266,10 @@ def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -
             (_num(metrics, "eval/tool_call_ci_high") or t) - (_num(metrics, "eval/tool_call_ci_low") or t)
         ) / 2
         parts.append(f"tools {t:.2f}±{half:.2f}")
+    joined, left = _num(metrics, "servers/joined") or 0, _num(metrics, "servers/left") or 0
+    if joined or left:  # only when the live set changed
+        change = " ".join(f"{sign}{n:.0f}" for sign, n in (("+", joined), ("-", left)) if n)
+        parts.append(f"servers {_num(metrics, 'servers/live') or 0:.0f} ({change})")
     mean, mx = _num(metrics, "staleness/mean"), _num(metrics, "staleness/max")
     if mean is not None or mx is not None:
         parts.append("stale " + "/".join(f"{v:.{n}f}" for v, n in ((mean, 1), (mx, 0)) if v is not None))

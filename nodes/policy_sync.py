@@ -2,10 +2,12 @@
 
 :class:`PolicySync` gets the trainer ranks' weights to the inference servers and the new version
 to the rest of the plane: it forms the weight-update group (its store on trainer rank 0's host),
-and on :meth:`PolicySync.publish` drops servers that stopped answering, pauses rollout dispatch,
-pushes the weights (once more without a server that died during the push), tells the governor and
-the rollout actors the new version, resumes dispatch and then continues the servers, also when the
-push failed.
+and on :meth:`PolicySync.publish` applies the inference pool's changes (nodes/inference/pool.py)
+and drops servers that stopped answering (re-forming the group when its members changed: a joiner
+enters here, before anything pauses), pauses rollout dispatch, pushes the weights (once more
+without a server that died during the push), checks that each joiner reports the new version and
+only then adds it to routing, tells the governor and the rollout actors the new version and the
+live servers, resumes dispatch and then continues the servers, also when the push failed.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ HEALTH_TIMEOUT_S = 40.0
 class PolicySync:
     """Weights from ``ranks`` (an ``rlactors.ActorGroup`` of TrainerRank) to the servers at ``urls``;
     versions to ``governor`` and ``rollouts`` (set them with :meth:`attach` once they exist).
-    ``live`` is the servers still in use. ``report`` gets a line for each thing a user should
-    see (a server dropped, a push retried); by default it is logged as a warning."""
+    ``live`` is the servers the rollout actors route to; ``group`` those in the weight-update
+    group (``live`` and joiners). ``pool`` (the ``inference-pool`` actor, optional) says which
+    servers joined and left. ``report`` gets a line for each thing a user should see (a server
+    dropped or joined, a push retried); by default it is logged as a warning."""
 
     def __init__(
         self,
@@ -42,9 +46,13 @@ class PolicySync:
         ranks: Any,
         urls: list[str],
         report: Callable[[str], Any] | None = None,
+        pool: Any = None,
     ) -> None:
-        self.cluster, self.ranks = cluster, ranks
+        self.cluster, self.ranks, self.pool = cluster, ranks, pool
         self.live = list(urls)
+        self.group = list(urls)
+        self.planned = len(urls)  # the governor's max_concurrent is for this many servers
+        self.joined = self.left = 0  # servers that joined / left routing, in all (metrics)
         self.governor: Any = None
         self.rollouts: list[Any] = []
         self.report = report or (lambda line: log.warning(line))
@@ -60,10 +68,10 @@ class PolicySync:
         port its agent reserved."""
         where = await self.cluster.rendezvous(
             f"weights-{uuid.uuid4().hex[:8]}",
-            1 + len(self.live),
+            1 + len(self.group),
             node_id=await self.cluster.node_of(self.ranks[0]),
         )
-        await self.ranks.connect_servers(self.live, where["master_address"], where["master_port"])
+        await self.ranks.connect_servers(self.group, where["master_address"], where["master_port"])
 
     async def publish(self, version: int) -> dict[str, float]:
         """Push the ranks' weights (at ``version``) to the live servers and publish ``version``.
@@ -74,9 +82,10 @@ class PolicySync:
         manager does), so each server has work the moment it continues: no idle gap between
         ``/continue_generation`` and the first re-posted request.
         """
-        await self.drop_dead_servers()
+        await self.apply_changes()
         await asyncio.gather(*(r.pause() for r in self.rollouts))
         push: dict[str, float] = {}
+        joined: list[str] = []
         try:
             try:
                 push = (await self.ranks.push_weights(keep_paused=True))[0]
@@ -85,9 +94,15 @@ class PolicySync:
                     raise
                 self.report(f"weight push failed ({type(e).__name__}); retrying without the dead server")
                 push = (await self.ranks.push_weights(keep_paused=True))[0]
+            joined = await self._checked_joiners(version)
+            self.live += joined
             # at once: a rollout actor raises its client's version to any grant's, so the order
             # between the governor and the (still paused) rollout actors does not matter
-            governor = [self.governor.set_version(version)] if self.governor is not None else []
+            governor = (
+                [self.governor.set_version(version), self.governor.set_servers(len(self.live), self.planned)]
+                if self.governor is not None
+                else []
+            )
             await asyncio.gather(*governor, *(r.set_version(version, self.live) for r in self.rollouts))
         finally:
             try:
@@ -95,7 +110,58 @@ class PolicySync:
             finally:  # also after a failure (a failed push continued its servers; again is harmless)
                 if push.get("left_paused", 1.0):
                     await self.continue_servers()
+        if self.pool is not None:
+            await self.pool.settle(version, joined, self.group)
         return push
+
+    async def apply_changes(self) -> None:
+        """Take the pool's joins and leaves and drop dead servers; re-form the weight-update group
+        if its members changed. Nothing is paused here: the other servers keep generating while
+        the group forms (``init_weights_update_group`` runs beside generation)."""
+        if self.pool is None:
+            await self.drop_dead_servers()
+            return
+        plan = await self.pool.plan()
+        for line in plan["events"]:
+            self.report(line)
+        want = [u for u in self.group if u in plan["live"] or u in plan["joining"]]
+        want += [u for u in [*plan["live"], *plan["joining"]] if u not in want]
+        healthy = set(await self.healthy(want))
+        if down := [u for u in want if u not in healthy]:
+            self.report(f"servers down: {down}; re-forming the weight-update group without them")
+        want = [u for u in want if u in healthy]
+        if not want:
+            raise RuntimeError("every inference server is down")
+        leaving = [u for u in self.live if u not in want or u not in plan["live"]]
+        for url in leaving:
+            await asyncio.gather(*(r.retire_server(url) for r in self.rollouts))
+        self.left += len(leaving)
+        self.live = [u for u in self.live if u not in leaving]
+        if want != self.group:
+            self.group = want
+            await self.connect()
+
+    async def _checked_joiners(self, version: int) -> list[str]:
+        """The group's servers not yet routed to that report ``version`` now (the push gave them
+        its weights); one that does not stays out of routing and is checked again next publish."""
+        new = [u for u in self.group if u not in self.live]
+        if not new:
+            return []
+        versions = await asyncio.gather(*(self._version(u) for u in new))
+        ok = [u for u, v in zip(new, versions, strict=True) if v == version]
+        for u, v in zip(new, versions, strict=True):
+            if v != version:
+                self.report(f"server {u} reports weight version {v}, not {version}: not routing to it yet")
+        if ok:
+            self.report(f"servers joined: {ok} (serving version {version})")
+        self.joined += len(ok)
+        return ok
+
+    async def _version(self, url: str) -> int | None:
+        try:
+            return int((await self.http.get(f"{url}/model_info")).json().get("weight_version") or 0)
+        except (httpx.HTTPError, ValueError):
+            return None
 
     async def continue_servers(self) -> None:
         """``/continue_generation`` to every live server at once; a server that does not answer is
@@ -111,26 +177,30 @@ class PolicySync:
             except httpx.HTTPError as e:
                 log.warning("continue_generation_failed", server=url, error=str(e))
 
-        await asyncio.gather(*(go(u) for u in self.live))
+        await asyncio.gather(*(go(u) for u in self.group))
 
     async def drop_dead_servers(self) -> bool:
         """Re-form the weight-update group without servers that stopped answering, and stop rollout
         from using them. True when any was dropped."""
-        healthy = await self.healthy()
-        if healthy == self.live:
+        healthy = await self.healthy(self.group)
+        if healthy == self.group:
             return False
-        gone = sorted(set(self.live) - set(healthy))
+        gone = sorted(set(self.group) - set(healthy))
         self.report(f"servers down: {gone}; re-forming the weight-update group with {len(healthy)}")
         if not healthy:
             raise RuntimeError("every inference server is down")
         for url in gone:
             await asyncio.gather(*(r.retire_server(url) for r in self.rollouts))
-        self.live = healthy
+        self.left += len([u for u in gone if u in self.live])
+        self.live = [u for u in self.live if u in healthy]
+        self.group = healthy
         await self.connect()
         return True
 
-    async def healthy(self) -> list[str]:
-        """The live servers whose ``/health`` (SGLang's recommended probe) answers 200."""
+    async def healthy(self, urls: list[str] | None = None) -> list[str]:
+        """Those of ``urls`` (default: the live servers) whose ``/health`` (SGLang's recommended
+        probe) answers 200."""
+        urls = self.live if urls is None else urls
 
         async def ok(u: str) -> bool:
             try:
@@ -138,8 +208,8 @@ class PolicySync:
             except httpx.HTTPError:
                 return False
 
-        answers = await asyncio.gather(*(ok(u) for u in self.live))
-        return [u for u, good in zip(self.live, answers, strict=True) if good]
+        answers = await asyncio.gather(*(ok(u) for u in urls))
+        return [u for u, good in zip(urls, answers, strict=True) if good]
 
     async def weight_versions(self) -> list[int]:
         """Weight versions of the live servers that answer (one may die at any moment)."""

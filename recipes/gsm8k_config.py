@@ -52,6 +52,9 @@ class ServersConfig:
     gpus_per_server: int = field(default=0, metadata=at_least(0))
     threads: int = field(default=1, metadata=at_least(1))  # torch threads per server process (CPU)
     startup_timeout_s: float = field(default=600.0, metadata=above(0))
+    # a server that dies is launched again on its node and joins with the current weights
+    replace_dead: bool = True
+    max_replacements: int = field(default=3, metadata=at_least(0))  # over the whole run
     # [servers.reference]: hf backend; 16,384 cache tokens of SmolLM2 are ~0.75 GB of KV per server
     reference: ReferenceServerConfig = field(
         default_factory=lambda: ReferenceServerConfig(

@@ -76,36 +76,36 @@ def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
     return WorkflowSpec(workflow, str(model), cfg.reward, settings)
 
 
-async def _start_servers(cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path) -> list[str]:
-    """Spawn the inference servers and wait until each is healthy; each writes its log to
-    ``<out>/servers/server-<i>.log`` on its host."""
-    from nodes.inference.launcher import InferenceServerActor
+async def _start_pool(
+    cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path
+) -> tuple[Any, list[str]]:
+    """The ``inference-pool`` actor and its first servers, each healthy; each server writes its log
+    to ``<out>/servers/server-<i>.log`` on its host. Servers join, leave and are replaced through
+    the pool during the run (``rlactors pool``)."""
+    from nodes.inference.pool import POOL_NAME, InferencePool, PoolConfig
 
     s = cfg.servers
     server = s.reference if s.kind == "reference" else s.sglang
-    server = dataclasses.replace(server, model_path=str(model))
-    env = {"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {}
-    handles = [
-        await cluster.spawn(
-            InferenceServerActor,
-            server,
-            env=env,  # the worker's environment; the server process inherits it
+    pool = await cluster.spawn(
+        InferencePool,
+        PoolConfig(
+            server=dataclasses.replace(server, model_path=str(model)),
+            env={"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {},
+            gpus_per_server=s.gpus_per_server,
             startup_timeout_s=s.startup_timeout_s,
-            # A restarted server would come back with base weights, outside the weight-update
-            # group: let a dead server stay dead; the loop drops it and rollout fails over.
-            server_max_restarts=0,
-            name=f"server-{i}",
-            log_path=str(out / "servers" / f"server-{i}.log"),
-            resources={"gpu": s.gpus_per_server},
-        )
-        for i in range(s.n)
-    ]
-    return list(await asyncio.gather(*(h.url() for h in handles)))
+            log_dir=str(out / "servers"),
+            replace_dead=s.replace_dead,
+            max_replacements=s.max_replacements,
+        ),
+        name=POOL_NAME,
+    )
+    return pool, await pool.start(s.n)
 
 
 @dataclass
 class Plane:
-    """Everything the loop drives. ``sync.live`` is the servers still in use."""
+    """Everything the loop drives. ``sync.live`` is the servers in use (the ``inference-pool``
+    actor changes them at each publish)."""
 
     cluster: rlactors.Cluster
     ranks: rlactors.ActorGroup
@@ -115,6 +115,7 @@ class Plane:
     rollouts: list[RolloutHandle]
     tracer: TraceWriter | None = None  # the run's timeline (run.trace)
     restarts: int = 0  # rollout-actor restarts reported so far
+    servers_seen: tuple[int, int] = (0, 0)  # sync.joined, sync.left at the last step
 
     async def get_batch(self, size: int, version: int, timeout: float) -> Any:
         """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed)."""
@@ -145,6 +146,7 @@ class Plane:
             "staleness/mean": train.get("staleness_mean", 0.0),
             "staleness/bound": bound,
             "servers/min_weight_version": min(await self.sync.weight_versions(), default=-1),
+            **self.server_changes(),
             "throughput/samples_per_s": len(trajs) / sum(times.values()),
             "throughput/tokens_per_s": sum(r["tokens_per_s"] for r in roll),
             **{f"time/{k}_s": v for k, v in times.items()},
@@ -157,6 +159,13 @@ class Plane:
             **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
             "data/groups": ",".join(g.group_id for g in batch.groups),
         }
+
+    def server_changes(self) -> dict[str, float]:
+        """``servers/live`` and how many joined and left routing since the last step."""
+        joined, left = self.sync.joined - self.servers_seen[0], self.sync.left - self.servers_seen[1]
+        self.servers_seen = (self.sync.joined, self.sync.left)
+        return {"servers/live": float(len(self.sync.live)), "servers/joined": float(joined),
+                "servers/left": float(left)}  # fmt: skip
 
     async def record_step(self, step: int, started: float, times: dict[str, float]) -> None:
         """Append the step to the run's timeline (``tracer``; nothing without one): its phases on
@@ -213,11 +222,11 @@ async def start_plane(
         resources={"gpu": gpu},
     )
     await cluster.collective_group(list(ranks), backend="nccl" if gpu else "gloo")
-    urls = await _start_servers(cluster, cfg, model, state.out)
+    pool, urls = await _start_pool(cluster, cfg, model, state.out)
     await ranks.setup()
     if state.resume_from is not None:
         print(await state.load(ranks))
-    sync = PolicySync(cluster, ranks, urls, report=print)
+    sync = PolicySync(cluster, ranks, urls, report=print, pool=pool)
     await sync.connect()
     if state.version:
         await ranks.push_weights()  # servers start from the base model
@@ -256,6 +265,7 @@ async def start_plane(
         for i in range(n)
     ]
     sync.attach(governor, rollouts)
+    await pool.attach([r.handle for r in rollouts])
     plane = Plane(cluster, ranks, sync, governor, buffer, rollouts)
     if cfg.run.trace:
         TRACE.track = "driver"

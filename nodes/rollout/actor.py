@@ -95,11 +95,14 @@ class Rollout:
         await self.client.reposted()
 
     def set_version(self, version: int, servers: list[str] | None = None) -> None:
-        """The servers now hold ``version``; with ``servers``, only those do: stop routing to others
-        (a restarted actor began with the servers it was spawned with, some of them since dropped)."""
+        """The servers now hold ``version``; with ``servers``, exactly those do: route to them (one
+        may have joined) and to no other (a restarted actor began with the servers it was spawned
+        with, some of them since dropped)."""
         self.client.set_version(version)
         if servers is not None:
-            keep = {u.rstrip("/") for u in servers}
+            keep = [u.rstrip("/") for u in servers]
+            for url in keep:
+                self.client.add(url)
             for url in self.client.urls:
                 if url not in keep:
                     self.client.retire(url)

@@ -109,6 +109,7 @@ class SGLangClient:
             raise ValueError("SGLangClient needs at least one server URL")
         self.config = config or ClientConfig()
         self._session = Session(self.config) if transport is None else None
+        self._transport = transport
         self._servers = {u.rstrip("/"): ServerPool(u, self.config, self._session, transport) for u in urls}
         self._retired: list[ServerPool] = []  # retired servers' pools, closed with the client
         self._sticky: OrderedDict[str, str] = OrderedDict()
@@ -327,6 +328,15 @@ class SGLangClient:
         return res
 
     # -- internals -----------------------------------------------------------------
+
+    def add(self, url: str) -> bool:
+        """Start routing to ``url`` (a server that joined: it holds the current version). False if
+        it is routed to already."""
+        url = url.rstrip("/")
+        if url in self._servers:
+            return False
+        self._servers[url] = ServerPool(url, self.config, self._session, self._transport)
+        return True
 
     def retire(self, url: str) -> bool:
         """Stop sending to ``url`` (its server is gone); requests running there fail over. Keeps the last one."""

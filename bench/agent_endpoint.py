@@ -1,0 +1,247 @@
+"""CPU per chat call of the OpenAI-compatible endpoint (nodes/rollout/openai_endpoint.py) against a
+bare ``/generate`` call, on the same sim servers, same prompt, same number of new tokens.
+
+The endpoint runs standalone in its own process (``python -m nodes.rollout.openai_endpoint``), so
+its CPU (psutil: user + system, all threads) is measured apart from the agent's (this process) and
+the servers' (processes of their own). Variants, interleaved and repeated, each ``--concurrency``
+loops posting one request after another for ``--seconds`` after ``--warmup``:
+
+- ``generate``: bare aiohttp posts of the prompt's ids to ``/generate`` (the baseline);
+- ``client``: :class:`SGLangClient` ``agenerate`` in this process (what the endpoint calls inside);
+- ``chat``: aiohttp posts of the chat messages to the endpoint's ``/v1/chat/completions``;
+- ``chat-sdk``: the same through ``openai.AsyncOpenAI`` (the agent's SDK cost shows in this process);
+- ``models``: aiohttp GETs of the endpoint's ``/v1/models`` (its HTTP serving alone, no generation).
+
+The endpoint's cost per chat call is its process's CPU over the calls; what it adds is that minus
+the bare ``/generate`` call's CPU (target: ≤ 300 µs).
+
+    python bench/agent_endpoint.py --servers 2 --concurrency 16 --seconds 5 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.helpers (the repository's, not installed)
+
+from tests.helpers.servers import start_reference_server, stop_server  # noqa: E402
+
+NEW_TOKENS = 16
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 12 + 30? Think step by step."}]  # fmt: skip
+SERVER_ARGS = ["--backend", "sim", "--sim-vocab-size", "49152", "--sim-eos-prob", "0",
+               "--sim-decode-s-base", "0.002", "--max-running-requests", "8192"]  # fmt: skip
+TARGET_US = 300.0
+
+Post = Callable[[int, int], Awaitable[None]]  # (loop index, call index) -> one call
+
+
+def start_endpoint(urls: list[str], model_path: Path) -> tuple[subprocess.Popen, str]:
+    """The standalone endpoint on a free port in front of ``urls``; its process and base_url."""
+    cmd = [sys.executable, "-m", "nodes.rollout.openai_endpoint", "--model-path", str(model_path),
+           "--host", "127.0.0.1", "--port", "0", *(a for u in urls for a in ("--server-url", u))]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+    if not line.startswith("base_url: "):
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise RuntimeError(f"the endpoint printed no base_url: {line!r}")
+    return proc, line.removeprefix("base_url: ").strip()
+
+
+async def bare_generate(urls: list[str], ids: list[int]) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    """One keep-alive aiohttp session per server, loop i on server i % len(urls)."""
+    import aiohttp
+
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for _ in urls]
+    sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+
+    async def post(i: int, n: int) -> None:
+        k = i % len(urls)
+        body = {"input_ids": ids, "rid": f"b{i}-{n}", "return_logprob": True, "sampling_params": sp}
+        async with sessions[k].post(urls[k] + "/generate", json=body) as r:
+            r.raise_for_status()
+            assert len((await r.json())["output_ids"]) == NEW_TOKENS
+
+    async def close() -> None:
+        await asyncio.gather(*(s.close() for s in sessions))
+
+    return post, close
+
+
+async def rollout_client(urls: list[str], ids: list[int]) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    from nodes.rollout.client import GenRequest, SGLangClient
+
+    client = SGLangClient(urls)
+    sp = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+
+    async def post(i: int, n: int) -> None:
+        assert len((await client.agenerate(GenRequest(ids, sp))).output_ids) == NEW_TOKENS
+
+    return post, client.aclose
+
+
+async def chat_aiohttp(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
+
+    async def post(i: int, n: int) -> None:
+        async with session.post(base_url + "/chat/completions", json=body) as r:
+            r.raise_for_status()
+            assert (await r.json())["usage"]["completion_tokens"] == NEW_TOKENS
+
+    return post, session.close
+
+
+async def models(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def post(i: int, n: int) -> None:
+        async with session.get(base_url + "/models") as r:
+            r.raise_for_status()
+            await r.json()
+
+    return post, session.close
+
+
+async def chat_sdk(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    import httpx
+    import openai
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(limits=limits))  # fmt: skip
+
+    async def post(i: int, n: int) -> None:
+        r = await client.chat.completions.create(
+            model="m",
+            messages=MESSAGES,
+            max_tokens=NEW_TOKENS,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert r.usage is not None and r.usage.completion_tokens == NEW_TOKENS
+
+    return post, client.close
+
+
+async def measure(
+    make: Callable[[], Awaitable[tuple[Post, Callable[[], Awaitable[None]]]]],
+    endpoint: Any,
+    concurrency: int,
+    warmup: float,
+    seconds: float,
+) -> dict[str, float]:
+    """Calls/s, this process's CPU per call and the endpoint process's CPU per call (psutil)."""
+    post, close = await make()
+    calls, counting = 0, False
+    stop = time.monotonic() + warmup + seconds
+
+    def endpoint_cpu() -> float:
+        t = endpoint.cpu_times()
+        return t.user + t.system
+
+    async def loop(i: int) -> None:
+        nonlocal calls
+        n = 0
+        while time.monotonic() < stop:
+            await post(i, n)
+            n += 1
+            calls += counting
+
+    tasks = [asyncio.ensure_future(loop(i)) for i in range(concurrency)]
+    await asyncio.sleep(warmup)  # not a synchronisation: the warm-up time not counted
+    counting = True
+    t0, cpu0, ep0 = time.monotonic(), time.process_time(), endpoint_cpu()
+    await asyncio.gather(*tasks)
+    wall, cpu, ep = time.monotonic() - t0, time.process_time() - cpu0, endpoint_cpu() - ep0
+    await close()
+    n = max(calls, 1)
+    return {
+        "calls": calls,
+        "calls_per_s": calls / wall,
+        "agent_us": 1e6 * cpu / n,
+        "endpoint_us": 1e6 * ep / n,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["generate", "client", "chat", "chat-sdk", "models"])
+    args = ap.parse_args()
+
+    import psutil
+    import uvloop
+    from transformers import AutoTokenizer
+
+    from nodes.inference.models import ensure_tiny_checkpoint
+    from nodes.rollout.chat import prompt_ids
+
+    model_path = ensure_tiny_checkpoint()
+    ids = prompt_ids(AutoTokenizer.from_pretrained(str(model_path), local_files_only=True), MESSAGES, None)
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    started = [start_reference_server(SERVER_ARGS) for _ in range(args.servers)]
+    urls = [u for _, u in started]
+    ep_proc, base_url = start_endpoint(urls, model_path)
+    endpoint = psutil.Process(ep_proc.pid)
+    variants = {
+        "generate": lambda: bare_generate(urls, ids),
+        "client": lambda: rollout_client(urls, ids),
+        "chat": lambda: chat_aiohttp(base_url),
+        "chat-sdk": lambda: chat_sdk(base_url),
+        "models": lambda: models(base_url),
+    }
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
+    try:
+        for rep in range(args.repeats):
+            for name in args.variants:
+                r = uvloop.run(measure(variants[name], endpoint, args.concurrency, args.warmup, args.seconds))
+                results[name].append(r)
+                print(f"rep={rep} {name:9s} agent {r['agent_us']:6.0f} us/call  endpoint {r['endpoint_us']:6.0f}"
+                      f" us/call  {r['calls_per_s']:6.0f} calls/s  calls={r['calls']}"
+                      f" load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    finally:
+        os.killpg(ep_proc.pid, signal.SIGTERM)
+        ep_proc.wait(timeout=20)
+        for proc, _ in started:
+            stop_server(proc)
+
+    def median(name: str, key: str) -> float:
+        vals = sorted(r[key] for r in results.get(name, []))
+        return vals[len(vals) // 2] if vals else float("nan")
+
+    base = median("generate", "agent_us")
+    print(
+        f"baseline: bare /generate (aiohttp) {base:.0f} us/call; SGLangClient {median('client', 'agent_us'):.0f}"
+    )
+    for name in ("chat", "chat-sdk"):
+        if name in results:
+            ep, agent = median(name, "endpoint_us"), median(name, "agent_us")
+            print(f"{name:9s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
+                  f" target <= {TARGET_US:.0f}: {'met' if ep - base <= TARGET_US else 'MISSED'});"
+                  f" agent side {agent:.0f} us/call")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
