@@ -51,7 +51,7 @@ class PolicySync:
         self.cluster, self.ranks, self.pool = cluster, ranks, pool
         self.live = list(urls)
         self.group = list(urls)
-        self.planned = len(urls)  # the governor's max_concurrent is for this many servers
+        self.planned = self.told = len(urls)  # governor's max_concurrent is for this many; told it
         self.joined = self.left = 0  # servers that joined / left routing, in all (metrics)
         self.governor: Any = None
         self.rollouts: list[Any] = []
@@ -98,11 +98,10 @@ class PolicySync:
             self.live += joined
             # at once: a rollout actor raises its client's version to any grant's, so the order
             # between the governor and the (still paused) rollout actors does not matter
-            governor = (
-                [self.governor.set_version(version), self.governor.set_servers(len(self.live), self.planned)]
-                if self.governor is not None
-                else []
-            )
+            governor = [self.governor.set_version(version)] if self.governor is not None else []
+            if self.governor is not None and len(self.live) != self.told:  # its concurrency follows
+                governor.append(self.governor.set_servers(len(self.live), self.planned))
+                self.told = len(self.live)
             await asyncio.gather(*governor, *(r.set_version(version, self.live) for r in self.rollouts))
         finally:
             try:
