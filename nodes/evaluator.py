@@ -18,6 +18,7 @@ import structlog
 from nodes.metrics import accuracy_interval, interval_text
 from nodes.rollout.workflows import WorkflowSpec, build_workflow
 from nodes.trace import TRACE
+from protocols.auth import ServerKeys
 
 __all__ = ["Evaluator", "eval_summary", "evaluate"]
 
@@ -25,14 +26,14 @@ log = structlog.get_logger(__name__)
 
 
 async def evaluate(
-    workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int
+    workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int, keys: ServerKeys | None = None
 ) -> dict[str, float]:
     """Accuracy of one sample per item (the first trajectory's reward), with its 95% Wilson interval
     and the policy version the evaluation started at (weights may move on while it runs). A failure
-    is logged and reported as a NaN accuracy: evaluation is a side job."""
-    from nodes.rollout.client import SGLangClient
+    is logged and reported as a NaN accuracy: evaluation is a side job. ``keys``: the servers' keys."""
+    from nodes.rollout.client import ClientConfig, SGLangClient
 
-    client = SGLangClient(urls, version=version)
+    client = SGLangClient(urls, ClientConfig(keys=keys or ServerKeys()), version=version)
     started = time.time()
     try:
         groups = await asyncio.gather(
@@ -80,8 +81,11 @@ def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
 class Evaluator:
     """Evaluations of ``items`` with the workflow ``spec`` names, one at a time, in the background."""
 
-    def __init__(self, spec: WorkflowSpec, items: list[dict[str, Any]]) -> None:
-        self.spec, self.items = spec, items
+    def __init__(
+        self, spec: WorkflowSpec, items: list[dict[str, Any]], keys: ServerKeys | None = None
+    ) -> None:
+        """``keys``: the servers' keys (:class:`protocols.auth.ServerKeys`), if they take any."""
+        self.spec, self.items, self.keys = spec, items, keys
         self.workflow: Any = None
         self.results: list[dict[str, float]] = []
         self._task: asyncio.Task | None = None
@@ -92,7 +96,9 @@ class Evaluator:
             return
         if self.workflow is None:  # may load a tokenizer
             self.workflow = await asyncio.to_thread(build_workflow, self.spec)
-        self._task = asyncio.create_task(evaluate(self.workflow, urls, self.items, version), name="eval")
+        self._task = asyncio.create_task(
+            evaluate(self.workflow, urls, self.items, version, self.keys), name="eval"
+        )
 
     def poll(self) -> dict[str, float] | None:
         """The result of an evaluation that finished since the last call, else None."""

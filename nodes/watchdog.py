@@ -146,7 +146,8 @@ class StallWatchdog:
         return "the buffer", "no episode is in flight; see the governor's counters in the report"
 
     async def _loads(self, urls: list[str]) -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=ASK_TIMEOUT_S) as http:
+        keys = getattr(self.plane.sync, "keys", None)  # the servers' (protocols.auth), if they take any
+        async with httpx.AsyncClient(timeout=ASK_TIMEOUT_S, auth=keys or None) as http:
 
             async def one(url: str) -> Any:
                 try:

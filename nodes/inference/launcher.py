@@ -4,16 +4,31 @@
 the server on a free loopback port (or the given host/port) with the environment placement gave
 it (e.g. ``CUDA_VISIBLE_DEVICES``), waits for ``/health_generate``, restarts it if it dies, and
 stops it (whole process group) cleanly. :class:`InferenceServerActor` is the thin actor around it.
+
+Keys (SGLang's ``--api-key`` and ``--admin-api-key``, :class:`~protocols.auth.ServerKeys`): a server
+that listens beyond loopback is always started with keys (``auth = "auto"``, the default), one on
+loopback only when its config says ``auth = "on"``. One pair per cluster: :func:`cluster_keys`
+makes it once and keeps it in the cluster's key-value store, where every
+:class:`InferenceServerActor` takes it from (a server launched later, by the inference pool or by
+hand, too); the driver hands the same pair to every client of the servers (the rollout client,
+the weight push, policy sync, evaluation, the stall watchdog). Outside a cluster a supervisor
+takes the keys it is given, else a fresh pair; :attr:`ServerSupervisor.keys` and
+:meth:`InferenceServerActor.server_keys` say which. The keys reach the server without showing on
+its command line: through the environment (ours) or a private ``--config`` file (SGLang).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +37,32 @@ from typing import Any, Literal
 import httpx
 import structlog
 
+from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.aio import wait_for
 
 log = structlog.get_logger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `nodes` (site-packages when installed)
+
+# "auto": keys when the server listens beyond loopback; "on": always; "off": never
+Auth = Literal["auto", "on", "off"]
+KEYS_KV = "inference/server-keys"  # the cluster's pair, in the head's key-value store
+
+
+async def cluster_keys(cluster: Any) -> ServerKeys:
+    """The cluster's server keys (``--api-key``, ``--admin-api-key``): made and stored on first
+    use, the same pair afterwards. The head keeps them in memory; only cluster members (who hold
+    the cluster secret) can ask for them."""
+    try:
+        stored = await cluster.kv_get(KEYS_KV)
+    except KeyError:  # none yet (the head answers an absent key so)
+        stored = None
+    if not stored:  # the driver makes them before it starts servers, so two never race here
+        fresh = ServerKeys.new()
+        await cluster.kv_put(KEYS_KV, [fresh.api_key, fresh.admin_api_key])
+        stored = await cluster.kv_get(KEYS_KV)
+    return ServerKeys(*stored)
 
 
 @register
@@ -42,6 +77,7 @@ class ReferenceServerConfig:
     dtype: str = "auto"
     device: str = "auto"
     random_seed: int = 0
+    auth: Auth = "auto"  # --api-key/--admin-api-key: beyond loopback always; on loopback if "on"
     extra_args: list[str] = field(default_factory=list)
 
     def command(self, host: str, port: int) -> list[str]:
@@ -72,7 +108,8 @@ class ReferenceServerConfig:
         return cmd + list(self.extra_args)
 
 
-SGLANG_CPU_SHIM = REPO_ROOT / "scripts" / "sglang_cpu"  # the two sgl-kernel ops SGLang's CPU engine needs
+# the two sgl-kernel ops SGLang's CPU engine needs (a folder for PYTHONPATH; package data)
+SGLANG_CPU_SHIM = Path(__file__).resolve().parent / "sglang_cpu"
 
 
 @register
@@ -95,6 +132,7 @@ class SGLangServerConfig:
     random_seed: int | None = None
     context_length: int | None = None
     max_running_requests: int | None = None  # --max-running-requests (None: SGLang's own)
+    auth: Auth = "auto"  # --api-key/--admin-api-key: beyond loopback always; on loopback if "on"
     extra_args: list[str] = field(default_factory=list)
 
     def command(self, host: str, port: int) -> list[str]:
@@ -138,6 +176,23 @@ class SGLangServerConfig:
 ServerConfig = ReferenceServerConfig | SGLangServerConfig
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``); a name is taken as routable."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def wants_keys(auth: str, host: str) -> bool:
+    """Whether a server with ``auth`` listening on ``host`` is started with keys."""
+    if auth not in ("auto", "on", "off"):
+        raise ValueError(f"auth = {auth!r}: expected auto, on or off")
+    return auth == "on" or (auth == "auto" and not is_loopback(host))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on ``host``."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -171,7 +226,10 @@ class ServerSupervisor:
         startup_timeout_s: float = 600.0,
         max_restarts: int = 3,
         log_path: str | Path | None = None,
+        keys: ServerKeys | None = None,
     ) -> None:
+        """``keys``: the keys to start the server with when it takes keys (see the module's
+        docstring); None: a fresh pair then."""
         self.config = config
         self.host = host
         self.port = port or free_port(host)
@@ -183,6 +241,13 @@ class ServerSupervisor:
         self.proc: asyncio.subprocess.Process | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
+        if wants_keys(config.auth, host):
+            self.keys = keys if keys else ServerKeys.new()
+        else:
+            self.keys = ServerKeys()
+            if config.auth == "off" and not is_loopback(host):
+                log.warning("server_without_keys", host=host, why="auth = off beyond loopback")
+        self._secrets: Path | None = None  # a private folder for SGLang's --config file
 
     @property
     def url(self) -> str:
@@ -199,6 +264,11 @@ class ServerSupervisor:
     async def _spawn(self) -> None:
         cmd = self.config.command(self.host, self.port)
         env = {**os.environ, **self.env}
+        if self.keys and isinstance(self.config, SGLangServerConfig):
+            cmd += ["--config", str(self._key_file())]
+        elif isinstance(self.config, ReferenceServerConfig):  # also when empty: none inherited
+            env["RLACTORS_SERVER_API_KEY"] = self.keys.api_key
+            env["RLACTORS_SERVER_ADMIN_API_KEY"] = self.keys.admin_api_key
         if isinstance(self.config, SGLangServerConfig):
             extra = self.config.env()
             env.update({k: v for k, v in extra.items() if k != "PYTHONPATH"})
@@ -222,12 +292,24 @@ class ServerSupervisor:
         log.info("server_spawned", pid=self.proc.pid, url=self.url, cmd=" ".join(cmd))
         await self._wait_healthy()
 
+    def _key_file(self) -> Path:
+        """SGLang's ``--config`` YAML holding the keys, readable by this user only (removed at stop)."""
+        if self._secrets is None:
+            self._secrets = Path(tempfile.mkdtemp(prefix="rlactors-server-"))  # mode 700
+        path = self._secrets / "keys.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:  # JSON is YAML: the keys stay strings whatever they hold
+            json.dump({"api_key": self.keys.api_key, "admin_api_key": self.keys.admin_api_key}, f)
+        return path
+
     def _open_log(self) -> Any:
         """The server's stdout/stderr target: the log file (append) or /dev/null."""
         if self.log_path is None:
             return asyncio.subprocess.DEVNULL
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        return open(self.log_path, "ab")  # a local file open, not a network wait
+        # this user's only: SGLang writes its arguments, keys included, into it at start-up
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        return os.fdopen(fd, "ab")  # a local file open, not a network wait
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -288,6 +370,9 @@ class ServerSupervisor:
                 await self._monitor
             self._monitor = None
         await self._kill(timeout_s)
+        if self._secrets is not None:
+            shutil.rmtree(self._secrets, ignore_errors=True)
+            self._secrets = None
 
     async def _kill(self, timeout_s: float = 10.0) -> None:
         proc = self.proc
@@ -324,6 +409,15 @@ async def _node_host() -> str:
     return "127.0.0.1"
 
 
+async def _cluster_keys() -> ServerKeys | None:
+    """The cluster's pair, from the actor's worker (None outside a cluster)."""
+    try:
+        ctx = _rlactors.get_context()
+    except Exception:
+        return None
+    return await cluster_keys(ctx.cluster)
+
+
 class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     """An actor that runs one inference server on its node and exposes its URL.
 
@@ -332,7 +426,9 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     The actor's environment (``CUDA_VISIBLE_DEVICES`` from placement) is inherited by the server.
     ``host`` None binds the server to its node's address (the one the node registered with, which
     other hosts reach it by), so trainers and rollout actors on other hosts can connect; a local
-    cluster's node is on 127.0.0.1.
+    cluster's node is on 127.0.0.1. ``keys``: the pair to start the server with when it takes keys
+    (``config.auth``), None: the cluster's (:func:`cluster_keys`); :meth:`server_keys` returns
+    what the server took.
     """
 
     def __init__(
@@ -344,6 +440,7 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
         startup_timeout_s: float = 600.0,
         server_max_restarts: int = 3,
         log_path: str | None = None,
+        keys: ServerKeys | None = None,
     ) -> None:
         # (server_env / server_max_restarts: `env` and `max_restarts` are Cluster.spawn's own options.)
         self._config = config
@@ -353,6 +450,7 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
             "startup_timeout_s": startup_timeout_s,
             "max_restarts": server_max_restarts,
             "log_path": log_path,
+            "keys": keys,
         }
         self._sup: ServerSupervisor | None = None
         self._started: asyncio.Task[str] | None = None
@@ -371,7 +469,10 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
         async with self._lock:
             if self._sup is None:
                 host = self._host or await _node_host()
-                self._sup = ServerSupervisor(self._config, host=host, port=self._port, **self._options)
+                options = dict(self._options)
+                if options["keys"] is None and wants_keys(self._config.auth, host):
+                    options["keys"] = await _cluster_keys()
+                self._sup = ServerSupervisor(self._config, host=host, port=self._port, **options)
             if self._started is None:
                 self._started = asyncio.create_task(self._sup.start())
         return await asyncio.shield(self._started) if wait else ""
@@ -379,6 +480,11 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
     async def url(self) -> str:
         """The server's base URL (starts it on first call and waits until healthy)."""
         return await self._ensure_started()
+
+    async def server_keys(self) -> ServerKeys:
+        """The keys the server was started with (empty: it takes none); see the module's docstring."""
+        await self._ensure_started()
+        return self._sup.keys
 
     async def health(self) -> bool:
         """Whether ``/health_generate`` answers 200."""

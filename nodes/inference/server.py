@@ -16,6 +16,12 @@ Limits SGLang does not have keep one request from stalling the rest: bodies past
 sequences per ``/generate`` get 400, text prompts are tokenized off the event loop. A request that
 fails while it runs gets 500 with the reason; if the scheduler loop dies, requests get 503 and so
 does ``/health``.
+
+Authentication is SGLang 0.5.23's (:mod:`protocols.auth`): ``--api-key`` guards normal routes,
+``--admin-api-key`` the admin ones (weight updates, pause, abort, flush, ...), ``/health*`` stays
+open, and a refused request gets 401 ``{"error": "Unauthorized"}``. The keys may come from the
+environment instead (``RLACTORS_SERVER_API_KEY``, ``RLACTORS_SERVER_ADMIN_API_KEY``), which other
+users cannot read the way they read a command line; the launcher passes them so.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import time
 import uuid
@@ -35,6 +42,7 @@ import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse as _StarletteJSON
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
@@ -43,6 +51,7 @@ from starlette.routing import Route
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import VERSION, Engine, ServerArgs
 from nodes.inference.scheduler import SchedulerStopped
+from protocols.auth import ServerKeys, decide
 from protocols.sglang import (
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -76,6 +85,24 @@ class OrjsonResponse(_StarletteJSON):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
+class KeyCheck:
+    """ASGI middleware: SGLang's key check (:func:`protocols.auth.decide`) before any route runs.
+    Pure ASGI, as SGLang's, so a client's disconnect still reaches a running ``/generate``."""
+
+    def __init__(self, app: Any, keys: ServerKeys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+            authorization = header.decode("latin-1") if header is not None else None
+            keys = self.keys
+            if not decide(scope["method"], scope["path"], authorization, keys.api_key, keys.admin_api_key):
+                await OrjsonResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyTooLarge(Exception):
@@ -436,7 +463,7 @@ async def _stream(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def create_app(engine: Engine) -> Starlette:
+def create_app(engine: Engine, keys: ServerKeys | None = None) -> Starlette:
     """The app serving ``engine``; the scheduler starts and stops with the app."""
 
     @contextlib.asynccontextmanager
@@ -669,7 +696,13 @@ def create_app(engine: Engine) -> Starlette:
         SchedulerStopped: scheduler_stopped,
         Exception: internal_error,
     }
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+    middleware = [Middleware(KeyCheck, keys=keys)] if keys else []
+    return Starlette(
+        routes=routes,
+        exception_handlers=handlers,  # type: ignore[arg-type]
+        lifespan=lifespan,
+        middleware=middleware,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -715,8 +748,31 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         else:
             typ = {"int": int, "float": float}.get(str(f.type), str)
             parser.add_argument(flag, type=typ, default=f.default, help=text + " (default: %(default)s)")
-    ns = parser.parse_args(argv)
-    return ServerArgs(**vars(ns))
+    _key_flags(parser)
+    ns = vars(parser.parse_args(argv))
+    del ns["api_key"], ns["admin_api_key"]  # not server arguments: /server_info must not show them
+    return ServerArgs(**ns)
+
+
+def _key_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("RLACTORS_SERVER_API_KEY", ""),
+        help="the key normal routes need (default: $RLACTORS_SERVER_API_KEY; none: open)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("RLACTORS_SERVER_ADMIN_API_KEY", ""),
+        help="the key admin routes need, instead of --api-key (default: $RLACTORS_SERVER_ADMIN_API_KEY)",
+    )
+
+
+def parse_keys(argv: list[str] | None = None) -> ServerKeys:
+    """The keys the command line (or the environment) gives the server."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    _key_flags(parser)
+    ns, _ = parser.parse_known_args(argv)
+    return ServerKeys(ns.api_key, ns.admin_api_key)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -728,8 +784,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     level = getattr(logging, args.log_level.upper(), logging.WARNING)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)))
+    keys = parse_keys(argv)
     engine = Engine(args)
-    log.info("server_starting", host=args.host, port=args.port, backend=args.backend, model=args.model_path)
+    needs = ",".join(k for k in ("api_key", "admin_api_key") if getattr(keys, k)) or "none"
+    log.info(
+        "server_starting",
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        model=args.model_path,
+        keys=needs,
+    )
     try:
         import uvloop  # noqa: F401
 
@@ -737,7 +802,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         loop = "asyncio"
     uvicorn.run(
-        create_app(engine),
+        create_app(engine, keys),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

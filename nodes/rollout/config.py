@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodes.plugins import resolve
+from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.tomlconf import above, at_least, check_ranges, import_path
 
@@ -45,6 +46,9 @@ class ClientConfig:
     max_idle_aborts: int = field(default=64, metadata=at_least(1))
     # rid -> server entries kept (LRU) for multi-turn episodes
     sticky_entries: int = field(default=65536, metadata=at_least(1))
+    # the servers' --api-key/--admin-api-key, sent as each route needs (the recipe fills it in
+    # with its servers' keys; set it for servers started elsewhere)
+    keys: ServerKeys = field(default_factory=ServerKeys, repr=False)
 
     def __post_init__(self) -> None:
         check_ranges(self)

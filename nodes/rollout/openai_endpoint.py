@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -43,6 +44,7 @@ from aiohttp import web
 from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, parse_tool_calls, prompt_ids
 from nodes.rollout.client import GenerationError, GenRequest, GenResult
 from nodes.rollout.workflows import Sample
+from protocols.auth import ServerKeys
 
 __all__ = ["ChatEndpoint", "EndpointError", "Episode"]
 
@@ -594,6 +596,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model-name", default="", help="the name /v1/models gives (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
+    for flag, env in (
+        ("--api-key", "RLACTORS_SERVER_API_KEY"),
+        ("--admin-api-key", "RLACTORS_SERVER_ADMIN_API_KEY"),
+    ):
+        ap.add_argument(flag, default=os.environ.get(env, ""), help=f"the servers' {flag} (default: ${env})")
     args = ap.parse_args(argv)
 
     async def serve() -> None:
@@ -601,10 +608,11 @@ def main(argv: list[str] | None = None) -> None:
 
         from transformers import AutoTokenizer
 
-        from nodes.rollout.client import SGLangClient
+        from nodes.rollout.client import ClientConfig, SGLangClient
 
         tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
-        client = SGLangClient(args.server_url)
+        keys = ServerKeys(args.api_key, args.admin_api_key)
+        client = SGLangClient(args.server_url, ClientConfig(keys=keys))
         endpoint = ChatEndpoint(client, tokenizer, args.model_name or Path(args.model_path).name)
         url = await endpoint.start(args.host, args.port)
         print(f"base_url: {url}/v1", flush=True)

@@ -75,6 +75,7 @@ class ServerPool:
     ) -> None:
         """Posts go through ``session``, or through ``transport`` (httpx) when one is given."""
         self.url = url.rstrip("/")
+        self._keys = cfg.keys  # each post carries the key its route needs (protocols.auth)
         self.inflight = 0
         self.down_until = 0.0
         self._session = session
@@ -100,7 +101,8 @@ class ServerPool:
         # aiohttp reads timeout=None as "no timeout": leave it out to keep the session's
         kw = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
         try:
-            async with self._session.get().post(self.url + path, data=payload, headers=_JSON, **kw) as r:
+            headers = {**_JSON, **self._keys.headers(path)} if self._keys else _JSON
+            async with self._session.get().post(self.url + path, data=payload, headers=headers, **kw) as r:
                 return r.status, await r.read()
         except TimeoutError as e:  # before ClientError: aiohttp's timeouts are both
             # a connect that timed out never reached the server: nothing runs there to abort
@@ -114,7 +116,8 @@ class ServerPool:
 
         assert self._httpx is not None
         try:
-            r = await self._httpx.post(path, content=payload, headers=_JSON, timeout=timeout)
+            headers = {**_JSON, **self._keys.headers(path)} if self._keys else _JSON
+            r = await self._httpx.post(path, content=payload, headers=headers, timeout=timeout)
         except httpx.TransportError as e:
             raise WireError(f"{type(e).__name__}: {e}", isinstance(e, httpx.TimeoutException)) from None
         return r.status_code, r.content

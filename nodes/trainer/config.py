@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nodes.plugins import function_settings
+from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.tomlconf import above, at_least, check_ranges, import_path, within
 
@@ -120,6 +121,8 @@ class PushConfig:
     keep_disk_versions: int = field(default=2, metadata=at_least(1))
     http_timeout_s: float = field(default=600.0, metadata=above(0))
     group_timeout_s: float = field(default=600.0, metadata=above(0))
+    # the servers' --api-key/--admin-api-key (the recipe fills it in; the push's routes are admin ones)
+    keys: ServerKeys = field(default_factory=ServerKeys, repr=False)
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -106,7 +106,10 @@ class WeightPusher:
         self.group: Any = None
         self.group_name = ""
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weight-push-http")
-        self._http = httpx.Client(timeout=cfg.http_timeout_s) if self.rank == 0 else None
+        # auth: each call carries the key its route needs (cfg.keys: the servers' keys, if any)
+        self._http = (
+            httpx.Client(timeout=cfg.http_timeout_s, auth=cfg.keys or None) if self.rank == 0 else None
+        )
         self.send_dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.gatherer: ParamGatherer | None = None  # built by the first distributed push
         self._timing: dict[str, float] = {}

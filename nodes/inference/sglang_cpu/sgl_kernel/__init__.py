@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
 
     def unavailable(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            f"sgl_kernel.{name} has no CPU implementation in rlactors' shim (scripts/sglang_cpu); "
+            f"sgl_kernel.{name} has no CPU implementation in rlactors' shim (nodes/inference/sglang_cpu); "
             "only the two ops SGLang's CPU engine needs for plain generation are provided"
         )
 
