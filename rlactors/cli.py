@@ -1,4 +1,4 @@
-"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``stack``, ``down``, ``secret``.
+"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``stack``, ``pool``, ``down``, ``secret``.
 
 ``up`` starts the head and one node agent per host (locally, over ssh, or with srun inside
 a Slurm allocation), waits until every node has registered, and records the cluster in
@@ -34,7 +34,7 @@ from rlactors.config import (
     read_state,
     state_file,
 )
-from rlactors.errors import ClusterError
+from rlactors.errors import ActorNotFoundError, ClusterError
 from rlactors.security import new_secret_file
 
 console = Console(stderr=True)
@@ -348,6 +348,61 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+POOL_ACTOR = "inference-pool"  # nodes/inference/pool.py's POOL_NAME (the CLI does not import nodes)
+
+
+async def _pool_call(address: str | None, secret: str | None, method: str, *args: Any) -> Any:
+    """Call ``method`` of the cluster's ``inference-pool`` actor (the one a run creates)."""
+    from rlactors.cluster import connect
+
+    cluster = await connect(address, secret_file=secret, timeout=5)
+    try:
+        try:
+            pool = await cluster.get_actor(POOL_ACTOR)
+        except ActorNotFoundError:
+            raise ClusterError(
+                f"no {POOL_ACTOR} actor in this cluster: start a run on it first "
+                "(python recipes/gsm8k_grpo.py --cluster cluster.toml)"
+            ) from None
+        return await getattr(pool, method)(*args)
+    finally:
+        await cluster._client.close()
+
+
+def _pool_table(status: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"inference pool: {status['replacements']}/{status['max_replacements']} replacements used"
+    )
+    for col in ("server", "state", "version", "name", "node", "since"):
+        t.add_column(col)
+    for s in status["servers"]:
+        since = _age(time.time() - s["since"]) if s.get("since") else ""
+        version = str(s["version"]) if s["version"] >= 0 else ""
+        t.add_row(escape(s["url"]), s["state"], version, s["name"] or "(added)", s["node"], since)
+    return t
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    where = (args.address, args.secret_file)
+    if args.action == "ls":
+        status = asyncio.run(_pool_call(*where, "status"))
+        if args.json:
+            sys.stdout.write(json.dumps(status, indent=2) + "\n")
+        else:
+            out.print(_pool_table(status))
+        return 0
+    if args.action == "add":
+        row = asyncio.run(_pool_call(*where, "add", args.url))
+        out.print(f"{escape(row['url'])}: {row['state']} (serves from the next weight publish)")
+    elif args.action == "launch":
+        urls = asyncio.run(_pool_call(*where, "launch", args.n, args.node))
+        out.print(f"launched {', '.join(urls)}: joining (serve from the next weight publish)")
+    else:
+        row = asyncio.run(_pool_call(*where, "remove", args.url, not args.no_drain))
+        out.print(f"{escape(row['url'])}: {row['state']} (no new requests; it leaves at the next publish)")
+    return 0
+
+
 async def _down(address: str, secret: str, security: str) -> int:
     from rlactors.cluster import connect
 
@@ -463,6 +518,21 @@ def main(argv: list[str] | None = None) -> None:
     sk.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the workers' answers (default 5)"
     )
+    po = sub.add_parser("pool", help="a run's inference servers: list, add, launch, remove")
+    po_sub = po.add_subparsers(dest="action", required=True)
+    ls = po_sub.add_parser("ls", help="the servers, their state and the version they serve")
+    ls.add_argument("--json", action="store_true", help="print JSON for scripts")
+    add = po_sub.add_parser("add", help="take a server already running at URL (joins at the next publish)")
+    add.add_argument("url")
+    la = po_sub.add_parser("launch", help="start N servers with the run's launcher config")
+    la.add_argument("n", nargs="?", type=int, default=1)
+    la.add_argument("--node", help="the node to start them on (default: where resources are free)")
+    rm = po_sub.add_parser("rm", help="stop routing to URL, let its requests finish, then let it go")
+    rm.add_argument("url")
+    rm.add_argument("--no-drain", action="store_true", help="return at once; running requests fail over")
+    for p in (ls, add, la, rm):
+        p.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
+        p.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")
     sub.add_parser("down", help="stop the cluster started by `rlactors up`")
     se = sub.add_parser("secret", help="create a new cluster secret file")
     se.add_argument("path", help="where to write it (mode 600; an existing file is not overwritten)")
@@ -471,6 +541,7 @@ def main(argv: list[str] | None = None) -> None:
         "up": cmd_up,
         "status": cmd_status,
         "stack": cmd_stack,
+        "pool": cmd_pool,
         "down": cmd_down,
         "secret": cmd_secret,
     }[args.cmd]

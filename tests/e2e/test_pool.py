@@ -1,17 +1,26 @@
 """The inference pool through the recipe, on reference servers: a killed server is replaced and
-serves the current version."""
+serves the current version; a server added mid-run (`rlactors pool add` against a `rlactors up`
+cluster) gets requests only once it reports the current version; a removed server's requests
+complete elsewhere."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from tests.e2e.test_recipe import SMALL, _cmdline, _descendants, rows, start_until_first_step
+from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, _cmdline, _descendants, rows, start_until_first_step
 
 # A replacement serves the current version within this of its server's death: two missed health
 # probes (2 s), a reference server's start-up with the tiny model, and the next publish.
@@ -59,3 +68,165 @@ def test_a_killed_server_is_replaced_and_serves_the_current_version(tmp_path: Pa
     assert all(r["train/n_seqs"] == 4 for r in m)
     groups = [g for r in m for g in r["data/groups"].split(",")]
     assert len(groups) == 16 and len(set(groups)) == 16  # no group lost or trained twice
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rlactors.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+class RecordingProxy:
+    """An HTTP proxy in front of a server that records the ``weight_version`` of every
+    ``/generate`` answer it passes on: what the server served, and when."""
+
+    def __init__(self, target: str) -> None:
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        self.generated: list[str | None] = []
+        self.port = free_port()
+        client = httpx.AsyncClient(base_url=target, timeout=None)  # group joins block for long
+
+        async def forward(request: Request) -> Response:
+            r = await client.request(
+                request.method, request.url.path, content=await request.body(),
+                headers={"content-type": request.headers.get("content-type", "application/json")},
+            )  # fmt: skip
+            if request.url.path == "/generate" and r.status_code == 200:
+                self.generated.append(r.json()["meta_info"].get("weight_version"))
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+        app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST", "PUT"])])
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)  # uvicorn offers no start event to wait on
+        assert self.server.started
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start_reference_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "nodes.inference.server", "--port", str(port), "--backend", "hf",
+           "--model-path", str(model), "--max-running-requests", "16"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # the server loads its model; no readiness signal but /health
+    proc.kill()
+    raise AssertionError(f"reference server did not start: {log.read_text()[-2000:]}")
+
+
+def read_until(proc: subprocess.Popen[str], lines: list[str], prefix: str) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return line
+    raise AssertionError(f"the run ended before {prefix!r}: {''.join(lines)[-3000:]}")
+
+
+@pytest.mark.slow
+def test_pool_add_and_rm_through_the_cli_during_a_run_on_an_up_cluster(tmp_path: Path) -> None:
+    from nodes.inference.models import ensure_tiny_checkpoint
+
+    env = {**os.environ, "RLACTORS_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(f"""
+[head]
+host = "127.0.0.1"
+port = {free_port()}
+
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "solo"
+resources = {{ cpu = 32 }}
+""")
+    up = cli(["up", str(cfg)], env)
+    assert up.returncode == 0, up.stderr
+    out = tmp_path / "run"
+    proc = joiner = proxy = None
+    lines: list[str] = []
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(RECIPE), *SMALL, f"run.out_dir={out}", "run.steps=10", "--cluster", str(cfg)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+        read_until(proc, lines, "step 1/")
+        joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
+        proxy = RecordingProxy(url)
+        add = cli(["pool", "add", proxy.url], env)
+        assert add.returncode == 0, add.stderr
+        assert "joining" in add.stdout
+        joined = read_until(proc, lines, "servers joined:")
+        assert proxy.url in joined
+        version = int(re.search(r"serving version (\d+)", joined).group(1))
+        assert version >= 2  # it joined after at least one publish: base weights are not the policy
+
+        ls = cli(["pool", "ls", "--json"], env)
+        assert ls.returncode == 0, ls.stderr
+        servers: list[dict[str, Any]] = json.loads(ls.stdout)["servers"]
+        assert {s["url"]: s["state"] for s in servers}[proxy.url] == "live"
+        leaving = next(s["url"] for s in servers if s["name"] == "server-0")
+        rm = cli(["pool", "rm", leaving], env)  # drains: its running requests finish, none start
+        assert rm.returncode == 0, rm.stderr
+        read_until(proc, lines, "server leaving:")
+        rest, _ = proc.communicate(timeout=600)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proxy is not None:
+            proxy.close()
+        if joiner is not None:
+            joiner.kill()
+            joiner.wait()
+        down = cli(["down"], env)
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert down.returncode == 0, down.stderr
+    # the joiner served only the policy it was checked to hold, and later ones: never base weights
+    assert proxy.generated, "the joined server got no requests"
+    assert all(v is not None and int(v) >= version for v in proxy.generated), proxy.generated
+    m = rows(out)
+    assert [r["step"] for r in m] == list(range(1, 11))
+    assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
+    assert m[-1]["servers/live"] == 2
+    assert max(r["servers/live"] for r in m) == 3
+    assert all(r["servers/min_weight_version"] == r["version"] for r in m)
+    assert all(r["train/n_seqs"] == 4 for r in m)
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 20 and len(set(groups)) == 20  # nothing lost or trained twice
