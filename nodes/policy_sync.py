@@ -21,6 +21,7 @@ import httpx
 import structlog
 
 import rlactors
+from protocols.auth import ServerKeys
 from protocols.sglang import ContinueGenerationRequest, request_body
 
 __all__ = ["HEALTH_TIMEOUT_S", "PolicySync"]
@@ -47,6 +48,7 @@ class PolicySync:
         urls: list[str],
         report: Callable[[str], Any] | None = None,
         pool: Any = None,
+        keys: ServerKeys | None = None,
     ) -> None:
         self.cluster, self.ranks, self.pool = cluster, ranks, pool
         self.live = list(urls)
@@ -56,7 +58,9 @@ class PolicySync:
         self.governor: Any = None
         self.rollouts: list[Any] = []
         self.report = report or (lambda line: log.warning(line))
-        self.http = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+        # keys: the servers' (protocols.auth); each call carries the one its route needs
+        self.keys = keys or ServerKeys()
+        self.http = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, auth=self.keys or None)
 
     def attach(self, governor: Any, rollouts: list[Any]) -> None:
         """The rollout plane that :meth:`publish` pauses, resumes and tells new versions to."""

@@ -80,7 +80,7 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
     )
     try:
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
-        evaluator = Evaluator(eval_spec(cfg, model), eval_items)
+        evaluator = Evaluator(eval_spec(cfg, model), eval_items, plane.sync.keys)
         await evaluator.start(plane.sync.live, state.version)
         stall = StallWatchdog(plane, out, cfg.run.stall_after_s)
         try:

@@ -26,6 +26,7 @@ from nodes.run_state import RunState
 from nodes.trace import TRACE, TraceWriter
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.rank import TrainerRank
+from protocols.auth import ServerKeys
 from recipes.gsm8k_config import ModelConfig, RecipeConfig
 
 __all__ = ["Plane", "eval_spec", "resolve_model", "start_plane"]
@@ -100,6 +101,17 @@ async def _start_pool(
         name=POOL_NAME,
     )
     return pool, await pool.start(s.n)
+
+
+def with_keys(cfg: RecipeConfig, keys: ServerKeys) -> RecipeConfig:
+    """``cfg`` with the servers' keys where its clients read them: the weight push's and the
+    rollout client's."""
+    t, r = cfg.trainer, cfg.rollout
+    return dataclasses.replace(
+        cfg,
+        trainer=dataclasses.replace(t, push=dataclasses.replace(t.push, keys=keys)),
+        rollout=dataclasses.replace(r, client=dataclasses.replace(r.client, keys=keys)),
+    )
 
 
 @dataclass
@@ -210,7 +222,13 @@ async def start_plane(
     """Trainer ranks (one torch.distributed world: gloo on CPU, nccl on GPU), servers, the
     weight-update group, governor, buffer and rollout actors; on resume, from the checkpoint
     ``state`` names (its weights pushed to the servers, its trained prompts refused by the buffer)."""
+    from nodes.inference.launcher import cluster_keys
+
     t0 = time.monotonic()
+    # The cluster's key pair, made before any server starts: every server that takes keys (beyond
+    # loopback, or with servers.<kind>.auth = "on") takes it, every client of the servers holds it.
+    keys = await cluster_keys(cluster)
+    cfg = with_keys(cfg, keys)
     tcfg = train_config(cfg, model, state.out)
     gpu = 1 if tcfg.device == "cuda" else 0
     ranks = await cluster.spawn_group(
@@ -226,7 +244,7 @@ async def start_plane(
     await ranks.setup()
     if state.resume_from is not None:
         print(await state.load(ranks))
-    sync = PolicySync(cluster, ranks, urls, report=print, pool=pool)
+    sync = PolicySync(cluster, ranks, urls, report=print, pool=pool, keys=keys)
     await sync.connect()
     if state.version:
         await ranks.push_weights()  # servers start from the base model

@@ -13,7 +13,7 @@ echo "[test-sglang] conformance suite against real SGLang ($RLACTORS_CONFORMANCE
 exec .venv/bin/python -m pytest tests/conformance/test_generate.py tests/conformance/test_abort_pause.py \
   tests/conformance/test_update_mid_generation.py tests/conformance/test_weights.py \
   tests/conformance/test_validation.py tests/conformance/test_stream.py tests/conformance/test_logprobs.py \
-  tests/conformance/test_penalties.py tests/conformance/test_openai_endpoint.py "$@"
+  tests/conformance/test_penalties.py tests/conformance/test_openai_endpoint.py tests/conformance/test_auth.py "$@"
 # tests/conformance/test_stream_incremental.py needs a second SGLang server (started with
 # --incremental-streaming-output) beside this stage's: on a 2-core CI machine its start ran past
 # the 300 s test timeout, so it is run by hand: RLACTORS_CONFORMANCE_SGLANG=<python> pytest <file>

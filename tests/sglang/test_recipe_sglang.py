@@ -1,5 +1,5 @@
 """The main job with real SGLang 0.5.23 on CPU (``servers.kind = "sglang"``): SGLang's server is
-launched by our launcher from its own venv, joins the trainer's weight-update group (formed through
+launched by our launcher from its own venv with the cluster's keys (forced on loopback), joins the trainer's weight-update group (formed through
 the cluster's rendezvous on trainer rank 0's host), generates, and takes every push."""
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ pytestmark = [
 
 def test_recipe_trains_against_real_sglang(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    args = ["servers.kind=sglang", "servers.n=1", "servers.sglang.device=cpu", f"servers.sglang.python={SGLANG_PYTHON}", "run.steps=2"]
+    args = [
+        "servers.kind=sglang",
+        "servers.n=1",
+        "servers.sglang.device=cpu",
+        f"servers.sglang.python={SGLANG_PYTHON}",
+        "run.steps=2",
+        "servers.sglang.auth=on",
+    ]  # keys on loopback: every client of ours must send them (#28)
     run = recipe([*SMALL, *args, "run.checkpoint_every=0", f"run.out_dir={out}"], timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     m = rows(out)
@@ -33,4 +40,7 @@ def test_recipe_trains_against_real_sglang(tmp_path: Path) -> None:
         assert r["push/push_bytes"] > 0
         assert r["servers/min_weight_version"] == r["step"] == r["version"]  # SGLang took every push
     assert "eval/accuracy" in m[-1] and m[-1]["eval/version"] == 2
-    assert "POST /generate" in (out / "servers" / "server-0.log").read_text(errors="replace")  # its log
+    log = (out / "servers" / "server-0.log").read_text(errors="replace")
+    assert "POST /generate" in log  # its log
+    assert "'api_key': None" not in log and "'admin_api_key': None" not in log  # SGLang took both keys
+    assert " 401" not in log  # and no client of ours was refused
