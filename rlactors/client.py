@@ -25,6 +25,7 @@ import structlog
 
 from protocols import wire
 from protocols.wire import Flags, Kind
+from rlactors.awake import AwakeTimer, awake_clock
 from rlactors.errors import (
     ActorDiedError,
     ActorUnreachableError,
@@ -158,7 +159,7 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._link_down = False  # the connection was lost and is not back yet
         self._at_risk: set[int] = set()  # calls pending when it was lost: their replies are gone
-        self._link_timer: asyncio.TimerHandle | None = None
+        self._link_timer: AwakeTimer | None = None  # timers count awake time (rlactors.awake)
         self._unreachable: ActorUnreachableError | None = None  # set while the peer stays unreachable
         self._link_up = asyncio.Event()  # set while the connection is established
         self._link_hook = on_link
@@ -171,9 +172,9 @@ class Connection:
             on_too_large=self._on_too_large,
         )
         self._outbox = Outbox(self._asock, routed=False)
-        self._connect_timer: asyncio.TimerHandle | None = None
+        self._connect_timer: AwakeTimer | None = None
         if first_link_within is not None:
-            self._connect_timer = self._loop.call_later(first_link_within, self._first_link_overdue)
+            self._connect_timer = awake_clock().call_later(first_link_within, self._first_link_overdue)
         self._drop_log = Throttle(log, "dropped a reply that cannot be decoded", LOG_EVERY_S)
 
     @property
@@ -392,7 +393,7 @@ class Connection:
         self._link_down = True
         self._at_risk.update(self._pending)
         if self._link_timer is None and self._closed_error is None:
-            self._link_timer = self._loop.call_later(LINK_GRACE_S, self._link_lost)
+            self._link_timer = awake_clock().call_later(LINK_GRACE_S, self._link_lost)
 
     def _first_link_overdue(self) -> None:
         """Never connected (a partition, or a stopped process): fail as a lost connection does."""

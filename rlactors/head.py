@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from rlactors.aio import wait_for
+from rlactors.awake import awake_clock
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
@@ -141,6 +142,7 @@ class Head:
             host,
             res,
             Connection(address, self.security, name=f"agent:{node_id}"),
+            last_seen=awake_clock().now(),
             labels=labels or {},
         )
         log.debug("node registered", node=node_id, host=host, resources=resources)
@@ -155,13 +157,26 @@ class Head:
         n = self.nodes.get(node_id)
         if n is None or not n.alive:
             return False
-        n.last_seen = time.monotonic()
+        n.last_seen = awake_clock().now()
         return True
 
     async def _watch_nodes(self) -> None:
+        """Declare dead the nodes (and give up the clients) silent past their timeout.
+
+        Silence is counted in awake time (``rlactors.awake``): a head that was itself stopped or
+        blocked heard nothing because it was not listening, so its stall extends every deadline.
+        """
+        clock = awake_clock()
+        stalled = clock.stalled_s
         while True:
             await asyncio.sleep(min(1.0, self.node_timeout / 5))
-            now = time.monotonic()
+            now = clock.now()
+            if clock.stalled_s - stalled >= 1.0:
+                log.warning(
+                    "the head was stalled (stopped or blocked); extending every node's and client's deadline by it",
+                    stalled_s=round(clock.stalled_s - stalled, 1),
+                )
+            stalled = clock.stalled_s
             for cid in self.sessions.expire():
                 victims = [
                     r for r in self.actors.values() if r.owner == cid and not r.detached and r.state != "DEAD"
@@ -428,8 +443,8 @@ class Head:
             return_exceptions=True,
         )
         workers = {w["actor_id"]: w for r in reports if isinstance(r, list) for w in r}
-        now = time.monotonic()
-        nodes = [dict(n.info(), heard_s=round(now - n.last_seen, 3)) for n in self.nodes.values()]
+        now, awake = time.monotonic(), awake_clock().now()
+        nodes = [dict(n.info(), heard_s=round(awake - n.last_seen, 3)) for n in self.nodes.values()]
         actors = []
         for rec in self.actors.values():
             w = workers.get(rec.actor_id)

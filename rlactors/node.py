@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 from rlactors.aio import wait_for
+from rlactors.awake import AwakeTimer, awake_clock
 from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
 from rlactors.forensics import collect_dump, read_tick
@@ -64,7 +65,7 @@ class _Liveness:
         self.spec, self.pid = spec, pid
         self.conn: Connection | None = None
         self.silent_since: float | None = None  # monotonic; None while the link is up
-        self.fence: asyncio.TimerHandle | None = None
+        self.fence: AwakeTimer | None = None
 
     def heard_s(self) -> float | None:
         """Seconds since the worker last answered (None: it never connected)."""
@@ -332,8 +333,9 @@ class NodeAgent:
         live.silent_since = time.monotonic() - silent_for
         if self.fence_after is not None:
             delay = max(0.0, self.fence_after - silent_for)
+            # Counted in awake time: a stalled agent heard nothing because it was not listening.
             # A fresh context: the log lines of the fence are not the call's that started the worker.
-            live.fence = asyncio.get_running_loop().call_later(
+            live.fence = awake_clock().call_later(
                 delay, self._fence, actor_id, proc, live, context=contextvars.Context()
             )
 

@@ -21,7 +21,7 @@ class NodeRecord:
     resources: NodeResources
     conn: Connection
     alive: bool = True
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = 0.0  # when last heard from, in the head's awake time (rlactors.awake)
     labels: dict[str, Any] = field(default_factory=dict)
 
     def info(self) -> dict[str, Any]:

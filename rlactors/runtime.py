@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 
 from rlactors.aio import wait_for
+from rlactors.awake import awake_clock
 from rlactors.client import LINK_GRACE_S, ActorState, Args, Connection, StreamCall
 from rlactors.errors import (
     ActorDiedError,
@@ -110,7 +111,9 @@ class RuntimeClient:
     async def _heartbeat(self, interval: float) -> None:
         """Tell the head we are alive; if it stops answering, fail calls to it instead of hanging."""
         missed = 0
+        clock = awake_clock()
         while self.head is not None and not self.head.closed:
+            sent = clock.now()
             try:
                 known = await wait_for(
                     self.head.call("client_alive", (self.client_id,), {}, target="head"), 5 * interval
@@ -124,8 +127,9 @@ class RuntimeClient:
                         client=self.client_id,
                     )
                     self._events.cancel()
-            except (TimeoutError, ActorUnreachableError):
-                missed += 1
+            except (TimeoutError, ActorUnreachableError) as e:
+                # A wait that this client slept through (it was stopped or blocked) is no miss.
+                missed += isinstance(e, ActorUnreachableError) or clock.now() - sent >= 5 * interval
                 if missed == 3:
                     log.error(
                         "the head stopped answering; calls to it fail until it is back",

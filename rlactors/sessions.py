@@ -5,11 +5,12 @@ than let the head's memory grow)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import structlog
+
+from rlactors.awake import awake_clock
 
 log = structlog.get_logger("rlactors.head")
 
@@ -21,13 +22,13 @@ class Sessions:
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._seen: dict[str, float] = {}  # client id -> last heartbeat
+        self._seen: dict[str, float] = {}  # client id -> last heartbeat, in awake time
         self._subs: dict[asyncio.Queue[dict[str, Any] | None], str] = {}  # event queue -> client id
 
     def beat(self, client_id: str) -> bool:
         """The client said hello or heartbeat; False if it was not (or no longer) known."""
         known = client_id in self._seen
-        self._seen[client_id] = time.monotonic()
+        self._seen[client_id] = awake_clock().now()
         return known
 
     def close(self, client_id: str) -> None:
@@ -36,8 +37,8 @@ class Sessions:
         self._end(client_id)
 
     def expire(self) -> list[str]:
-        """Close and return the clients silent for longer than the timeout."""
-        now = time.monotonic()
+        """Close and return the clients silent for longer than the timeout while the head was awake."""
+        now = awake_clock().now()
         gone = [cid for cid, seen in self._seen.items() if now - seen > self.timeout]
         for cid in gone:
             self.close(cid)
