@@ -1,0 +1,78 @@
+"""A stalled judge kills nothing: silence is counted only over time the judge was awake.
+
+The driver of an embedded cluster runs the head and the node agent on its own loop; stopped for
+longer than ``node_timeout`` and ``client_timeout``, on waking it used to find every node and
+client "silent" (because it was not listening) and declare its healthy actors dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rlactors.aio import wait_for
+from rlactors.awake import SLACK_S, TICK_S, AwakeClock, awake_clock
+
+ROOT = Path(__file__).resolve().parents[2]
+NODE_TIMEOUT = 2.5  # the stop below (3x) also outlasts ZeroMQ's own 7 s heartbeat timeout
+
+
+def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"the driver exited with {proc.wait()}"
+    return line.strip()
+
+
+def test_a_stopped_driver_wakes_to_every_actor_answering() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests/runtime/stalled_driver.py"), str(NODE_TIMEOUT), str(NODE_TIMEOUT)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None
+    try:
+        ready, worker = _line(proc).split()
+        assert ready == "ready"
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3 * NODE_TIMEOUT)  # the scenario itself: the judge is not running
+        os.kill(int(worker), 0)  # the worker lived through it
+        proc.send_signal(signal.SIGCONT)
+        for expected in (1, 2, 3):  # at once, and still after the node's and client's deadlines
+            proc.stdin.write("call\n")
+            proc.stdin.flush()
+            assert _line(proc) == f"ok {expected}"
+            time.sleep(NODE_TIMEOUT / 2)
+        proc.stdin.close()
+        assert proc.wait(30) == 0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_awake_time_stands_still_while_the_loop_is_blocked() -> None:
+    clock = AwakeClock()
+    clock.start(asyncio.get_running_loop())
+    t0 = clock.now()
+    time.sleep(1.0)  # noqa: ASYNC251  # the stall under test
+    assert clock.now() - t0 < TICK_S + SLACK_S + 0.05  # seen even before the late tick runs
+    await asyncio.sleep(2 * TICK_S)
+    assert clock.stalled_s > 1.0 - TICK_S - SLACK_S
+    fired = asyncio.Event()
+    t1 = time.monotonic()
+    awake_clock().call_later(0.5, fired.set)
+    time.sleep(0.8)  # noqa: ASYNC251  # a stall longer than the timer: it is extended, not fired
+    await asyncio.sleep(0.2)
+    assert not fired.is_set()
+    await wait_for(fired.wait(), 2)
+    assert time.monotonic() - t1 >= 0.8 + 0.5 - TICK_S - 0.05
