@@ -253,6 +253,8 @@ class Episode:
 
     id: str
     client: Any = None  # what generates its completions (None: the endpoint's client)
+    # False (the standalone server's one episode): samples live only as long as their completions
+    keep_samples: bool = True
     samples: list[Sample] = field(default_factory=list)
     counters: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(
@@ -264,6 +266,15 @@ class Episode:
     # a request is matched against only the completions whose answer it repeats, not all kept
     _by_reply: dict[tuple[int, Any], list[int]] = field(default_factory=dict)
     _next: int = 0
+    _sample_count: int = 0
+
+    def add_sample(self, s: Sample) -> Sample:
+        """Number ``s`` (its request id names it) and keep it when the episode keeps samples."""
+        s.meta["rid"] = f"agent/{self.id}/s{self._sample_count}/"
+        self._sample_count += 1
+        if self.keep_samples:
+            self.samples.append(s)
+        return s
 
     def find(
         self, messages: list[dict[str, Any]], tools: Any, temperature: float
@@ -315,7 +326,7 @@ class ChatEndpoint:
         self.client, self.tokenizer, self.model = client, tokenizer, model
         self.defaults = {"max_new_tokens": default_max_tokens, "temperature": default_temperature}
         self.episodes: dict[str, Episode] = {}
-        self.default = Episode("default")  # the standalone server's /v1
+        self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
         self._runner: web.AppRunner | None = None
         self.url = ""
         self.app = web.Application(client_max_size=32 << 20)
@@ -423,11 +434,9 @@ class ChatEndpoint:
                 ids = await asyncio.to_thread(prompt_ids, self.tokenizer, req.messages, tools)
             except ChatError as e:
                 raise EndpointError(400, str(e), "messages") from None
-            base = Sample(ids, req.sampling["temperature"])
-            ep.samples.append(base)
+            base = ep.add_sample(Sample(ids, req.sampling["temperature"]))
         forced = self._forced_prefix(req)
-        samples = [base] + [base.fork() for _ in range(req.n - 1)]
-        ep.samples.extend(samples[1:])
+        samples = [base] + [ep.add_sample(base.fork()) for _ in range(req.n - 1)]
         for s in samples:
             s.add_context(forced)
         results = await asyncio.gather(*(self._generate(ep, s, req) for s in samples))
@@ -447,9 +456,7 @@ class ChatEndpoint:
         return out
 
     async def _generate(self, ep: Episode, s: Sample, req: ChatRequest) -> GenResult:
-        # the sample's place in the episode (searched from the end, where a new one is)
-        i = next(i for i in range(len(ep.samples) - 1, -1, -1) if ep.samples[i] is s)
-        rid = f"agent/{ep.id}/s{i}/"
+        rid = s.meta["rid"]
         trace_id = s.meta.setdefault("trace_id", rid.rstrip("/"))
         request = GenRequest(list(s.ids), dict(req.sampling), rid, req.top_logprobs, trace_id)
         return await (ep.client or self.client).agenerate(request)

@@ -311,3 +311,18 @@ async def test_abort_and_resume_mid_turn_is_invisible_to_agent_and_trajectory(
     finally:
         await ep.aclose()
         await client.aclose()
+
+
+async def test_the_standalone_episode_keeps_no_samples_but_still_continues(
+    endpoint: tuple[ChatEndpoint, Scripted],
+) -> None:
+    ep, gen = endpoint
+    gen.script = ["one", "two"]
+    client = sdk(f"{ep.url}/v1")  # the standalone server's base_url: one episode, nobody collects it
+    msgs: list[Any] = [{"role": "user", "content": "a"}]
+    r = await client.chat.completions.create(model="tiny", messages=msgs)
+    msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "b"}]
+    await client.chat.completions.create(model="tiny", messages=msgs)
+    assert ep.default.samples == [] and ep.default.counters["continued"] == 1  # memory stays flat
+    first, second = gen.requests
+    assert second.input_ids[: len(first.input_ids)] == first.input_ids and second.rid == first.rid
