@@ -56,20 +56,22 @@ def _start(cmd: list[str], port: int, env: dict[str, str], timeout_s: float) -> 
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=30) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log.close()
-                text = Path(log.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{text}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url + "/health_generate").status_code == 200:
-                    proc._rl_log = log  # type: ignore[attr-defined]
-                    return proc, url
-            time.sleep(0.2)  # start-up poll interval
     proc._rl_log = log  # type: ignore[attr-defined]
-    stop_server(proc)
-    raise RuntimeError(f"server on port {port} not healthy after {timeout_s} s")
+    try:
+        with httpx.Client(timeout=30) as client:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    log.close()
+                    text = Path(log.name).read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"server exited with {proc.returncode}:\n{text}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url + "/health_generate").status_code == 200:
+                        return proc, url
+                time.sleep(0.2)  # start-up poll interval
+        raise RuntimeError(f"server on port {port} not healthy after {timeout_s} s")
+    except BaseException:  # also a test timeout or Ctrl-C while it starts: never leave it running
+        stop_server(proc)
+        raise
 
 
 def stop_server(proc: subprocess.Popen) -> None:
