@@ -37,11 +37,11 @@ class AwakeClock:
     def __init__(self) -> None:
         self.stalled_s = 0.0  # total measured so far
         self._last_tick = time.monotonic()
-        self._handle: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._last_tick = time.monotonic()
-        self._handle = loop.call_later(TICK_S, self._tick, context=contextvars.Context())
+        # The clock keeps no reference to the loop: a closed loop, with its ticks, is freed.
+        loop.call_later(TICK_S, self._tick, context=contextvars.Context())
 
     def _overdue(self, now: float) -> float:
         late = now - self._last_tick - TICK_S
@@ -56,9 +56,7 @@ class AwakeClock:
         t = time.monotonic()
         self.stalled_s += self._overdue(t)
         self._last_tick = t
-        self._handle = asyncio.get_running_loop().call_later(
-            TICK_S, self._tick, context=contextvars.Context()
-        )
+        asyncio.get_running_loop().call_later(TICK_S, self._tick, context=contextvars.Context())
 
     def call_later(
         self,
