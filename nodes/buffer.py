@@ -16,6 +16,13 @@ Guarantees:
   stragglers that fell behind are dropped. Either way, when ``max_staleness`` is set, a
   group whose oldest token is more than ``max_staleness`` versions behind the consuming
   version is dropped (counted, and reported to the governor) rather than trained on.
+- *Dynamic sampling* (DAPO's, off by default: ``drop_no_signal``). A group whose rewards are all
+  equal has zero group-normalised advantage, so no gradient under GRPO: it is dropped at ``put``
+  instead of taking a batch slot, counted (``dropped_no_signal``), and its lease goes back to the
+  governor as a rejected episode, so the governor admits a replacement and batches stay full. A
+  dropped prompt counts as *seen* for its epoch: its id is refused like a trained one's (not
+  generated again this epoch) and handed to the run's record by :meth:`TrajectoryBuffer.take_dropped`,
+  so checkpoints count it too.
 
 The buffer owns the release of every lease whose ``begin`` it saw: it tells the governor
 (through a :class:`GovernorLink`) when an episode is accepted, rejected, or dropped.
@@ -42,7 +49,7 @@ from protocols.rl import Batch, TrajectoryGroup
 from rlactors.aio import wait_for
 from rlactors.tomlconf import at_least, check_ranges
 
-__all__ = ["BufferActor", "BufferConfig", "GovernorLink", "TrajectoryBuffer"]
+__all__ = ["BufferActor", "BufferConfig", "GovernorLink", "TrajectoryBuffer", "has_reward_variance"]
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +72,10 @@ class BufferConfig:
     max_staleness: int | None = field(default=None, metadata=at_least(0))
     order: Literal["admission", "arrival"] = "admission"  # oldest admission first, or first come
     on_holder_death: Literal["requeue", "report"] = "requeue"  # re-run a dead actor's episodes, or list them
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (no GRPO signal), admit others.
+    # Off by default: it costs generation (a dropped group's tokens are wasted) and its benefit to
+    # learning here is not measured yet. A group of one trajectory never has signal: leave it off.
+    drop_no_signal: bool = False
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -72,6 +83,13 @@ class BufferConfig:
             raise ValueError(f"'order' must be 'admission' or 'arrival', got {self.order!r}")
         if self.on_holder_death not in ("requeue", "report"):
             raise ValueError(f"'on_holder_death' must be 'requeue' or 'report', got {self.on_holder_death!r}")
+
+
+def has_reward_variance(group: TrajectoryGroup) -> bool:
+    """Whether ``group``'s rewards differ (exactly): otherwise every group-normalised advantage is 0
+    and the group carries no signal under GRPO. Judged on the rewards as put, before any shaping."""
+    rewards = group.rewards
+    return any(r != rewards[0] for r in rewards[1:])
 
 
 @dataclass
@@ -186,14 +204,15 @@ class TrajectoryBuffer:
         self._ready = _ReadyGroups()
         self._in_flight: dict[tuple[str, str], _InFlight] = {}  # (holder, group_id) -> episode
         self._flight_versions: Counter[int] = Counter()  # admission versions of episodes in flight
-        self._accepted_ids: set[str] = set(done_ids)
+        self._accepted_ids: set[str] = set(done_ids)  # and the groups dropped for no signal: seen
+        self._dropped: list[str] = []  # dropped for no signal since the last take_dropped
         self._requeue: deque[_InFlight] = deque()
         self._dead: set[str] = set()
         self._seq = itertools.count()
         self._changed = asyncio.Event()
         self._c = dict.fromkeys(
             ("begun", "accepted", "duplicates", "abandoned", "refused_begin", "requeued", "reported_lost",
-             "late_puts", "dropped_stale", "batches", "groups_out"), 0,
+             "late_puts", "dropped_stale", "dropped_no_signal", "batches", "groups_out"), 0,
         )  # fmt: skip
         self.lost: list[dict[str, Any]] = []  # episodes of dead holders, in "report" mode
 
@@ -237,7 +256,8 @@ class TrajectoryBuffer:
         return out
 
     def put(self, holder_id: str, group: TrajectoryGroup, admit_version: int | None = None) -> bool:
-        """Accept a finished group (True), or ignore a duplicate (False). The group must be valid."""
+        """Accept a finished group (True), or ignore a duplicate or drop a group with no signal
+        (False; see ``drop_no_signal``). The group must be valid."""
         group.validate()
         episode = self._pop_in_flight(holder_id, group.group_id)
         if group.group_id in self._accepted_ids:
@@ -250,6 +270,8 @@ class TrajectoryBuffer:
         if episode is None and holder_id in self._dead:
             self._c["late_puts"] += 1
             self._drop_requeued(group.group_id)
+        if self.config.drop_no_signal and not has_reward_variance(group):
+            return self._drop_no_signal(holder_id, group.group_id, episode is not None)
         oldest = group.oldest_version  # the one scan of the group's tokens
         if admit_version is None:
             admit_version = episode.admit_version if episode else max(oldest, 0)
@@ -260,6 +282,18 @@ class TrajectoryBuffer:
         self._tell_finish(holder_id, 1, 0)
         self._notify()
         return True
+
+    def _drop_no_signal(self, holder_id: str, group_id: str, held: bool) -> bool:
+        """Drop a group with equal rewards: seen (its ``begin`` is refused), never handed out; its
+        lease released as rejected, so the governor admits a replacement. False, as put's answer."""
+        self._accepted_ids.add(group_id)
+        self._dropped.append(group_id)
+        self._c["dropped_no_signal"] += 1
+        if held:  # a dead holder's lease is the governor's to release, on its death notice
+            self._tell_finish(holder_id, 0, 1)
+        log.debug("buffer.dropped_no_signal", holder=holder_id, group=group_id)
+        self._notify()
+        return False
 
     def abandon(self, holder_id: str, group_id: str) -> bool:
         """The episode ended without a group (rejected or failed): release its lease."""
@@ -360,8 +394,15 @@ class TrajectoryBuffer:
         return [r.group.group_id for r in self._ready]
 
     def accepted_ids(self) -> list[str]:
-        """Ids of every group accepted (or trained before a resume): their ``begin`` is refused."""
+        """Ids of every group accepted or dropped for no signal (or trained before a resume): their
+        ``begin`` is refused."""
         return sorted(self._accepted_ids)
+
+    def take_dropped(self) -> list[str]:
+        """Ids of the groups dropped for no signal since the last call, for the run's record of what
+        its epoch has seen (``RunState.record(..., seen=)``); each id is returned once."""
+        out, self._dropped = self._dropped, []
+        return out
 
     def oldest_in_flight(self) -> dict[str, Any] | None:
         """The episode in flight the longest: ``{group, holder, actor_id, age_s}`` (the actor that

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from nodes.buffer import BufferConfig, TrajectoryBuffer
+from nodes.buffer import BufferConfig, TrajectoryBuffer, has_reward_variance
 from nodes.governor import GovernorConfig, StalenessGovernor
 from protocols.rl import Trajectory, TrajectoryGroup
 from rlactors.aio import wait_for
@@ -224,3 +224,76 @@ def test_hand_out_order_and_stale_drops_match_the_rescanning_buffer(seed: int) -
                 ready = ready[b:]
         assert buf.ready_group_ids() == [r[2] for r in ready]
         assert buf.stats()["dropped_stale"] == dropped
+
+
+def rewarded(gid: str, rewards: list[float], version: int = 0) -> TrajectoryGroup:
+    return TrajectoryGroup(
+        gid, [Trajectory([1, 2], [0, 1], [0.0, -0.1], [-1, version], r, gid, 1) for r in rewards]
+    )
+
+
+def test_a_group_without_reward_variance_is_dropped_and_a_replacement_keeps_the_batch_full() -> None:
+    """DAPO's dynamic sampling: the equal-reward group never reaches a batch, its lease goes back
+    as rejected (capacity for a replacement, nothing counted accepted), and it counts as seen."""
+    gov = StalenessGovernor(GovernorConfig(batch_size=2, max_staleness=0, max_concurrent=10))
+    buf = TrajectoryBuffer(BufferConfig(drop_no_signal=True), governor=gov)
+    assert gov.try_acquire("h", 5).n == 2  # eta 0: one batch's worth
+    buf.begin("h", "a", None, 0)
+    buf.begin("h", "same", None, 0)
+    assert buf.put("h", rewarded("a", [1.0, 0.0]))
+    assert not buf.put("h", rewarded("same", [1.0, 1.0]))
+    assert buf.try_get_batch(2, 0) is None  # one short ...
+    assert (gov.accepted, gov.running, gov.capacity()) == (1, 0, 1)  # ... and room for one more
+    assert gov.stats()["finished_rejected"] == 1
+    assert not buf.begin("h", "same", None, 0)  # seen this epoch: a replay is refused
+    assert gov.try_acquire("h", 5).n == 1  # the refused begin released its lease; the replacement:
+    buf.begin("h", "b", None, 0)
+    assert buf.put("h", rewarded("b", [0.0, 0.5]))
+    batch = buf.try_get_batch(2, 0)
+    assert batch is not None and [g.group_id for g in batch.groups] == ["a", "b"]
+    s = buf.stats()
+    assert (s["dropped_no_signal"], s["accepted"], s["duplicates"]) == (1, 2, 0)
+    assert "same" in buf.accepted_ids()  # a restarted rollout actor skips it
+    assert buf.take_dropped() == ["same"] and buf.take_dropped() == []  # for the run's record, once
+
+
+def test_groups_with_equal_rewards_are_trained_when_dynamic_sampling_is_off() -> None:
+    gov = StalenessGovernor(GovernorConfig(batch_size=1, max_staleness=0, max_concurrent=10))
+    buf = TrajectoryBuffer(governor=gov)
+    assert not BufferConfig().drop_no_signal  # off by default
+    gov.try_acquire("h", 1)
+    buf.begin("h", "same", None, 0)
+    assert buf.put("h", rewarded("same", [1.0, 1.0]))
+    assert buf.try_get_batch(1, 0) is not None and buf.stats()["dropped_no_signal"] == 0
+
+
+async def test_a_waiting_trainer_gets_a_full_batch_after_drops() -> None:
+    gov = StalenessGovernor(GovernorConfig(batch_size=1, max_staleness=0, max_concurrent=10))
+    buf = TrajectoryBuffer(BufferConfig(drop_no_signal=True), governor=gov)
+    getter = asyncio.create_task(buf.get_batch(1, 0, timeout=10))
+    for i, rewards in enumerate(([0.0, 0.0], [1.0, 1.0], [0.0, 1.0])):
+        assert (await gov.acquire("h", 1, timeout=5)).n == 1  # each drop frees the one slot
+        buf.begin("h", f"p{i}", None, 0)
+        buf.put("h", rewarded(f"p{i}", rewards))
+    batch = await wait_for(getter, 5)
+    assert [g.group_id for g in batch.groups] == ["p2"] and buf.take_dropped() == ["p0", "p1"]
+
+
+def test_a_dead_holders_late_put_without_signal_is_dropped_and_not_requeued() -> None:
+    gov = StalenessGovernor(GovernorConfig(batch_size=1, max_staleness=1, max_concurrent=10))
+    buf = TrajectoryBuffer(BufferConfig(drop_no_signal=True), governor=gov)
+    gov.try_acquire("h", 1)
+    buf.begin("h", "a", {"q": 1}, 0)
+    buf.holder_died("h")  # re-queued ...
+    gov.holder_died("h")
+    assert not buf.put("h", rewarded("a", [2.0, 2.0]))  # ... then its put lands after all: dropped
+    assert buf.take_requeued(5) == [] and gov.stats()["over_finish"] == 0
+    assert buf.stats()["dropped_no_signal"] == 1 and gov.running == 0 and gov.accepted == 0
+
+
+@pytest.mark.parametrize(
+    ("rewards", "signal"),
+    [([1.0, 1.0, 1.0], False), ([1.0, 1.0, 0.0], True), ([0.3], False), ([0.0, -0.0], False)],
+)
+def test_has_reward_variance(rewards: list[float], signal: bool) -> None:
+    assert has_reward_variance(rewarded("g", rewards)) is signal
