@@ -19,6 +19,11 @@ Three set-ups:
   its death notice can transiently inflate capacity; the filter catches it).
 - ``arrival`` order with the filter: completion order can overtake stragglers, so the
   bound holds only because stale groups are dropped (counted).
+Each again with dynamic sampling (``drop_no_signal``): some groups finish with equal rewards and
+are dropped at ``put``. Then also: no dropped group is ever handed out, every group handed out has
+reward variance, a replay of a dropped (or trained) prompt is refused (seen for its epoch), and
+the drops' leases come back (the governor's ``accepted`` counts only what the buffer accepted, and
+live holders' leases still equal their episodes) so replacements are admitted and batches stay full.
 ``test_arrival_order_without_filter_can_violate_the_bound`` shows the last point is real.
 """
 
@@ -39,33 +44,41 @@ from protocols.rl import Trajectory, TrajectoryGroup
 from rlactors.aio import wait_for
 
 
-def make_group(gid: str, versions: list[int]) -> TrajectoryGroup:
+def make_group(gid: str, versions: list[int], signal: bool = True) -> TrajectoryGroup:
+    """Two samples with the token versions ``versions``; their rewards differ if ``signal``."""
     n = len(versions)
-    t = Trajectory(
-        input_ids=[1, *range(2, 2 + n)],
-        loss_mask=[0] + [1] * n,
-        logprobs=[0.0] + [-1.0] * n,
-        versions=[-1, *versions],
-        reward=0.0,
-        group_id=gid,
-        prompt_len=1,
-    )
-    return TrajectoryGroup(gid, [t])
+    ts = [
+        Trajectory(
+            input_ids=[1, *range(2, 2 + n)],
+            loss_mask=[0] + [1] * n,
+            logprobs=[0.0] + [-1.0] * n,
+            versions=[-1, *versions],
+            reward=reward,
+            group_id=gid,
+            prompt_len=1,
+        )
+        for reward in ((0.0, 1.0) if signal else (1.0, 1.0))
+    ]
+    return TrajectoryGroup(gid, ts)
 
 
 class Episode:
     def __init__(self, gid: str, holder: str, admit_version: int) -> None:
         self.gid, self.holder, self.admit_version = gid, holder, admit_version
         self.versions: list[int] = []
+        self.signal = True  # its rewards will differ; drawn when it finishes
 
 
 class World:
     """The modelled system — governor, buffer, rollout holders, trainer — driven by explicit choices."""
 
-    def __init__(self, B: int, eta: int, C: int, order: str, filtered: bool, late_puts: bool) -> None:
+    def __init__(
+        self, B: int, eta: int, C: int, order: str, filtered: bool, late_puts: bool, drops: bool = False
+    ) -> None:
         self.B, self.eta, self.C, self.filtered, self.late_puts = B, eta, C, filtered, late_puts
+        self.drops = drops
         self.gov = StalenessGovernor(GovernorConfig(B, eta, C))
-        cfg = BufferConfig(max_staleness=eta if filtered else None, order=order)  # type: ignore[arg-type]
+        cfg = BufferConfig(max_staleness=eta if filtered else None, order=order, drop_no_signal=drops)  # type: ignore[arg-type]
         self.buf = TrajectoryBuffer(cfg, governor=self.gov)
         self.version = 0  # the trainer's published version
         self.trainer_busy = False  # took a batch at self.version, has not published version + 1 yet
@@ -78,6 +91,7 @@ class World:
         self.gov_notified_dead: set[str] = set()
         self.prompts = itertools.count()
         self.handed_out: set[str] = set()
+        self.dropped: set[str] = set()  # dropped for no signal (the buffer's take_dropped)
         self.consumed = 0
         self.spawn_holder()
         self.spawn_holder()
@@ -111,12 +125,26 @@ class World:
     def generate(self, h: str, i: int) -> None:
         self.unfinished[h][i].versions.append(self.alive[h])  # stamped with the version the client knows
 
-    def finish(self, h: str, i: int, accept: bool) -> None:
+    def finish(self, h: str, i: int, accept: bool, signal: bool = True) -> None:
         e = self.unfinished[h].pop(i)
+        e.signal = signal
         if accept:
-            self.buf.put(h, make_group(e.gid, e.versions))
+            self.put(h, e)
         else:
             self.buf.abandon(h, e.gid)
+
+    def put(self, h: str, e: Episode) -> None:
+        seen = e.gid in self.buf.accepted_ids()
+        accepted = self.buf.put(h, make_group(e.gid, e.versions, e.signal))
+        assert accepted == (not seen and (e.signal or not self.drops))
+        self.dropped.update(self.buf.take_dropped())
+
+    def replay(self, h: str, pick: int) -> None:
+        """A restarted actor asks again for a prompt already trained or dropped: refused, lease back."""
+        seen = sorted(self.handed_out | self.dropped)
+        if not seen or not self.gov.try_acquire(h, 1).n:
+            return
+        assert not self.buf.begin(h, seen[pick % len(seen)], None, self.gov.version)
 
     def kill(self, h: str) -> None:
         del self.alive[h]
@@ -138,7 +166,7 @@ class World:
 
     def late_put(self, i: int) -> None:
         e = self.zombies.pop(i)
-        self.buf.put(e.holder, make_group(e.gid, e.versions))
+        self.put(e.holder, e)
 
     def consume(self) -> None:
         batch = self.buf.try_get_batch(self.B, self.version)
@@ -147,6 +175,8 @@ class World:
         assert len(batch.groups) == self.B and batch.version == self.version
         for g in batch.groups:
             assert g.group_id not in self.handed_out, f"group {g.group_id} handed out twice"
+            assert g.group_id not in self.dropped, f"group {g.group_id} dropped, then handed out"
+            assert not self.drops or len(set(g.rewards)) > 1, f"group {g.group_id} without signal trained"
             self.handed_out.add(g.group_id)
             for t in g.trajectories:
                 assert t.oldest_version >= self.version - self.eta, (
@@ -168,6 +198,7 @@ class World:
         options = [("admit", 3), ("consume", 3), ("publish", 3), ("finish", 4 if busy else 0),
                    ("generate", 1 if busy else 0), ("kill", 0.3), ("gov_death", 1 if self.pending_gov_death else 0),
                    ("buf_death", 1 if self.pending_buf_death else 0), ("late_put", 1 if self.zombies else 0)]  # fmt: skip
+        options += [("replay", 0.5)]
         options = [(a, w) for a, w in options if w]
         action = rnd.choices([a for a, _ in options], [w for _, w in options])[0]
         if action == "admit":
@@ -180,7 +211,10 @@ class World:
             h = rnd.choice(busy)
             n = len(self.unfinished[h])
             i = n - 1 if rnd.random() < 0.6 else rnd.randrange(n)  # mostly the newest: old ones straggle
-            self.finish(h, i, rnd.random() < 0.8) if action == "finish" else self.generate(h, i)
+            if action == "finish":
+                self.finish(h, i, rnd.random() < 0.8, signal=rnd.random() < 0.6)
+            else:
+                self.generate(h, i)
         elif action == "kill":
             self.kill(rnd.choice(sorted(self.alive)))
         elif action == "gov_death":
@@ -189,6 +223,8 @@ class World:
             self.buffer_learns_death(rnd.randrange(len(self.pending_buf_death)))
         elif action == "late_put":
             self.late_put(rnd.randrange(len(self.zombies)))
+        elif action == "replay":
+            self.replay(rnd.choice(sorted(self.alive)), rnd.randrange(1 << 16))
 
     # -- checks ---------------------------------------------------------------------
 
@@ -204,6 +240,8 @@ class World:
             assert g.leases(h) == 0
         if not self.filtered:
             assert b["dropped_stale"] == 0
+        assert b["dropped_no_signal"] == len(self.dropped) and (self.drops or not self.dropped)
+        assert not self.dropped & (self.handed_out | set(self.buf.ready_group_ids()))
 
     def quiesce_and_check(self) -> None:
         """Deliver every notice, finish every episode: the books must then balance exactly."""
@@ -225,23 +263,27 @@ class World:
 class StalenessMachine(RuleBasedStateMachine):
     """Hypothesis drives the World: single chosen actions, and seeded random schedules of many."""
 
-    order, filtered, late_puts = "admission", False, False  # set by the subclasses below
+    order, filtered, late_puts, drops = "admission", False, False, False  # set by the subclasses below
 
     @initialize(B=st.integers(1, 3), eta=st.integers(0, 3), C=st.integers(1, 12))
     def setup(self, B: int, eta: int, C: int) -> None:
-        self.w = World(B, eta, C, self.order, self.filtered, self.late_puts)
+        self.w = World(B, eta, C, self.order, self.filtered, self.late_puts, self.drops)
 
     @rule(data=st.data(), n_max=st.integers(1, 4))
     def admit(self, data: st.DataObject, n_max: int) -> None:
         self.w.admit(data.draw(st.sampled_from(sorted(self.w.alive))), n_max)
 
-    @rule(data=st.data(), accept=st.booleans(), generate=st.booleans())
-    def finish_or_generate(self, data: st.DataObject, accept: bool, generate: bool) -> None:
+    @rule(data=st.data(), accept=st.booleans(), generate=st.booleans(), signal=st.booleans())
+    def finish_or_generate(self, data: st.DataObject, accept: bool, generate: bool, signal: bool) -> None:
         busy = sorted(h for h, es in self.w.unfinished.items() if es)
         if busy:
             h = data.draw(st.sampled_from(busy))
             i = len(self.w.unfinished[h]) - 1 - data.draw(st.integers(0, len(self.w.unfinished[h]) - 1))
-            self.w.generate(h, i) if generate else self.w.finish(h, i, accept)
+            self.w.generate(h, i) if generate else self.w.finish(h, i, accept, signal)
+
+    @rule(data=st.data(), pick=st.integers(0, 1 << 16))
+    def replay(self, data: st.DataObject, pick: int) -> None:
+        self.w.replay(data.draw(st.sampled_from(sorted(self.w.alive))), pick)
 
     @rule(data=st.data())
     def train_step(self, data: st.DataObject) -> None:
@@ -295,6 +337,18 @@ class ArrivalOrderFiltered(StalenessMachine):
     order, filtered, late_puts = "arrival", True, True
 
 
+class AdmissionOrderNoFilterDrops(StalenessMachine):
+    order, filtered, late_puts, drops = "admission", False, False, True
+
+
+class AdmissionOrderFilteredDrops(StalenessMachine):
+    order, filtered, late_puts, drops = "admission", True, True, True
+
+
+class ArrivalOrderFilteredDrops(StalenessMachine):
+    order, filtered, late_puts, drops = "arrival", True, True, True
+
+
 _settings = settings(max_examples=100, stateful_step_count=20, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 TestAdmissionOrderNoFilter = AdmissionOrderNoFilter.TestCase
@@ -303,6 +357,12 @@ TestAdmissionOrderFiltered = AdmissionOrderFiltered.TestCase
 TestAdmissionOrderFiltered.settings = _settings
 TestArrivalOrderFiltered = ArrivalOrderFiltered.TestCase
 TestArrivalOrderFiltered.settings = _settings
+TestAdmissionOrderNoFilterDrops = AdmissionOrderNoFilterDrops.TestCase
+TestAdmissionOrderNoFilterDrops.settings = _settings
+TestAdmissionOrderFilteredDrops = AdmissionOrderFilteredDrops.TestCase
+TestAdmissionOrderFilteredDrops.settings = _settings
+TestArrivalOrderFilteredDrops = ArrivalOrderFilteredDrops.TestCase
+TestArrivalOrderFilteredDrops.settings = _settings
 
 
 def test_arrival_order_without_filter_can_violate_the_bound() -> None:
