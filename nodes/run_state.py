@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,11 +57,13 @@ class RunState:
             f"done, {len(self.trained)} prompts of the next trained)"
         )
 
-    def record(self, batch: Any, stats: dict[str, Any]) -> None:
-        """A step trained ``batch``; ``stats`` is the trainer's result (its ``version`` is the new one)."""
+    def record(self, batch: Any, stats: dict[str, Any], seen: Iterable[str] = ()) -> None:
+        """A step trained ``batch``; ``stats`` is the trainer's result (its ``version`` is the new one).
+        ``seen``: groups dropped untrained (the buffer's ``take_dropped``), done for their epoch too."""
         self.step += 1
         self.version = int(stats["version"])
         self.trained.update(g.group_id for g in batch.groups)
+        self.trained.update(seen)
 
     def checkpoint_due(self, every: int, last_step: int) -> bool:
         """Whether this step saves: every ``every`` steps (0: never) and at ``last_step``."""

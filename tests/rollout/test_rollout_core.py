@@ -201,3 +201,35 @@ async def test_a_rerun_episode_does_not_meet_its_earlier_runs_requests(sim_serve
     await client.aclose()
     assert [g.group_id for g in groups] == ["arithmetic/e0/7"] * 2
     assert client.counters["errors"] == 0
+
+
+async def test_dynamic_sampling_keeps_batches_full_and_sees_every_prompt_once(sim_server: str) -> None:
+    """With ``drop_no_signal``, every third prompt's group has equal rewards: it is dropped, the
+    governor admits the next prompt in its place, batches stay full, and across trained and dropped
+    each prompt of the epoch is seen exactly once (the dropped ones complete the epoch too)."""
+    from nodes.rollout.prompts import trained_position
+
+    B, eta, n = 2, 1, 12
+    gov, buf, client, rollout = make(sim_server, n, B, eta, max_inflight=8)
+    buf.config = BufferConfig(max_staleness=eta, drop_no_signal=True)
+    inner = rollout.workflow
+
+    class EveryThirdFlat:
+        async def arun_episode(self, client, item, group_id=None):
+            group = await inner.arun_episode(client, item, group_id)
+            flat = int(group_id.rsplit("/", 1)[1]) % 3 == 0
+            for k, t in enumerate(group.trajectories):
+                t.reward = 0.0 if flat else float(k)
+            return group
+
+    rollout.workflow = EveryThirdFlat()
+    run = asyncio.create_task(rollout.run())
+    trained = await train(buf, gov, rollout, (n - n // 3) // B, B, eta)  # asserts each batch is full
+    await wait_for(run, 30)
+    await client.aclose()
+    dropped = buf.take_dropped()
+    assert sorted(dropped) == sorted(f"arithmetic/e0/{i}" for i in range(0, n, 3))
+    assert sorted(trained + dropped) == sorted(f"arithmetic/e0/{i}" for i in range(n))
+    assert buf.stats()["dropped_no_signal"] == n // 3 and buf.stats()["accepted"] == len(trained)
+    assert gov.running == 0 and gov.accepted == len(trained) and buf.in_flight == 0 and buf.ready == 0
+    assert trained_position(trained + dropped, n) == {"done_epochs": 1, "trained": []}
