@@ -1,0 +1,72 @@
+"""An OpenAI-SDK agent is trained: through the real recipe with ``AgentWorkflow`` (its episodes on
+the rollout actor's OpenAI-compatible endpoint, a reference server with a real tiny model, an FSDP2
+rank, weight pushes, staleness 1), the synthetic reward of tests/e2e/learning_agent.py rises over a
+few steps. Each episode is two turns, the second continuing the first, and must reach the trainer
+as one trajectory whose loss mask covers exactly the tokens the model generated in both turns
+(not the follow-up user message, not the template's tokens between them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_recipe import recipe, rows
+
+STEPS = 12
+BATCH, SAMPLES = 8, 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # ~2-3 min on an idle machine; 10 min measured under a load of 12 on 2 cores
+def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("train", 64), ("test", 8)):  # short prompts: the reward ignores them
+        lines = [json.dumps({"question": str(i), "answer": "#### 0"}) for i in range(n)]
+        (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    args = [
+        "--config",
+        "recipes/configs/agent_cpu.toml",
+        "model.tiny=true",
+        "data.source=local",
+        f"data.path={data}",
+        "data.eval_size=8",
+        "servers.n=1",
+        "trainer.n_ranks=1",
+        "trainer.lr=0.08",  # a random-weight model learns this objective only with large steps
+        f"async.batch_size={BATCH}",
+        "async.max_staleness=1",
+        "rollout.workflow_args.agent=tests.e2e.learning_agent:run",
+        f"rollout.workflow_args.n_samples={SAMPLES}",
+        "rollout.workflow_args.max_new_tokens=8",  # per turn: 16 tokens an episode, as test_learning
+        "rollout.workflow_args.temperature=1.0",
+        "run.eval_temperature=0.6",
+        "run.eval_every=0",
+        "servers.reference.max_running_requests=64",
+        "async.max_concurrent=64",
+        f"run.steps={STEPS}",
+        "run.checkpoint_every=0",
+        f"run.out_dir={out}",
+    ]
+    done = recipe(args, timeout=840)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    m = rows(out)
+    assert [r["step"] for r in m] == list(range(1, STEPS + 1))
+    for r in m:
+        assert r["rollout/agent_errors"] == 0 and r["rollout/agent_timeouts"] == 0
+        assert r["episode/turns"] == 2
+        # the second request continued the first: one trajectory per episode, no history edits
+        assert r["rollout/history_edits"] == 0
+        assert r["train/n_seqs"] == BATCH * SAMPLES
+        # the loss mask covers the model's tokens of both turns, nothing else (the endpoint's usage
+        # counts what the model generated; the prompt, the follow-up and the template are masked)
+        assert r["train/n_loss_tokens"] == pytest.approx(r["train/n_seqs"] * r["episode/completion_tokens"])
+        assert r["train/n_tokens"] > r["train/n_loss_tokens"] + r["train/n_seqs"] * 10
+    rewards = [r["reward/mean"] for r in m]
+    start = sum(rewards[:2]) / 2  # steps 1-2 train on version-0 episodes
+    assert max(rewards[2:]) > start + 0.15, rewards
+    assert sum(rewards[-4:]) / 4 > start + 0.1, rewards
