@@ -117,6 +117,18 @@ def test_the_buffer_section_reaches_the_buffer() -> None:
     )
 
 
+def test_dynamic_sampling_is_off_by_default_and_reaches_the_buffer_from_toml(tmp_path: Path) -> None:
+    from nodes.buffer import TrajectoryBuffer
+
+    r = recipe_module()
+    assert not r.load_config(None, []).buffer.drop_no_signal
+    toml = tmp_path / "dapo.toml"
+    toml.write_text("[buffer]\ndrop_no_signal = true\n")
+    cfg = r.load_config(str(toml), [])
+    assert TrajectoryBuffer(cfg.buffer).config.drop_no_signal is True  # [buffer] is the buffer's config
+    assert r.load_config(str(toml), ["buffer.drop_no_signal=false"]).buffer.drop_no_signal is False
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
