@@ -298,8 +298,9 @@ class ServerSupervisor:
             self._secrets = Path(tempfile.mkdtemp(prefix="rlactors-server-"))  # mode 700
         path = self._secrets / "keys.yaml"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:  # JSON is YAML: the keys stay strings whatever they hold
-            json.dump({"api_key": self.keys.api_key, "admin_api_key": self.keys.admin_api_key}, f)
+        # JSON is YAML (the keys stay strings); SGLang turns each entry into the flag spelled so: hyphens
+        with os.fdopen(fd, "w") as f:
+            json.dump({"api-key": self.keys.api_key, "admin-api-key": self.keys.admin_api_key}, f)
         return path
 
     def _open_log(self) -> Any:

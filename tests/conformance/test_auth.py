@@ -217,8 +217,8 @@ def test_launcher_gives_sglang_its_keys_in_a_private_file() -> None:
         import yaml  # SGLang reads it with yaml.safe_load
 
         assert yaml.safe_load(path.read_text()) == {
-            "api_key": given.api_key,
-            "admin_api_key": given.admin_api_key,
+            "api-key": given.api_key,
+            "admin-api-key": given.admin_api_key,
         }
     finally:
         asyncio.run(sup.stop())
