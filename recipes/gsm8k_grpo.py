@@ -118,7 +118,8 @@ async def loop(
         rewards = shape_rewards(batch, cfg.advantage.shaping)  # [advantage.shaping] bias, scale, clip
         batch.advantages = batch_advantages(batch, rewards, cfg.advantage)  # [advantage] fn (GRPO)
         stats = (await plane.ranks.train_step(batch))[0]  # [trainer.loss] fn on every rank
-        state.record(batch, stats)  # the step's new policy version is the trainer's
+        # the new policy version is the trainer's; prompts dropped for no signal count as seen
+        state.record(batch, stats, seen=await plane.buffer.take_dropped())
         t_push = time.monotonic()
         push = await plane.sync.publish(state.version)  # pause -> push weights -> new version -> continue
         times = {"wait": t_train - t_wait, "train": t_push - t_train, "push": time.monotonic() - t_push}
