@@ -53,7 +53,7 @@ import psutil
 from simfarm import Farm, flush_caches, probe_stats  # bench/simfarm.py, beside this script
 
 import rlactors
-from nodes.buffer import BufferActor
+from nodes.buffer import BufferActor, BufferConfig
 from nodes.governor import GovernorActor, GovernorConfig
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import ClientConfig, RolloutConfig
