@@ -149,7 +149,9 @@ class _Body(BaseModel):
             if key not in fields:
                 listed = ", ".join(f"`{f}`" for f in fields)
                 raise PydanticCustomError(
-                    "unknown_field", "unknown field `{key}`, expected one of {listed}", {"key": str(key), "listed": listed}
+                    "unknown_field",
+                    "unknown field `{key}`, expected one of {listed}",
+                    {"key": str(key), "listed": listed},
                 )
         if cls._null_is_default:
             data = {k: v for k, v in data.items() if v is not None or fields[k].default is None}

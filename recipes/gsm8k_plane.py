@@ -165,7 +165,9 @@ class Plane:
             "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
             "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
             "rollout/restarts": self.restarts,
-            "buffer/dropped_no_signal": (await self.buffer.stats())["dropped_no_signal"],  # [buffer] drop_no_signal
+            "buffer/dropped_no_signal": (await self.buffer.stats())[
+                "dropped_no_signal"
+            ],  # [buffer] drop_no_signal
             **_workflow_counters(roll),
             **_episode_info(trajs),
             **{f"train/{k}": float(v) for k, v in train.items() if isinstance(v, (int, float))},

@@ -139,7 +139,9 @@ def receive_tensors(
 
     if flattened_bucket:
         dts = [_dtype(d) for d in dtypes]
-        live = bucket_target(names, dts[0], shapes) if bucket_target is not None and len(set(dts)) == 1 else None
+        live = (
+            bucket_target(names, dts[0], shapes) if bucket_target is not None and len(set(dts)) == 1 else None
+        )
         if live is not None:
             broadcast(live.view(torch.uint8), group.pg).wait()
             return []
