@@ -28,12 +28,7 @@ import httpx
 import structlog
 
 import rlactors
-from nodes.inference.launcher import (
-    InferenceServerActor,
-    ReferenceServerConfig,
-    SGLangServerConfig,
-    cluster_keys,
-)
+from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig, SGLangServerConfig
 from protocols.codec import register
 from rlactors.aio import wait_for
 
@@ -95,9 +90,7 @@ class InferencePool(rlactors.Actor):
         self._http: httpx.AsyncClient | None = None
 
     async def on_start(self) -> None:
-        # the servers' keys (the cluster's pair): /v1/loads needs one when they take keys
-        keys = await cluster_keys(rlactors.get_context().cluster)
-        self._http = httpx.AsyncClient(timeout=self.config.health_timeout_s, auth=keys)
+        self._http = httpx.AsyncClient(timeout=self.config.health_timeout_s)
         self._watch = asyncio.create_task(self._watch_health(), name="pool-health")
 
     async def on_stop(self) -> None:
@@ -307,9 +300,9 @@ class InferencePool(rlactors.Actor):
         await self._forget(url)
         c = self.config
         if not (m.launched and c.replace_dead and self.replacements < c.max_replacements):
-            self._event(f"server down: {url} (not replaced)")
+            self._event(f"servers down: {[url]} (not replaced)")
             return
         self.replacements += 1
-        self._event(f"server down: {url}; launching a replacement on {m.node_id or 'any node'}")
+        self._event(f"servers down: {[url]}; launching a replacement on {m.node_id or 'any node'}")
         urls = await self._launch(1, m.node_id or None)
         self._event(f"replacement for {url}: {urls[0]} (joins at the next publish)")
