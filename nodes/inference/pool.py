@@ -28,7 +28,12 @@ import httpx
 import structlog
 
 import rlactors
-from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig, SGLangServerConfig
+from nodes.inference.launcher import (
+    InferenceServerActor,
+    ReferenceServerConfig,
+    SGLangServerConfig,
+    cluster_keys,
+)
 from protocols.codec import register
 from rlactors.aio import wait_for
 
@@ -90,7 +95,9 @@ class InferencePool(rlactors.Actor):
         self._http: httpx.AsyncClient | None = None
 
     async def on_start(self) -> None:
-        self._http = httpx.AsyncClient(timeout=self.config.health_timeout_s)
+        # the servers' keys (the cluster's pair): /v1/loads needs one when they take keys
+        keys = await cluster_keys(rlactors.get_context().cluster)
+        self._http = httpx.AsyncClient(timeout=self.config.health_timeout_s, auth=keys)
         self._watch = asyncio.create_task(self._watch_health(), name="pool-health")
 
     async def on_stop(self) -> None:
