@@ -14,6 +14,13 @@ wall-clock minutes (and train reward against step) for the three runs.
 
     python bench/learning.py                     # ~30 minutes on 2 cores: 3 runs of the default
     python bench/learning.py --steps 10 --only default,frozen
+
+With ``--config`` every run uses that config instead of the CPU default, e.g. the agent with a
+Python tool against its frozen control; for an agent's config the eval's tool-call rate (the share
+of held-out episodes that call a tool, with its interval) is reported and plotted beside accuracy:
+
+    python bench/learning.py --config recipes/configs/agent_cpu.toml --only default,frozen \
+        --png bench/agent_learning.png
 """
 
 from __future__ import annotations
@@ -40,9 +47,9 @@ RUNS = {
 COLOURS = {"default": "tab:blue", "frozen": "tab:gray", "sync": "tab:orange"}
 
 
-def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str]) -> dict:
+def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str], config: str | None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    args = [f"run.out_dir={out}", f"run.steps={steps}", f"run.eval_every={eval_every}",
+    args = [*(["--config", config] if config else []), f"run.out_dir={out}", f"run.steps={steps}", f"run.eval_every={eval_every}",
             "run.checkpoint_every=0", "metrics.tensorboard=false", *RUNS[name], *extra]  # fmt: skip
     print(f"[{name}] python recipes/gsm8k_grpo.py {' '.join(args)}", flush=True)
     t0 = time.time()
@@ -63,22 +70,30 @@ def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str])
     start = rows[0]["time"] - rows[0].get("time/wait_s", 0) - rows[0].get("time/train_s", 0)
     evals = [
         {"step": r["step"], "minutes": (r["time"] - start) / 60, "version": r["eval/version"],
-         "acc": r["eval/accuracy"], "low": r["eval/ci_low"], "high": r["eval/ci_high"]}
+         "acc": r["eval/accuracy"], "low": r["eval/ci_low"], "high": r["eval/ci_high"],
+         # an agent's: the share of held-out episodes that call a tool, with its interval
+         "tools": r.get("eval/tool_call_rate"), "tools_low": r.get("eval/tool_call_ci_low"),
+         "tools_high": r.get("eval/tool_call_ci_high")}
         for r in rows if r.get("eval/accuracy") is not None
     ]  # fmt: skip
+    episode = sorted({k for r in rows for k in r if k.startswith("episode/")})
     return {
         "name": name,
         "wall_s": wall,
         "evals": evals,
         "reward": [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None],
+        # an agent's own numbers per training episode (tool calls, turns, ...), mean per step
+        "episode": {k: [(r["step"], r[k]) for r in rows if k in r] for k in episode},
+        "agent_errors": max((r.get("rollout/agent_errors", 0) for r in rows), default=0),
     }
 
 
 def plot(results: list[dict], png: Path) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 4.8), dpi=110, layout="constrained")
-    acc_ax, rew_ax = fig.subplots(1, 2)
+    agent = any(e["tools"] is not None for r in results for e in r["evals"])
+    fig = Figure(figsize=(18 if agent else 12, 4.8), dpi=110, layout="constrained")
+    acc_ax, rew_ax, *tool_ax = fig.subplots(1, 3 if agent else 2)
     for r in results:
         c = COLOURS.get(r["name"])
         xs = [e["minutes"] for e in r["evals"]]
@@ -87,9 +102,18 @@ def plot(results: list[dict], png: Path) -> None:
                             color=c, alpha=0.15)  # fmt: skip
         steps, rewards = zip(*r["reward"], strict=True) if r["reward"] else ((), ())
         rew_ax.plot(steps, rewards, "-", color=c, label=r["name"], alpha=0.8)
+        if agent:
+            ev = [e for e in r["evals"] if e["tools"] is not None]
+            xs = [e["minutes"] for e in ev]
+            tool_ax[0].plot(xs, [e["tools"] for e in ev], "s--", color=c, label=f"{r['name']} (eval)")
+            tool_ax[0].fill_between(xs, [e["tools_low"] for e in ev], [e["tools_high"] for e in ev],
+                                    color=c, alpha=0.15)  # fmt: skip
     acc_ax.set(title="held-out accuracy (greedy, 95% intervals)", xlabel="wall-clock minutes", ylim=(0, 1))
     rew_ax.set(title="train reward (mean per step)", xlabel="step", ylim=(0, 1))
-    for ax in (acc_ax, rew_ax):
+    if agent:
+        tool_ax[0].set(title="held-out episodes calling a tool (95% intervals)", xlabel="wall-clock minutes",
+                       ylim=(0, 1))  # fmt: skip
+    for ax in (acc_ax, rew_ax, *tool_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +126,8 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--only", default="default,frozen,sync", help="comma-separated: default, frozen, sync")
     ap.add_argument("--out", default="runs/bench_learning")
+    ap.add_argument("--config", help="a recipe config for every run (default: the CPU default)")
+    ap.add_argument("--png", help="where the plot goes (default: OUT/learning.png)")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every run")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
@@ -109,8 +135,10 @@ def main() -> int:
         ap.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     out = Path(args.out).resolve()
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}")
-    results = [run_one(n, out / n, args.steps, args.eval_every, args.overrides) for n in names]
+    results = [run_one(n, out / n, args.steps, args.eval_every, args.overrides, args.config) for n in names]
 
+    if args.config:
+        print(f"config: {args.config}")
     print(f"\n{'run':8} {'eval start':>18} {'eval end':>18} {'end - frozen end':>17} {'wall':>8}")
     frozen = next((r for r in results if r["name"] == "frozen"), None)
     for r in results:
@@ -126,7 +154,20 @@ def main() -> int:
                 apart = b["low"] > fb["high"]
                 print(f"{r['name']}: trained - frozen = {b['acc'] - fb['acc']:+.2f}, "
                       f"{'outside' if apart else 'NOT outside'} both intervals")  # fmt: skip
-    png = out / "learning.png"
+    for r in results:
+        ev = [e for e in r["evals"] if e["tools"] is not None]
+        if ev:
+            a, b = ev[0], ev[-1]
+            print(f"{r['name']}: tool-call rate {a['tools']:.2f} [{a['tools_low']:.2f}, {a['tools_high']:.2f}] "
+                  f"at version {a['version']} -> {b['tools']:.2f} [{b['tools_low']:.2f}, {b['tools_high']:.2f}] "
+                  f"at version {b['version']}; agent errors {r['agent_errors']:.0f}")  # fmt: skip
+        for k, xs in r["episode"].items():
+            if xs:
+                vals = [v for _, v in xs]
+                head, tail = vals[: max(1, len(vals) // 4)], vals[-max(1, len(vals) // 4) :]
+                print(f"{r['name']}: train {k} mean {sum(head) / len(head):.2f} in the first quarter of "
+                      f"steps -> {sum(tail) / len(tail):.2f} in the last")  # fmt: skip
+    png = Path(args.png).resolve() if args.png else out / "learning.png"
     plot(results, png)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"plot {png} | data {out / 'results.json'}")
