@@ -163,6 +163,13 @@ def report(out: Path) -> None:
     from nodes.metrics import plot_run
     from nodes.trace import plot_timeline
 
+    try:  # matplotlib is optional: a bare install (the GPU check's wheelhouse) goes without plots
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(
+            f"done: metrics {out / 'metrics.jsonl'} | plot - (no matplotlib) | checkpoint {last_checkpoint(out) or '-'}"
+        )
+        return
     png = plot_run(out / "metrics.jsonl", out / "run.png")
     print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {last_checkpoint(out) or '-'}")
     if (trace := out / "trace.json").exists() and (timeline := plot_timeline(trace, out / "timeline.png")):
