@@ -1,6 +1,7 @@
 """The endpoint's standalone mode (``python -m nodes.rollout.openai_endpoint``) in front of a sim
 reference server, driven by the official ``openai`` SDK: it prints a base_url that works, and a
-request that repeats the history it served continues that completion's token ids."""
+request that repeats the history it served continues that completion's token ids. The server takes
+keys, which the endpoint gets from the environment (RLACTORS_SERVER_API_KEY, ..._ADMIN_API_KEY)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ import pytest
 from nodes.inference.launcher import REPO_ROOT
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.rollout.chat import continuation_ids, prompt_ids
+from protocols.auth import ServerKeys
 from tests.helpers.servers import reference_server
 
+KEYS = ServerKeys("plain-key", "admin-key")
 MAX_TOKENS = 16  # with "Hi", the sim's 16 tokens re-tokenise to other ids (and one more)
 
 
@@ -42,7 +45,8 @@ def tokenizer(model_path: Path) -> Any:
 @pytest.fixture(scope="module")
 def sim() -> Iterator[str]:
     """A sim server whose ids fit SmolLM2's tokenizer and that never ends early (no EOS)."""
-    with reference_server(["--backend", "sim", "--sim-vocab-size", "49152", "--sim-eos-prob", "0"]) as url:
+    args = ["--backend", "sim", "--sim-vocab-size", "49152", "--sim-eos-prob", "0", *KEYS.server_args()]
+    with reference_server(args) as url:
         yield url
 
 
@@ -53,8 +57,10 @@ def base_url(sim: str, model_path: Path) -> Iterator[str]:
            "--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
-        )
+            cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+            env={**os.environ, "RLACTORS_SERVER_API_KEY": KEYS.api_key,
+                 "RLACTORS_SERVER_ADMIN_API_KEY": KEYS.admin_api_key},
+        )  # fmt: skip
         try:
             # its first line (printed whole, flushed), or EOF if it exits first
             ready, _, _ = select.select([proc.stdout], [], [], 120)
@@ -75,7 +81,7 @@ def base_url(sim: str, model_path: Path) -> Iterator[str]:
 
 
 async def _generate(server: str, ids: list[int]) -> list[int]:
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, auth=KEYS) as http:
         r = await http.post(f"{server}/generate", json={"input_ids": ids,
                             "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}})  # fmt: skip
     r.raise_for_status()
