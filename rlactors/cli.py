@@ -313,14 +313,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except ClusterError as e:
-        sf = state_file()
-        if args.address is None and sf.exists() and not _running(_load_state().get("head_pid")):
-            raise ClusterError(
-                f"the cluster recorded in {sf} is not running (its head has exited); "
-                "`rlactors down` clears the record"
-            ) from e
+        if (gone := _head_gone(args.address)) is not None:
+            raise gone from e
         raise
     return 0
+
+
+def _head_gone(address: str | None) -> ClusterError | None:
+    """The clearer error when the cluster this shell started has a head that exited."""
+    sf = state_file()
+    if address is None and sf.exists() and not _running(_load_state().get("head_pid")):
+        return ClusterError(
+            f"the cluster recorded in {sf} is not running (its head has exited); `rlactors down` clears the record"
+        )
+    return None
 
 
 async def _stacks(address: str | None, secret: str | None, names: list[str], timeout_s: float) -> str:
@@ -337,12 +343,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
     try:
         text = asyncio.run(_stacks(args.address, args.secret_file, args.actors, args.timeout))
     except ClusterError as e:
-        sf = state_file()
-        if args.address is None and sf.exists() and not _running(_load_state().get("head_pid")):
-            raise ClusterError(
-                f"the cluster recorded in {sf} is not running (its head has exited); "
-                "`rlactors down` clears the record"
-            ) from e
+        if (gone := _head_gone(args.address)) is not None:
+            raise gone from e
         raise
     sys.stdout.write(text + "\n")  # plain text: stacks hold brackets rich would read as markup
     return 0
