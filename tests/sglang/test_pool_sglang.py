@@ -1,0 +1,121 @@
+"""A real SGLang 0.5.23 server (CPU) joins a run mid-way through the inference pool: started by
+hand, behind a proxy that records the weight version of every answer it gives, and added with
+`rlactors pool add` against a `rlactors up` cluster; at the next publish it joins the
+weight-update group, takes the push, reports the published version, and only then gets requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_pool import RecordingProxy, cli, free_port, read_until
+from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, rows
+from tests.sglang.test_sglang_code import SGLANG_PYTHON
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),  # two SGLang start-ups on CPU (2-4 min each on a loaded 2-core machine)
+    pytest.mark.skipif(
+        not Path(SGLANG_PYTHON).exists(),
+        reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` (CI does)",
+    ),
+]
+
+
+def start_sglang(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    from nodes.inference.launcher import SGLangServerConfig
+    from nodes.inference.models import ensure_tiny_checkpoint
+
+    config = SGLangServerConfig(model_path=str(ensure_tiny_checkpoint()), python=SGLANG_PYTHON, device="cpu")
+    port = free_port()
+    extra = config.env()
+    env = {**os.environ, **extra, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(config.command("127.0.0.1", port), env=env, cwd=ROOT, stdout=log.open("wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health_generate", timeout=30).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)  # SGLang loads for 1-2 min; /health_generate is its readiness signal
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"SGLang did not start: {log.read_text(errors='replace')[-3000:]}")
+
+
+def test_a_real_sglang_server_joins_a_run_through_the_pool(tmp_path: Path) -> None:
+    env = {**os.environ, "RLACTORS_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+    cfg = tmp_path / "cluster.toml"
+    cfg.write_text(f"""
+[head]
+host = "127.0.0.1"
+port = {free_port()}
+
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "solo"
+resources = {{ cpu = 32 }}
+""")
+    up = cli(["up", str(cfg)], env)
+    assert up.returncode == 0, up.stderr
+    out = tmp_path / "run"
+    args = ["servers.kind=sglang", "servers.n=1", "servers.sglang.device=cpu", f"servers.sglang.python={SGLANG_PYTHON}",
+            "run.steps=500", "run.checkpoint_every=0", "run.eval_every=0", f"run.out_dir={out}"]  # fmt: skip
+    proc = joiner = proxy = None
+    lines: list[str] = []
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(RECIPE), *SMALL, *args, "--cluster", str(cfg)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+        joiner, url = start_sglang(tmp_path / "joiner.log")  # starts while the run's server starts
+        proxy = RecordingProxy(url)
+        read_until(proc, lines, "step 1/")
+        add = cli(["pool", "add", proxy.url], env)
+        assert add.returncode == 0, add.stderr
+        joined = read_until(proc, lines, "servers joined:")
+        version = int(re.search(r"serving version (\d+)", joined).group(1))
+        read_until(proc, lines, f"step {version + 2}/")  # two more steps on both servers
+        ls = cli(["pool", "ls", "--json"], env)
+        proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 143
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proxy is not None:
+            proxy.close()
+        if joiner is not None:
+            os.killpg(joiner.pid, signal.SIGKILL)  # SGLang's scheduler processes with it
+            joiner.wait()
+        down = cli(["down"], env)
+    output = "".join(lines) + rest
+    assert proc.returncode == 143, output[-3000:]
+    assert down.returncode == 0, down.stderr
+    states = {s["url"]: (s["state"], s["version"]) for s in json.loads(ls.stdout)["servers"]}
+    assert states[proxy.url] == ("live", version) and len(states) == 2
+    m = rows(out)
+    after = [r for r in m if r["version"] > version]
+    assert after and all(r["servers/live"] == 2 for r in after)
+    assert all(r["servers/min_weight_version"] == r["version"] for r in m)  # SGLang took every push
+    # the joiner served, and only the version it was checked to hold and later ones
+    assert proxy.generated, "the joined server got no requests"
+    assert all(v is not None and int(v) >= version for v in proxy.generated), proxy.generated
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == len(set(groups))
