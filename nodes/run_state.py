@@ -16,6 +16,7 @@ run is cancelled as Ctrl-C would.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import signal
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
@@ -24,7 +25,12 @@ from typing import Any, TypeVar
 from nodes.rollout.prompts import trained_position
 from nodes.trainer.manifest import resume_point, write_latest
 
-__all__ = ["RunState", "Terminated", "Termination"]
+__all__ = ["RunLockedError", "RunState", "Terminated", "Termination"]
+
+
+class RunLockedError(RuntimeError):
+    """Another live run writes to the same output folder."""
+
 
 T = TypeVar("T")
 
@@ -34,8 +40,19 @@ class RunState:
 
     def __init__(self, out: Path, resume: bool = False, n_items: int = 0) -> None:
         """With ``resume``, the run continues from the last checkpoint in ``<out>/checkpoints``
-        (``resume_from``; CheckpointError now if none is usable). ``n_items``: prompts per epoch."""
+        (``resume_from``; CheckpointError now if none is usable). ``n_items``: prompts per epoch.
+        The folder is this run's alone while it lives (``<out>/.lock``): a second run given the
+        same ``run.out_dir`` is refused (RunLockedError) instead of writing over the first."""
         self.out, self.n_items = out, n_items
+        out.mkdir(parents=True, exist_ok=True)
+        self._lock = (out / ".lock").open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RunLockedError(
+                f"another run is using {out} (it holds {out / '.lock'}): give this one its own run.out_dir"
+            ) from None
         self.checkpoints = out / "checkpoints"
         self.resume_from = resume_point(self.checkpoints)[0] if resume else None
         self.step = 0  # steps completed

@@ -43,7 +43,7 @@ import rlactors
 from nodes.advantage import batch_advantages, shape_rewards
 from nodes.evaluator import Evaluator
 from nodes.metrics import MetricsLogger, format_step_line
-from nodes.run_state import RunState, Terminated, Termination
+from nodes.run_state import RunLockedError, RunState, Terminated, Termination
 from nodes.trainer.manifest import CheckpointError
 from nodes.watchdog import StallWatchdog
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config
@@ -55,8 +55,7 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
     checkpoint is an error now), the output folder, the model, the training and held-out data."""
     from nodes.data import load_gsm8k
 
-    state = RunState(out, resume)
-    out.mkdir(parents=True, exist_ok=True)
+    state = RunState(out, resume)  # the folder is this run's alone from here (out/.lock)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     d = cfg.data
     train_items, about = load_gsm8k("train", d.source, d.path or None, d.train_limit or None, d.seed)
@@ -172,8 +171,13 @@ def report(out: Path) -> None:
         return
     png = plot_run(out / "metrics.jsonl", out / "run.png")
     print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {last_checkpoint(out) or '-'}")
-    if (trace := out / "trace.json").exists() and (timeline := plot_timeline(trace, out / "timeline.png")):
-        print(f"      timeline {trace} (Perfetto, chrome://tracing) | {timeline}")
+    if (trace := out / "trace.json").exists():
+        try:
+            timeline = plot_timeline(trace, out / "timeline.png")
+        except ValueError as e:  # an unreadable trace must not turn a finished run into a failed one
+            print(f"      timeline {trace}: could not draw it ({e})")
+        else:
+            print(f"      timeline {trace} (Perfetto, chrome://tracing) | {timeline or '-'}")
     print(f"      tensorboard --logdir {out / 'tensorboard'}")
 
 
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(cfg.run.out_dir).expanduser().resolve()
         asyncio.run(train(cfg, out, cluster_address(args.cluster), args.resume))
         report(out)
-    except (ConfigError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except rlactors.ClusterError as e:  # e.g. no cluster at the given address

@@ -411,3 +411,16 @@ def test_reward_advantage_and_loss_carry_their_own_settings() -> None:
         )
     plain = r.load_config(None, ["trainer.loss.fn=tests.e2e.custom_algorithm:marked_ppo_loss"])
     assert type(plain.trainer.loss.fn_args) is NoSettings
+
+
+def test_a_second_run_in_the_same_out_dir_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    import fcntl
+
+    with (tmp_path / ".lock").open("a") as held:  # as a live run holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        res = run_recipe(
+            ["--cluster", "tcp://127.0.0.1:9", "model.tiny=true", "data.source=offline"], tmp_path
+        )
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"another run is using {tmp_path}" in res.stderr and "run.out_dir" in res.stderr
+    assert not (tmp_path / "config.json").exists()  # nothing of the live run's was written over
