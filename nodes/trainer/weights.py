@@ -142,12 +142,14 @@ class WeightPusher:
         ``master_address``/``master_port`` come from the runtime's rendezvous reservation when
         the servers live on other hosts; by default rank 0 picks a free local port.
         """
-        self.urls = [u.rstrip("/") for u in urls]
+        new = [u.rstrip("/") for u in urls]
         if self.cfg.method != "distributed" or self.rank != 0:
+            self.urls = new
             dist.barrier()
             return
         if self.group is not None:
-            self.disconnect()
+            self.disconnect()  # tells the old group's members to leave it (not the new list's)
+        self.urls = new
         addr = master_address or self.cfg.master_address
         port = master_port or self.cfg.master_port or _free_port()
         self.group_name = self.cfg.group_name or f"rlactors-weights-{uuid.uuid4().hex[:8]}"
