@@ -55,6 +55,7 @@ class AgentConfig:
     max_new_tokens: int = field(default=256, metadata=at_least(1))
     temperature: float = field(default=1.0, metadata=at_least(0))
     model_name: str = "policy"  # what /v1/models lists; any name is accepted in requests
+    tool_parser: str = "hermes"  # how tool calls are read: hermes (= qwen25), or module:fn
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -72,7 +73,7 @@ class AgentWorkflow:
         # one endpoint for the workflow's episodes, whichever client each generates with (the
         # rollout actor's, an evaluation's); started with the first episode, on its loop
         self.endpoint = ChatEndpoint(None, tokenizer, c.model_name, default_max_tokens=c.max_new_tokens,
-                                     default_temperature=c.temperature)  # fmt: skip
+                                     default_temperature=c.temperature, tool_parser=c.tool_parser)  # fmt: skip
         self._started: asyncio.Future[str] | None = None
         self.counters = dict.fromkeys(("agent_runs", "agent_errors", "agent_timeouts", "history_edits"), 0)
 

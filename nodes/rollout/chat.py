@@ -31,6 +31,7 @@ __all__ = [
     "prompt_ids",
     "render_messages",
     "supports_tools",
+    "tool_parser",
 ]
 
 TOOL_PREAMBLE = """# Tools
@@ -165,6 +166,24 @@ def continuation_ids(
     if finish_reason == "stop" and eos and closing.startswith(eos) and output_ids[-1:] == [eos_id]:
         closing = closing[len(eos) :]  # the model emitted the end-of-turn token itself
     return list(tokenizer.encode(closing + with_new[len(with_answer) :], add_special_tokens=False))
+
+
+TOOL_PARSERS = {
+    "hermes": "nodes.rollout.chat:parse_tool_calls",
+    "qwen25": "nodes.rollout.chat:parse_tool_calls",
+}
+
+
+def tool_parser(name: str) -> Any:
+    """The tool-call parser named ``name``: ``hermes`` (also ``qwen25``, SGLang's name for the same
+    format), or your own ``fn(text) -> (content, [ToolCall])`` by import path ``module:fn``."""
+    from nodes.plugins import resolve
+
+    if name not in TOOL_PARSERS and ":" not in name:
+        raise ValueError(
+            f"tool parser {name!r}: use {' or '.join(TOOL_PARSERS)}, or an import path 'module:fn'"
+        )
+    return resolve(TOOL_PARSERS.get(name, name), "tool_parser")
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

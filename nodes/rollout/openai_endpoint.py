@@ -41,7 +41,8 @@ import orjson
 import structlog
 from aiohttp import web
 
-from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, parse_tool_calls, prompt_ids
+from nodes.rollout import chat
+from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, prompt_ids
 from nodes.rollout.client import GenerationError, GenRequest, GenResult
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
@@ -321,9 +322,12 @@ class ChatEndpoint:
         model: str = "policy",
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         default_temperature: float = 1.0,
+        tool_parser: str = "hermes",
     ) -> None:
-        """``default_*``: what a request that does not say gets (OpenAI's temperature is 1)."""
+        """``default_*``: what a request that does not say gets (OpenAI's temperature is 1);
+        ``tool_parser``: how tool calls are read from the output (nodes/rollout/chat.py)."""
         self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.parse_tool_calls = chat.tool_parser(tool_parser)
         self.defaults = {"max_new_tokens": default_max_tokens, "temperature": default_temperature}
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
@@ -477,7 +481,7 @@ class ChatEndpoint:
         calls: list[ToolCall] = []
         content: str | None = text
         if tools:
-            content, calls = parse_tool_calls(text)
+            content, calls = self.parse_tool_calls(text)
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = [c.as_openai() for c in calls]
@@ -601,6 +605,7 @@ def main(argv: list[str] | None = None) -> None:
         "--model-path", required=True, help="the served model's folder (its tokenizer and chat template)"
     )
     ap.add_argument("--model-name", default="", help="the name /v1/models gives (default: the folder's name)")
+    ap.add_argument("--tool-parser", default="hermes", help="hermes (= qwen25) or an import path module:fn")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
     ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
     for flag, env in (
@@ -620,7 +625,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
         keys = ServerKeys(args.api_key, args.admin_api_key)
         client = SGLangClient(args.server_url, ClientConfig(keys=keys))
-        endpoint = ChatEndpoint(client, tokenizer, args.model_name or Path(args.model_path).name)
+        name = args.model_name or Path(args.model_path).name
+        endpoint = ChatEndpoint(client, tokenizer, name, tool_parser=args.tool_parser)
         url = await endpoint.start(args.host, args.port)
         print(f"base_url: {url}/v1", flush=True)
         try:

@@ -326,3 +326,35 @@ async def test_the_standalone_episode_keeps_no_samples_but_still_continues(
     assert ep.default.samples == [] and ep.default.counters["continued"] == 1  # memory stays flat
     first, second = gen.requests
     assert second.input_ids[: len(first.input_ids)] == first.input_ids and second.rid == first.rid
+
+
+def bracket_calls(text: str) -> tuple[str | None, list[Any]]:
+    """A parser of one's own: ``CALL name {json}``."""
+    from nodes.rollout.chat import ToolCall
+
+    head, _, call = text.partition("CALL ")
+    if not call:
+        return text, []
+    name, _, args = call.partition(" ")
+    return head.strip() or None, [ToolCall("call_1", name, args.strip())]
+
+
+async def test_the_tool_parser_is_selectable(tokenizer: Any) -> None:
+    from nodes.rollout.chat import parse_tool_calls, tool_parser
+
+    assert tool_parser("hermes") is tool_parser("qwen25") is parse_tool_calls
+    with pytest.raises(ValueError, match="use hermes or qwen25"):
+        tool_parser("mistral")
+    gen = Scripted(tokenizer, ['CALL add {"a": 2, "b": 3}'])
+    ep = ChatEndpoint(gen, tokenizer, "tiny", tool_parser="tests.rollout.test_openai_endpoint:bracket_calls")
+    await ep.start()
+    try:
+        _, url = ep.open_episode()
+        r = await sdk(url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], tools=TOOLS
+        )
+        (call,) = r.choices[0].message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("add", '{"a": 2, "b": 3}')
+        assert r.choices[0].finish_reason == "tool_calls"
+    finally:
+        await ep.aclose()
