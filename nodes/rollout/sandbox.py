@@ -106,7 +106,7 @@ async def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) ->
     netns = _NETNS
 
     def setup() -> None:
-        _limits(memory_mb, max(1, int(timeout_s + 0.999)))
+        _limits(memory_mb, int(timeout_s) + 2)  # CPU: past the wall limit, which then fires first
         if netns:
             _own_network()
 
@@ -129,7 +129,8 @@ async def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) ->
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
-    return Result(_cut(out), _cut(err), proc.returncode, False, netns)
+    cpu_spent = proc.returncode == -signal.SIGXCPU  # its CPU limit: a time limit too
+    return Result(_cut(out), _cut(err), None if cpu_spent else proc.returncode, cpu_spent, netns)
 
 
 def _cut(data: bytes) -> str:

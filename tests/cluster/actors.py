@@ -55,10 +55,11 @@ class Member(rlactors.Actor):
 class Prober(rlactors.Actor):
     """The rollout side of the multi-host RL test: our SGLang client, on its own host."""
 
-    async def generate(self, urls: list[str], version: int) -> dict:
+    async def generate(self, urls: list[str], version: int, keys: tuple[str, str] = ("", "")) -> dict:
         from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
+        from protocols.auth import ServerKeys
 
-        client = SGLangClient(urls, ClientConfig(), version=version)
+        client = SGLangClient(urls, ClientConfig(keys=ServerKeys(*keys)), version=version)
         try:
             res = await client.agenerate(
                 GenRequest([5, 6, 7], {"max_new_tokens": 8, "ignore_eos": True}, rid="p")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig
+from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig, cluster_keys
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.policy_sync import PolicySync
 from nodes.trainer.config import PushConfig, TrainConfig
@@ -55,21 +55,22 @@ async def three_hosts(hosts: Hosts, tmp_path: Path) -> AsyncIterator[tuple[rlact
 async def test_push_and_generation_across_hosts(three_hosts) -> None:
     cluster, c = three_hosts
     model = str(ensure_tiny_checkpoint())
+    keys = await cluster_keys(cluster)  # a server beyond loopback takes the cluster's keys
     server = await cluster.spawn(
         InferenceServerActor, ReferenceServerConfig(model_path=model, backend="sim"), node_id="h1"
     )
     url = await wait_for(server.url(), 120)
     assert url.startswith(f"http://{c.hosts.ip(1)}:")  # the node's address, not loopback
     # the config dataclass goes through the head and h0's agent (daemons that never import it)
-    cfg = TrainConfig(model_path=model, push=PushConfig(pause_mode=None))
+    cfg = TrainConfig(model_path=model, push=PushConfig(pause_mode=None, keys=keys))
     rank = await cluster.spawn(TrainerRank, cfg, node_id="h0")
     await cluster.collective_group([rank], backend="gloo", timeout=60)
     await rank.setup()
-    sync = PolicySync(cluster, rlactors.ActorGroup([rank]), [url])
+    sync = PolicySync(cluster, rlactors.ActorGroup([rank]), [url], keys=keys)
     await wait_for(sync.connect(), 120)
     await wait_for(rank.push_weights(), 120)
     prober = await cluster.spawn(Prober, node_id="h2")
-    out = await wait_for(prober.generate([url], 0), 60)
+    out = await wait_for(prober.generate([url], 0, (keys.api_key, keys.admin_api_key)), 60)
     assert len(out["ids"]) == 8
     # the tokens came from the weights the trainer pushed (version 0 -> server labels them "0")
     assert out["versions"] == [0] * 8
