@@ -51,6 +51,27 @@ def write_config(tmp_path: Path, body: str) -> Path:
     return p
 
 
+def one_node_config(tmp_path: Path, node_id: str = "solo", cpu: int = 2, head_extra: str = "") -> Path:
+    """A cluster.toml of one local node on a free port, its secret and logs under ``tmp_path``."""
+    return write_config(
+        tmp_path,
+        f"""
+[head]
+host = "127.0.0.1"
+port = {free_port()}
+{head_extra}
+[cluster]
+secret_file = "{tmp_path}/secret"
+log_dir = "{tmp_path}/logs"
+
+[[nodes]]
+host = "127.0.0.1"
+node_id = "{node_id}"
+resources = {{ cpu = {cpu} }}
+""",
+    )
+
+
 def test_up_status_down_with_two_local_hosts(tmp_path: Path, cli_env: dict[str, str]) -> None:
     port = free_port()
     cfg = write_config(
@@ -278,23 +299,7 @@ def test_down_with_a_dead_head_stops_the_agents_at_once(tmp_path: Path, cli_env:
 
 
 def test_stack_prints_the_wait_cycle_of_an_up_cluster(tmp_path: Path, cli_env: dict[str, str]) -> None:
-    cfg = write_config(
-        tmp_path,
-        f"""
-[head]
-host = "127.0.0.1"
-port = {free_port()}
-
-[cluster]
-secret_file = "{tmp_path}/secret"
-log_dir = "{tmp_path}/logs"
-
-[[nodes]]
-host = "127.0.0.1"
-node_id = "solo"
-resources = {{ cpu = 2 }}
-""",
-    )
+    cfg = one_node_config(tmp_path)
     up = run_cli(["up", str(cfg)], cli_env)
     try:
         assert up.returncode == 0, up.stderr

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import rlactors
-from tests.cluster.test_cli import ROOT, free_port, run_cli, write_config
+from tests.cluster.test_cli import ROOT, free_port, one_node_config, run_cli
 
 
 @pytest.fixture
@@ -32,23 +32,7 @@ def servers(env: dict[str, str]) -> dict[str, dict]:
 
 
 def test_pool_ls_launch_add_rm_on_an_up_cluster(tmp_path: Path, cli_env: dict[str, str]) -> None:
-    cfg = write_config(
-        tmp_path,
-        f"""
-[head]
-host = "127.0.0.1"
-port = {free_port()}
-
-[cluster]
-secret_file = "{tmp_path}/secret"
-log_dir = "{tmp_path}/logs"
-
-[[nodes]]
-host = "127.0.0.1"
-node_id = "solo"
-resources = {{ cpu = 8 }}
-""",
-    )
+    cfg = one_node_config(tmp_path, cpu=8)
     up = run_cli(["up", str(cfg)], cli_env)
     try:
         assert up.returncode == 0, up.stderr

@@ -19,7 +19,7 @@ import pytest
 import rlactors
 from rlactors.config import load_cluster_config
 from tests.cluster.actors import Blob
-from tests.cluster.test_cli import free_port, run_cli, write_config
+from tests.cluster.test_cli import one_node_config, run_cli, write_config
 from tests.runtime.actors import Counter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,24 +38,7 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def up(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
     """A cluster of one local node started with `rlactors up` (no `python` key: the default)."""
-    cfg = write_config(
-        tmp_path,
-        f"""
-[head]
-host = "127.0.0.1"
-port = {free_port()}
-node_timeout = 3.0
-
-[cluster]
-secret_file = "{tmp_path}/secret"
-log_dir = "{tmp_path}/logs"
-
-[[nodes]]
-host = "127.0.0.1"
-node_id = "n1"
-resources = {{ cpu = 4 }}
-""",
-    )
+    cfg = one_node_config(tmp_path, "n1", cpu=4, head_extra="node_timeout = 3.0")
     started = run_cli(["up", str(cfg)], cli_env)
     try:
         assert started.returncode == 0, started.stderr
