@@ -164,6 +164,7 @@ class Plane:
             **{f"time/{k}_s": v for k, v in times.items()},
             "rollout/aborts": sum(r.get("client_aborts", 0) for r in roll),
             "rollout/cached_tokens": sum(r.get("client_cached_tokens", 0) for r in roll),
+            "rollout/failovers": sum(r.get("client_failovers", 0) for r in roll),  # since the start
             "rollout/restarts": self.restarts,
             "buffer/dropped_no_signal": (await self.buffer.stats())[
                 "dropped_no_signal"

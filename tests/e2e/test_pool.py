@@ -5,6 +5,8 @@ complete elsewhere."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
@@ -14,12 +16,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.cluster.test_cli import one_node_config
 from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, _cmdline, _descendants, rows, start_until_first_step
 
 # A replacement serves the current version within this of its server's death: two missed health
@@ -96,7 +100,11 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 class RecordingProxy:
     """An HTTP proxy in front of a server that records the ``weight_version`` of every
-    ``/generate`` answer it passes on: what the server served, and when."""
+    ``/generate`` answer it passes on: what the server served, and when.
+
+    With ``hold`` set, ``/generate`` requests are parked before they reach the server (in flight,
+    as their client sees it; ``held`` counts them); once ``gone`` is set, every request, a parked one
+    included, is answered 502, as a proxy answers for a server that went away."""
 
     def __init__(self, target: str) -> None:
         import uvicorn
@@ -106,10 +114,18 @@ class RecordingProxy:
         from starlette.routing import Route
 
         self.generated: list[str | None] = []
+        self.hold = False
+        self.gone = threading.Event()
+        self.held = 0
         self.port = free_port()
         client = httpx.AsyncClient(base_url=target, timeout=None)  # group joins block for long
 
         async def forward(request: Request) -> Response:
+            if request.url.path == "/generate" and self.hold:
+                self.held += 1
+                await asyncio.to_thread(self.gone.wait)  # set from the test's thread
+            if self.gone.is_set():
+                return Response(b"server gone", 502)
             r = await client.request(
                 request.method, request.url.path, content=await request.body(),
                 headers={"content-type": request.headers.get("content-type", "application/json")},
@@ -157,78 +173,81 @@ def start_reference_server(model: Path, log: Path) -> tuple[subprocess.Popen[byt
     raise AssertionError(f"reference server did not start: {log.read_text()[-2000:]}")
 
 
-def read_until(proc: subprocess.Popen[str], lines: list[str], prefix: str) -> str:
+def read_until(proc: subprocess.Popen[str], lines: list[str], prefix: str, err: Path | None = None) -> str:
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
         if line.startswith(prefix):
             return line
-    raise AssertionError(f"the run ended before {prefix!r}: {''.join(lines)[-3000:]}")
+    why = err.read_text(errors="replace")[-3000:] if err is not None and err.exists() else ""
+    raise AssertionError(f"the run ended before {prefix!r}: {''.join(lines)[-3000:]}\n{why}")
+
+
+@contextlib.contextmanager
+def up_cluster(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """`rlactors up` of one local node for runs started with ``--cluster``; `rlactors down` after."""
+    env = {**os.environ, "RLACTORS_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+    cfg = one_node_config(tmp_path, cpu=32)
+    up = cli(["up", str(cfg)], env)
+    assert up.returncode == 0, up.stderr
+    try:
+        yield cfg, env
+    finally:
+        down = cli(["down"], env)
+    assert down.returncode == 0, down.stderr
+
+
+def start_run(args: list[str], cfg: Path, env: dict[str, str], err: Path) -> subprocess.Popen[str]:
+    """The recipe on the cluster of ``cfg``; its stdout piped, its stderr (the logs) to ``err``."""
+    return subprocess.Popen(
+        [sys.executable, str(RECIPE), *SMALL, *args, "--cluster", str(cfg)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, env=env,
+    )  # fmt: skip
+
+
+def stop(*procs: subprocess.Popen[Any] | None) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.slow
 def test_pool_add_and_rm_through_the_cli_during_a_run_on_an_up_cluster(tmp_path: Path) -> None:
     from nodes.inference.models import ensure_tiny_checkpoint
 
-    env = {**os.environ, "RLACTORS_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
-    cfg = tmp_path / "cluster.toml"
-    cfg.write_text(f"""
-[head]
-host = "127.0.0.1"
-port = {free_port()}
-
-[cluster]
-secret_file = "{tmp_path}/secret"
-log_dir = "{tmp_path}/logs"
-
-[[nodes]]
-host = "127.0.0.1"
-node_id = "solo"
-resources = {{ cpu = 32 }}
-""")
-    up = cli(["up", str(cfg)], env)
-    assert up.returncode == 0, up.stderr
-    out = tmp_path / "run"
+    out, err = tmp_path / "run", tmp_path / "run.err"
     proc = joiner = proxy = None
     lines: list[str] = []
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, str(RECIPE), *SMALL, f"run.out_dir={out}", "run.steps=10", "--cluster", str(cfg)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )  # fmt: skip
-        read_until(proc, lines, "step 1/")
-        joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
-        proxy = RecordingProxy(url)
-        add = cli(["pool", "add", proxy.url], env)
-        assert add.returncode == 0, add.stderr
-        assert "joining" in add.stdout
-        joined = read_until(proc, lines, "servers joined:")
-        assert proxy.url in joined
-        version = int(re.search(r"serving version (\d+)", joined).group(1))
-        assert version >= 2  # it joined after at least one publish: base weights are not the policy
+    with up_cluster(tmp_path) as (cfg, env):
+        try:
+            proc = start_run([f"run.out_dir={out}", "run.steps=10"], cfg, env, err)
+            read_until(proc, lines, "step 1/", err)
+            joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
+            proxy = RecordingProxy(url)
+            add = cli(["pool", "add", proxy.url], env)
+            assert add.returncode == 0, add.stderr
+            assert "joining" in add.stdout
+            joined = read_until(proc, lines, "servers joined:", err)
+            assert proxy.url in joined
+            version = int(re.search(r"serving version (\d+)", joined).group(1))
+            assert version >= 2  # it joined after at least one publish: base weights are not the policy
 
-        ls = cli(["pool", "ls", "--json"], env)
-        assert ls.returncode == 0, ls.stderr
-        servers: list[dict[str, Any]] = json.loads(ls.stdout)["servers"]
-        assert {s["url"]: s["state"] for s in servers}[proxy.url] == "live"
-        leaving = next(s["url"] for s in servers if s["name"] == "server-0")
-        rm = cli(["pool", "rm", leaving], env)  # drains: its running requests finish, none start
-        assert rm.returncode == 0, rm.stderr
-        read_until(proc, lines, "server leaving:")
-        rest, _ = proc.communicate(timeout=600)
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proxy is not None:
-            proxy.close()
-        if joiner is not None:
-            joiner.kill()
-            joiner.wait()
-        down = cli(["down"], env)
+            ls = cli(["pool", "ls", "--json"], env)
+            assert ls.returncode == 0, ls.stderr
+            servers: list[dict[str, Any]] = json.loads(ls.stdout)["servers"]
+            assert {s["url"]: s["state"] for s in servers}[proxy.url] == "live"
+            leaving = next(s["url"] for s in servers if s["name"] == "server-0")
+            rm = cli(["pool", "rm", leaving], env)  # drains: its running requests finish, none start
+            assert rm.returncode == 0, rm.stderr
+            read_until(proc, lines, "server leaving:", err)
+            rest, _ = proc.communicate(timeout=600)
+        finally:
+            stop(proc, joiner)
+            if proxy is not None:
+                proxy.close()
     output = "".join(lines) + rest
-    assert proc.returncode == 0, output[-3000:]
-    assert down.returncode == 0, down.stderr
+    assert proc.returncode == 0, output[-3000:] + err.read_text()[-3000:]
     # the joiner served only the policy it was checked to hold, and later ones: never base weights
     assert proxy.generated, "the joined server got no requests"
     assert all(v is not None and int(v) >= version for v in proxy.generated), proxy.generated
@@ -241,3 +260,50 @@ resources = {{ cpu = 32 }}
     assert all(r["train/n_seqs"] == 4 for r in m)
     groups = [g for r in m for g in r["data/groups"].split(",")]
     assert len(groups) == 20 and len(set(groups)) == 20  # nothing lost or trained twice
+
+
+@pytest.mark.slow
+def test_pool_rm_no_drain_moves_the_removed_servers_requests_in_flight_elsewhere(tmp_path: Path) -> None:
+    """`rlactors pool rm --no-drain` returns while the server still holds requests; the server
+    then goes away (as a user removing it at once would take it down), and the requests it held
+    complete on the other servers: the run finishes with every group trained once."""
+    from nodes.inference.models import ensure_tiny_checkpoint
+
+    out, err = tmp_path / "run", tmp_path / "run.err"
+    proc = joiner = proxy = None
+    lines: list[str] = []
+    with up_cluster(tmp_path) as (cfg, env):
+        try:
+            proc = start_run([f"run.out_dir={out}", "run.steps=8"], cfg, env, err)
+            read_until(proc, lines, "step 1/", err)
+            joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
+            proxy = RecordingProxy(url)
+            add = cli(["pool", "add", proxy.url], env)
+            assert add.returncode == 0, add.stderr
+            read_until(proc, lines, "servers joined:", err)
+            proxy.hold = True
+            deadline = time.monotonic() + 120
+            while proxy.held < 1 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)  # until the rollout sends the joined server a request
+            assert proxy.held >= 1, "the joined server got no request to hold"
+            rm = cli(["pool", "rm", "--no-drain", proxy.url], env)
+            assert rm.returncode == 0, rm.stderr
+            in_flight = proxy.held  # still parked: rm returned with them in flight
+            proxy.gone.set()
+            read_until(proc, lines, "server leaving:", err)
+            rest, _ = proc.communicate(timeout=600)
+        finally:
+            stop(proc, joiner)
+            if proxy is not None:
+                proxy.close()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:] + err.read_text()[-3000:]
+    m = rows(out)
+    assert [r["step"] for r in m] == list(range(1, 9))
+    assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
+    assert m[-1]["servers/live"] == 2
+    # every request the removed server held was sent again to another server and finished there
+    assert m[-1]["rollout/failovers"] >= in_flight, (in_flight, [r["rollout/failovers"] for r in m])
+    assert all(r["train/n_seqs"] == 4 for r in m)
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 16 and len(set(groups)) == 16  # nothing lost or trained twice

@@ -10,15 +10,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.test_pool import RecordingProxy, cli, free_port, read_until
-from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, rows
+from tests.e2e.test_pool import RecordingProxy, cli, free_port, read_until, start_run, stop, up_cluster
+from tests.e2e.test_recipe import ROOT, rows
 from tests.sglang.test_sglang_code import SGLANG_PYTHON
 
 pytestmark = [
@@ -63,58 +62,34 @@ def start_sglang(log: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def test_a_real_sglang_server_joins_a_run_through_the_pool(tmp_path: Path) -> None:
-    env = {**os.environ, "RLACTORS_STATE_DIR": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
-    cfg = tmp_path / "cluster.toml"
-    cfg.write_text(f"""
-[head]
-host = "127.0.0.1"
-port = {free_port()}
-
-[cluster]
-secret_file = "{tmp_path}/secret"
-log_dir = "{tmp_path}/logs"
-
-[[nodes]]
-host = "127.0.0.1"
-node_id = "solo"
-resources = {{ cpu = 32 }}
-""")
-    up = cli(["up", str(cfg)], env)
-    assert up.returncode == 0, up.stderr
-    out = tmp_path / "run"
+    out, err = tmp_path / "run", tmp_path / "run.err"
     args = ["servers.kind=sglang", "servers.n=1", "servers.sglang.device=cpu", f"servers.sglang.python={SGLANG_PYTHON}",
             "run.steps=500", "run.checkpoint_every=0", "run.eval_every=0", f"run.out_dir={out}"]  # fmt: skip
     proc = joiner = proxy = None
     lines: list[str] = []
-    try:
-        proc = subprocess.Popen(
-            [sys.executable, str(RECIPE), *SMALL, *args, "--cluster", str(cfg)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )  # fmt: skip
-        joiner, url = start_sglang(tmp_path / "joiner.log")  # starts while the run's server starts
-        proxy = RecordingProxy(url)
-        read_until(proc, lines, "step 1/")
-        add = cli(["pool", "add", proxy.url], env)
-        assert add.returncode == 0, add.stderr
-        joined = read_until(proc, lines, "servers joined:")
-        version = int(re.search(r"serving version (\d+)", joined).group(1))
-        read_until(proc, lines, f"step {version + 2}/")  # two more steps on both servers
-        ls = cli(["pool", "ls", "--json"], env)
-        proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 143
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proxy is not None:
-            proxy.close()
-        if joiner is not None:
-            os.killpg(joiner.pid, signal.SIGKILL)  # SGLang's scheduler processes with it
-            joiner.wait()
-        down = cli(["down"], env)
+    with up_cluster(tmp_path) as (cfg, env):
+        try:
+            proc = start_run(args, cfg, env, err)
+            joiner, url = start_sglang(tmp_path / "joiner.log")  # starts while the run's server starts
+            proxy = RecordingProxy(url)
+            read_until(proc, lines, "step 1/", err)
+            add = cli(["pool", "add", proxy.url], env)
+            assert add.returncode == 0, add.stderr
+            joined = read_until(proc, lines, "servers joined:", err)
+            version = int(re.search(r"serving version (\d+)", joined).group(1))
+            read_until(proc, lines, f"step {version + 2}/", err)  # two more steps on both servers
+            ls = cli(["pool", "ls", "--json"], env)
+            proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 143
+            rest, _ = proc.communicate(timeout=300)
+        finally:
+            stop(proc)
+            if proxy is not None:
+                proxy.close()
+            if joiner is not None:
+                os.killpg(joiner.pid, signal.SIGKILL)  # SGLang's scheduler processes with it
+                joiner.wait()
     output = "".join(lines) + rest
-    assert proc.returncode == 143, output[-3000:]
-    assert down.returncode == 0, down.stderr
+    assert proc.returncode == 143, output[-3000:] + err.read_text()[-3000:]
     states = {s["url"]: (s["state"], s["version"]) for s in json.loads(ls.stdout)["servers"]}
     assert states[proxy.url] == ("live", version) and len(states) == 2
     m = rows(out)
