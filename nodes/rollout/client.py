@@ -9,12 +9,13 @@ server does; it is exact when a request was held across a weight update by a ``r
 ``in_place`` pause), else the version the client knew when it posted the chunk.
 
 Compared with AReaL's client (see shared/FACTS.md): keep-alive connections to each server
-(aiohttp, bodies encoded and decoded with orjson; nodes/rollout/pool.py); a resumed request
-waits on a future that :meth:`SGLangClient.resume` completes instead of polling a flag, woken one
-server at a time in turn so that every server gets its first re-post within the first lap; a request id
-is sent (and a rid reused across an episode's turns keeps the episode on one server); new
-requests go to the least-loaded healthy server; a server that keeps failing is marked down and
-the request moves, with its tokens so far, elsewhere.
+(aiohttp by default, or httpx: ``[rollout.client] http``; bodies encoded and decoded with orjson;
+nodes/rollout/pool.py); a resumed request waits on a future that :meth:`SGLangClient.resume`
+completes instead of polling a flag, woken one server at a time in turn so that every server gets
+its first re-post within the first lap; a request id is sent (and a rid reused across an
+episode's turns keeps the episode on one server); new requests go to the least-loaded healthy
+server; a server that keeps failing is marked down and the request moves, with its tokens so far,
+elsewhere.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ import structlog
 
 from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
 from nodes.rollout.config import ClientConfig
-from nodes.rollout.pool import ServerPool, Session, WireError
+from nodes.rollout.pool import ServerPool, WireError, open_backend
 from nodes.trace import TRACE
 from protocols.sglang import AbortRequest, GenerateBody, request_body
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
 
 if TYPE_CHECKING:
-    import httpx
+    import httpx  # a test transport's type
 
 __all__ = [
     "ClientConfig",
@@ -104,14 +105,13 @@ class SGLangClient:
         version: int = 0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """``transport`` (an httpx transport) replaces the network: tests use httpx.MockTransport."""
+        """Posts go over the HTTP library ``config.http`` names. ``transport`` (an httpx transport)
+        replaces the network, over httpx: tests use httpx.MockTransport."""
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         self.config = config or ClientConfig()
-        self._session = Session(self.config) if transport is None else None
-        self._transport = transport
-        self._servers = {u.rstrip("/"): ServerPool(u, self.config, self._session, transport) for u in urls}
-        self._retired: list[ServerPool] = []  # retired servers' pools, closed with the client
+        self._wire = open_backend(self.config, transport)  # every server's connections
+        self._servers = {u.rstrip("/"): ServerPool(u, self.config, self._wire) for u in urls}
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
         self._since: dict[str, float] = {}  # rid -> when it started (monotonic), while it runs
@@ -180,6 +180,11 @@ class SGLangClient:
         return self._paused
 
     @property
+    def http(self) -> str:
+        """The HTTP library posts go over: "aiohttp" or "httpx" (``ClientConfig.http``)."""
+        return self._wire.name
+
+    @property
     def urls(self) -> list[str]:
         """Server URLs this client routes to."""
         return list(self._servers)
@@ -208,10 +213,7 @@ class SGLangClient:
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        await asyncio.gather(*(s.aclose() for s in [*self._servers.values(), *self._retired]))
-        self._retired.clear()
-        if self._session is not None:
-            await self._session.aclose()
+        await self._wire.aclose()
 
     # -- generation ----------------------------------------------------------------
 
@@ -335,7 +337,7 @@ class SGLangClient:
         url = url.rstrip("/")
         if url in self._servers:
             return False
-        self._servers[url] = ServerPool(url, self.config, self._session, self._transport)
+        self._servers[url] = ServerPool(url, self.config, self._wire)
         return True
 
     def retire(self, url: str) -> bool:
@@ -343,8 +345,7 @@ class SGLangClient:
         url = url.rstrip("/")
         if url not in self._servers or len(self._servers) == 1:
             return False
-        pool = self._servers.pop(url)
-        self._retired.append(pool)  # requests still there finish or fail over; closed in aclose()
+        del self._servers[url]  # requests still there finish or fail over; connections close in aclose()
         return True
 
     def _route(self, rid: str) -> ServerPool:

@@ -1,7 +1,8 @@
 """The rollout plane's configuration: how many rollout actors, how many episodes each runs at once,
 what an episode is (the workflow, by import path, with its own settings: ``[rollout.workflow_args]``
 is the workflow's ``config_class``, samples per prompt and sampling temperature included), and how
-the actors' SGLang client times out, retries and pools connections (``[rollout.client]``).
+the actors' SGLang client times out, retries, pools connections and over which HTTP library
+(``[rollout.client]``).
 
 Torch-free and registered with the codec: the recipe's ``[rollout]`` table is this class, and the
 same object travels to every rollout actor.
@@ -10,7 +11,7 @@ same object travels to every rollout actor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from nodes.plugins import resolve
 from protocols.auth import ServerKeys
@@ -24,6 +25,10 @@ __all__ = ["ClientConfig", "RolloutConfig", "workflow_settings"]
 @dataclass
 class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
+
+    # the HTTP library under the client (nodes/rollout/pool.py): aiohttp costs about a third of
+    # httpx's CPU per /generate call (bench/RESULTS.md, "Rollout client"); httpx is the design's
+    http: Literal["aiohttp", "httpx"] = "aiohttp"
 
     # one /generate; a hung server is detected by this
     request_timeout_s: float = field(default=3600.0, metadata=above(0))

@@ -1,14 +1,24 @@
-"""The wire to one inference server: POST a JSON body, get the status and the body back.
+"""The wire to the inference servers: POST a JSON body, get the status and the body back.
 
-Production posts go through one shared aiohttp session (keep-alive connections, C HTTP parser):
-it costs about a third of httpx's client CPU per ``/generate`` call, and its cost does not grow
-with the number of connections (bench/RESULTS.md, "Rollout client"). Tests and embedders pass
-an ``httpx`` transport instead (``httpx.MockTransport``); both raise :class:`WireError`.
+Two HTTP backends behind one small interface (:class:`HTTPBackend`), chosen by
+``[rollout.client] http``; everything above the wire (routing, retries, failover, abort/resume,
+keys) is the client's and the same for both:
+
+- ``"aiohttp"`` (the default): one shared session, keep-alive connections, a C HTTP parser. It
+  costs about a third of httpx's client CPU per ``/generate`` call, and its cost does not grow
+  with the number of connections (bench/RESULTS.md, "Rollout client").
+- ``"httpx"`` (the design's client): per server, many small ``httpx.AsyncClient`` pools
+  ("lanes"), since httpx's pool does work linear in its number of connections on every request.
+
+Tests and embedders may pass an ``httpx`` transport (``httpx.MockTransport``) in place of the
+network; that is the httpx backend. Both raise :class:`WireError` when no HTTP answer came.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 
@@ -17,9 +27,11 @@ if TYPE_CHECKING:
 
     from nodes.rollout.config import ClientConfig
 
-__all__ = ["ServerPool", "Session", "WireError"]
+__all__ = ["AiohttpBackend", "HTTPBackend", "HttpxBackend", "ServerPool", "WireError", "open_backend"]
 
 _JSON = {"Content-Type": "application/json"}
+# SGLang's uvicorn closes a connection idle for 5 s: a post racing that close would fail
+_KEEPALIVE_S = 4.0
 
 
 class WireError(Exception):
@@ -32,23 +44,48 @@ class WireError(Exception):
         self.timed_out = timed_out
 
 
-class Session:
-    """The aiohttp session every server's posts share, opened at the first post (aiohttp binds it
+class HTTPBackend(Protocol):
+    """How posts reach the servers: pooled keep-alive connections, the client's timeouts."""
+
+    name: str  # the library: "aiohttp" | "httpx"
+
+    async def post(
+        self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None
+    ) -> tuple[int, bytes]:
+        """POST ``payload`` to ``url + path``: (status, body), or :class:`WireError`. ``timeout``
+        (seconds) bounds this request instead of the client's request timeout."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close every connection."""
+        ...
+
+
+def open_backend(cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> HTTPBackend:
+    """The backend ``cfg.http`` names; httpx over ``transport`` when one is given."""
+    if transport is not None or cfg.http == "httpx":
+        return HttpxBackend(cfg, transport)
+    return AiohttpBackend(cfg)
+
+
+class AiohttpBackend:
+    """One aiohttp session every server's posts share, opened at the first post (aiohttp binds it
     to the running loop): up to ``max_connections_per_server`` keep-alive connections per server."""
+
+    name = "aiohttp"
 
     def __init__(self, cfg: ClientConfig) -> None:
         self._cfg = cfg
         self._session: aiohttp.ClientSession | None = None
 
-    def get(self) -> aiohttp.ClientSession:
+    def _get(self) -> aiohttp.ClientSession:
         if self._session is None:
             cfg = self._cfg
             connector = aiohttp.TCPConnector(
                 limit=0,
                 limit_per_host=cfg.max_connections_per_server,
                 ttl_dns_cache=None,
-                # SGLang's uvicorn closes a connection idle for 5 s: a post racing that close would fail
-                keepalive_timeout=4.0,
+                keepalive_timeout=_KEEPALIVE_S,
             )
             # sock_connect bounds the TCP connect alone: a wait for a free connection is not a dead server
             timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
@@ -57,52 +94,13 @@ class Session:
             )
         return self._session
 
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
-class ServerPool:
-    """One server: how to post to it, requests in flight there, and when it is next tried."""
-
-    def __init__(
-        self,
-        url: str,
-        cfg: ClientConfig,
-        session: Session | None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        """Posts go through ``session``, or through ``transport`` (httpx) when one is given."""
-        self.url = url.rstrip("/")
-        self._keys = cfg.keys  # each post carries the key its route needs (protocols.auth)
-        self.inflight = 0
-        self.down_until = 0.0
-        self._session = session
-        self._httpx: httpx.AsyncClient | None = None
-        if transport is not None:
-            import httpx
-
-            self._httpx = httpx.AsyncClient(
-                base_url=self.url,
-                transport=transport,
-                timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-            )
-
-    def healthy(self, now: float) -> bool:
-        return now >= self.down_until
-
-    async def post(self, path: str, payload: bytes, timeout: float | None = None) -> tuple[int, bytes]:
-        """POST ``payload`` (JSON bytes) to ``path``: (status, body). ``timeout`` (seconds) bounds
-        the whole request instead of the client's request timeout."""
-        if self._httpx is not None:
-            return await self._post_httpx(path, payload, timeout)
-        assert self._session is not None
+    async def post(
+        self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None
+    ) -> tuple[int, bytes]:
         # aiohttp reads timeout=None as "no timeout": leave it out to keep the session's
         kw = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
         try:
-            headers = {**_JSON, **self._keys.headers(path)} if self._keys else _JSON
-            async with self._session.get().post(self.url + path, data=payload, headers=headers, **kw) as r:
+            async with self._get().post(url + path, data=payload, headers=headers, **kw) as r:
                 return r.status, await r.read()
         except TimeoutError as e:  # before ClientError: aiohttp's timeouts are both
             # a connect that timed out never reached the server: nothing runs there to abort
@@ -111,18 +109,108 @@ class ServerPool:
         except aiohttp.ClientError as e:  # refused, reset, closed mid-answer, bad HTTP
             raise WireError(f"{type(e).__name__}: {e}", timed_out=False) from None
 
-    async def _post_httpx(self, path: str, payload: bytes, timeout: float | None) -> tuple[int, bytes]:
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _Lane:
+    """One httpx.AsyncClient with a small pool, and the posts it carries now."""
+
+    __slots__ = ("http", "inflight")
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+        self.inflight = 0
+
+
+class HttpxBackend:
+    """Per server, lanes of ``LANE`` connections each, up to ``max_connections_per_server`` in all:
+    a post takes the first lane with a free connection, opens a lane when all are busy, and queues
+    on the least busy one at the cap. httpx's pool scans its connections on every request; at 256
+    requests in flight, small pools cost a tenth of one large pool's CPU per call.
+
+    Timeouts as aiohttp's: ``connect_timeout_s`` bounds the TCP connect alone;
+    ``request_timeout_s`` bounds each wait for the server (httpx times each read, write and wait
+    for a connection rather than the whole request; a ``/generate`` answer is one read)."""
+
+    name = "httpx"
+    LANE = 4
+
+    def __init__(self, cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
         import httpx
 
-        assert self._httpx is not None
+        self._cfg = cfg
+        self._transport = transport
+        self._timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        self._limits = httpx.Limits(
+            max_connections=self.LANE, max_keepalive_connections=self.LANE, keepalive_expiry=_KEEPALIVE_S
+        )
+        self._max_lanes = max(1, cfg.max_connections_per_server // self.LANE)
+        self._lanes: dict[str, list[_Lane]] = {}
+        self._ssl: Any = None  # one context for every lane: building one loads the CA bundle (~20 ms)
+
+    def _take(self, url: str) -> _Lane:
+        lanes = self._lanes.setdefault(url, [])
+        lane = next((ln for ln in lanes if ln.inflight < self.LANE), None)
+        if lane is None:
+            if len(lanes) < self._max_lanes:
+                import httpx
+
+                if url.startswith("https") and self._ssl is None:
+                    self._ssl = httpx.create_ssl_context()
+                lane = _Lane(httpx.AsyncClient(
+                    base_url=url, transport=self._transport, verify=self._ssl if url.startswith("https") else False,
+                    timeout=self._timeout, limits=self._limits,
+                ))  # fmt: skip
+                lanes.append(lane)
+            else:
+                lane = min(lanes, key=lambda ln: ln.inflight)
+        lane.inflight += 1
+        return lane
+
+    async def post(
+        self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None
+    ) -> tuple[int, bytes]:
+        import httpx
+
+        lane = self._take(url)
         try:
-            headers = {**_JSON, **self._keys.headers(path)} if self._keys else _JSON
-            r = await self._httpx.post(path, content=payload, headers=headers, timeout=timeout)
-        except httpx.TransportError as e:
-            raise WireError(f"{type(e).__name__}: {e}", isinstance(e, httpx.TimeoutException)) from None
+            kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+            r = await lane.http.post(path, content=payload, headers=headers, **kw)
+        except httpx.TransportError as e:  # refused, reset, closed mid-answer, bad HTTP, timeouts
+            # a connect that timed out, or a wait for a free connection, never reached the server
+            running = isinstance(e, httpx.TimeoutException) and not isinstance(
+                e, (httpx.ConnectTimeout, httpx.PoolTimeout)
+            )
+            raise WireError(f"{type(e).__name__}: {e}", timed_out=running) from None
+        finally:
+            lane.inflight -= 1
         return r.status_code, r.content
 
     async def aclose(self) -> None:
-        """Close this server's own connections (the shared session is the client's to close)."""
-        if self._httpx is not None:
-            await self._httpx.aclose()
+        lanes = [ln for per_server in self._lanes.values() for ln in per_server]
+        self._lanes.clear()
+        await asyncio.gather(*(ln.http.aclose() for ln in lanes))
+
+
+class ServerPool:
+    """One server: how to post to it, requests in flight there, and when it is next tried."""
+
+    def __init__(self, url: str, cfg: ClientConfig, http: HTTPBackend) -> None:
+        """Posts go through ``http``, the backend every server of a client shares."""
+        self.url = url.rstrip("/")
+        self._keys = cfg.keys  # each post carries the key its route needs (protocols.auth)
+        self._http = http
+        self.inflight = 0
+        self.down_until = 0.0
+
+    def healthy(self, now: float) -> bool:
+        return now >= self.down_until
+
+    async def post(self, path: str, payload: bytes, timeout: float | None = None) -> tuple[int, bytes]:
+        """POST ``payload`` (JSON bytes) to ``path``: (status, body). ``timeout`` (seconds) bounds
+        the whole request instead of the client's request timeout."""
+        headers = {**_JSON, **self._keys.headers(path)} if self._keys else _JSON
+        return await self._http.post(self.url, path, payload, headers, timeout)
