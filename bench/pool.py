@@ -98,7 +98,10 @@ async def main() -> None:
             backend="hf", model_path=model, max_running_requests=16, cache_tokens=4096
         )
         pool = await cluster.spawn(
-            InferencePool, PoolConfig(server=server, env={"OMP_NUM_THREADS": "1"}), name=POOL_NAME
+            InferencePool,
+            PoolConfig(server=server, env={"OMP_NUM_THREADS": "1"}),
+            name=POOL_NAME,
+            control=True,
         )
         urls = await pool.start(max(counts))
         version = await ranks[0].version()  # a push sets the trainer's version (no training here)

@@ -99,6 +99,7 @@ async def _start_pool(
             max_replacements=s.max_replacements,
         ),
         name=POOL_NAME,
+        control=True,  # the pool spawns its servers' actors: it needs the control credential
     )
     return pool, await pool.start(s.n)
 

@@ -64,13 +64,16 @@ class Cluster:
         detached: bool = False,
         get_if_exists: bool = False,
         placement: tuple[PlacementGroup, int] | None = None,
+        control: bool = False,
         **kwargs: Any,
     ) -> ActorHandle[T]:
         """Start an actor of class ``cls`` in its own worker process; ``args``/``kwargs`` go to its constructor.
 
         ``resources`` (cpu, gpu, custom) are reserved on the chosen node; ``max_restarts``
         restarts the actor (constructor re-run) if its process dies; non-``detached``
-        actors are stopped when this connection closes.
+        actors are stopped when this connection closes. ``control`` hands the actor the cluster's
+        control credential, so that it can spawn actors itself (a worker otherwise holds only the
+        call credential: it calls actors and cannot start processes).
         """
         _warn_shadowed_options(cls, kwargs)
         request = {
@@ -91,6 +94,7 @@ class Cluster:
             "sys_path": [p for p in sys.path if p and os.path.isdir(p)],  # noqa: ASYNC240 (quick stat calls)
             "cwd": os.getcwd(),
             "placement": [placement[0].group_id, placement[1]] if placement is not None else None,
+            "control": control,
         }
         info = await self._client.head_call("spawn", request)
         self._client._update(info["actor_id"], info["state"], info["address"], info.get("reason", ""))
@@ -233,6 +237,7 @@ SPAWN_OPTIONS = frozenset(
         "detached",
         "get_if_exists",
         "placement",
+        "control",
     )
 )
 _warned: set[type] = set()
@@ -307,6 +312,7 @@ def init(
     log_sink: Any = None,
     client_timeout: float | None = None,
     security: str = "curve",
+    allowed_modules: Sequence[str] | None = None,
 ) -> _Starter:
     """Start an embedded local cluster (head + one node agent) on the running loop.
 
@@ -315,13 +321,15 @@ def init(
     processes can :func:`connect` with the secret. Non-detached actors of a client that
     stops heartbeating for ``client_timeout`` seconds (default max(10, 3 * node_timeout))
     are stopped. ``security="plain"`` authenticates TCP peers without encrypting traffic
-    (trusted networks only; see :class:`rlactors.security.Security`). Use as ``async with rlactors.init() as c``
+    (trusted networks only; see :class:`rlactors.security.Security`). ``allowed_modules`` (dotted
+    prefixes, e.g. ``["nodes", "recipes"]``) limits the actor classes the node starts; default:
+    every module. Use as ``async with rlactors.init() as c``
     or ``c = await rlactors.init()`` … ``await c.close()``.
     """
 
     async def _init() -> Cluster:
         client, local = await start_local(
-            resources, address, secret_file, node_timeout, log_sink, client_timeout, security
+            resources, address, secret_file, node_timeout, log_sink, client_timeout, security, allowed_modules
         )
         return Cluster(client, local=local)
 

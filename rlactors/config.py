@@ -102,6 +102,9 @@ class ClusterSection:
     security: Literal["curve", "plain"] = "curve"  # plain: authenticated, not encrypted (trusted networks)
     # largest message between authenticated peers, in bytes (0: RLACTORS_MAX_MESSAGE_BYTES or 1 GiB)
     max_message_bytes: int = 0
+    # dotted prefixes of the actor-class modules the agents start, e.g. ["nodes", "recipes"]; a spawn
+    # of any other class is refused (empty: every module; a class in a driver script is "__main__")
+    allowed_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.start_timeout <= 0:
@@ -176,6 +179,8 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
     ]
     if cfg.cluster.max_message_bytes:
         inner += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
+    for prefix in cfg.cluster.allowed_modules:
+        inner += ["--allow-module", prefix]
     for k, v in sorted(node.env.items()):
         inner += ["--env", f"{k}={v}"]
     if node.workdir:

@@ -76,7 +76,7 @@ async def _serve_agent(
         session_dir=session_dir,
         transport="tcp",
         security=security,
-        secret_file=args.secret_file,
+        allowed_modules=args.allow_module,
         log_dir=args.log_dir,
     )
     address = service.bind(f"tcp://{args.host}:0")
@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--workdir", default="", help="directory the agent and its workers run in")
     a.add_argument(
         "--env", action="append", metavar="KEY=VALUE", help="set an environment variable for workers"
+    )
+    a.add_argument(
+        "--allow-module",
+        action="append",
+        metavar="PREFIX",
+        help="start only actor classes whose module is under this dotted prefix (repeatable; none: every module)",
     )
     a.add_argument(
         "--connect-timeout", type=float, default=60.0, help="seconds to keep trying to register with the head"

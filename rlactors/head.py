@@ -24,7 +24,7 @@ from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
 from rlactors.registry import ActorRecord, KVStore, NodeRecord
-from rlactors.security import Security
+from rlactors.security import Security, control_plane
 from rlactors.sessions import Sessions
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
@@ -122,6 +122,7 @@ class Head:
 
     # --- nodes --------------------------------------------------------------------------------
 
+    @control_plane
     async def register_node(
         self,
         node_id: str,
@@ -215,6 +216,7 @@ class Head:
 
     # --- actors -------------------------------------------------------------------------------
 
+    @control_plane
     async def spawn(self, request: dict[str, Any]) -> dict[str, Any]:
         name = request.get("name")
         if name is not None:
@@ -535,6 +537,7 @@ class Head:
             raise ActorNotFoundError(f"no actor {actor_id}")
         return rec.node_id
 
+    @control_plane
     async def shutdown_cluster(self) -> int:
         """Stop every agent (and its workers), then the head process itself (`rlactors down`)."""
         alive = [n for n in self.nodes.values() if n.alive]

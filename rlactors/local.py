@@ -6,13 +6,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlactors.head import Head
 from rlactors.node import NodeAgent
 from rlactors.runtime import RuntimeClient, set_current
-from rlactors.security import Security, load_secret, new_secret_file
+from rlactors.security import Security, load_secret, new_secret, new_secret_file
 from rlactors.service import Service
 
 __all__ = ["LocalCluster", "detect_gpus", "ensure_logging", "new_session_dir", "start_local"]
@@ -106,6 +107,7 @@ async def start_local(
     log_sink: Any,
     client_timeout: float | None = None,
     mechanism: str = "curve",
+    allowed_modules: Sequence[str] | None = None,
 ) -> tuple[RuntimeClient, LocalCluster]:
     ensure_logging()
     session_dir = new_session_dir("rlx-")
@@ -117,9 +119,11 @@ async def start_local(
         bind = address
         transport, host = "tcp", address.removeprefix("tcp://").rsplit(":", 1)[0]
     elif address == "ipc":
-        # Over ipc the session directory (mode 700) is the authentication.
+        # Over ipc the session directory (mode 700) keeps other users out; a secret kept in this
+        # process's memory tells our workers (call credential) from us (control). PLAIN: no encryption.
         bind, transport, host = f"ipc://{session_dir}/head", "ipc", "127.0.0.1"
         secret_file = None
+        security = Security(new_secret(), "plain")
     else:
         raise ValueError(f"address must be 'ipc' or 'tcp://HOST:PORT', not {address!r}")
     total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
@@ -137,7 +141,7 @@ async def start_local(
         session_dir=session_dir,
         transport=transport,
         security=security,
-        secret_file=secret_file,
+        allowed_modules=allowed_modules,
         **({"log_sink": log_sink} if log_sink else {}),
     )
     service.add("agent", agent)

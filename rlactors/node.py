@@ -5,6 +5,12 @@ plus whatever the spawn asked for), forwards the worker's stdout/stderr line by 
 with an actor prefix, notices a worker's exit the moment it happens (the process is our
 child; no heartbeat needed) and tells the head, heartbeats to the head, and reserves free
 ports on its host for rendezvous.
+
+What a worker may run: with ``allowed_modules`` the agent starts only actor classes whose module
+is under one of those dotted prefixes, and refuses any other spawn with a PermissionError naming
+the class and the list. What a worker may do: it is handed the call credential on its stdin,
+never the cluster secret, unless its actor was spawned with ``control=True`` (see
+:mod:`rlactors.security`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,7 @@ from rlactors.client import Connection
 from rlactors.errors import ActorDiedError, ClusterError, exception_from_payload
 from rlactors.forensics import collect_dump, read_tick
 from rlactors.logging import Throttle
-from rlactors.security import Security
+from rlactors.security import Security, control_plane, module_allowed
 from rlactors.service import ACTIVITY_TARGET
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
@@ -93,7 +99,7 @@ class NodeAgent:
         session_dir: Path,
         transport: str = "ipc",
         security: Security | None = None,
-        secret_file: str | None = None,
+        allowed_modules: Sequence[str] | None = None,
         log_sink: LogSink = _stderr_sink,
         log_dir: Path | None = None,
         python: str = sys.executable,
@@ -108,7 +114,8 @@ class NodeAgent:
         self.session_dir = session_dir
         self.transport = transport
         self.security = security
-        self.secret_file = secret_file
+        # dotted prefixes of the actor-class modules this node starts (None or empty: every module)
+        self.allowed_modules = [m for m in allowed_modules or [] if m] or None
         self.log_sink = log_sink
         self.log_dir = log_dir
         self.python = python
@@ -175,8 +182,16 @@ class NodeAgent:
 
     # --- workers --------------------------------------------------------------------------------
 
+    @control_plane
     async def start_worker(self, actor_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         """Start a worker for ``actor_id`` and wait until its actor is constructed."""
+        cls = spec["class"]
+        if not module_allowed(cls["module"], self.allowed_modules):
+            raise PermissionError(
+                f"node {self.node_id} refuses to start actor class {cls['module']}:{cls['qualname']}: its module "
+                f"is outside this node's allowed_modules {self.allowed_modules}; add its package to "
+                "allowed_modules ([cluster] in cluster.toml, or rlactors.init(allowed_modules=...))"
+            )
         loop = asyncio.get_running_loop()
         bind = (
             f"ipc://{self.session_dir}/w-{actor_id}-{spec.get('restarts', 0)}"
@@ -195,9 +210,13 @@ class NodeAgent:
             RLACTORS_FORENSICS=str(self._forensics_files(actor_id, int(spec.get("restarts", 0)))),
             PYTHONUNBUFFERED="1",
         )
-        if self.secret_file:
-            env["RLACTORS_SECRET_FILE"] = self.secret_file
-            env["RLACTORS_SECURITY"] = self.security.mechanism if self.security is not None else "curve"
+        # The worker's credential comes on its stdin (below), never as a file or in the environment
+        # its own children inherit; a secret file named in this agent's environment is not passed on.
+        env.pop("RLACTORS_SECRET_FILE", None)
+        credential = b""
+        if self.security is not None:
+            env["RLACTORS_WORKER_SECURITY"] = self.security.mechanism
+            credential = self.security.credential(control=bool(spec.get("control"))).encode() + b"\n"
         if spec.get("gpus") or self.resources.get("gpu"):
             # Placement hands out indices 0..n-1 of the GPUs this agent sees; map them through the
             # agent's own CUDA_VISIBLE_DEVICES (a Slurm job or a shared host may restrict it).
@@ -212,7 +231,7 @@ class NodeAgent:
                 label,  # ignored by the worker; makes `ps` say which actor a process runs
                 env=env,
                 cwd=spec.get("cwd") or None,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE if credential else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
             )
@@ -220,6 +239,9 @@ class NodeAgent:
             self._starting.pop(actor_id, None)
             raise ClusterError(f"node {self.node_id}: cannot start a worker with {self.python}: {e}") from e
         self._procs[actor_id] = proc
+        if proc.stdin is not None:  # a few bytes into an empty pipe: written at once
+            proc.stdin.write(credential)
+            proc.stdin.close()
         prefix = f"({label} pid={proc.pid}) "
         logfile = None
         if self.log_dir is not None:
@@ -308,7 +330,7 @@ class NodeAgent:
         live = _Liveness(spec, proc.pid)
         live.conn = Connection(
             address,
-            self.security,
+            self.security.calls if self.security is not None else None,
             name=f"liveness of {actor_id}",
             on_link=lambda up: self._on_worker_link(actor_id, proc, live, up),
         )
@@ -433,6 +455,7 @@ class NodeAgent:
         if entry is not None and not entry[1].done():
             entry[1].set_exception(exception_from_payload(payload))
 
+    @control_plane
     async def kill_worker(self, actor_id: str) -> bool:
         proc = self._procs.get(actor_id)
         if proc is None or proc.returncode is not None:
@@ -469,6 +492,7 @@ class NodeAgent:
             if pending:
                 await asyncio.wait(pending, timeout=5)
 
+    @control_plane
     async def shutdown(self) -> None:
         """Stop every worker and this agent (remote `rlactors down`)."""
         asyncio.get_running_loop().call_soon(lambda: self._spawn_task(self.stop(grace=2.0), "agent-stop"))

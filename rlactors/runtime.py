@@ -222,7 +222,7 @@ class RuntimeClient:
             # not come up (a partition, a stopped worker) fails its calls rather than leave them waiting.
             conn = self._conns[st.address] = Connection(
                 st.address,
-                self.security,
+                self.security.calls if self.security is not None else None,  # control: head and agents only
                 name=f"{who} at {st.address}",
                 first_link_within=HEARTBEAT_TIMEOUT_MS / 1000 + LINK_GRACE_S,
             )

@@ -1,12 +1,22 @@
-"""Authentication of every socket with ZeroMQ CURVE, keyed from a shared cluster secret.
+"""Authentication of every socket, keyed from a cluster secret, with two credentials.
 
-Every process of a cluster knows the cluster secret (a file readable only by its owner).
-From it we derive, deterministically, one CURVE key pair for servers and one for clients.
-A peer without the secret cannot complete a handshake (it does not know the server's
-public key) and a ZAP handler additionally admits only the derived client key, so a
-process without the secret can neither call actors nor register as a node. Rejected
-attempts are dropped and logged, without key material and a few lines per flood, by the
-handshake monitor of each server socket (:mod:`rlactors.transport`).
+Every process of a cluster holds one of two credentials. The **control** credential is the
+cluster secret itself (a file readable only by its owner, or, for an embedded cluster over
+ipc, random bytes in the driver's memory): drivers, the head and the node agents hold it,
+and it opens the control plane — the head's ``spawn`` and ``register_node``, the agents'
+``start_worker`` — which starts processes on every node. The **call** credential is derived
+from the secret (one way): it opens actors, the head's lookups, events and key-value store,
+and nothing that starts a process. A worker is handed only the call credential, unless its
+actor was spawned with ``control=True``.
+
+From the call credential we derive, deterministically, the servers' CURVE key pair and the
+call clients' key pair; from the secret, the control clients' key pair. A ZAP handler admits
+the client keys a process knows (the call key; the control key too where the process holds
+it) and names each connection's credential in its ``User-Id``, so that a :class:`Service`
+refuses a :func:`control_plane` method to a peer that connected with the call key. A client
+presents the control key only to the head and the agents (:attr:`Security.calls` is what it
+presents to actors). Rejected handshakes are dropped and logged, without key material and a
+few lines per flood, by the handshake monitor of each server socket (:mod:`rlactors.transport`).
 """
 
 from __future__ import annotations
@@ -15,7 +25,9 @@ import hashlib
 import os
 import secrets as _secrets
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import structlog
 import zmq
@@ -24,7 +36,17 @@ from zmq.utils import z85
 
 log = structlog.get_logger("rlactors.security")
 
-__all__ = ["Security", "load_secret", "new_secret_file"]
+__all__ = [
+    "Security",
+    "control_plane",
+    "is_control_plane",
+    "load_secret",
+    "module_allowed",
+    "new_secret",
+    "new_secret_file",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _derive_keypair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
@@ -35,32 +57,83 @@ def _derive_keypair(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_key), secret_key
 
 
+def _token(secret: bytes, role: bytes) -> bytes:
+    return hashlib.blake2b(secret, key=b"rlactors-plain-v2", person=role, digest_size=24).hexdigest().encode()
+
+
+def call_credential_of(secret: bytes) -> bytes:
+    """The call credential derived from a cluster secret (the secret cannot be recovered from it)."""
+    return hashlib.blake2b(secret, key=b"rlactors-call-v1", digest_size=32).hexdigest().encode()
+
+
 MECHANISMS = ("curve", "plain")
+CALL, CONTROL = "call", "control"  # the two credentials; the PLAIN usernames
 
 
 class Security:
-    """Socket authentication for a cluster, derived from its secret. Never logs or prints the secret.
+    """Socket authentication for a cluster, from its secret (``control``: the secret, the default)
+    or from a worker's call credential. Never logs or prints either.
 
     ``curve`` (default): CURVE handshake and encryption of every byte. ``plain``: the peer
-    proves it knows a token derived from the secret (ZMQ PLAIN + ZAP) and traffic is not
-    encrypted — for trusted networks (an HPC fabric) where encrypting tensors costs too much;
-    a sniffer on the network could capture the token, never the secret file itself.
+    proves it knows a token derived from its credential (ZMQ PLAIN + ZAP) and traffic is not
+    encrypted — for trusted networks (an HPC fabric) where encrypting tensors costs too much,
+    and for ipc; a sniffer on the network could capture the tokens, never the secret itself.
     """
 
-    def __init__(self, secret: bytes, mechanism: str = "curve") -> None:
+    def __init__(self, secret: bytes, mechanism: str = "curve", *, control: bool = True) -> None:
         if len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
         if mechanism not in MECHANISMS:
             raise ValueError(f"security mechanism must be one of {MECHANISMS}, not {mechanism!r}")
         self.mechanism = mechanism
-        self.server_public, self._server_secret = _derive_keypair(secret, b"server")
-        self.client_public, self._client_secret = _derive_keypair(secret, b"client")
-        self._token = hashlib.blake2b(secret, key=b"rlactors-plain-v1", digest_size=24).hexdigest().encode()
+        self.control = control
+        self._secret = secret if control else None
+        call = call_credential_of(secret) if control else secret
+        self._call = call
+        self.server_public, self._server_secret = _derive_keypair(call, b"server")
+        self.client_public, self._client_secret = _derive_keypair(call, b"client")
+        self._call_token = _token(call, b"call")
+        self._control_public = self._control_secret = self._control_token = b""
+        if control:
+            self._control_public, self._control_secret = _derive_keypair(secret, b"control")
+            self._control_token = _token(secret, b"control")
+        self._calls: Security | None = None
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._auth_lock = threading.Lock()
 
+    @classmethod
+    def from_credential(cls, credential: str, mechanism: str) -> Security:
+        """The Security of a worker, from what its agent handed it (:meth:`credential`)."""
+        kind, _, value = credential.partition(":")
+        if kind not in (CALL, CONTROL) or not value:
+            raise ValueError("malformed rlactors credential")
+        if kind == CONTROL:
+            return cls(bytes.fromhex(value), mechanism)
+        return cls(value.encode(), mechanism, control=False)
+
+    def credential(self, *, control: bool) -> str:
+        """What a worker needs to rebuild a Security: the call credential, or with ``control`` the
+        secret itself (only from a process that holds it)."""
+        if control:
+            if self._secret is None:
+                raise PermissionError(
+                    "this process holds only the call credential; it cannot hand out control"
+                )
+            return f"{CONTROL}:{self._secret.hex()}"
+        return f"{CALL}:{self._call.decode()}"
+
+    @property
+    def calls(self) -> Security:
+        """This process's call credential alone: what it presents to actors (never the control key,
+        which, over ``plain``, a server sees)."""
+        if not self.control:
+            return self
+        if self._calls is None:
+            self._calls = Security(self._call, self.mechanism, control=False)
+        return self._calls
+
     def __repr__(self) -> str:  # keep keys out of logs and tracebacks
-        return f"Security({self.mechanism})"
+        return f"Security({self.mechanism}, {CONTROL if self.control else CALL})"
 
     def apply_server(self, sock: zmq.Socket) -> None:
         self._ensure_authenticator(sock.context)
@@ -73,13 +146,28 @@ class Security:
         sock.curve_server = True
 
     def apply_client(self, sock: zmq.Socket) -> None:
+        """Present this process's strongest credential (the control one where it holds it)."""
         if self.mechanism == "plain":
-            sock.plain_username = b"rlactors"
-            sock.plain_password = self._token
+            sock.plain_username = (CONTROL if self.control else CALL).encode()
+            sock.plain_password = self._control_token if self.control else self._call_token
             return
         sock.curve_serverkey = self.server_public
-        sock.curve_publickey = self.client_public
-        sock.curve_secretkey = self._client_secret
+        sock.curve_publickey = self._control_public if self.control else self.client_public
+        sock.curve_secretkey = self._control_secret if self.control else self._client_secret
+
+    def peer_has_control(self, frames: Sequence[Any]) -> bool:
+        """Whether a message received on a server socket of ours came over a connection that
+        presented the control credential (its ZAP ``User-Id``). False where we cannot tell."""
+        if not self.control:
+            return False
+        want = CONTROL if self.mechanism == "plain" else self._control_public.decode()  # z85, as ZAP names it
+        for f in frames:
+            if isinstance(f, zmq.Frame):
+                try:
+                    return bool(f.get("User-Id") == want)
+                except zmq.ZMQError:
+                    return False
+        return False
 
     def _ensure_authenticator(self, ctx: zmq.Context) -> None:
         with self._auth_lock:
@@ -88,11 +176,13 @@ class Security:
             auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=_ZapLog())
             auth.start()
             if self.mechanism == "plain":
-                auth.configure_plain(domain="rlactors", passwords={"rlactors": self._token.decode()})
+                passwords = {CALL: self._call_token.decode()}
+                if self.control:
+                    passwords[CONTROL] = self._control_token.decode()
+                auth.configure_plain(domain="rlactors", passwords=passwords)
             else:
-                auth.configure_curve_callback(
-                    domain="rlactors", credentials_provider=_Provider(self.client_public)
-                )
+                allowed = {self.client_public} | ({self._control_public} if self.control else set())
+                auth.configure_curve_callback(domain="rlactors", credentials_provider=_Provider(allowed))
             self._auth = auth
 
     def stop(self) -> None:
@@ -102,13 +192,36 @@ class Security:
                 self._auth = None
 
 
+def control_plane(fn: F) -> F:
+    """Mark a served method as control plane: a :class:`Service` with security answers it only to
+    peers that connected with the control credential (see the module docstring)."""
+    fn.__rlactors_control__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def is_control_plane(fn: Callable[..., Any]) -> bool:
+    return bool(getattr(fn, "__rlactors_control__", False))
+
+
+def module_allowed(module: str, prefixes: Sequence[str] | None) -> bool:
+    """Whether an actor class's module passes an allow-list of dotted prefixes (None or empty:
+    everything). ``"nodes"`` and ``"nodes."`` both admit ``nodes`` and ``nodes.*``, not ``nodes_x``."""
+    if not prefixes:
+        return True
+    for p in prefixes:
+        p = p.rstrip(".")
+        if module == p or module.startswith(p + "."):
+            return True
+    return False
+
+
 class _Provider:
-    def __init__(self, allowed: bytes) -> None:
+    def __init__(self, allowed: set[bytes]) -> None:
         self._allowed = allowed
 
     def callback(self, domain: str, key: bytes) -> bool:
         # A refusal is logged by the server socket's handshake monitor (rlactors.transport).
-        return z85.encode(key) == self._allowed if len(key) == 32 else key == self._allowed
+        return (z85.encode(key) if len(key) == 32 else key) in self._allowed
 
 
 class _ZapLog:
@@ -146,11 +259,16 @@ def load_secret(path: str | os.PathLike[str]) -> bytes:
     return data
 
 
+def new_secret() -> bytes:
+    """A fresh random cluster secret (an embedded cluster over ipc keeps one in memory)."""
+    return _secrets.token_urlsafe(32).encode()
+
+
 def new_secret_file(path: str | os.PathLike[str]) -> Path:
     """Create a new random secret file with mode 600 (does not overwrite an existing one)."""
     p = Path(path).expanduser()
     p.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(_secrets.token_urlsafe(32) + "\n")
+        f.write(new_secret().decode() + "\n")
     return p

@@ -37,7 +37,7 @@ from rlactors.errors import MessageTooLargeError, exception_payload
 from rlactors.forensics import CURRENT_CALL, LoopProbe, coroutine_stack, thread_stacks
 from rlactors.logging import Throttle
 from rlactors.methods import ASYNC, ASYNCGEN, SYNC, method_table, runs_on_loop
-from rlactors.security import Security
+from rlactors.security import Security, is_control_plane
 from rlactors.transport import AsyncSocket, Outbox, bind_router, check_size
 
 log = structlog.get_logger("rlactors.service")
@@ -78,6 +78,7 @@ class Service:
         self.name = name
         self.security = security
         self._targets: dict[str | None, dict[str, tuple[Callable[..., Any], str]]] = {}
+        self._control: set[tuple[str | None, str]] = set()  # (target, method) of control-plane methods
         # None: unbounded (the head: its long-polls and event streams must never starve control calls).
         self._sem: asyncio.Semaphore | contextlib.nullcontext[None] = (
             asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
@@ -115,6 +116,8 @@ class Service:
             if kind == SYNC and runs_on_loop(obj, fn):
                 fn, kind = _on_loop(fn), ASYNC
             table[mname] = (fn, kind)
+            if is_control_plane(fn):
+                self._control.add((target, mname))
         self._targets[target] = table
         return {k: v[1] for k, v in table.items()}
 
@@ -154,7 +157,9 @@ class Service:
                 self._reject(ident, env, e)
                 continue
             kind, call_id = msg[0], msg[1]
-            if kind == Kind.CALL:
+            if kind == Kind.CALL and (msg[2], msg[3]) in self._control and not self._has_control(frames):
+                self._refuse_control(ident, call_id, msg[2], msg[3], msg[6])
+            elif kind == Kind.CALL:
                 self._on_call(ident, call_id, *msg[2:])
             elif kind == Kind.CANCEL:
                 task = self._running.get((ident, call_id))
@@ -170,6 +175,22 @@ class Service:
                 self._send(ident, wire.encode_envelope(Kind.PONG, call_id))
             else:
                 self._drop(f"unexpected {Kind(kind).name} envelope")
+
+    def _has_control(self, frames: list[Any]) -> bool:
+        return self.security is None or self.security.peer_has_control(frames[1:])
+
+    def _refuse_control(
+        self, ident: bytes, call_id: int, target: str | None, method: str, flags: int
+    ) -> None:
+        """A control-plane call from a peer that holds only the call credential (a worker)."""
+        log.warning("refused a control-plane call from a peer without the control credential", method=method)
+        if not flags & Flags.NO_REPLY:
+            err = PermissionError(
+                f"{target or self.name}.{method} needs the cluster's control credential, and this process "
+                "holds only the call credential (what workers get): call it from the driver, or spawn "
+                "this actor with control=True"
+            )
+            self._send_error(ident, call_id, err)
 
     def _drop(self, reason: str) -> None:
         self.dropped += 1

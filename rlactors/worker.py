@@ -1,7 +1,7 @@
 """Entry point of a worker process: runs one actor on its own event loop (uvloop when available).
 
 Started by a node agent as ``python -m rlactors.worker`` with its identity in the
-environment. It asks the agent for its spec, imports the actor class by module path (or
+environment and its credential (see :mod:`rlactors.security`) on its stdin. It asks the agent for its spec, imports the actor class by module path (or
 the driver's script by file, as multiprocessing's spawn does), binds its ROUTER socket,
 constructs the actor and reports ready. It exits when its agent process goes away.
 """
@@ -30,7 +30,7 @@ from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
 from rlactors.forensics import DUMP_SIGNAL, LoopProbe, register_dump
 from rlactors.runtime import RuntimeClient, set_current
-from rlactors.security import Security, load_secret
+from rlactors.security import Security
 from rlactors.service import Service
 
 log = structlog.get_logger("rlactors.worker")
@@ -53,13 +53,23 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def main() -> int:
+def _read_credential() -> Security | None:
+    """The credential our agent wrote to our stdin (none when the cluster has no security); stdin
+    is then /dev/null, so processes this worker starts inherit nothing of it."""
+    mechanism = os.environ.pop("RLACTORS_WORKER_SECURITY", "")
+    if not mechanism:
+        return None
+    line = sys.stdin.buffer.readline().strip().decode()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return Security.from_credential(line, mechanism)
+
+
+async def main(security: Security | None) -> int:
     actor_id = os.environ["RLACTORS_ACTOR_ID"]
     parent = int(os.environ.get("RLACTORS_PARENT_PID", os.getppid()))
     _die_with_parent(parent)
-    secret_file = os.environ.get("RLACTORS_SECRET_FILE")
-    mechanism = os.environ.get("RLACTORS_SECURITY", "curve")
-    security = Security(load_secret(secret_file), mechanism) if secret_file else None
     agent = Connection(os.environ["RLACTORS_AGENT"], security, name="agent")
     spec: dict[str, Any] = await wait_for(agent.call("worker_hello", (actor_id,), {}, target="agent"), 60)
     name = spec.get("name")
@@ -144,12 +154,13 @@ async def main() -> int:
 
 
 def run() -> None:
+    security = _read_credential()  # before the loop starts: a blocking read of a few bytes
     try:
         import uvloop
     except ImportError:
-        code = asyncio.run(main())
+        code = asyncio.run(main(security))
     else:
-        code = uvloop.run(main())
+        code = uvloop.run(main(security))
     # Skip interpreter teardown of half-finished threads (e.g. a sync method still running).
     sys.stdout.flush()
     sys.stderr.flush()

@@ -80,7 +80,8 @@ class Member:
 
 class InferencePool(rlactors.Actor):
     """The server set of a run (see the module docstring). ``rollouts`` are told at once when a
-    server must stop getting requests; :meth:`attach` sets them once they exist."""
+    server must stop getting requests; :meth:`attach` sets them once they exist. It spawns its
+    servers' actors, so spawn it with ``control=True`` (the control credential)."""
 
     def __init__(self, config: PoolConfig) -> None:
         self.config = config

@@ -50,7 +50,8 @@ async def test_garbage_at_head_agent_and_worker(keyed: bool) -> None:
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.SNDHWM, MESSAGES * 2)
                 if keyed:
-                    Security(load_secret(cluster.secret_file)).apply_client(sock)
+                    # a worker's credential: opens the head, the agent and actors alike
+                    Security(load_secret(cluster.secret_file)).calls.apply_client(sock)
                 sock.connect(target)
                 for _ in range(MESSAGES):
                     try:  # without keys the handshake fails and the socket may never get a peer

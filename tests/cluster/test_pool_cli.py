@@ -48,7 +48,7 @@ def test_pool_ls_launch_add_rm_on_an_up_cluster(tmp_path: Path, cli_env: dict[st
                 cluster = await rlactors.connect()
                 pool = await cluster.spawn(
                     InferencePool, PoolConfig(server=ReferenceServerConfig(backend="sim")), name=POOL_NAME,
-                    detached=True,
+                    detached=True, control=True,
                 )  # fmt: skip
                 await pool.start(1)
                 await cluster._client.close()

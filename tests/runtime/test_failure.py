@@ -102,6 +102,7 @@ async def test_malformed_frames_are_dropped_and_the_worker_keeps_serving(cluster
     c = await cluster.spawn(Counter, 1)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    cluster._local.head.security.calls.apply_client(sock)  # over ipc too, a peer presents a credential
     sock.connect(c.address)
     try:
         garbage = [
@@ -164,6 +165,7 @@ async def test_a_flood_of_garbage_is_logged_in_a_few_lines_that_count_it(monkeyp
     async with rlactors.init() as cluster:
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        cluster._local.head.security.calls.apply_client(sock)
         sock.connect(cluster.address)
         try:
             for _ in range(2000):
@@ -208,7 +210,7 @@ async def test_the_head_keeps_a_bounded_number_of_dead_actors(monkeypatch) -> No
         listed = {a["actor_id"] for a in await cluster.actors()}
         assert listed == {victims[2].actor_id, victims[3].actor_id}  # the two latest deaths
         # A client that never heard of the first one still gets an error, not a hang.
-        stranger = RuntimeClient(cluster.address, name="stranger")
+        stranger = RuntimeClient(cluster.address, cluster._local.head.security, name="stranger")
         await stranger.start()
         try:
             call = stranger.call_actor(victims[0].actor_id, victims[0].address, "add", (1,), {})

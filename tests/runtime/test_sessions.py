@@ -78,7 +78,7 @@ async def test_a_driver_stopped_past_client_timeout_gets_actor_died_not_a_hang()
 async def test_a_client_whose_stream_end_was_lost_follows_events_again_after_a_heartbeat() -> None:
     async with rlactors.init(client_timeout=2) as cluster:
         victim = await cluster.spawn(Counter)
-        other = RuntimeClient(cluster.address, name="other")
+        other = RuntimeClient(cluster.address, cluster._local.head.security, name="other")
         await other.start()
         try:
             pending = other.call_actor(victim.actor_id, victim.address, "sleep", (60,), {})
