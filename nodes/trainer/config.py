@@ -1,7 +1,7 @@
 """The trainer's configuration: what a rank trains with, the loss, and how weights reach the servers.
 
 Torch-free and registered with the codec, so the recipe builds a :class:`TrainConfig` from its TOML
-(``[trainer]``, ``[trainer.loss]``, ``[trainer.push]``) and the same object travels to every
+(``[trainer]``, ``[trainer.loss]``, ``[trainer.push]``, ``[trainer.lora]``) and the same object travels to every
 :class:`~nodes.trainer.rank.TrainerRank`. Each class checks its own values when built (a bad value
 is a ``ValueError`` naming the key and what is allowed; the recipe's loader adds the file).
 """
@@ -16,7 +16,7 @@ from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.tomlconf import above, at_least, check_ranges, import_path, within
 
-__all__ = ["LossConfig", "MismatchCorrections", "PushConfig", "TrainConfig", "loss_settings"]
+__all__ = ["LoraConfig", "LossConfig", "MismatchCorrections", "PushConfig", "TrainConfig", "loss_settings"]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -130,6 +130,31 @@ class PushConfig:
 
 @register
 @dataclass
+class LoraConfig:
+    """LoRA through ``peft`` (nodes/trainer/lora.py): low-rank adapters on the policy's linear layers.
+
+    Only the adapters are optimised and checkpointed (the base weights come from the model path on
+    every start, resume included); the servers get merged weights under the base model's names.
+    With ``loss.kl_coef`` and no ``ref_model_path``, the reference is the base model: the policy with
+    its adapters switched off, no second copy. LoRA usually wants a higher ``lr`` than full
+    fine-tuning (about 10x in Thinking Machines' "LoRA Without Regret").
+    """
+
+    enabled: bool = False
+    rank: int = field(default=16, metadata=at_least(1))  # r: the adapters' inner dimension
+    alpha: float = field(default=32.0, metadata=above(0))  # the update is scaled by alpha / rank
+    # module names (peft's target_modules: exact names or suffixes), or "all-linear" (all but lm_head)
+    target_modules: str | list[str] = "all-linear"
+    dropout: float = field(default=0.0, metadata=within(0, 1))  # on the adapters' input, training only
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError("'target_modules' must name at least one module, or be 'all-linear'")
+
+
+@register
+@dataclass
 class TrainConfig:
     """Everything a trainer rank needs; defaults are the CPU recipe's.
 
@@ -161,6 +186,7 @@ class TrainConfig:
     seed: int = 0
     loss: LossConfig = field(default_factory=LossConfig)
     push: PushConfig = field(default_factory=PushConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # a list after msgpack or TOML

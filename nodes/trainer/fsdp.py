@@ -85,9 +85,11 @@ def _apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Modul
 
 
 def _build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    """AdamW plus a LambdaLR schedule stepped once per optimizer step."""
+    """AdamW over the parameters that train (all, or LoRA's adapters) plus a LambdaLR schedule
+    stepped once per optimizer step."""
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
@@ -99,6 +101,10 @@ def _load_model(path: str, cfg: TrainConfig, mesh: Any, train: bool) -> torch.nn
     if train and cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if train and cfg.lora.enabled:  # adapters before sharding: FSDP2 shards them with their layer
+        from nodes.trainer.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora)
     return _apply_fsdp(model, mesh, cfg.bf16)
 
 
@@ -118,7 +124,10 @@ class FSDPTrainer:
         self.mesh = init_device_mesh(self.device.type, (self.world,))
         self.model = _load_model(cfg.model_path, cfg, self.mesh, train=True)
         self.ref_model = None
-        if cfg.loss.kl_coef:  # the reference defaults to the initial policy, as in AReaL
+        # the reference defaults to the initial policy, as in AReaL; under LoRA that is the base
+        # model, i.e. the policy with its adapters off (see _ref_logp), so no second copy is loaded
+        self.ref_is_base = bool(cfg.loss.kl_coef) and cfg.lora.enabled and not cfg.ref_model_path
+        if cfg.loss.kl_coef and not self.ref_is_base:
             self.ref_model = _load_model(
                 cfg.ref_model_path or cfg.model_path, cfg, self.mesh, train=False
             ).eval()
@@ -137,6 +146,13 @@ class FSDPTrainer:
     def _recompute(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         logp, _ = gather_logprobs_entropy(self._logits(model, mb), mb.labels, mb.temperature)
         return logp
+
+    def _ref_logp(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The KL term's reference log-probs, or None without a KL term."""
+        if self.ref_is_base:
+            with self.model.disable_adapter():  # peft's switch: the base weights alone
+                return self._recompute(self.model, mb)
+        return self._recompute(self.ref_model, mb) if self.ref_model is not None else None
 
     # ---- the step ----------------------------------------------------------------------------
     def minibatches(self, batch: Any) -> list[list[int]]:
@@ -182,8 +198,7 @@ class FSDPTrainer:
         for mini in mbs:
             for mb in mini:
                 mb.prox_logp = self._recompute(self.model, mb)
-                if self.ref_model is not None:
-                    mb.ref_logp = self._recompute(self.ref_model, mb)
+                mb.ref_logp = self._ref_logp(mb)
         self.model.train()
         t_prox = time.perf_counter() - t0
         TRACE.span("proximal log-probs", wall0, wall0 + t_prox)
@@ -367,9 +382,13 @@ class FSDPTrainer:
 
     # ---- weights -----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 tensors on rank 0 (CPU), ``{}`` elsewhere; collective."""
+        """The weights as the servers get them: full fp32 tensors on rank 0 (CPU), ``{}`` elsewhere;
+        under LoRA merged, under the base model's names (nodes/trainer/lora.py); collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(
+        from nodes.trainer.lora import merge_state_dict
+
+        sd = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+        return merge_state_dict(self.model, sd) if sd else sd

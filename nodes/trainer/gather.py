@@ -16,6 +16,8 @@ once a gatherer exists nothing of it outlives the processes, however they end; o
 milliseconds between creating and unlinking the file could leave it behind.
 
 Two reusable buffers alternate between buckets: one can be on the wire while the next fills.
+Under LoRA the buckets hold the merged weights under the base model's names: each rank merges its
+own rows on the way into the buffer (nodes/trainer/lora.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import math
 import mmap
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+
+from nodes.trainer.lora import served_parameters
 
 __all__ = ["ParamGatherer", "Spec"]
 
@@ -46,6 +51,8 @@ class Spec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int = 0  # bytes into the bucket buffer
+    # turns rows of ``param`` (this rank's, or all with True) into what is sent: LoRA's merge
+    adjust: Callable[[torch.Tensor, bool], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +83,9 @@ class ParamGatherer:
     ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.specs = [Spec(n, p, tuple(p.shape), dtype or p.dtype) for n, p in model.named_parameters()]
+        self.specs = [
+            Spec(n, p, tuple(p.shape), dtype or p.dtype, adjust=fn) for n, p, fn in served_parameters(model)
+        ]
         sharded = [isinstance(s.param, DTensor) for s in self.specs]
         ok = all(
             _is_dim0_sharded(s.param, self.world, self.rank)
@@ -184,6 +193,7 @@ class ParamGatherer:
         bucket = self.buckets[k]
         if not self.p2p:
             full = [(s, s.param.full_tensor() if isinstance(s.param, DTensor) else s.param) for s in bucket]
+            full = [(s, s.adjust(t, True) if s.adjust else t) for s, t in full]
             if self.rank != 0:
                 return []
             buf = self._buffer(k)
@@ -198,6 +208,8 @@ class ParamGatherer:
         for i, s in enumerate(bucket):
             local = s.param.to_local() if isinstance(s.param, DTensor) else s.param
             local = local.detach()
+            if s.adjust is not None:  # on every rank, in the same order: it may be collective
+                local = s.adjust(local, not isinstance(s.param, DTensor))
             if not isinstance(s.param, DTensor):  # replicated: rank 0 has it all
                 if self.rank == 0:
                     self._view(buf, s).copy_(local)

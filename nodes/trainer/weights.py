@@ -13,6 +13,9 @@ Two paths:
 - **disk**: the full state dict is saved as safetensors and every server is asked to
   ``/update_weights_from_disk``.
 
+Under LoRA both paths send merged weights under the base model's names (nodes/trainer/lora.py):
+the servers load them as they load a full fine-tune's.
+
 Around either: optional ``/pause_generation`` (abort | retract | in_place) and
 ``/continue_generation``, optional ``/begin_weight_update`` ... ``/end_weight_update`` (SGLang
 0.5.23 refuses distributed updates outside such a session), and the servers' ``weight_version``
@@ -41,6 +44,7 @@ from nodes.trace import TRACE
 from nodes.trainer.config import PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
+from nodes.trainer.lora import merge_state_dict
 from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
 from protocols.sglang import (
     BeginWeightUpdateRequest,
@@ -397,7 +401,7 @@ class WeightPusher:
         nbytes = 0
         if self.rank == 0:
             try:
-                nbytes = self._save_and_load(sd, version)
+                nbytes = self._save_and_load(merge_state_dict(self.model, sd), version)
             except Exception as e:
                 error = e
         self._agree(error)
