@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import signal
+import uuid
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from nodes.rollout.prompts import trained_position
-from nodes.trainer.manifest import resume_point, write_latest
+from nodes.trainer.manifest import resume_point, saved_here, write_latest
 
 __all__ = ["RunLockedError", "RunState", "Terminated", "Termination"]
 
@@ -87,11 +88,15 @@ class RunState:
         return self.step == last_step or bool(every and self.step % every == 0)
 
     async def save(self, ranks: Any) -> Path:
-        """Checkpoint the completed step on every rank and point ``latest`` at it."""
+        """Checkpoint the completed step on every rank and point ``latest`` at it, once this process
+        sees the checkpoint there too (CheckpointError otherwise; ``latest`` is left as it was)."""
         data = trained_position(self.trained, self.n_items, self.done_epochs)
         self.done_epochs, self.trained = data["done_epochs"], set(data["trained"])  # whole epochs: a number
         path = self.checkpoints / f"step-{self.step}"
-        await ranks.save(str(path), {"step": self.step, "version": self.version, "data": data})
+        save_id = uuid.uuid4().hex
+        position = {"step": self.step, "version": self.version, "data": data, "save_id": save_id}
+        await ranks.save(str(path), position)
+        saved_here(path, save_id)
         write_latest(self.checkpoints, self.step)
         self.saved_step = self.step
         return path

@@ -12,8 +12,12 @@ import pytest
 from nodes.trainer.manifest import (
     CheckpointError,
     hash_files,
+    mark_visible,
     resume_point,
+    saved_here,
+    unmark,
     verify,
+    visibility_error,
     write_latest,
     write_manifest,
 )
@@ -92,3 +96,49 @@ def test_resume_point_is_checked_and_errors_say_what_is_there(tmp_path: Path) ->
     (tmp_path / "latest").unlink()
     with pytest.raises(CheckpointError, match=r"nothing to resume"):
         resume_point(tmp_path)
+
+
+def test_rank_0_names_each_host_whose_marker_it_does_not_see(tmp_path: Path) -> None:
+    # one checkpoint path, two hosts without a shared disk: each sees its own folder at that path
+    on_a, on_b = tmp_path / "a" / "step-3.tmp", tmp_path / "b" / "step-3.tmp"
+    on_a.mkdir(parents=True)
+    on_b.mkdir(parents=True)
+    path = Path("/runs/x/checkpoints/step-3")
+    hosts = ["node h0 (a)", "node h1 (b)", "node h0 (a)"]
+    assert [mark_visible(on_a, 0, "n1"), mark_visible(on_b, 1, "n1"), mark_visible(on_a, 2, "n1")] == [""] * 3
+    error = visibility_error(on_a, path, "n1", hosts, [""] * 3)
+    assert error.startswith(f"cannot save checkpoint {path}: rank 0 on node h0 (a) does not see")
+    assert "by rank 1 on node h1 (b), so" in error and "rank 2" not in error
+    assert "run.out_dir" in error and "Nothing was saved" in error
+    # a marker left by an earlier save does not count: rank 1 must be seen in this save
+    mark_visible(on_a, 1, "n0")
+    assert "rank 1 on node h1 (b)" in visibility_error(on_a, path, "n1", hosts, [""] * 3)
+    mark_visible(on_a, 1, "n1")  # the same folder for every rank: nothing to report
+    assert visibility_error(on_a, path, "n1", hosts, [""] * 3) == ""
+    for r in range(3):
+        unmark(on_a, r)
+    assert list(on_a.iterdir()) == []  # the markers are not part of the checkpoint
+
+
+def test_a_rank_that_does_not_see_the_folder_creates_nothing_and_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "b" / "step-3.tmp"
+    why = mark_visible(missing, 1, "n1")
+    assert why == "it does not see the folder rank 0 created" and not (tmp_path / "b").exists()
+    (tmp_path / "a").mkdir()
+    mark_visible(tmp_path / "a", 0, "n1")
+    error = visibility_error(tmp_path / "a", Path("/c/step-3"), "n1", ["h0", "h1"], ["", why])
+    assert "by rank 1 on h1 (it does not see the folder rank 0 created)" in error
+
+
+def test_latest_only_names_a_checkpoint_this_process_sees(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-2"
+    ckpt.mkdir()
+    with pytest.raises(
+        CheckpointError, match=f"checkpoint {re.escape(str(ckpt))} was saved .* does not see it"
+    ):
+        saved_here(ckpt, "id-2")
+    (ckpt / "trainer_state.json").write_text('{"data_position": {"save_id": "id-1"}}')
+    with pytest.raises(CheckpointError, match=r"sees an older save there.*latest still names the previous"):
+        saved_here(ckpt, "id-2")
+    (ckpt / "trainer_state.json").write_text('{"data_position": {"save_id": "id-2"}}')
+    saved_here(ckpt, "id-2")
