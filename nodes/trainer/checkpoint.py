@@ -4,7 +4,7 @@ schedule, every rank's RNG state, and the data position.
 
 Layout of a checkpoint folder::
 
-    model+optim shards (DCP: .metadata, __<rank>_0.distcp)
+    model+optim shards (DCP: .metadata, __<rank>_0.distcp); under LoRA the adapters only
     trainer_state.json   version, optim_steps, data_position, world_size (rank 0)
     rank<r>.pt           RNG states and LR-scheduler state of rank r
     manifest.json        sha256 and size of every file above, written last (manifest.py)
@@ -36,7 +36,7 @@ import structlog
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from nodes.trainer.fsdp import NonFiniteError, name_list
 from nodes.trainer.manifest import (
@@ -63,6 +63,16 @@ class TrainerState:
     optim_steps: int
     data_position: Any
     world_size: int
+
+
+def _trained_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state of the parameters that train: all of them, or under LoRA the
+    adapters (the frozen base comes from the model path on every start). Names, not torch's
+    ``ignore_frozen_params``: that keeps a frozen weight's tied alias (SmolLM2's ``lm_head``)."""
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    named = trainer.model.named_parameters(remove_duplicate=False)
+    frozen = {n for n, p in named if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def _rng_state() -> dict[str, Any]:
@@ -123,7 +133,7 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _check_shared(tmp, path, rank, world)
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = _trained_state(trainer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict()}, tmp / f"rank{rank}.pt")
     if rank == 0:
@@ -163,11 +173,15 @@ def load(trainer: Any, path: str | Path) -> TrainerState:
     if not state_file.is_file():
         raise FileNotFoundError(f"{path} is not a complete trainer checkpoint (no {STATE_FILE})")
     state = TrainerState(**json.loads(state_file.read_text()))
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    model_sd, optim_sd = _trained_state(trainer)
     sd = {"model": model_sd, "optim": optim_sd}
     dcp.load(sd, checkpoint_id=str(path))
-    set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+    set_state_dict(  # not strict: the frozen parameters are not in it (DCP refused missing keys)
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=sd["model"],
+        optim_state_dict=sd["optim"],
+        options=StateDictOptions(strict=False),
     )
     if bad := trainer.nonfinite(optimizer=True):
         raise CheckpointError(f"checkpoint {path} holds non-finite values in {name_list(bad)}")
