@@ -10,6 +10,7 @@ import zmq.asyncio
 import rlactors
 from protocols import wire
 from rlactors.aio import wait_for
+from rlactors.config import agent_command, load_cluster_config
 from rlactors.security import Security, load_secret, module_allowed
 from tests.runtime.actors import Counter
 
@@ -99,3 +100,16 @@ def test_module_prefixes_match_whole_dotted_names() -> None:
         assert module_allowed("nodes", prefixes) and module_allowed("nodes.buffer", prefixes)
         assert not module_allowed("nodes_evil", prefixes) and not module_allowed("os", prefixes)
     assert not module_allowed("__main__", ["nodes", "recipes"])
+
+
+def test_cluster_toml_allowed_modules_reach_every_agent_command(tmp_path) -> None:
+    toml = tmp_path / "cluster.toml"
+    toml.write_text(
+        '[head]\nhost = "127.0.0.1"\n[cluster]\nallowed_modules = ["nodes", "recipes"]\n'
+        '[[nodes]]\nhost = "127.0.0.1"\n[[nodes]]\nhost = "127.0.0.1"\n'
+    )
+    cfg = load_cluster_config(toml)
+    for node in cfg.nodes:
+        cmd = agent_command(cfg, node, "secret", "logs")
+        flags = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--allow-module"]
+        assert flags == ["nodes", "recipes"]
