@@ -24,9 +24,9 @@ ADDRESSES = {
 class Spawner(rlactors.Actor):
     """Tries, from inside a worker, what only the control credential should open."""
 
-    async def spawn_counter(self, start: int) -> int:
-        """Spawn a Counter and call it; the PermissionError (if any) goes to the caller."""
-        c = await rlactors.get_context().cluster.spawn(Counter, start)
+    async def spawn_counter(self, start: int, node_id: str | None = None) -> int:
+        """Spawn a Counter (on ``node_id``) and call it; the PermissionError (if any) goes to the caller."""
+        c = await rlactors.get_context().cluster.spawn(Counter, start, node_id=node_id)
         return await c.add(1)
 
     async def call(self, other: rlactors.ActorHandle, k: int) -> int:
