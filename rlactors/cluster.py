@@ -316,7 +316,8 @@ def init(
 ) -> _Starter:
     """Start an embedded local cluster (head + one node agent) on the running loop.
 
-    ``address="ipc"`` (default) serves over Unix sockets in a private directory;
+    ``address="ipc"`` (default) serves over Unix sockets in a private directory, with peers
+    authenticated by a secret this process keeps in memory (PLAIN: nothing is encrypted);
     ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
     processes can :func:`connect` with the secret. Non-detached actors of a client that
     stops heartbeating for ``client_timeout`` seconds (default max(10, 3 * node_timeout))
