@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -179,8 +180,16 @@ def read_until(proc: subprocess.Popen[str], lines: list[str], prefix: str, err: 
         lines.append(line)
         if line.startswith(prefix):
             return line
-    why = err.read_text(errors="replace")[-3000:] if err is not None and err.exists() else ""
-    raise AssertionError(f"the run ended before {prefix!r}: {''.join(lines)[-3000:]}\n{why}")
+    raise AssertionError(f"the run ended before {prefix!r}: {''.join(lines)[-3000:]}\n{run_logs(err)}")
+
+
+def run_logs(err: Path | None) -> str:
+    """The tail of a run's stderr ``err`` (``<out_dir>.err``, as the tests here name it) and of its
+    servers' logs (``<out_dir>/servers/*.log``): why a run ended, for a failure message."""
+    if err is None:
+        return ""
+    files = [err, *sorted(err.with_suffix("").glob("servers/*.log"))]
+    return "\n".join(f"--- {f}:\n{f.read_text(errors='replace')[-2500:]}" for f in files if f.exists())
 
 
 @contextlib.contextmanager
@@ -212,8 +221,37 @@ def stop(*procs: subprocess.Popen[Any] | None) -> None:
             p.wait()
 
 
-@pytest.mark.slow
-def test_pool_add_and_rm_through_the_cli_during_a_run_on_an_up_cluster(tmp_path: Path) -> None:
+@dataclasses.dataclass
+class JoinedRun:
+    proc: subprocess.Popen[str]
+    lines: list[str]  # what the run printed so far
+    err: Path  # the run's stderr
+    env: dict[str, str]  # for `rlactors` commands against its cluster
+    proxy: RecordingProxy  # in front of the server that joined
+    version: int  # the version it joined at
+
+    def read_until(self, prefix: str) -> str:
+        return read_until(self.proc, self.lines, prefix, self.err)
+
+    def end_after(self, steps: int) -> str:
+        """Let the run train ``steps`` more steps, then end it with SIGTERM (it finishes its step
+        and exits 143); everything it printed."""
+        for _ in range(steps):
+            self.read_until("step ")
+        self.proc.send_signal(signal.SIGTERM)
+        rest, _ = self.proc.communicate(timeout=600)
+        output = "".join(self.lines) + rest
+        assert self.proc.returncode == 143, output[-3000:] + run_logs(self.err)
+        return output
+
+
+@contextlib.contextmanager
+def run_and_join_a_server(tmp_path: Path) -> Iterator[JoinedRun]:
+    """A run on a `rlactors up` cluster; after step 1 a reference server started by hand, behind a
+    :class:`RecordingProxy`, is added with `rlactors pool add` and joins at the next publish. The
+    run is long (100 steps; a test ends it with :meth:`JoinedRun.end_after`) so that the server's
+    start-up on a slow machine cannot outlast it. The run, the server and the proxy are stopped
+    on the way out."""
     from nodes.inference.models import ensure_tiny_checkpoint
 
     out, err = tmp_path / "run", tmp_path / "run.err"
@@ -221,89 +259,78 @@ def test_pool_add_and_rm_through_the_cli_during_a_run_on_an_up_cluster(tmp_path:
     lines: list[str] = []
     with up_cluster(tmp_path) as (cfg, env):
         try:
-            proc = start_run([f"run.out_dir={out}", "run.steps=10"], cfg, env, err)
+            proc = start_run(
+                [f"run.out_dir={out}", "run.steps=100", "run.checkpoint_every=100"], cfg, env, err
+            )
             read_until(proc, lines, "step 1/", err)
             joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
             proxy = RecordingProxy(url)
             add = cli(["pool", "add", proxy.url], env)
-            assert add.returncode == 0, add.stderr
+            assert add.returncode == 0, add.stderr + "".join(lines)[-2000:] + run_logs(err)
             assert "joining" in add.stdout
             joined = read_until(proc, lines, "servers joined:", err)
             assert proxy.url in joined
             version = int(re.search(r"serving version (\d+)", joined).group(1))
-            assert version >= 2  # it joined after at least one publish: base weights are not the policy
-
-            ls = cli(["pool", "ls", "--json"], env)
-            assert ls.returncode == 0, ls.stderr
-            servers: list[dict[str, Any]] = json.loads(ls.stdout)["servers"]
-            assert {s["url"]: s["state"] for s in servers}[proxy.url] == "live"
-            leaving = next(s["url"] for s in servers if s["name"] == "server-0")
-            rm = cli(["pool", "rm", leaving], env)  # drains: its running requests finish, none start
-            assert rm.returncode == 0, rm.stderr
-            read_until(proc, lines, "server leaving:", err)
-            rest, _ = proc.communicate(timeout=600)
+            yield JoinedRun(proc, lines, err, env, proxy, version)
         finally:
             stop(proc, joiner)
             if proxy is not None:
                 proxy.close()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output[-3000:] + err.read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_pool_add_and_rm_through_the_cli_during_a_run_on_an_up_cluster(tmp_path: Path) -> None:
+    with run_and_join_a_server(tmp_path) as run:
+        assert run.version >= 2  # it joined after at least one publish: base weights are not the policy
+        ls = cli(["pool", "ls", "--json"], run.env)
+        assert ls.returncode == 0, ls.stderr
+        servers: list[dict[str, Any]] = json.loads(ls.stdout)["servers"]
+        assert {s["url"]: s["state"] for s in servers}[run.proxy.url] == "live"
+        leaving = next(s["url"] for s in servers if s["name"] == "server-0")
+        rm = cli(["pool", "rm", leaving], run.env)  # drains: its running requests finish, none start
+        assert rm.returncode == 0, rm.stderr
+        run.read_until("server leaving:")
+        run.end_after(2)
+    proxy, version, out = run.proxy, run.version, tmp_path / "run"
     # the joiner served only the policy it was checked to hold, and later ones: never base weights
     assert proxy.generated, "the joined server got no requests"
     assert all(v is not None and int(v) >= version for v in proxy.generated), proxy.generated
     m = rows(out)
-    assert [r["step"] for r in m] == list(range(1, 11))
+    n = len(m)
+    assert [r["step"] for r in m] == list(range(1, n + 1))
     assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
     assert m[-1]["servers/live"] == 2
     assert max(r["servers/live"] for r in m) == 3
     assert all(r["servers/min_weight_version"] == r["version"] for r in m)
     assert all(r["train/n_seqs"] == 4 for r in m)
     groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 20 and len(set(groups)) == 20  # nothing lost or trained twice
+    assert len(groups) == 2 * n and len(set(groups)) == 2 * n  # nothing lost or trained twice
 
 
 @pytest.mark.slow
 def test_pool_rm_no_drain_moves_the_removed_servers_requests_in_flight_elsewhere(tmp_path: Path) -> None:
     """`rlactors pool rm --no-drain` returns while the server still holds requests; the server
     then goes away (as a user removing it at once would take it down), and the requests it held
-    complete on the other servers: the run finishes with every group trained once."""
-    from nodes.inference.models import ensure_tiny_checkpoint
-
-    out, err = tmp_path / "run", tmp_path / "run.err"
-    proc = joiner = proxy = None
-    lines: list[str] = []
-    with up_cluster(tmp_path) as (cfg, env):
-        try:
-            proc = start_run([f"run.out_dir={out}", "run.steps=8"], cfg, env, err)
-            read_until(proc, lines, "step 1/", err)
-            joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
-            proxy = RecordingProxy(url)
-            add = cli(["pool", "add", proxy.url], env)
-            assert add.returncode == 0, add.stderr
-            read_until(proc, lines, "servers joined:", err)
-            proxy.hold = True
-            deadline = time.monotonic() + 120
-            while proxy.held < 1 and time.monotonic() < deadline and proc.poll() is None:
-                time.sleep(0.05)  # until the rollout sends the joined server a request
-            assert proxy.held >= 1, "the joined server got no request to hold"
-            rm = cli(["pool", "rm", "--no-drain", proxy.url], env)
-            assert rm.returncode == 0, rm.stderr
-            in_flight = proxy.held  # still parked: rm returned with them in flight
-            proxy.gone.set()
-            read_until(proc, lines, "server leaving:", err)
-            rest, _ = proc.communicate(timeout=600)
-        finally:
-            stop(proc, joiner)
-            if proxy is not None:
-                proxy.close()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output[-3000:] + err.read_text()[-3000:]
-    m = rows(out)
-    assert [r["step"] for r in m] == list(range(1, 9))
+    complete on the other servers: every group is trained once."""
+    with run_and_join_a_server(tmp_path) as run:
+        run.proxy.hold = True
+        deadline = time.monotonic() + 120
+        while run.proxy.held < 1 and time.monotonic() < deadline and run.proc.poll() is None:
+            time.sleep(0.05)  # until the rollout sends the joined server a request
+        assert run.proxy.held >= 1, "the joined server got no request to hold"
+        rm = cli(["pool", "rm", "--no-drain", run.proxy.url], run.env)
+        assert rm.returncode == 0, rm.stderr
+        in_flight = run.proxy.held  # still parked: rm returned with them in flight
+        run.proxy.gone.set()
+        run.read_until("server leaving:")
+        run.end_after(3)
+    m = rows(tmp_path / "run")
+    n = len(m)
+    assert [r["step"] for r in m] == list(range(1, n + 1))
     assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
     assert m[-1]["servers/live"] == 2
     # every request the removed server held was sent again to another server and finished there
     assert m[-1]["rollout/failovers"] >= in_flight, (in_flight, [r["rollout/failovers"] for r in m])
     assert all(r["train/n_seqs"] == 4 for r in m)
     groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 16 and len(set(groups)) == 16  # nothing lost or trained twice
+    assert len(groups) == 2 * n and len(set(groups)) == 2 * n  # nothing lost or trained twice
