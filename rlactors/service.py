@@ -13,6 +13,12 @@ method and runs it according to its kind:
   credit window so a fast producer cannot flood a slow consumer.
 
 A CANCEL cancels the task running that call. Malformed messages are logged and dropped.
+
+Replies are held back, not piled up: when the backlog of messages to a caller that does not read
+(slow, or stopped) is full (see :mod:`rlactors.transport`), a finished call waits with its result,
+and a stream before its next item, until the caller reads again or is disconnected; other callers'
+replies are not held up. A reply to a caller that has gone is logged at warning with the actor and
+the method it answered.
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ class Service:
         self._asock, self.address = bind_router(
             address, self._on_message, self.security, name=self.name, on_too_large=self._refuse_too_large
         )
+        self._asock.on_undeliverable = self._undeliverable
         self._outbox = Outbox(self._asock, routed=True)
         return self.address
 
@@ -227,10 +234,10 @@ class Service:
         flags: int,
     ) -> None:
         if target == ACTIVITY_TARGET and method == "activity":
-            self._send_result(ident, call_id, self.activity())
+            self._send_result(ident, call_id, self.activity(), method)
             return
         if target == ACTIVITY_TARGET and method == "stacks":
-            self._send_result(ident, call_id, self.stacks())
+            self._send_result(ident, call_id, self.stacks(), method)
             return
         methods = self._targets.get(target)
         entry = methods.get(method) if methods is not None else None
@@ -238,7 +245,7 @@ class Service:
             what = f"{self.name}" if target is None else f"{self.name}/{target}"
             err = AttributeError(f"{what} has no public method {method!r}")
             if not flags & Flags.NO_REPLY:
-                self._send_error(ident, call_id, err)
+                self._send_error(ident, call_id, err, method)
             return
         fn, kind = entry
         key = (ident, call_id)
@@ -253,7 +260,7 @@ class Service:
                 self._executor, functools.partial(ctx.run, self._in_thread, key, fn, *args, **kwargs)
             )
             self._running[key] = fut
-            fut.add_done_callback(functools.partial(self._sync_done, key, flags))
+            fut.add_done_callback(functools.partial(self._sync_done, key, flags, method))
         else:
             self._credits[key] = _Credit()
             self._running[key] = loop.create_task(self._run_stream(key, fn, kind, args, kwargs))
@@ -320,9 +327,10 @@ class Service:
         flags: int,
     ) -> None:
         ident, call_id = key
+        name = getattr(fn, "__name__", "?")
         # This task runs in its own copy of the context: bind the call for log lines it emits.
-        _bind(method=fn.__name__, call=call_id)
-        CURRENT_CALL.set(getattr(fn, "__name__", None))
+        _bind(method=name, call=call_id)
+        CURRENT_CALL.set(name)
         try:
             async with self._sem:
                 self._admitted.add(key)
@@ -331,29 +339,29 @@ class Service:
             if key in self._cancelled:
                 return  # the caller cancelled: nobody is waiting
             if not flags & Flags.NO_REPLY:  # cancelled inside the actor: the caller must not wait forever
-                self._send_error(
-                    ident,
-                    call_id,
-                    RuntimeError(f"{getattr(fn, '__name__', '?')} was cancelled inside the actor"),
-                )
+                self._send_error(ident, call_id, RuntimeError(f"{name} was cancelled inside the actor"), name)
         except Exception as e:
             if flags & Flags.NO_REPLY:
-                log.exception("told method failed", service=self.name, method=getattr(fn, "__name__", "?"))
+                log.exception("told method failed", service=self.name, method=name)
             else:
-                self._send_error(ident, call_id, e)
+                self._send_error(ident, call_id, e, name)
         else:
             if not flags & Flags.NO_REPLY:
-                self._send_result(ident, call_id, result)
+                asock = self._asock
+                if asock is not None and asock.full(ident):  # the caller does not read: hold the reply
+                    await asock.room(ident)
+                self._send_result(ident, call_id, result, name)
         finally:
             self._running.pop(key, None)
             self._cancelled.discard(key)
             self._admitted.discard(key)
 
-    def _sync_done(self, key: tuple[bytes, int], flags: int, fut: asyncio.Future[Any]) -> None:
+    def _sync_done(self, key: tuple[bytes, int], flags: int, method: str, fut: asyncio.Future[Any]) -> None:
         self._running.pop(key, None)
         if fut.cancelled():
             if key not in self._cancelled and not flags & Flags.NO_REPLY:
-                self._send_error(key[0], key[1], RuntimeError("the call was cancelled inside the actor"))
+                err = RuntimeError("the call was cancelled inside the actor")
+                self._send_error(key[0], key[1], err, method)
             self._cancelled.discard(key)
             return
         exc = fut.exception()
@@ -362,9 +370,22 @@ class Service:
                 log.error("told method failed", service=self.name, error=repr(exc))
             return
         if exc is not None:
-            self._send_error(key[0], key[1], exc)
+            self._send_error(key[0], key[1], exc, method)
+        elif self._asock is not None and self._asock.full(key[0]):  # the caller does not read
+            task = asyncio.get_running_loop().create_task(self._reply_later(key, fut.result(), method))
+            self._running[key] = task  # a CANCEL or close() cancels it
         else:
-            self._send_result(key[0], key[1], fut.result())
+            self._send_result(key[0], key[1], fut.result(), method)
+
+    async def _reply_later(self, key: tuple[bytes, int], result: Any, method: str) -> None:
+        """Send a sync call's result once its caller's backlog has room."""
+        try:
+            if self._asock is not None:
+                await self._asock.room(key[0])
+            self._send_result(key[0], key[1], result, method)
+        finally:
+            self._running.pop(key, None)
+            self._cancelled.discard(key)
 
     async def _run_stream(
         self,
@@ -376,6 +397,7 @@ class Service:
     ) -> None:
         ident, call_id = key
         credit = self._credits[key]
+        name = getattr(fn, "__name__", "?")
         # Streams do not count against max_concurrency: a stream parked on its credit window
         # (a slow or vanished consumer) must not hold a slot other calls need.
         try:
@@ -383,7 +405,7 @@ class Service:
                 agen = fn(*args, **kwargs)
                 try:
                     async for item in agen:
-                        await self._stream_item(ident, call_id, credit, item)
+                        await self._stream_item(ident, call_id, credit, item, name)
                 finally:
                     await agen.aclose()
             else:
@@ -391,49 +413,63 @@ class Service:
                 it = await loop.run_in_executor(self._executor, lambda: iter(fn(*args, **kwargs)))
                 done = object()
                 while (item := await loop.run_in_executor(self._executor, next, it, done)) is not done:
-                    await self._stream_item(ident, call_id, credit, item)
-            self._send(ident, wire.encode_envelope(Kind.STREAM_END, call_id))
+                    await self._stream_item(ident, call_id, credit, item, name)
+            self._send(ident, wire.encode_envelope(Kind.STREAM_END, call_id), name)
         except asyncio.CancelledError:
             if key not in self._cancelled:
-                self._send_error(ident, call_id, RuntimeError("the stream was cancelled inside the actor"))
+                err = RuntimeError("the stream was cancelled inside the actor")
+                self._send_error(ident, call_id, err, name)
         except TimeoutError:
             log.warning(
                 "stream consumer stopped acknowledging; stream ended", service=self.name, call=call_id
             )
         except Exception as e:
-            self._send_error(ident, call_id, e)
+            self._send_error(ident, call_id, e, name)
         finally:
             self._running.pop(key, None)
             self._credits.pop(key, None)
             self._cancelled.discard(key)
 
-    async def _stream_item(self, ident: bytes, call_id: int, credit: _Credit, item: Any) -> None:
+    async def _stream_item(self, ident: bytes, call_id: int, credit: _Credit, item: Any, method: str) -> None:
         while credit.sent - credit.acked >= STREAM_WINDOW:
             credit.event.clear()
             # A consumer that acknowledges nothing for this long is gone (its process died).
             await wait_for(credit.event.wait(), STREAM_CREDIT_TIMEOUT_S)
+        if self._asock is not None and self._asock.full(ident):  # the consumer does not read
+            await self._asock.room(ident)
         credit.sent += 1
         env = wire.encode_envelope(Kind.STREAM_ITEM, call_id, item)
         check_size(env, f"an item streamed by {self.name}")  # raises: the stream ends with the error
-        self._send(ident, env)
+        self._send(ident, env, method)
 
     # --- outgoing ------------------------------------------------------------------------------
 
-    def _send(self, ident: bytes, envelope: list[Any]) -> None:
+    def _send(self, ident: bytes, envelope: list[Any], method: str | None = None) -> None:
+        """Queue one envelope to ``ident``; ``method``: the one it answers, named if it is lost."""
         if self._outbox is not None:
-            self._outbox.put(envelope, ident)
+            self._outbox.put(envelope, ident, method)
 
-    def _send_result(self, ident: bytes, call_id: int, value: Any) -> None:
+    def _send_result(self, ident: bytes, call_id: int, value: Any, method: str | None = None) -> None:
         try:
             env = wire.encode_envelope(Kind.RESULT, call_id, value)
             check_size(env, f"the result of a call to {self.name}")
         except (codec.CodecError, MessageTooLargeError) as e:
-            self._send_error(ident, call_id, e)
+            self._send_error(ident, call_id, e, method)
             return
-        self._send(ident, env)
+        self._send(ident, env, method)
 
-    def _send_error(self, ident: bytes, call_id: int, exc: BaseException) -> None:
+    def _send_error(self, ident: bytes, call_id: int, exc: BaseException, method: str | None = None) -> None:
         payload = exception_payload(exc, where=self.name)
         if hasattr(exc, "actor_id"):
             payload["actor_id"] = exc.actor_id
-        self._send(ident, wire.encode_envelope(Kind.ERROR, call_id, payload))
+        self._send(ident, wire.encode_envelope(Kind.ERROR, call_id, payload), method)
+
+    def _undeliverable(self, peer: bytes | None, methods: list[Any]) -> None:
+        """Replies to a caller that has gone (its process exited, or it reconnected as a new peer)."""
+        names = sorted({m for m in methods if m})
+        log.warning(
+            "reply not delivered: its caller is gone",
+            actor=self.name,
+            method=", ".join(names) if names else None,
+            replies=len(methods),
+        )

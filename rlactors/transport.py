@@ -6,9 +6,21 @@ Outgoing envelopes queued during one turn of the loop are coalesced into one mul
 message per peer (see :mod:`protocols.wire`), which is where most of the throughput comes
 from when many calls are in flight.
 
-ROUTER sockets set ``ROUTER_MANDATORY``: a reply to a peer that is gone raises instead of
-vanishing, and is logged. When ZeroMQ's high-water mark is reached, messages wait in a
-local backlog and are retried; nothing is dropped silently.
+Nothing is dropped silently. ROUTER sockets set ``ROUTER_MANDATORY``, so ZeroMQ neither drops a
+message to a peer that is gone nor one past a peer's high-water mark: the send fails with
+``EHOSTUNREACH`` or ``EAGAIN`` instead. A message to a vanished peer is reported to the socket's
+``on_undeliverable`` (the service logs a warning naming the actor and the methods whose replies
+were lost). A message past the high-water mark (:data:`SNDHWM` messages per peer held by ZeroMQ,
+whose own queue counts messages, not bytes) waits in a per-peer backlog, in order, and is retried;
+a peer that is slow or stopped holds up only its own messages. The backlog is bounded:
+:meth:`AsyncSocket.full` says when a peer's backlog holds ``send_backlog_bytes`` or
+:data:`SEND_BACKLOG_MESSAGES` messages, and senders that can wait (a service's replies and stream
+items) ``await`` :meth:`AsyncSocket.room` before sending more, which holds them back until the peer
+reads again (down to half the bound), or is disconnected (a stopped peer misses its heartbeats),
+or the socket closes. ``send`` itself never refuses: a message sent past the bound by a sender that
+cannot wait is queued too (the small control messages, errors, and a client's calls, whose callers
+are held back by awaiting their results). The bound: ``RLACTORS_SEND_BACKLOG_BYTES`` (default
+256 MiB per peer), or :func:`set_send_backlog` for this process and the workers it starts.
 
 Message size: every TCP socket sets ``ZMQ_MAXMSGSIZE`` to :data:`FRAME_BYTES` (plus CURVE's
 overhead), so a peer that has not authenticated can make this process hold at most one such
@@ -48,8 +60,17 @@ from rlactors.security import Security
 
 log = structlog.get_logger("rlactors.transport")
 
-# Per-socket high-water mark, in messages. Callers also bound their in-flight calls.
-HWM = 100_000
+# High-water marks, in messages per peer (each a batch of envelopes). ZeroMQ's queue to a peer counts
+# messages, not bytes: it holds at most SNDHWM, then a bounded backlog of ours (see send_backlog_bytes).
+SNDHWM = 100
+HWM = 100_000  # receiving; callers also bound their in-flight calls
+# A peer's backlog is full at this many messages (or send_backlog_bytes); senders that can wait
+# resume at half of both.
+SEND_BACKLOG_MESSAGES = 10_000
+DEFAULT_SEND_BACKLOG_BYTES = 256 << 20
+SEND_BACKLOG_BYTES_ENV = "RLACTORS_SEND_BACKLOG_BYTES"
+RETRY_MIN_S = 0.001  # a full peer is retried after this, doubling while it makes no progress,
+RETRY_MAX_S = 0.05  # up to this (it may be stopped until its heartbeats time out)
 # Messages read per wake-up before yielding to other callbacks (fairness).
 DRAIN_BUDGET = 512
 HEARTBEAT_IVL_MS = 1000  # ZMTP ping to every peer this often
@@ -88,6 +109,33 @@ def set_max_message_bytes(n: int) -> None:
     global _max_message_bytes
     os.environ[MAX_MESSAGE_BYTES_ENV] = str(int(n))
     _max_message_bytes = _bound_from_env()
+
+
+def _backlog_from_env() -> int:
+    raw = os.environ.get(SEND_BACKLOG_BYTES_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_SEND_BACKLOG_BYTES
+    except ValueError:
+        raise ValueError(f"{SEND_BACKLOG_BYTES_ENV} must be a number of bytes, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{SEND_BACKLOG_BYTES_ENV} must be positive, got {value}")
+    return value
+
+
+_send_backlog_bytes = _backlog_from_env()
+
+
+def send_backlog_bytes() -> int:
+    """How many bytes may wait, per peer, past ZeroMQ's queue before senders are held back."""
+    return _send_backlog_bytes
+
+
+def set_send_backlog(n_bytes: int) -> None:
+    """Set the per-peer backlog bound for this process and the workers it starts (through the
+    environment); sockets made later use it."""
+    global _send_backlog_bytes
+    os.environ[SEND_BACKLOG_BYTES_ENV] = str(int(n_bytes))
+    _send_backlog_bytes = _backlog_from_env()
 
 
 def nbytes(frame: Any) -> int:
@@ -178,6 +226,32 @@ def context() -> zmq.Context:
 
 
 OnMessage = Callable[[list[Any]], None]
+# Told of messages to a peer that is gone: the peer's identity and the labels of their envelopes.
+OnUndeliverable = Callable[[bytes | None, list[Any]], None]
+
+_SENT, _FULL, _GONE = 0, 1, 2
+
+
+class _Backlog:
+    """One peer's messages waiting past ZeroMQ's high-water mark, in order."""
+
+    __slots__ = ("messages", "nbytes", "waiters")
+
+    def __init__(self) -> None:
+        self.messages: collections.deque[tuple[list[Any], Sequence[Any] | None, int]] = collections.deque()
+        self.nbytes = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def add(self, frames: list[Any], about: Sequence[Any] | None) -> None:
+        size = message_bytes(frames)
+        self.messages.append((frames, about, size))
+        self.nbytes += size
+
+    def full(self, max_bytes: int) -> bool:
+        return self.nbytes >= max_bytes or len(self.messages) >= SEND_BACKLOG_MESSAGES
+
+    def roomy(self, max_bytes: int) -> bool:
+        return self.nbytes <= max_bytes // 2 and len(self.messages) <= SEND_BACKLOG_MESSAGES // 2
 
 
 class AsyncSocket:
@@ -185,6 +259,10 @@ class AsyncSocket:
 
     ``on_message`` receives each incoming multipart message (a list of ``zmq.Frame``).
     For ROUTER sockets the first frame is the peer identity.
+
+    Sending: see the module's docstring. ``on_undeliverable(peer, labels)`` hears of messages
+    to a peer that is gone (ROUTER only), with the labels (``about``) they were sent with;
+    without it they are logged at warning.
     """
 
     def __init__(
@@ -201,13 +279,17 @@ class AsyncSocket:
         self._on_message = on_message
         # Told of a message over max_message_bytes (its frames, joined, and why), instead of on_message.
         self._on_too_large = on_too_large
+        self.on_undeliverable: OnUndeliverable | None = None
         self._skip = 1 if sock.type == zmq.ROUTER else 0  # the peer's identity frame
         self._whole = whole_frames  # send frames uncut (ipc: no stranger can connect)
         self._size_log = Throttle(log, "refused a message over max_message_bytes", REJECT_LOG_EVERY_S)
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
-        self._backlog: collections.deque[list[Any]] = collections.deque()
+        # Per peer (its identity; None for a DEALER's one peer), only while it has a backlog.
+        self._backlogs: dict[bytes | None, _Backlog] = {}
+        self.backlog_bytes = _send_backlog_bytes  # a peer's backlog is full at this many bytes
         self._retry_handle: asyncio.TimerHandle | None = None
+        self._retry_s = RETRY_MIN_S
         self._drain_scheduled = False
         self.closed = False
         self.monitor: AsyncSocket | None = None  # failed handshakes of a secured ROUTER (watch_handshakes)
@@ -218,7 +300,7 @@ class AsyncSocket:
     # --- receiving -----------------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        if self._backlog:
+        if self._backlogs:
             self._flush_backlog()
         self._drain()
 
@@ -273,8 +355,11 @@ class AsyncSocket:
 
     # --- sending -------------------------------------------------------------------------------
 
-    def send(self, frames: Sequence[Any]) -> None:
-        """Send one multipart message now, or queue it behind earlier ones at the high-water mark."""
+    def send(self, frames: Sequence[Any], about: Sequence[Any] | None = None) -> None:
+        """Send one multipart message now, or queue it behind the peer's backlog (never refused).
+
+        ``about``: labels of the message's envelopes, for ``on_undeliverable``.
+        """
         if self.closed:
             raise ConnectionError(f"socket {self.name} is closed")
         if self._whole:
@@ -283,45 +368,102 @@ class AsyncSocket:
             frames = [frames[0], *_cut(frames[1:])]
         else:
             frames = _cut(frames)
-        if self._backlog:
-            self._backlog.append(frames)
-            return
-        self._send_now(frames)
+        if self._backlogs:
+            backlog = self._backlogs.get(frames[0] if self._skip else None)
+            if backlog is not None:  # keep the peer's order
+                backlog.add(frames, about)
+                return
+        outcome = self._try_send(frames)
+        if outcome == _FULL:
+            self._queue(frames, about)
+        elif outcome == _GONE:
+            self._undeliverable(frames[0], [about])
 
-    def _send_now(self, frames: Sequence[Any]) -> bool:
+    def full(self, to: bytes | None = None) -> bool:
+        """Whether the backlog to peer ``to`` (None: a DEALER's peer) is at its bound."""
+        if not self._backlogs:
+            return False
+        backlog = self._backlogs.get(to)
+        return backlog is not None and backlog.full(self.backlog_bytes)
+
+    async def room(self, to: bytes | None = None) -> None:
+        """Wait until the backlog to ``to`` is down to half its bound, the peer is gone, or the
+        socket closed. No timeout: a stopped peer misses its heartbeats and is disconnected."""
+        while not self.closed and self.full(to):
+            waiter = self._loop.create_future()
+            self._backlogs[to].waiters.append(waiter)
+            await waiter
+
+    def backlog(self, to: bytes | None = None) -> tuple[int, int]:
+        """(messages, bytes) waiting in the backlog to ``to``."""
+        b = self._backlogs.get(to)
+        return (len(b.messages), b.nbytes) if b is not None else (0, 0)
+
+    def _try_send(self, frames: Sequence[Any]) -> int:
         try:
             self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self._backlog.append(list(frames))
-            self._arm_retry()
-            return False
+        except zmq.Again:  # the peer's high-water mark (ROUTER_MANDATORY says so rather than drop)
+            return _FULL
         except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:
-                # ROUTER_MANDATORY: the peer has gone away; its reply has nowhere to go.
-                log.debug("peer unreachable; message not delivered", socket=self.name)
-                return True
+            if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: the peer has gone away
+                return _GONE
             raise
         finally:
             # A send can consume the fd's edge for pending input: check explicitly.
             if not self.closed and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 self._schedule_drain()
-        return True
+        return _SENT
+
+    def _queue(self, frames: list[Any], about: Sequence[Any] | None) -> None:
+        key = frames[0] if self._skip else None
+        backlog = self._backlogs.get(key)
+        if backlog is None:
+            backlog = self._backlogs[key] = _Backlog()
+        backlog.add(frames, about)
+        self._arm_retry()
+
+    def _undeliverable(self, peer: bytes | None, abouts: list[Sequence[Any] | None]) -> None:
+        labels = [label for about in abouts if about is not None for label in about]
+        if self.on_undeliverable is not None:
+            self.on_undeliverable(peer, labels)
+        else:
+            log.warning("message not delivered: its peer is gone", socket=self.name, about=labels)
 
     def _arm_retry(self) -> None:
         if self._retry_handle is None and not self.closed:
-            self._retry_handle = self._loop.call_later(0.001, self._retry)
+            self._retry_handle = self._loop.call_later(self._retry_s, self._retry)
 
     def _retry(self) -> None:
         self._retry_handle = None
         self._flush_backlog()
 
     def _flush_backlog(self) -> None:
-        while self._backlog and not self.closed:
-            frames = self._backlog.popleft()
-            if not self._send_now(frames):
-                # _send_now re-queued it at the back; restore order.
-                self._backlog.rotate(1)
-                return
+        """Send what each peer's backlog holds, in order, until its high-water mark."""
+        progress = False
+        for key, backlog in list(self._backlogs.items()):
+            messages = backlog.messages
+            while messages and not self.closed:
+                frames, _, size = messages[0]
+                outcome = self._try_send(frames)
+                if outcome == _FULL:
+                    break
+                progress = True
+                if outcome == _GONE:  # the rest cannot go either
+                    self._undeliverable(key, [m[1] for m in messages])
+                    messages.clear()
+                    backlog.nbytes = 0
+                    break
+                messages.popleft()
+                backlog.nbytes -= size
+            if not messages:
+                del self._backlogs[key]
+            if backlog.waiters and (not messages or backlog.roomy(self.backlog_bytes)):
+                _wake(backlog)
+        if self._backlogs:
+            self._retry_s = RETRY_MIN_S if progress else min(self._retry_s * 2, RETRY_MAX_S)
+            self._arm_retry()
+        else:
+            self._retry_s = RETRY_MIN_S
 
     def close(self, linger: int = 0) -> None:
         if self.closed:
@@ -329,6 +471,15 @@ class AsyncSocket:
         self.closed = True
         if self._retry_handle is not None:
             self._retry_handle.cancel()
+        for backlog in self._backlogs.values():
+            log.warning(
+                "socket closed with messages not sent",
+                socket=self.name,
+                messages=len(backlog.messages),
+                about=[label for m in backlog.messages if m[1] is not None for label in m[1]][:20],
+            )
+            _wake(backlog)
+        self._backlogs.clear()
         try:
             self._loop.remove_reader(self._fd)
         except (RuntimeError, ValueError):  # loop already closed
@@ -340,22 +491,34 @@ class AsyncSocket:
         self.sock.close(linger=linger)
 
 
+def _wake(backlog: _Backlog) -> None:
+    for waiter in backlog.waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+    backlog.waiters.clear()
+
+
 class Outbox:
-    """Collects envelopes per destination during one loop turn and sends each batch once."""
+    """Collects envelopes per destination during one loop turn and sends each batch once.
+
+    ``about`` labels an envelope (a service passes the method a reply answers); a message that
+    cannot be delivered reports its envelopes' labels to the socket's ``on_undeliverable``.
+    """
 
     def __init__(self, asock: AsyncSocket, *, routed: bool) -> None:
         self._asock = asock
         self._routed = routed
-        self._pending: dict[bytes | None, list[list[Any]]] = {}
+        self._pending: dict[bytes | None, tuple[list[list[Any]], list[Any]]] = {}
         self._scheduled = False
         self._loop = asyncio.get_running_loop()
 
-    def put(self, envelope: list[Any], to: bytes | None = None) -> None:
-        batch = self._pending.get(to)
-        if batch is None:
-            self._pending[to] = [envelope]
+    def put(self, envelope: list[Any], to: bytes | None = None, about: Any = None) -> None:
+        pending = self._pending.get(to)
+        if pending is None:
+            self._pending[to] = ([envelope], [about])
         else:
-            batch.append(envelope)
+            pending[0].append(envelope)
+            pending[1].append(about)
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
@@ -364,30 +527,30 @@ class Outbox:
         self._scheduled = False
         pending, self._pending = self._pending, {}
         if self._asock.closed:
+            if pending:  # put after its owner closed it (calls cancelled at shutdown answering)
+                log.debug("socket closed; messages not sent", socket=self._asock.name, messages=len(pending))
             return
-        for to, envelopes in pending.items():
-            for batch in _batches(envelopes):
-                msg = wire.join_batch(batch)
-                self._asock.send([to, *msg] if self._routed else msg)
+        for to, (envelopes, abouts) in pending.items():
+            for i, j in _spans(envelopes):
+                msg = wire.join_batch(envelopes[i:j])
+                self._asock.send([to, *msg] if self._routed else msg, abouts[i:j])
 
 
-def _batches(envelopes: list[list[Any]]) -> list[list[list[Any]]]:
-    """Envelopes in messages of at most MAX_ENVELOPES_PER_MESSAGE and, where an envelope is large,
-    of at most max_message_bytes together (each envelope alone was checked by its sender)."""
+def _spans(envelopes: list[list[Any]]) -> list[tuple[int, int]]:
+    """Slices of ``envelopes`` to send as one message each: at most MAX_ENVELOPES_PER_MESSAGE and,
+    where an envelope is large, at most max_message_bytes together (each alone was checked by its
+    sender)."""
     if len(envelopes) == 1:
-        return [envelopes]
-    out: list[list[list[Any]]] = []
-    batch: list[list[Any]] = []
-    size = 0
-    for env in envelopes:
+        return [(0, 1)]
+    out: list[tuple[int, int]] = []
+    start = size = 0
+    for i, env in enumerate(envelopes):
         n = message_bytes(env)
-        if batch and (len(batch) == wire.MAX_ENVELOPES_PER_MESSAGE or size + n > _max_message_bytes):
-            out.append(batch)
-            batch, size = [], 0
-        batch.append(env)
+        if i > start and (i - start == wire.MAX_ENVELOPES_PER_MESSAGE or size + n > _max_message_bytes):
+            out.append((start, i))
+            start, size = i, 0
         size += n
-    if batch:
-        out.append(batch)
+    out.append((start, len(envelopes)))
     return out
 
 
@@ -397,7 +560,7 @@ def _whole_frames(address: str) -> bool:
 
 
 def _configure(sock: zmq.Socket, whole_frames: bool) -> None:
-    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.SNDHWM, SNDHWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.LINGER, 0)
     # Before authentication a peer can make us hold one frame: keep that small (see FRAME_BYTES).
