@@ -76,8 +76,8 @@ class Rollout:
         self._lag_log = Throttle(log, "rollout.loop_stalled")
         self.counters = dict.fromkeys(
             ("acquires", "granted", "returned_grants", "refused_begin", "episodes_started", "episodes_done",
-             "episodes_failed", "groups_accepted", "groups_duplicate", "trajectories", "generated_tokens"), 0,
-        )  # fmt: skip
+             "episodes_failed", "groups_accepted", "groups_not_accepted", "trajectories", "generated_tokens"), 0,
+        )  # fmt: skip  # not accepted: a duplicate, or dropped for no signal (the buffer's stats say which)
 
     # -- control -------------------------------------------------------------------
 
@@ -298,7 +298,7 @@ class Rollout:
                 log.warning("rollout.put_retry", group=gid, error=repr(e))
                 await asyncio.sleep(0.05 * 2**attempt)
         self.counters["episodes_done"] += 1
-        self.counters["groups_accepted" if accepted else "groups_duplicate"] += 1
+        self.counters["groups_accepted" if accepted else "groups_not_accepted"] += 1
         self.counters["trajectories"] += len(group.trajectories)
         self.counters["generated_tokens"] += sum(t.num_generated for t in group.trajectories)
 
