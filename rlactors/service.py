@@ -108,6 +108,7 @@ class Service:
         self.address = ""
         self.dropped = 0  # malformed messages dropped
         self._drop_log = Throttle(log, "dropped malformed messages", LOG_EVERY_S)
+        self._lost_log = Throttle(log, "reply not delivered: its caller is gone", LOG_EVERY_S)
 
     @property
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -467,9 +468,5 @@ class Service:
     def _undeliverable(self, peer: bytes | None, methods: list[Any]) -> None:
         """Replies to a caller that has gone (its process exited, or it reconnected as a new peer)."""
         names = sorted({m for m in methods if m})
-        log.warning(
-            "reply not delivered: its caller is gone",
-            actor=self.name,
-            method=", ".join(names) if names else None,
-            replies=len(methods),
-        )
+        # Throttled: a caller that dies with many calls in flight loses a reply per loop turn.
+        self._lost_log(actor=self.name, method=", ".join(names) if names else None, replies=len(methods))

@@ -531,7 +531,12 @@ class Outbox:
                 log.debug("socket closed; messages not sent", socket=self._asock.name, messages=len(pending))
             return
         for to, (envelopes, abouts) in pending.items():
-            for i, j in _spans(envelopes):
+            spans = _spans(envelopes)
+            if len(spans) == 1:  # the usual case: no copies of the lists
+                msg = wire.join_batch(envelopes)
+                self._asock.send([to, *msg] if self._routed else msg, abouts)
+                continue
+            for i, j in spans:
                 msg = wire.join_batch(envelopes[i:j])
                 self._asock.send([to, *msg] if self._routed else msg, abouts[i:j])
 
