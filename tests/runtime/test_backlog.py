@@ -118,6 +118,12 @@ class Blobs:
         self.release_sync.wait(30)
         return "too late"
 
+    async def blobs(self, n: int) -> AsyncIterator[bytes]:
+        for i in range(n):
+            self.returned += 1
+            yield bytes([i % 256]) * MiB
+            await asyncio.sleep(0)  # each item leaves as a message of its own
+
 
 @pytest.fixture
 async def service(tmp_path: Path) -> AsyncIterator[tuple[Service, Blobs]]:
@@ -181,6 +187,41 @@ async def test_one_stalled_caller_does_not_hold_up_another(
     assert len(await _replies(stalled, N)) == N
     stalled.close()
     other.close()
+
+
+async def test_a_stream_to_a_consumer_that_does_not_read_waits_and_all_arrive(
+    service: tuple[Service, Blobs], zctx: zmq.asyncio.Context
+) -> None:
+    svc, blobs = service
+    asock = svc._asock
+    assert asock is not None
+    ident = b"slow-consumer"
+    dealer = _dealer(zctx, svc.address, ident)
+    env = wire.encode_envelope(Kind.CALL, 1, None, "blobs", [N], {}, wire.Flags.STREAM)
+    await dealer.send_multipart(wire.join_batch([env]))
+    # The generator is held before its next item once the consumer's backlog is full.
+    await _until(
+        lambda: ident in asock._backlogs and bool(asock._backlogs[ident].waiters), "the stream to wait"
+    )
+    for _ in range(50):
+        await asyncio.sleep(0)
+    produced = blobs.returned
+    assert produced < N
+    assert asock.backlog(ident)[1] <= BOUND + MiB + 4096
+    items: list[bytes] = []
+    ended = False
+    while not ended:
+        frames = await wait_for(dealer.recv_multipart(copy=False), 30)
+        for e in wire.split_batch(frames):
+            msg = wire.decode_envelope(e)
+            assert msg[1] == 1
+            if msg[0] == Kind.STREAM_END:
+                ended = True
+            else:
+                assert msg[0] == Kind.STREAM_ITEM, msg
+                items.append(bytes(msg[2]))
+    assert items == [bytes([i % 256]) * MiB for i in range(N)]  # all of them, in order
+    dealer.close()
 
 
 @pytest.mark.parametrize("method", ["late", "late_sync"])
