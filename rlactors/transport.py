@@ -10,7 +10,8 @@ Nothing is dropped silently. ROUTER sockets set ``ROUTER_MANDATORY``, so ZeroMQ 
 message to a peer that is gone nor one past a peer's high-water mark: the send fails with
 ``EHOSTUNREACH`` or ``EAGAIN`` instead. A message to a vanished peer is reported to the socket's
 ``on_undeliverable`` (the service logs a warning naming the actor and the methods whose replies
-were lost). A message past the high-water mark (:data:`SNDHWM` messages per peer held by ZeroMQ,
+were lost). What ZeroMQ had already queued to a peer when its connection drops is discarded with
+the connection, unseen here; the caller's side fails those calls (a DEALER's ``on_link``). A message past the high-water mark (:data:`SNDHWM` messages per peer held by ZeroMQ,
 whose own queue counts messages, not bytes) waits in a per-peer backlog, in order, and is retried;
 a peer that is slow or stopped holds up only its own messages. The backlog is bounded:
 :meth:`AsyncSocket.full` says when a peer's backlog holds ``send_backlog_bytes`` or
