@@ -34,6 +34,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,10 @@ MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 DEFAULT_MAX_TOKENS = 1024
 KEPT_COMPLETIONS = 4096  # per episode (the standalone server's one episode keeps the newest)
+# Rendering and tokenising up to this many characters of messages runs on the event loop (about
+# 0.1-1 ms here); longer ones go to a thread, so the loop keeps serving. The thread hop itself
+# cost 200-300 µs of CPU per call on the 2-core machine (bench/RESULTS.md, "OpenAI-compatible").
+INLINE_RENDER_CHARS = 1024
 
 
 class EndpointError(Exception):
@@ -426,8 +431,8 @@ class ChatEndpoint:
         if found is not None:
             ep.counters["continued"] += 1
             done, start = found
-            new = await asyncio.to_thread(
-                continuation_ids, self.tokenizer, done.messages, req.messages[start:], tools,
+            new = await _render(
+                _chars(req.messages[start:]), continuation_ids, self.tokenizer, done.messages, req.messages[start:], tools,
                 done.output_ids, done.finish_reason,
             )  # fmt: skip
             base = done.sample
@@ -435,7 +440,8 @@ class ChatEndpoint:
         else:
             ep.counters["new_samples"] += 1
             try:
-                ids = await asyncio.to_thread(prompt_ids, self.tokenizer, req.messages, tools)
+                size = _chars(req.messages) + (len(orjson.dumps(tools)) if tools else 0)
+                ids = await _render(size, prompt_ids, self.tokenizer, req.messages, tools)
             except ChatError as e:
                 raise EndpointError(400, str(e), "messages") from None
             base = ep.add_sample(Sample(ids, req.sampling["temperature"]))
@@ -568,6 +574,18 @@ class ChatEndpoint:
         if sent < len(content):
             pieces.append(content[sent:])
         return pieces
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
+async def _render(chars: int, fn: Callable[..., list[int]], *args: Any) -> list[int]:
+    """``fn(*args)`` (rendering and tokenising ``chars`` characters), on the loop when that is
+    short (:data:`INLINE_RENDER_CHARS`), else in a thread."""
+    if chars <= INLINE_RENDER_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def _trim_stop(text: str, res: GenResult, req: ChatRequest) -> str:

@@ -358,3 +358,41 @@ async def test_the_tool_parser_is_selectable(tokenizer: Any) -> None:
         assert r.choices[0].finish_reason == "tool_calls"
     finally:
         await ep.aclose()
+
+
+async def test_long_conversations_render_off_the_loop_short_ones_on_it(
+    endpoint: tuple[ChatEndpoint, Scripted], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to INLINE_RENDER_CHARS of new messages render on the loop (a thread hop cost more than the
+    rendering); longer ones in a thread. Either way the ids are prompt_ids' and continuation_ids'."""
+    from nodes.rollout import openai_endpoint
+
+    hops: list[str] = []
+    to_thread = asyncio.to_thread
+
+    async def counted(fn: Any, *args: Any) -> Any:
+        hops.append(fn.__name__)  # the endpoint's, and the openai SDK's (it asks for the platform)
+        return await to_thread(fn, *args)
+
+    monkeypatch.setattr(openai_endpoint.asyncio, "to_thread", counted)
+    ep, gen = endpoint
+    long = "x " * openai_endpoint.INLINE_RENDER_CHARS
+    _, url = ep.open_episode()
+    client = sdk(url)
+    for system, result in (("Use tools.", "5"), ("Use tools.", long), (long, "5")):
+        gen.script = [f"Let me add. {CALL}", "Done."]
+        messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": "2+3?"}]
+        r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+        m1 = r1.choices[0].message
+        messages += [m1.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m1.tool_calls[0].id,
+                                                        "content": result}]  # fmt: skip
+        await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+        first, second = gen.requests[-2:]
+        out1 = [*tokenizer.encode(m1.content + " " + CALL, add_special_tokens=False), tokenizer.eos_token_id]
+        assert first.input_ids == prompt_ids(tokenizer, messages[:2], TOOLS)
+        assert second.input_ids == first.input_ids + out1 + continuation_ids(
+            tokenizer, messages[:2], messages[3:], TOOLS, out1, "stop"
+        )
+    # short first turn and short result: on the loop; the long result: its continuation in a
+    # thread; the long system prompt: the first render in a thread, its short result on the loop
+    assert [h for h in hops if h in ("prompt_ids", "continuation_ids")] == ["continuation_ids", "prompt_ids"]
