@@ -473,7 +473,8 @@ class AsyncSocket:
         if self._retry_handle is not None:
             self._retry_handle.cancel()
         for backlog in self._backlogs.values():
-            log.warning(
+            # Not a warning: the peers learn of the close (a client has failed its calls already).
+            log.info(
                 "socket closed with messages not sent",
                 socket=self.name,
                 messages=len(backlog.messages),
