@@ -102,6 +102,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     ]
     if cfg.cluster.max_message_bytes:
         head_cmd += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
+    if cfg.cluster.send_backlog_bytes:
+        head_cmd += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
     head_log = log_dir / "head.log"
     head = _launch(head_cmd, head_log)
     state: dict[str, Any] = {

@@ -102,6 +102,9 @@ class ClusterSection:
     security: Literal["curve", "plain"] = "curve"  # plain: authenticated, not encrypted (trusted networks)
     # largest message between authenticated peers, in bytes (0: RLACTORS_MAX_MESSAGE_BYTES or 1 GiB)
     max_message_bytes: int = 0
+    # bytes that may wait to be sent to one peer that does not read before its senders are held back
+    # (0: RLACTORS_SEND_BACKLOG_BYTES or 256 MiB; see rlactors.transport)
+    send_backlog_bytes: int = 0
     # dotted prefixes of the actor-class modules the agents start, e.g. ["nodes", "recipes"]; a spawn
     # of any other class is refused (empty: every module; a class in a driver script is "__main__")
     allowed_modules: list[str] = field(default_factory=list)
@@ -113,6 +116,8 @@ class ClusterSection:
             raise ValueError(
                 f"'max_message_bytes' must be at least 1048576 (1 MiB), got {self.max_message_bytes}"
             )
+        if self.send_backlog_bytes < 0:
+            raise ValueError(f"'send_backlog_bytes' must be >= 0 bytes, got {self.send_backlog_bytes}")
 
 
 @dataclass
@@ -179,6 +184,8 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
     ]
     if cfg.cluster.max_message_bytes:
         inner += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
+    if cfg.cluster.send_backlog_bytes:
+        inner += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
     for prefix in cfg.cluster.allowed_modules:
         inner += ["--allow-module", prefix]
     for k, v in sorted(node.env.items()):

@@ -25,7 +25,7 @@ from rlactors.local import detect_gpus, new_session_dir
 from rlactors.node import NodeAgent
 from rlactors.security import Security, load_secret
 from rlactors.service import Service
-from rlactors.transport import set_max_message_bytes
+from rlactors.transport import set_max_message_bytes, set_send_backlog
 
 log = structlog.get_logger("rlactors.daemons")
 
@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     max_bytes_help = "largest message between authenticated peers, in bytes (default: $RLACTORS_MAX_MESSAGE_BYTES or 1 GiB)"
     h.add_argument("--max-message-bytes", type=int, default=0, help=max_bytes_help)
+    backlog_help = (
+        "bytes that may wait to be sent to one peer that does not read before its senders are held back "
+        "(default: $RLACTORS_SEND_BACKLOG_BYTES or 256 MiB)"
+    )
+    h.add_argument("--send-backlog-bytes", type=int, default=0, help=backlog_help)
     a = sub.add_parser("agent", help="start and watch the workers of one host")
     a.add_argument("--head", required=True, help="the head's address, e.g. tcp://10.0.0.1:6380")
     a.add_argument("--node-id", required=True, help="this node's unique name in the cluster")
@@ -166,9 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         help="curve: encrypted; plain: authenticated only",
     )
     a.add_argument("--max-message-bytes", type=int, default=0, help=max_bytes_help)
+    a.add_argument("--send-backlog-bytes", type=int, default=0, help=backlog_help)
     args = ap.parse_args(argv)
     if args.max_message_bytes:  # this process, and (through the environment) the workers it starts
         set_max_message_bytes(args.max_message_bytes)
+    if args.send_backlog_bytes:
+        set_send_backlog(args.send_backlog_bytes)
     if args.role == "agent":
         if args.workdir:
             os.chdir(Path(args.workdir).expanduser())

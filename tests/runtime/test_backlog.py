@@ -316,3 +316,26 @@ async def test_messages_to_a_peer_that_vanished_with_a_backlog_are_reported(
     assert peer == b"reader"
     assert labels == [f"m{i}" for i in range(12 - len(labels), 12)]  # the ones ZeroMQ had not taken
     router.close()
+
+
+async def test_the_bound_comes_from_cluster_toml_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlactors.config import agent_command, load_cluster_config
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        '[head]\nhost = "10.0.0.1"\n[cluster]\nsend_backlog_bytes = 1048576\n[[nodes]]\nhost = "a"\n'
+    )
+    cfg = load_cluster_config(path)
+    assert "--send-backlog-bytes 1048576" in " ".join(agent_command(cfg, cfg.nodes[0], "/s", "/l"))
+    # The agent and head call set_send_backlog with it: this process and the workers it starts.
+    monkeypatch.setenv(transport.SEND_BACKLOG_BYTES_ENV, str(transport.send_backlog_bytes()))
+    transport.set_send_backlog(3 * MiB)
+    try:
+        router, _ = transport.bind_router(f"ipc://{tmp_path}/r", lambda frames: None, None, name="r")
+        assert router.backlog_bytes == 3 * MiB
+        assert transport._backlog_from_env() == 3 * MiB  # what a worker started now reads
+        router.close()
+    finally:
+        transport.set_send_backlog(transport.DEFAULT_SEND_BACKLOG_BYTES)
