@@ -21,7 +21,8 @@ reads again (down to half the bound), or is disconnected (a stopped peer misses 
 or the socket closes. ``send`` itself never refuses: a message sent past the bound by a sender that
 cannot wait is queued too (the small control messages, errors, and a client's calls, whose callers
 are held back by awaiting their results). The bound: ``RLACTORS_SEND_BACKLOG_BYTES`` (default
-256 MiB per peer), or :func:`set_send_backlog` for this process and the workers it starts.
+256 MiB per peer), ``send_backlog_bytes`` in cluster.toml's ``[cluster]``, or :func:`set_send_backlog`
+for this process and the workers it starts.
 
 Message size: every TCP socket sets ``ZMQ_MAXMSGSIZE`` to :data:`FRAME_BYTES` (plus CURVE's
 overhead), so a peer that has not authenticated can make this process hold at most one such
