@@ -21,7 +21,7 @@ from rlactors.errors import (
     RemoteError,
     RuntimeShutdownError,
 )
-from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod
+from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod, drain
 from rlactors.methods import blocking
 from rlactors.stacks import StacksReport
 
@@ -49,6 +49,7 @@ __all__ = [
     "__version__",
     "blocking",
     "connect",
+    "drain",
     "get_context",
     "init",
     "register",

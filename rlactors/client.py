@@ -433,6 +433,15 @@ class Connection:
         """Return once the connection is established (again), or closed."""
         await self._link_up.wait()
 
+    async def drain(self) -> None:
+        """Return once what this connection has to send is below its bound (``send_backlog_bytes``
+        in its backlog, past ZeroMQ's queue), as asyncio's ``StreamWriter.drain()`` after
+        ``write()``: a call or tell never waits, and a sender that does not await its results
+        awaits this to be held back while the peer does not read. At once when nothing waits or
+        the connection is closed (its calls have failed)."""
+        await asyncio.sleep(0)  # this turn's envelopes reach the socket (the outbox flushes first)
+        await self._asock.room()
+
     def close(self, exc: BaseException | None = None) -> None:
         for timer in (self._link_timer, self._connect_timer):
             if timer is not None:

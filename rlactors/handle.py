@@ -244,3 +244,20 @@ async def _gather(calls: list[asyncio.Future[R]], grace_s: float | None) -> list
         died = [e for e in errors if isinstance(e, ActorDiedError)]
         raise (died or errors)[0]
     return [c.result() for c in calls]
+
+
+async def drain(handle: ActorHandle[Any] | ActorGroup[Any]) -> None:
+    """Wait until what this process has sent to ``handle``'s actor (each member of a group) is
+    below the send-backlog bound (``send_backlog_bytes``): the pushback for a sender that does not
+    await its results, as ``await writer.drain()`` after ``writer.write()`` in asyncio. Calls and
+    tells never block and are never refused; a loop of ``tell``/``submit`` to an actor that may
+    fall behind awaits this between sends, so its memory stays bounded::
+
+        for item in items:
+            sink.put.tell(item)
+            await rlactors.drain(sink)
+    """
+    members = handle.handles if isinstance(handle, ActorGroup) else [handle]
+    client = current_client()
+    for h in members:
+        await client.drain_actor(h.actor_id, h.address)

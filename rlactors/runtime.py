@@ -338,6 +338,13 @@ class RuntimeClient:
                     for w in waits:
                         w.cancel()
 
+    async def drain_actor(self, actor_id: str, address: str) -> None:
+        """Wait until the calls sent to this actor are below the backlog bound (Connection.drain)."""
+        st = self.actor_state(actor_id, address)
+        conn = self._conns.get(st.address) if st.state == "ALIVE" else None
+        if conn is not None and not conn.closed:
+            await conn.drain()
+
     def tell_actor(
         self, actor_id: str, address: str, method: str, args: Args, kwargs: dict[str, Any]
     ) -> None:

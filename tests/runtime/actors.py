@@ -26,6 +26,9 @@ class Counter(rlactors.Actor):
     async def record(self, i: int) -> None:
         self.log.append(i)
 
+    async def take(self, i: int, payload: object) -> None:
+        self.log.append(i)
+
     async def get_log(self) -> list[int]:
         return self.log
 
