@@ -14,6 +14,7 @@ wall-clock minutes (and train reward against step) for the three runs.
 
     python bench/learning.py                     # ~30 minutes on 2 cores: 3 runs of the default
     python bench/learning.py --steps 10 --only default,frozen
+    python bench/learning.py --only default,frozen,dynamic,tis,gspo,lora --png bench/learning_variants.png
 
 With ``--config`` every run uses that config instead of the CPU default, e.g. the agent with a
 Python tool against its frozen control; for an agent's config the eval's tool-call rate (the share
@@ -43,8 +44,14 @@ RUNS = {
     "default": [],
     "frozen": ["trainer.lr=0"],
     "sync": ["async.max_staleness=0"],
+    # the algorithm variants (issue 26), each one change to the default
+    "dynamic": ["buffer.drop_no_signal=true"],  # DAPO's dynamic sampling
+    "tis": ["trainer.loss.fn_args.tis_cap=2.0"],  # token TIS on the behaviour weight
+    "gspo": ["trainer.loss.fn_args.seq_ratio=true"],  # GSPO's sequence ratio, its paper's clip
+    "lora": ["trainer.lora.enabled=true", "trainer.lr=2e-4"],  # LoRA r16, at 10x the lr
 }
-COLOURS = {"default": "tab:blue", "frozen": "tab:gray", "sync": "tab:orange"}
+COLOURS = {"default": "tab:blue", "frozen": "tab:gray", "sync": "tab:orange", "dynamic": "tab:green",
+           "tis": "tab:red", "gspo": "tab:purple", "lora": "tab:brown"}  # fmt: skip
 
 
 def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str], config: str | None) -> dict:
@@ -124,7 +131,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10, help="training steps per run (the default run's)")
     ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--only", default="default,frozen,sync", help="comma-separated: default, frozen, sync")
+    ap.add_argument("--only", default="default,frozen,sync", help="comma-separated: " + ", ".join(RUNS))
     ap.add_argument("--out", default="runs/bench_learning")
     ap.add_argument("--config", help="a recipe config for every run (default: the CPU default)")
     ap.add_argument("--png", help="where the plot goes (default: OUT/learning.png)")
