@@ -6,7 +6,11 @@ import os
 import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
 
 
 def netns_unavailable() -> str | None:
@@ -92,3 +96,25 @@ def make_hosts(n: int) -> Hosts:
         hosts.teardown()
         raise
     return hosts
+
+
+def hosts_fixture(n: int) -> Any:
+    """A module-scoped pytest fixture of ``n`` hosts, torn down after the module: in a test module,
+    ``hosts = hosts_fixture(2)``."""
+
+    @pytest.fixture(scope="module")
+    def hosts() -> Iterator[Hosts]:
+        h = make_hosts(n)
+        try:
+            yield h
+        finally:
+            h.teardown()
+
+    return hosts
+
+
+def skip_module_without_netns(why: str | None = None) -> None:
+    """Skip the calling test module where network namespaces (or what ``why`` names) are missing."""
+    why = netns_unavailable() or why
+    if why:
+        pytest.skip(f"namespaces unavailable: {why}", allow_module_level=True)

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,25 +17,17 @@ import rlactors
 from rlactors.aio import wait_for
 from rlactors.security import new_secret_file
 from tests.cluster.actors import Member
-from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
+from tests.cluster.netns import Hosts, hosts_fixture, skip_module_without_netns
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[2]
 NODE_TIMEOUT = 2.0
 NO_HANG = 15
 
-_why = netns_unavailable()
-if _why:
-    pytest.skip(f"network namespaces unavailable: {_why}", allow_module_level=True)
+skip_module_without_netns()
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    h = make_hosts(2)
-    try:
-        yield h
-    finally:
-        h.teardown()
+hosts = hosts_fixture(2)
 
 
 class Cluster2:

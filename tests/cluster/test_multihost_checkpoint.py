@@ -14,7 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ from nodes.trainer.config import TrainConfig
 from nodes.trainer.manifest import CheckpointError
 from nodes.trainer.rank import TrainerRank
 from rlactors.aio import wait_for
-from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
+from tests.cluster.netns import Hosts, hosts_fixture, skip_module_without_netns
 from tests.cluster.test_multihost import Cluster2, _wait_nodes
 from tests.helpers.synthetic import synthetic_batch, with_advantages
 
@@ -41,18 +41,10 @@ def _mount_namespaces_unavailable() -> str | None:
     return f"unshare --mount failed: {r.stderr.strip()}" if r.returncode else None
 
 
-_why = netns_unavailable() or _mount_namespaces_unavailable()
-if _why:
-    pytest.skip(f"network or mount namespaces unavailable: {_why}", allow_module_level=True)
+skip_module_without_netns(_mount_namespaces_unavailable())
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    h = make_hosts(2)
-    try:
-        yield h
-    finally:
-        h.teardown()
+hosts = hosts_fixture(2)
 
 
 class DiskHosts(Cluster2):

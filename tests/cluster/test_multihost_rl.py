@@ -5,7 +5,7 @@ Nothing here works if a server binds loopback or the group's master address is 1
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,23 +18,15 @@ from nodes.trainer.config import PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
 from rlactors.aio import wait_for
 from tests.cluster.actors import Prober
-from tests.cluster.netns import Hosts, make_hosts, netns_unavailable
+from tests.cluster.netns import Hosts, hosts_fixture, skip_module_without_netns
 from tests.cluster.test_multihost import Cluster2, _wait_nodes
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
-_why = netns_unavailable()
-if _why:
-    pytest.skip(f"network namespaces unavailable: {_why}", allow_module_level=True)
+skip_module_without_netns()
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    h = make_hosts(3)
-    try:
-        yield h
-    finally:
-        h.teardown()
+hosts = hosts_fixture(3)
 
 
 @pytest.fixture
