@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
@@ -70,8 +71,14 @@ async def test_pause_for_weight_updates_mid_run(sim_server: str) -> None:
             await admin.post("/update_weight_version", json={"new_version": str(v + 1)})
             rollout.set_version(v + 1)
             await rollout.resume()  # the held requests re-post; the paused server holds them
-            loads = (await admin.get("/v1/loads")).json()["loads"][0]
-            waiting_at_continue.append((rollout.client.reposts[-1][3], loads["num_waiting_reqs"]))
+            reposted = rollout.client.reposts[-1][3]
+            deadline = time.monotonic() + 10
+            while True:  # the re-posts are on their way (a loaded machine delays them)
+                waiting = (await admin.get("/v1/loads")).json()["loads"][0]["num_waiting_reqs"]
+                if waiting >= reposted or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)  # the server's load is polled; it announces nothing
+            waiting_at_continue.append((reposted, waiting))
             await admin.post("/continue_generation", json={})
 
         seen = await train(buf, gov, rollout, n // B, B, eta, on_step=weight_update)
