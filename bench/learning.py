@@ -73,8 +73,16 @@ def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str],
     wall = time.time() - t0
     if rc != 0:
         raise SystemExit(f"[{name}] the recipe failed (exit {rc}); see {out / 'recipe.log'}")
+    return summarize(name, out, wall)
+
+
+def summarize(name: str, out: Path, wall: float | None = None) -> dict:
+    """A run's evals, rewards and episode numbers from its ``metrics.jsonl``; ``wall``: its wall
+    time (None: from its first step's start to its last step's end, as the metrics record them)."""
     rows = read_metrics(out / "metrics.jsonl")
     start = rows[0]["time"] - rows[0].get("time/wait_s", 0) - rows[0].get("time/train_s", 0)
+    if wall is None:
+        wall = rows[-1]["time"] - start
     evals = [
         {"step": r["step"], "minutes": (r["time"] - start) / 60, "version": r["eval/version"],
          "acc": r["eval/accuracy"], "low": r["eval/ci_low"], "high": r["eval/ci_high"],
@@ -135,6 +143,8 @@ def main() -> int:
     ap.add_argument("--out", default="runs/bench_learning")
     ap.add_argument("--config", help="a recipe config for every run (default: the CPU default)")
     ap.add_argument("--png", help="where the plot goes (default: OUT/learning.png)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: the table and plot of the runs already in --out")  # fmt: skip
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every run")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
@@ -142,7 +152,12 @@ def main() -> int:
         ap.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     out = Path(args.out).resolve()
     print(f"machine: {platform.platform()}, {os.cpu_count()} cores, python {platform.python_version()}")
-    results = [run_one(n, out / n, args.steps, args.eval_every, args.overrides, args.config) for n in names]
+    if args.report_only:  # the runs of an earlier invocation (one stopped part-way included)
+        results = [summarize(n, out / n) for n in names]
+    else:
+        results = [
+            run_one(n, out / n, args.steps, args.eval_every, args.overrides, args.config) for n in names
+        ]
 
     if args.config:
         print(f"config: {args.config}")
