@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +278,24 @@ async def push(
     finally:
         if r is not None:
             await client.post("/end_weight_update", json={})
+
+
+@contextlib.asynccontextmanager
+async def hung_server() -> AsyncIterator[str]:
+    """Accepts connections and reads, never answers."""
+    conns: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await reader.read(1 << 16)
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for w in conns:
+            w.close()
+        srv.close()
+        await srv.wait_closed()

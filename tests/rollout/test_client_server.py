@@ -10,7 +10,6 @@ one chunk whose tokens are still stamped across the two versions.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import time
@@ -21,7 +20,14 @@ import pytest
 
 from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
 from rlactors.aio import wait_for
-from tests.helpers.servers import load, reference_server, start_reference_server, stop_server, wait_until
+from tests.helpers.servers import (
+    hung_server,
+    load,
+    reference_server,
+    start_reference_server,
+    stop_server,
+    wait_until,
+)
 
 PROMPT = [(7 * i + 3) % 30000 + 10 for i in range(200)]
 N_NEW = 80
@@ -134,27 +140,6 @@ async def test_resume_after_flush_reports_no_cache_hit(server_url: str, admin: h
     await client.aclose()
     assert len(res.output_ids) == N_NEW and res.aborts == 1
     assert res.cached_tokens[1] == 0
-
-
-@contextlib.asynccontextmanager
-async def hung_server() -> AsyncIterator[str]:
-    """Accepts connections and reads, never answers."""
-    conns: list[asyncio.StreamWriter] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conns.append(writer)
-        with contextlib.suppress(ConnectionError):
-            await reader.read(1 << 16)
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        for w in conns:
-            w.close()
-        srv.close()
-        await srv.wait_closed()
 
 
 async def test_hung_and_dead_servers_fail_over_to_a_live_one(server_url: str) -> None:

@@ -6,7 +6,6 @@ runtime. Everything above the wire is shared, so each test must pass the same wa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -22,7 +21,7 @@ from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
 from protocols.auth import ServerKeys
 from rlactors.aio import wait_for
 from rlactors.tomlconf import ConfigError, load_toml
-from tests.helpers.servers import reference_server, wait_until
+from tests.helpers.servers import hung_server, reference_server, wait_until
 
 HTTP = ["aiohttp", "httpx"]
 KEYS = ServerKeys("plain-key-1", "admin-key-2")
@@ -109,26 +108,6 @@ async def test_each_route_gets_the_key_it_needs_and_a_wrong_key_is_refused_at_on
         await wrong.agenerate(GenRequest([3, *PROMPT], {**SP, "max_new_tokens": 4}))
     assert wrong.counters["posts"] == 1 and wrong.counters["retries"] == 0  # a 4xx is not retried
     await wrong.aclose()
-
-
-@contextlib.asynccontextmanager
-async def hung_server() -> AsyncIterator[str]:
-    """Accepts connections and reads, never answers."""
-    conns: list[asyncio.StreamWriter] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conns.append(writer)
-        with contextlib.suppress(ConnectionError):
-            await reader.read(1 << 16)
-
-    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    finally:
-        for w in conns:
-            w.close()
-        srv.close()
-        await srv.wait_closed()
 
 
 @pytest.mark.parametrize("http", HTTP)
