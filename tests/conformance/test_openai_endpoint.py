@@ -21,21 +21,8 @@ import pytest
 from nodes.rollout.chat import continuation_ids, prompt_ids
 from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.openai_endpoint import ChatEndpoint
+from tests.rollout.test_openai_endpoint import CALL, TOOLS
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            },
-        },
-    }
-]
-CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 MAX_TOKENS = 6
 
 
