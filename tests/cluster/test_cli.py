@@ -35,16 +35,6 @@ def run_cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subpr
     )
 
 
-@pytest.fixture
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "RLACTORS_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONPATH": str(ROOT),
-        "COLUMNS": "200",
-    }
-
-
 def write_config(tmp_path: Path, body: str) -> Path:
     p = tmp_path / "cluster.toml"
     p.write_text(body)

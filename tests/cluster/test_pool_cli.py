@@ -9,20 +9,9 @@ import os
 from pathlib import Path
 
 import httpx
-import pytest
 
 import rlactors
-from tests.cluster.test_cli import ROOT, free_port, one_node_config, run_cli
-
-
-@pytest.fixture
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "RLACTORS_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONPATH": str(ROOT),
-        "COLUMNS": "200",
-    }
+from tests.cluster.test_cli import free_port, one_node_config, run_cli
 
 
 def servers(env: dict[str, str]) -> dict[str, dict]:

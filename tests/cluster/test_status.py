@@ -26,16 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "RLACTORS_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONPATH": str(ROOT),
-        "COLUMNS": "200",
-    }
-
-
-@pytest.fixture
 def up(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
     """A cluster of one local node started with `rlactors up` (no `python` key: the default)."""
     cfg = one_node_config(tmp_path, "n1", cpu=4, head_extra="node_timeout = 3.0")
