@@ -608,6 +608,7 @@ class GenerateBody(_GenerateBodyRequired, total=False):
     the optional keys only when asked."""
 
     top_logprobs_num: int  # the most likely tokens at each output position
+    stream: bool  # server-sent events as tokens are generated (nodes/rollout/chunks.py StreamedChunk)
 
 
 class ContinueGenerationRequest(_Body):

@@ -4,11 +4,26 @@ loop)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import orjson
 
 from protocols.sglang import WEIGHT_VERSIONS
 
-__all__ = ["GenerationError", "parse_chunk", "resume_params", "token_versions", "versions_from_spans"]
+__all__ = [
+    "GenerationError",
+    "StreamedChunk",
+    "TokensCallback",
+    "parse_chunk",
+    "resume_params",
+    "token_versions",
+    "versions_from_spans",
+]
+
+# what a streamed request's new tokens are handed to, as they arrive: (ids, log-probs, top log-probs
+# per token as [(logprob, token id), ...]; empty unless asked)
+TokensCallback = Callable[[list[int], list[float], list[list[tuple[float, int]]]], None]
 
 
 class GenerationError(RuntimeError):
@@ -34,6 +49,75 @@ def parse_chunk(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str,
             f"response has {len(ids)} output ids but {len(lps)} logprobs; was return_logprob honoured?"
         )
     return ids, lps, meta
+
+
+class StreamedChunk:
+    """A streamed ``/generate`` answer (``"stream": true``), read event by event into what the
+    non-streamed answer would have been (:meth:`result`), each event's new tokens handed to
+    ``on_tokens`` as they arrive.
+
+    SGLang sends the whole output so far in every event, or with ``--incremental-streaming-output``
+    only what is new; ``meta_info.completion_tokens`` (the tokens so far, in both) says which, so
+    either server setting reads the same. An ``error`` event is kept in :attr:`error`."""
+
+    def __init__(self, on_tokens: TokensCallback) -> None:
+        self.on_tokens = on_tokens
+        self.ids: list[int] = []
+        self.entries: list[Any] = []  # meta_info.output_token_logprobs
+        self.tops: list[Any] = []  # meta_info.output_top_logprobs, when asked
+        self.text = ""
+        self.meta: dict[str, Any] = {}
+        self.error: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last event carried the finish reason (a stream cut short has none)."""
+        return bool(self.meta.get("finish_reason"))
+
+    def line(self, line: bytes) -> None:
+        """Read one line of the event stream (``data: {...}``; others are ignored)."""
+        if not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if not data or data == b"[DONE]":
+            return
+        event = orjson.loads(data)
+        if "error" in event:
+            self.error = (
+                event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
+            )
+            return
+        ids, _, meta = parse_chunk(event)
+        entries = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        total = meta.get("completion_tokens")
+        have = len(self.ids)
+        whole = len(ids) == total if isinstance(total, int) and have else True  # the output so far
+        if whole:
+            ids, entries, tops = ids[have:], entries[have:], tops[have:]
+            self.text = event.get("text") or ""
+        else:
+            self.text += event.get("text") or ""
+        self.ids += ids
+        self.entries += entries
+        self.tops += tops
+        self.meta = meta
+        if ids:
+            self.on_tokens(
+                ids,
+                [float(e[0]) if e[0] is not None else 0.0 for e in entries],
+                [[(float(t[0]), int(t[1])) for t in row or ()] for row in tops],
+            )
+
+    def result(self) -> dict[str, Any]:
+        """The answer as a non-streamed ``/generate`` would have sent it; a stream cut short reads
+        as an abort (the client resumes it from the tokens that came)."""
+        meta = {**self.meta, "output_token_logprobs": self.entries}
+        if self.tops:
+            meta["output_top_logprobs"] = self.tops
+        if not self.finished:
+            meta["finish_reason"] = {"type": "abort", "message": "the stream ended early"}
+        return {"output_ids": self.ids, "text": self.text, "meta_info": meta}
 
 
 def versions_from_spans(spans: Any, n: int) -> list[Any] | None:

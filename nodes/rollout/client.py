@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import structlog
 
-from nodes.rollout.chunks import GenerationError, parse_chunk, resume_params, token_versions
+from nodes.rollout.chunks import (
+    GenerationError,
+    StreamedChunk,
+    TokensCallback,
+    parse_chunk,
+    resume_params,
+    token_versions,
+)
 from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, WireError, open_backend
 from nodes.trace import TRACE
@@ -71,6 +78,9 @@ class GenRequest:
     rid: str | None = None
     top_logprobs_num: int = 0  # > 0: also the most likely tokens at each output position
     trace_id: str | None = None  # the trajectory's, on this request's span in the run's timeline
+    # set: posts stream, and each batch of new tokens is handed to it as it arrives (across
+    # aborts, resumes and failovers, every token once, in order)
+    on_tokens: TokensCallback | None = None
 
 
 @dataclass
@@ -280,8 +290,10 @@ class SGLangClient:
             }
             if request.top_logprobs_num:
                 body["top_logprobs_num"] = request.top_logprobs_num
+            if request.on_tokens is not None:
+                body["stream"] = True
             # servers that failed this post; a later post may go back to one that recovered
-            data, server = await self._post_with_failover(server, body, set(), res)
+            data, server = await self._post_with_failover(server, body, set(), res, request.on_tokens)
             res.posts += 1
             chunk_ids, chunk_lps, meta = parse_chunk(data)
             chunk_vers, labelled = token_versions(meta, len(chunk_ids), posted_at)
@@ -376,12 +388,17 @@ class SGLangClient:
         self._active[rid] = server.url
 
     async def _post_with_failover(
-        self, server: ServerPool, body: GenerateBody, tried: set[str], res: GenResult
+        self,
+        server: ServerPool,
+        body: GenerateBody,
+        tried: set[str],
+        res: GenResult,
+        on_tokens: TokensCallback | None,
     ) -> tuple[dict[str, Any], ServerPool]:
         """POST to ``server`` with retries; if it stays down, move to another (tokens travel in body)."""
         while True:
             try:
-                return await self._post_with_retries(server, body), server
+                return await self._post_with_retries(server, body, on_tokens), server
             except ServerPoolDown as e:
                 server.down_until = time.monotonic() + self.config.down_cooldown_s
                 tried.add(server.url)
@@ -393,7 +410,9 @@ class SGLangClient:
                 server = nxt
                 self._stick(res.rid, server)
 
-    async def _post_with_retries(self, server: ServerPool, body: GenerateBody) -> dict[str, Any]:
+    async def _post_with_retries(
+        self, server: ServerPool, body: GenerateBody, on_tokens: TokensCallback | None = None
+    ) -> dict[str, Any]:
         cfg = self.config
         last: str = ""
         for attempt in range(cfg.max_retries + 1):
@@ -405,15 +424,35 @@ class SGLangClient:
                 body = {**body, "rid": f"{body['rid']}-t{attempt}"}  # never collide with a lingering attempt
             self.counters["posts"] += 1
             server.inflight += 1
+            streamed = None if on_tokens is None else StreamedChunk(on_tokens)
             try:
-                status, content = await server.post("/generate", orjson.dumps(body))
+                if streamed is None:
+                    status, content = await server.post("/generate", orjson.dumps(body))
+                else:
+                    status, content = await server.post_stream("/generate", orjson.dumps(body), streamed.line)
             except WireError as e:
                 last = str(e)
                 if e.timed_out:
                     self._spawn(self._abort_quietly(server, body["rid"]))
+                if streamed is not None and streamed.ids:  # cut off mid-stream: resume from what came
+                    log.warning("rollout.stream_cut", rid=body["rid"], server=server.url, tokens=len(streamed.ids),
+                                error=last)  # fmt: skip
+                    return streamed.result()
                 continue
             finally:
                 server.inflight -= 1
+            if streamed is not None and status == 200 and not content:  # an event stream, read
+                err = streamed.error
+                if err is not None and not streamed.ids:  # failed before any token: as a status would
+                    code = err.get("code")
+                    if isinstance(code, int) and code < 500:
+                        self.counters["errors"] += 1
+                        raise GenerationError(
+                            f"{server.url}/generate failed the stream: {err.get('message')}"
+                        )
+                    last = f"stream error: {err.get('message')}"
+                    continue
+                return streamed.result()  # an error after some tokens reads as an abort: resumed
             if status >= 500:
                 last = f"HTTP {status}: {_text(content, 200)}"
                 continue
@@ -421,12 +460,16 @@ class SGLangClient:
                 self.counters["errors"] += 1
                 raise GenerationError(f"{server.url}/generate answered {status}: {_text(content, 500)}")
             try:
-                return orjson.loads(content)
+                data = orjson.loads(content)
             except orjson.JSONDecodeError:  # a proxy's page, a truncated body: say where it came from
                 self.counters["errors"] += 1
                 raise GenerationError(
                     f"{server.url}/generate answered 200 with a non-JSON body: {_text(content, 200)!r}"
                 ) from None
+            if streamed is not None:  # asked to stream, answered whole: the tokens all at once
+                streamed.line(b"data: " + content)
+                return streamed.result()
+            return data
         raise ServerPoolDown(f"{server.url}: {cfg.max_retries + 1} attempts failed, last: {last}")
 
     def _spawn(self, coro: Any) -> None:

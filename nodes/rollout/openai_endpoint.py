@@ -16,9 +16,8 @@ mask covers exactly the model's tokens. A request that does not continue one (th
 history) starts another sample; ``Episode.counters`` says how often that happened.
 
 Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with its status
-codes; no request stops the endpoint. Streaming is sent once the generation is complete (the
-plane generates whole requests, resumable across weight updates), token by token in OpenAI's chunk
-format.
+codes; no request stops the endpoint. Streamed answers go out token by token as the model
+generates them (nodes/rollout/openai_stream.py).
 
 Standalone, in front of any SGLang or reference server::
 
@@ -44,11 +43,12 @@ from aiohttp import web
 
 from nodes.rollout import chat
 from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, prompt_ids
+from nodes.rollout.chunks import TokensCallback
 from nodes.rollout.client import GenerationError, GenRequest, GenResult
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
 
-__all__ = ["ChatEndpoint", "EndpointError", "Episode"]
+__all__ = ["ChatEndpoint", "EndpointError", "Episode", "Turn"]
 
 log = structlog.get_logger(__name__)
 
@@ -315,6 +315,17 @@ class Episode:
                 del self._by_reply[key]
 
 
+@dataclass
+class Turn:
+    """A request rendered in its episode, ready to generate: one sample per choice (the first
+    continues an earlier completion's sample when the request continues it), the ids forced at the
+    start of each answer (tool_choice), the tools the answer may call."""
+
+    samples: list[Sample]
+    forced: list[int]
+    tools: list[dict[str, Any]] | None
+
+
 class ChatEndpoint:
     """The OpenAI-compatible endpoint: ``client`` generates (an SGLangClient, or anything with its
     ``agenerate``; an episode may bring its own), ``tokenizer`` renders and decodes, ``model`` is the
@@ -333,6 +344,8 @@ class ChatEndpoint:
         ``tool_parser``: how tool calls are read from the output (nodes/rollout/chat.py)."""
         self.client, self.tokenizer, self.model = client, tokenizer, model
         self.parse_tool_calls = chat.tool_parser(tool_parser)
+        # Hermes output is content until "<tool_call>": it streams as generated (a custom parser's waits)
+        self.streams_tool_text = self.parse_tool_calls is chat.parse_tool_calls
         self.defaults = {"max_new_tokens": default_max_tokens, "temperature": default_temperature}
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
@@ -399,33 +412,45 @@ class ChatEndpoint:
             raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
         req = ChatRequest.parse(body, self.defaults)
         ep.counters["calls"] += 1
+        turn = await self.begin_turn(ep, req)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model,
+                "system_fingerprint": None}  # fmt: skip
+        if req.stream:
+            from nodes.rollout.openai_stream import stream_chat
+
+            return await stream_chat(
+                self, request, ep, req, turn, {**head, "object": "chat.completion.chunk"}
+            )
         try:
-            choices = await self.complete(ep, req)
+            choices = await self.generate_turn(ep, req, turn)
         except GenerationError as e:
             ep.counters["errors"] += 1
             raise EndpointError(503, f"generation failed: {e}") from None
-        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        usage = {
-            "prompt_tokens": choices[0][1].prompt_tokens,
-            "completion_tokens": sum(len(r.output_ids) for _, r, _ in choices),
-        }
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        if req.stream:
-            return await self._stream(request, req, choices, cid, created, usage)
         return _json({
-            "id": cid, "object": "chat.completion", "created": created, "model": self.model,
+            **head, "object": "chat.completion",
             "choices": [
                 {"index": i, "message": msg, "logprobs": self._logprobs(res, req) if req.logprobs else None,
                  "finish_reason": finish}
                 for i, (msg, res, finish) in enumerate(choices)
             ],
-            "usage": usage, "system_fingerprint": None,
+            "usage": self.usage(choices),
         })  # fmt: skip
+
+    @staticmethod
+    def usage(choices: list[tuple[dict[str, Any], GenResult, str]]) -> dict[str, int]:
+        """OpenAI's ``usage`` of a request's choices."""
+        prompt, completion = choices[0][1].prompt_tokens, sum(len(r.output_ids) for _, r, _ in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # -- generation ----------------------------------------------------------------------------
 
     async def complete(self, ep: Episode, req: ChatRequest) -> list[tuple[dict[str, Any], GenResult, str]]:
         """Generate ``req.n`` choices in ``ep``: ``(assistant message, result, finish_reason)`` each."""
+        return await self.generate_turn(ep, req, await self.begin_turn(ep, req))
+
+    async def begin_turn(self, ep: Episode, req: ChatRequest) -> Turn:
+        """Render ``req`` in ``ep``: continue the completion it extends, else start a sample
+        (:class:`EndpointError` 400 when the template cannot render it)."""
         tools = req.tools if req.tool_choice != "none" else None
         found = ep.find(req.messages, tools, req.sampling["temperature"])
         if found is not None:
@@ -449,26 +474,44 @@ class ChatEndpoint:
         samples = [base] + [ep.add_sample(base.fork()) for _ in range(req.n - 1)]
         for s in samples:
             s.add_context(forced)
-        results = await asyncio.gather(*(self._generate(ep, s, req) for s in samples))
+        return Turn(samples, forced, tools)
+
+    async def generate_turn(
+        self, ep: Episode, req: ChatRequest, turn: Turn, on_tokens: list[TokensCallback] | None = None
+    ) -> list[tuple[dict[str, Any], GenResult, str]]:
+        """Generate each choice of ``turn`` (``on_tokens[i]`` gets choice i's tokens as they arrive)
+        and read the answers: ``(assistant message, result, finish_reason)`` each."""
+        feeds = on_tokens or [None] * len(turn.samples)
+        results = await asyncio.gather(
+            *(self._generate(ep, s, req, f) for s, f in zip(turn.samples, feeds, strict=True))
+        )
         out = []
-        for s, res in zip(samples, results, strict=True):
+        for s, res in zip(turn.samples, results, strict=True):
             s.add_output(res)
-            text = self.tokenizer.decode([*forced, *res.output_ids], skip_special_tokens=True)
+            text = self.tokenizer.decode([*turn.forced, *res.output_ids], skip_special_tokens=True)
             text = _trim_stop(text, res, req)
-            msg, finish = self._message(text, res, req, tools)
+            msg, finish = self._message(text, res, req, turn.tools)
             ep.counters["tool_calls"] += len(msg.get("tool_calls") or ())
             ep.keep(
                 _Completion(
-                    req.messages, tools, msg, s, len(s.ids), [*forced, *res.output_ids], res.finish_reason
+                    req.messages,
+                    turn.tools,
+                    msg,
+                    s,
+                    len(s.ids),
+                    [*turn.forced, *res.output_ids],
+                    res.finish_reason,
                 )
             )
             out.append((msg, res, finish))
         return out
 
-    async def _generate(self, ep: Episode, s: Sample, req: ChatRequest) -> GenResult:
+    async def _generate(
+        self, ep: Episode, s: Sample, req: ChatRequest, on_tokens: TokensCallback | None
+    ) -> GenResult:
         rid = s.meta["rid"]
         trace_id = s.meta.setdefault("trace_id", rid.rstrip("/"))
-        request = GenRequest(list(s.ids), dict(req.sampling), rid, req.top_logprobs, trace_id)
+        request = GenRequest(list(s.ids), dict(req.sampling), rid, req.top_logprobs, trace_id, on_tokens)
         return await (ep.client or self.client).agenerate(request)
 
     def _forced_prefix(self, req: ChatRequest) -> list[int]:
@@ -494,86 +537,23 @@ class ChatEndpoint:
             finish = "tool_calls" if finish == "stop" else finish
         return msg, finish
 
+    def logprob_entry(self, tid: int, lp: float, tops: list[tuple[float, int]], top_n: int) -> dict[str, Any]:
+        """OpenAI's log-prob entry of one output token, with its ``top_n`` most likely tokens."""
+        e = self._token_entry(tid, lp)
+        e["top_logprobs"] = [self._token_entry(t, v) for v, t in tops[:top_n]]
+        return e
+
+    def _token_entry(self, tid: int, lp: float) -> dict[str, Any]:
+        text = self.tokenizer.decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
     def _logprobs(self, res: GenResult, req: ChatRequest) -> dict[str, Any]:
-        tok = self.tokenizer
-
-        def entry(tid: int, lp: float) -> dict[str, Any]:
-            text = tok.decode([tid])
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-        content = []
-        for i, (tid, lp) in enumerate(zip(res.output_ids, res.output_logprobs, strict=True)):
-            e = entry(tid, lp)
-            tops = res.output_top_logprobs[i] if i < len(res.output_top_logprobs) else []
-            e["top_logprobs"] = [entry(t, v) for v, t in tops[: req.top_logprobs]]
-            content.append(e)
+        tops = res.output_top_logprobs
+        content = [
+            self.logprob_entry(tid, lp, tops[i] if i < len(tops) else [], req.top_logprobs)
+            for i, (tid, lp) in enumerate(zip(res.output_ids, res.output_logprobs, strict=True))
+        ]
         return {"content": content, "refusal": None}
-
-    # -- streaming -----------------------------------------------------------------------------
-
-    async def _stream(
-        self, request: web.Request, req: ChatRequest, choices: list[Any], cid: str, created: int, usage: dict
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model,
-                "system_fingerprint": None}  # fmt: skip
-
-        async def send(choice: dict[str, Any] | None, **extra: Any) -> None:
-            chunk = {**head, "choices": [] if choice is None else [choice], **extra}
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-
-        for i, (msg, res, finish) in enumerate(choices):
-            await send(
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-            lps = self._logprobs(res, req)["content"] if req.logprobs else None
-            for k, piece in enumerate(self._pieces(res, msg)):
-                lp = (
-                    {"content": lps[k : k + 1], "refusal": None} if lps is not None and k < len(lps) else None
-                )
-                await send({"index": i, "delta": {"content": piece}, "logprobs": lp, "finish_reason": None})
-            for j, call in enumerate(msg.get("tool_calls") or ()):
-                first = {
-                    "index": j,
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": ""},
-                }
-                await send(
-                    {"index": i, "delta": {"tool_calls": [first]}, "logprobs": None, "finish_reason": None}
-                )
-                more = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
-                await send(
-                    {"index": i, "delta": {"tool_calls": [more]}, "logprobs": None, "finish_reason": None}
-                )
-            await send({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish})
-        if req.include_usage:
-            await send(None, usage=usage)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    def _pieces(self, res: GenResult, msg: dict[str, Any]) -> list[str]:
-        """The content in one piece per output token (decoded incrementally) while the decoded text
-        is the content's start; the rest (past a tool call, a trimmed stop) in one piece."""
-        content = msg.get("content") or ""
-        pieces, sent = [], 0
-        for k in range(1, len(res.output_ids) + 1):
-            text = self.tokenizer.decode(res.output_ids[:k], skip_special_tokens=True)
-            if len(text) > len(content) or not content.startswith(text):
-                break
-            if len(text) > sent:
-                pieces.append(text[sent:])
-                sent = len(text)
-        if sent < len(content):
-            pieces.append(content[sent:])
-        return pieces
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:

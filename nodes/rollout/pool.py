@@ -17,7 +17,7 @@ network; that is the httpx backend. Both raise :class:`WireError` when no HTTP a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
@@ -56,9 +56,41 @@ class HTTPBackend(Protocol):
         (seconds) bounds this request instead of the client's request timeout."""
         ...
 
+    async def post_stream(
+        self,
+        url: str,
+        path: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+        on_line: Callable[[bytes], None],
+    ) -> tuple[int, bytes]:
+        """POST ``payload`` and hand each line of an event-stream answer to ``on_line`` as it
+        arrives: (status, b"") then; another answer (an error) is returned whole, as :meth:`post`.
+        :class:`WireError` when the answer stops short (``on_line`` has had what came)."""
+        ...
+
     async def aclose(self) -> None:
         """Close every connection."""
         ...
+
+
+def _aiohttp_error(e: Exception) -> WireError:
+    """aiohttp's failure as a WireError: refused, reset, closed mid-answer, bad HTTP, timeouts (a
+    timeout is a TimeoutError and a ClientError both)."""
+    # a connect that timed out never reached the server: nothing runs there to abort
+    running = isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError)
+    return WireError(f"{type(e).__name__}: {e}", timed_out=running)
+
+
+def _httpx_error(e: Exception) -> WireError:
+    """httpx's TransportError as a WireError (refused, reset, closed mid-answer, bad HTTP, timeouts)."""
+    import httpx
+
+    # a connect that timed out, or a wait for a free connection, never reached the server
+    running = isinstance(e, httpx.TimeoutException) and not isinstance(
+        e, (httpx.ConnectTimeout, httpx.PoolTimeout)
+    )
+    return WireError(f"{type(e).__name__}: {e}", timed_out=running)
 
 
 def open_backend(cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None = None) -> HTTPBackend:
@@ -102,12 +134,31 @@ class AiohttpBackend:
         try:
             async with self._get().post(url + path, data=payload, headers=headers, **kw) as r:
                 return r.status, await r.read()
-        except TimeoutError as e:  # before ClientError: aiohttp's timeouts are both
-            # a connect that timed out never reached the server: nothing runs there to abort
-            running = not isinstance(e, aiohttp.ConnectionTimeoutError)
-            raise WireError(f"{type(e).__name__}: {e}", timed_out=running) from None
-        except aiohttp.ClientError as e:  # refused, reset, closed mid-answer, bad HTTP
-            raise WireError(f"{type(e).__name__}: {e}", timed_out=False) from None
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _aiohttp_error(e) from None
+
+    async def post_stream(
+        self,
+        url: str,
+        path: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+        on_line: Callable[[bytes], None],
+    ) -> tuple[int, bytes]:
+        try:
+            async with self._get().post(url + path, data=payload, headers=headers) as r:
+                if r.status != 200 or r.content_type != "text/event-stream":
+                    return r.status, await r.read()
+                rest = b""  # lines of any length (StreamReader's own readline caps them at 128 KiB)
+                async for data in r.content.iter_any():
+                    *lines, rest = (rest + data).split(b"\n")
+                    for line in lines:
+                        on_line(line)
+                if rest:
+                    on_line(rest)
+                return r.status, b""
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise _aiohttp_error(e) from None
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -179,15 +230,36 @@ class HttpxBackend:
         try:
             kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
             r = await lane.http.post(path, content=payload, headers=headers, **kw)
-        except httpx.TransportError as e:  # refused, reset, closed mid-answer, bad HTTP, timeouts
-            # a connect that timed out, or a wait for a free connection, never reached the server
-            running = isinstance(e, httpx.TimeoutException) and not isinstance(
-                e, (httpx.ConnectTimeout, httpx.PoolTimeout)
-            )
-            raise WireError(f"{type(e).__name__}: {e}", timed_out=running) from None
+        except httpx.TransportError as e:
+            raise _httpx_error(e) from None
         finally:
             lane.inflight -= 1
         return r.status_code, r.content
+
+    async def post_stream(
+        self,
+        url: str,
+        path: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+        on_line: Callable[[bytes], None],
+    ) -> tuple[int, bytes]:
+        import httpx
+
+        lane = self._take(url)
+        try:
+            async with lane.http.stream("POST", path, content=payload, headers=headers) as r:
+                if r.status_code != 200 or not r.headers.get("content-type", "").startswith(
+                    "text/event-stream"
+                ):
+                    return r.status_code, await r.aread()
+                async for line in r.aiter_lines():
+                    on_line(line.encode())
+                return r.status_code, b""
+        except httpx.TransportError as e:
+            raise _httpx_error(e) from None
+        finally:
+            lane.inflight -= 1
 
     async def aclose(self) -> None:
         lanes = [ln for per_server in self._lanes.values() for ln in per_server]
@@ -212,5 +284,14 @@ class ServerPool:
     async def post(self, path: str, payload: bytes, timeout: float | None = None) -> tuple[int, bytes]:
         """POST ``payload`` (JSON bytes) to ``path``: (status, body). ``timeout`` (seconds) bounds
         the whole request instead of the client's request timeout."""
-        headers = {**_JSON, **self._keys.headers(path)} if self._keys else _JSON
-        return await self._http.post(self.url, path, payload, headers, timeout)
+        return await self._http.post(self.url, path, payload, self._headers(path), timeout)
+
+    async def post_stream(
+        self, path: str, payload: bytes, on_line: Callable[[bytes], None]
+    ) -> tuple[int, bytes]:
+        """POST ``payload`` and hand each line of the event stream that answers to ``on_line``
+        (:meth:`HTTPBackend.post_stream`)."""
+        return await self._http.post_stream(self.url, path, payload, self._headers(path), on_line)
+
+    def _headers(self, path: str) -> Mapping[str, str]:
+        return {**_JSON, **self._keys.headers(path)} if self._keys else _JSON

@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoint in front of the server under test (the reference server here, real
 SGLang in scripts/test-sglang.sh) through the real SGLangClient, driven by the ``openai`` SDK: chat
-with per-token log-probs, a tool call → tool result → answer round trip, and token-exact
-continuation (each prompt the server received is the previous prompt + what the server generated
+with per-token log-probs, a tool call → tool result → answer round trip, a streamed answer (the
+server's own event stream, read as it arrives), and token-exact continuation (each prompt the server received is the previous prompt + what the server generated
 + the rendering of only the new messages).
 
 The tiny model is random, so it never writes a tool call of its own: the round trip's call is
@@ -21,7 +21,7 @@ import pytest
 from nodes.rollout.chat import continuation_ids, prompt_ids
 from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.openai_endpoint import ChatEndpoint
-from tests.rollout.test_openai_endpoint import CALL, TOOLS
+from tests.rollout.test_openai_endpoint import CALL, TOOLS, read_stream
 
 MAX_TOKENS = 6
 
@@ -34,8 +34,17 @@ class Recorder:
         self.client = client
         self.calls: list[tuple[GenRequest, GenResult]] = []
         self.script: list[int] | None = None
+        self.pieces = 0  # on_tokens calls of the last streamed request
 
     async def agenerate(self, request: GenRequest) -> GenResult:
+        if request.on_tokens is not None:  # count the pieces the server's stream came in
+            hand, self.pieces = request.on_tokens, 0
+
+            def counted(*args: Any) -> None:
+                self.pieces += 1
+                hand(*args)
+
+            request.on_tokens = counted
         if self.script is None:
             res = await self.client.agenerate(request)
         else:
@@ -149,3 +158,22 @@ async def test_tool_call_round_trip(endpoint: tuple[ChatEndpoint, Recorder], tok
         1
     ] * len(res2.output_ids)
     assert episode.counters["continued"] == 1 and episode.counters["tool_calls"] >= 1
+
+
+async def test_a_streamed_answer_is_the_servers_stream_read_as_it_arrives(
+    endpoint: tuple[ChatEndpoint, Recorder], tokenizer: Any
+) -> None:
+    ep, gen = endpoint
+    episode, url = ep.open_episode()
+    stream = await sdk(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Count."}], max_tokens=12, temperature=0,
+        logprobs=True, stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    got = await read_stream(stream)
+    ((req, res),) = gen.calls
+    assert req.on_tokens is not None and gen.pieces >= min(2, len(res.output_ids))  # in pieces
+    assert got["content"][0] == tokenizer.decode(res.output_ids, skip_special_tokens=True)
+    assert [e.logprob for e in got["logprobs"]] == pytest.approx(res.output_logprobs)
+    assert got["finish"][0] == res.finish_reason
+    (sample,) = episode.samples
+    assert [t for t, m in zip(sample.ids, sample.mask, strict=True) if m] == res.output_ids

@@ -49,17 +49,24 @@ class Scripted:
     def __init__(self, tokenizer: Any, script: list[str]) -> None:
         self.tok, self.script, self.requests = tokenizer, list(script), []
 
+    streams = False  # True: hands each token to GenRequest.on_tokens as it "arrives", as SGLangClient
+    matched_stop: str | None = None  # the stop string each scripted text ends with
+
     async def agenerate(self, request: GenRequest) -> GenResult:
         self.requests.append(request)
         text = self.script.pop(0) if self.script else "ok"
         ids = [*self.tok.encode(text, add_special_tokens=False), self.tok.eos_token_id]
+        lps = [-0.5 - i / 100 for i in range(len(ids))]
+        tops = [[(lp, t), (lp - 1.0, 42)] for t, lp in zip(ids, lps, strict=True)]
+        for i in range(len(ids)) if self.streams and request.on_tokens else ():
+            request.on_tokens([ids[i]], [lps[i]], [tops[i]] if request.top_logprobs_num else [])
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0)
-        res = GenResult(request.rid or "", ids, [-0.5 - i / 100 for i in range(len(ids))], [7] * len(ids),
-                        "stop", text, len(request.input_ids), [0], "scripted")  # fmt: skip
+        finish = "stop"
+        res = GenResult(request.rid or "", ids, lps, [7] * len(ids), finish, text, len(request.input_ids), [0],
+                        "scripted", matched_stop=self.matched_stop)  # fmt: skip
         if request.top_logprobs_num:
-            res.output_top_logprobs = [
-                [(lp, t), (lp - 1.0, 42)] for t, lp in zip(ids, res.output_logprobs, strict=True)
-            ]
+            res.output_top_logprobs = tops
         return res
 
 
@@ -189,6 +196,66 @@ async def test_streaming_with_tool_call_deltas(endpoint: tuple[ChatEndpoint, Scr
     assert usage is not None and usage.completion_tokens > 0
 
 
+async def read_stream(stream: Any, episode: Any = None) -> dict[str, Any]:
+    """A streamed answer as an agent reads it: content per choice, tool calls, finish reasons, log-prob
+    entries; ``generating``: how many content chunks came while ``episode`` had no output yet."""
+    out: dict[str, Any] = {
+        "content": {},
+        "calls": {},
+        "finish": {},
+        "logprobs": [],
+        "generating": 0,
+        "pieces": [],
+    }
+    async for chunk in stream:
+        for ch in chunk.choices:
+            if ch.delta.content:
+                out["pieces"].append(ch.delta.content)
+                if episode is not None and not any(m for s in episode.samples for m in s.mask):
+                    out["generating"] += 1
+            out["content"][ch.index] = out["content"].get(ch.index, "") + (ch.delta.content or "")
+            out["logprobs"] += ch.logprobs.content if ch.logprobs and ch.logprobs.content else []
+            for d in ch.delta.tool_calls or ():
+                c = out["calls"].setdefault(d.index, {"name": "", "arguments": ""})
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+            if ch.finish_reason:
+                out["finish"][ch.index] = ch.finish_reason
+    return out
+
+
+async def test_content_streams_as_generated_and_a_tool_call_is_held_back(
+    endpoint: tuple[ChatEndpoint, Scripted], tokenizer: Any
+) -> None:
+    ep, gen = endpoint
+    gen.streams = True
+    gen.script = [f"Let me add these. {CALL}"]
+    episode, url = ep.open_episode()
+    stream = await sdk(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "2+3"}], tools=TOOLS, stream=True, logprobs=True
+    )
+    got = await read_stream(stream, episode)
+    assert got["content"] == {0: "Let me add these."} and got["finish"] == {0: "tool_calls"}
+    assert got["generating"] >= 3  # content went out token by token while the model generated
+    assert not any("<" in p for p in got["pieces"])  # the call's opening never shows as content
+    assert json.loads(got["calls"][0]["arguments"]) == {"a": 2, "b": 3}
+    ids = [*tokenizer.encode(f"Let me add these. {CALL}", add_special_tokens=False), tokenizer.eos_token_id]
+    assert [e.logprob for e in got["logprobs"]] == pytest.approx([-0.5 - i / 100 for i in range(len(ids))])
+
+
+async def test_a_stop_string_never_streams(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
+    ep, gen = endpoint
+    gen.streams, gen.matched_stop = True, "STOP"
+    gen.script = ["one two three STOP"]
+    _, url = ep.open_episode()
+    stream = await sdk(url).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], stop=["STOP"], stream=True
+    )
+    got = await read_stream(stream)
+    assert got["content"] == {0: "one two three "} and "S" not in "".join(got["pieces"][:-1])
+    assert len(got["pieces"]) > 2
+
+
 async def test_n_choices_are_samples_of_their_own(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
     ep, gen = endpoint
     gen.script = ["first", "second", "third"]
@@ -308,6 +375,44 @@ async def test_abort_and_resume_mid_turn_is_invisible_to_agent_and_trajectory(
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40 == len(out)
         assert sample.meta["aborts"] >= 1  # it was cut off and resumed on the server's cache
         assert r.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+    finally:
+        await ep.aclose()
+        await client.aclose()
+
+
+async def test_a_stream_from_a_real_server_arrives_while_it_generates_and_survives_a_resume(
+    slow_sim: str, tokenizer: Any
+) -> None:
+    client = SGLangClient([slow_sim])
+    ep = ChatEndpoint(client, tokenizer, "sim")
+    await ep.start()
+    try:
+        episode, url = ep.open_episode()
+
+        async def agent() -> dict[str, Any]:
+            stream = await sdk(url).chat.completions.create(
+                model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True,
+                logprobs=True, stream_options={"include_usage": True},
+            )  # fmt: skip
+            return await read_stream(stream, episode)
+
+        task = asyncio.ensure_future(agent())
+        async with httpx.AsyncClient(base_url=slow_sim) as http:
+            await wait_decoding(http)
+            client.pause()
+            assert (await http.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+            client.resume()
+            await http.post("/continue_generation", json={})
+        got = await task
+        (sample,) = episode.samples
+        out = [t for t, m in zip(sample.ids, sample.mask, strict=True) if m]
+        assert sample.meta["aborts"] >= 1 and len(out) == 40 and got["finish"] == {0: "length"}
+        assert got["generating"] >= 2  # content chunks came before the answer was complete
+        assert got["content"][0] == tokenizer.decode(out, skip_special_tokens=True)
+        assert len(got["logprobs"]) == 40  # one entry per token, none twice across the resume
+        assert [e.logprob for e in got["logprobs"]] == pytest.approx(
+            [lp for lp, m in zip(sample.logprobs, sample.mask, strict=True) if m]
+        )
     finally:
         await ep.aclose()
         await client.aclose()
