@@ -44,6 +44,25 @@ async def test_the_python_tool_agent_is_one_trajectory_per_run(tokenizer: Any) -
     assert wf.counters == {"agent_runs": 2, "agent_errors": 0, "agent_timeouts": 0, "history_edits": 0}
 
 
+async def test_the_guided_agent_shows_its_example_and_makes_the_first_completion_call(
+    tokenizer: Any,  # noqa: F811
+) -> None:
+    wf = workflow(tokenizer, "recipes.agents.python_tool:run_guided", n_samples=1)
+    rest = CALL.removeprefix("<tool_call>\n")  # the endpoint writes the opening (tool_choice required)
+    gen = Scripted(tokenizer, [rest, "347 * 82 = \\boxed{28454}"])
+    try:
+        group = await wf.arun_episode(gen, {"question": "What is 347 * 82?", "answer": "28454"}, "g/e0/2")
+    finally:
+        await wf.endpoint.aclose()
+    (t,) = group.trajectories
+    assert t.reward == 1.0 and t.meta["info"]["tool_calls"] == 1 and t.meta["info"]["turns"] == 2
+    first = tokenizer.decode(gen.requests[0].input_ids)
+    assert "What is 123 * 45?" in first and "print(123 * 45)" in first  # the worked example
+    assert first.endswith("<tool_call>\n")  # the forced opening: context, never trained on
+    trained = tokenizer.decode([i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m])
+    assert "<tool_call>" not in trained and "print(347 * 82)" in trained
+
+
 async def failing(client: Any, item: Any) -> float:
     await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}])
     raise KeyError("the agent's own bug")
