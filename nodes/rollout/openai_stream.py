@@ -183,19 +183,18 @@ async def stream_chat(
                          "finish_reason": None})  # fmt: skip
     try:
         answers = await endpoint.generate_turn(ep, req, turn, [c.feed for c in choices])
-    except GenerationError as e:
-        ep.counters["errors"] += 1
-        for c in choices:
-            c.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await c.task
-        err = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
-        await out.raw(orjson.dumps({"error": err}))
-    else:
         for c, (msg, res, finish) in zip(choices, answers, strict=True):
             await c.finish(msg, res, finish)
         if req.include_usage:
             await out.chunk(None, usage=endpoint.usage(answers))
+    except GenerationError as e:
+        ep.counters["errors"] += 1
+        err = {"message": f"generation failed: {e}", "type": "server_error", "param": None, "code": None}
+        await out.raw(orjson.dumps({"error": err}))
+    finally:  # a failure leaves pumps waiting for tokens that will not come
+        for c in choices:
+            c.task.cancel()
+        await asyncio.gather(*(c.task for c in choices), return_exceptions=True)
     await out.raw(b"[DONE]")
     with contextlib.suppress(ConnectionError, RuntimeError):
         await resp.write_eof()

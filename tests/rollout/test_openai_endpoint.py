@@ -15,7 +15,7 @@ import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.rollout.chat import continuation_ids, prompt_ids
-from nodes.rollout.client import GenRequest, GenResult, SGLangClient
+from nodes.rollout.client import GenerationError, GenRequest, GenResult, SGLangClient
 from nodes.rollout.openai_endpoint import ChatEndpoint
 from tests.helpers.servers import reference_server, wait_decoding
 
@@ -241,6 +241,37 @@ async def test_content_streams_as_generated_and_a_tool_call_is_held_back(
     assert json.loads(got["calls"][0]["arguments"]) == {"a": 2, "b": 3}
     ids = [*tokenizer.encode(f"Let me add these. {CALL}", add_special_tokens=False), tokenizer.eos_token_id]
     assert [e.logprob for e in got["logprobs"]] == pytest.approx([-0.5 - i / 100 for i in range(len(ids))])
+
+
+class FailsMidStream(Scripted):
+    """Streams two tokens, then the generation fails (every server gone)."""
+
+    async def agenerate(self, request: GenRequest) -> GenResult:
+        self.requests.append(request)
+        if request.on_tokens is not None:
+            request.on_tokens([self.tok.encode("a", add_special_tokens=False)[0]], [-0.1], [])
+        await asyncio.sleep(0.05)
+        raise GenerationError("every server failed")
+
+
+async def test_a_generation_that_fails_mid_stream_ends_it_with_an_error_and_the_endpoint_serves_on(
+    tokenizer: Any,
+) -> None:
+    ep = ChatEndpoint(FailsMidStream(tokenizer, []), tokenizer, "tiny")
+    await ep.start()
+    try:
+        episode, url = ep.open_episode()
+        stream = await sdk(url).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], stream=True
+        )
+        with pytest.raises(openai.APIError, match="generation failed: every server failed"):
+            await read_stream(stream)
+        assert episode.counters["errors"] == 1
+        ep.client = Scripted(tokenizer, ["fine"])
+        r = await sdk(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "y"}])
+        assert r.choices[0].message.content == "fine"
+    finally:
+        await ep.aclose()
 
 
 async def test_a_stop_string_never_streams(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
