@@ -5,6 +5,7 @@ reference server through the rollout client, with an abort and resume mid-turn."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -381,43 +382,52 @@ def slow_sim() -> Any:
         yield url
 
 
-async def test_abort_and_resume_mid_turn_is_invisible_to_agent_and_trajectory(
-    slow_sim: str, tokenizer: Any
-) -> None:
+@contextlib.asynccontextmanager
+async def sim_endpoint(slow_sim: str, tokenizer: Any) -> AsyncIterator[tuple[SGLangClient, ChatEndpoint]]:
+    """The endpoint in front of ``slow_sim`` through a real rollout client."""
     client = SGLangClient([slow_sim])
     ep = ChatEndpoint(client, tokenizer, "sim")
     await ep.start()
     try:
+        yield client, ep
+    finally:
+        await ep.aclose()
+        await client.aclose()
+
+
+async def pause_mid_request(slow_sim: str, client: SGLangClient) -> None:
+    """Once the server decodes, pause it (abort mode) and resume, as PolicySync does for a weight update."""
+    async with httpx.AsyncClient(base_url=slow_sim) as http:
+        await wait_decoding(http)  # a few steps in
+        client.pause()
+        assert (await http.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+        client.resume()
+        await http.post("/continue_generation", json={})
+
+
+async def test_abort_and_resume_mid_turn_is_invisible_to_agent_and_trajectory(
+    slow_sim: str, tokenizer: Any
+) -> None:
+    async with sim_endpoint(slow_sim, tokenizer) as (client, ep):
         episode, url = ep.open_episode()
         agent = asyncio.ensure_future(
             sdk(url).chat.completions.create(
                 model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=40
             )
         )
-        async with httpx.AsyncClient(base_url=slow_sim) as http:
-            await wait_decoding(http)  # a few steps in
-            client.pause()  # as PolicySync pauses the plane for a weight update
-            assert (await http.post("/pause_generation", json={"mode": "abort"})).status_code == 200
-            client.resume()
-            await http.post("/continue_generation", json={})
+        await pause_mid_request(slow_sim, client)
         r = await agent
         (sample,) = episode.samples
         out = [t for t, m in zip(sample.ids, sample.mask, strict=True) if m]
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 40 == len(out)
         assert sample.meta["aborts"] >= 1  # it was cut off and resumed on the server's cache
         assert r.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
-    finally:
-        await ep.aclose()
-        await client.aclose()
 
 
 async def test_a_stream_from_a_real_server_arrives_while_it_generates_and_survives_a_resume(
     slow_sim: str, tokenizer: Any
 ) -> None:
-    client = SGLangClient([slow_sim])
-    ep = ChatEndpoint(client, tokenizer, "sim")
-    await ep.start()
-    try:
+    async with sim_endpoint(slow_sim, tokenizer) as (client, ep):
         episode, url = ep.open_episode()
 
         async def agent() -> dict[str, Any]:
@@ -428,12 +438,7 @@ async def test_a_stream_from_a_real_server_arrives_while_it_generates_and_surviv
             return await read_stream(stream, episode)
 
         task = asyncio.ensure_future(agent())
-        async with httpx.AsyncClient(base_url=slow_sim) as http:
-            await wait_decoding(http)
-            client.pause()
-            assert (await http.post("/pause_generation", json={"mode": "abort"})).status_code == 200
-            client.resume()
-            await http.post("/continue_generation", json={})
+        await pause_mid_request(slow_sim, client)
         got = await task
         (sample,) = episode.samples
         out = [t for t, m in zip(sample.ids, sample.mask, strict=True) if m]
@@ -444,9 +449,6 @@ async def test_a_stream_from_a_real_server_arrives_while_it_generates_and_surviv
         assert [e.logprob for e in got["logprobs"]] == pytest.approx(
             [lp for lp, m in zip(sample.logprobs, sample.mask, strict=True) if m]
         )
-    finally:
-        await ep.aclose()
-        await client.aclose()
 
 
 async def test_the_standalone_episode_keeps_no_samples_but_still_continues(
