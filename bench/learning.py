@@ -8,8 +8,8 @@
 
 Each run is the real recipe as a subprocess (fresh embedded cluster, same data and seeds), one
 after another (they would share the two cores otherwise). Held-out accuracy is evaluated greedily
-on the same ``data.eval_size`` problems every ``--eval-every`` steps, with 95% Wilson intervals.
-It prints start and end accuracy and wall time per run and writes one PNG: eval accuracy against
+(or at the config's ``run.eval_temperature``) on the same ``data.eval_size`` problems every
+``--eval-every`` steps, with 95% Wilson intervals. It prints start and end accuracy and wall time per run and writes one PNG: eval accuracy against
 wall-clock minutes (and train reward against step) for the three runs.
 
     python bench/learning.py                     # ~30 minutes on 2 cores: 3 runs of the default
@@ -92,9 +92,11 @@ def summarize(name: str, out: Path, wall: float | None = None) -> dict:
         for r in rows if r.get("eval/accuracy") is not None
     ]  # fmt: skip
     episode = sorted({k for r in rows for k in r if k.startswith("episode/")})
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     return {
         "name": name,
         "wall_s": wall,
+        "eval_temperature": (config.get("run") or {}).get("eval_temperature", 0.0),
         "evals": evals,
         "reward": [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None],
         # an agent's own numbers per training episode (tool calls, turns, ...), mean per step
@@ -123,7 +125,9 @@ def plot(results: list[dict], png: Path) -> None:
             tool_ax[0].plot(xs, [e["tools"] for e in ev], "s--", color=c, label=f"{r['name']} (eval)")
             tool_ax[0].fill_between(xs, [e["tools_low"] for e in ev], [e["tools_high"] for e in ev],
                                     color=c, alpha=0.15)  # fmt: skip
-    acc_ax.set(title="held-out accuracy (greedy, 95% intervals)", xlabel="wall-clock minutes", ylim=(0, 1))
+    temps = {r.get("eval_temperature", 0.0) for r in results}
+    how = "greedy" if temps == {0.0} else "sampled at T=" + "/".join(f"{t:g}" for t in sorted(temps))
+    acc_ax.set(title=f"held-out accuracy ({how}, 95% intervals)", xlabel="wall-clock minutes", ylim=(0, 1))
     rew_ax.set(title="train reward (mean per step)", xlabel="step", ylim=(0, 1))
     if agent:
         tool_ax[0].set(title="held-out episodes calling a tool (95% intervals)", xlabel="wall-clock minutes",
