@@ -89,6 +89,9 @@ async def test_random_frames_at_a_live_worker_never_crash_it(cluster) -> None:
     c = await cluster.spawn(Counter, 5)
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
+    # with the call credential, so the frames reach the worker (a peer without one is refused at the
+    # handshake, and a send after the refusal waits forever: the socket has no peer left)
+    cluster._local.head.security.calls.apply_client(sock)
     sock.connect(c.address)
     rng = random.Random(0)
     valid = _call("value")
