@@ -87,27 +87,34 @@ class StreamedChunk:
                 event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
             )
             return
-        ids, _, meta = parse_chunk(event)
-        entries = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs") or []
-        total = meta.get("completion_tokens")
-        have = len(self.ids)
-        whole = len(ids) == total if isinstance(total, int) and have else True  # the output so far
+        meta = event.get("meta_info") or {}
+        n = (
+            len(event["output_ids"])
+            if "output_ids" in event
+            else len(meta.get("output_token_logprobs") or [])
+        )
+        total, have = meta.get("completion_tokens"), len(self.ids)
+        whole = n == total if isinstance(total, int) and have else True  # the output so far
         if whole:
-            ids, entries, tops = ids[have:], entries[have:], tops[have:]
             self.text = event.get("text") or ""
+            if have:  # read only what is new: an event of the whole output repeats every token before it
+                new = {
+                    k: meta[k][have:] for k in ("output_token_logprobs", "output_top_logprobs") if meta.get(k)
+                }
+                event = {**event, "meta_info": {**meta, **new}}
+                if "output_ids" in event:
+                    event["output_ids"] = event["output_ids"][have:]
         else:
             self.text += event.get("text") or ""
+        ids, lps, part = parse_chunk(event)
+        entries = part.get("output_token_logprobs") or []
+        tops = part.get("output_top_logprobs") or []
         self.ids += ids
         self.entries += entries
         self.tops += tops
         self.meta = meta
         if ids:
-            self.on_tokens(
-                ids,
-                [float(e[0]) if e[0] is not None else 0.0 for e in entries],
-                [[(float(t[0]), int(t[1])) for t in row or ()] for row in tops],
-            )
+            self.on_tokens(ids, lps, [[(float(t[0]), int(t[1])) for t in row or ()] for row in tops])
 
     def result(self) -> dict[str, Any]:
         """The answer as a non-streamed ``/generate`` would have sent it; a stream cut short reads
