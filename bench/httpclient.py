@@ -1,4 +1,4 @@
-"""Client CPU per ``/generate`` call: SGLangClient (this tree over aiohttp and over httpx, and
+"""Client CPU per ``/generate`` call: SGLangClient (this tree over httptools, aiohttp and httpx, and
 optionally an older commit's) against bare httpx and aiohttp loops, on the same sim servers,
 interleaved and repeated.
 
@@ -9,7 +9,7 @@ calls completed; retries and errors are counted too.
 
     python bench/httpclient.py --servers 16 64 --concurrency 64 --repeats 3 --old HEAD~1
     python bench/httpclient.py --servers 64 --concurrency 4096 --variants client   # the retry storm
-    python bench/httpclient.py --servers 16 --variants client client-httpx   # [rollout.client] http
+    python bench/httpclient.py --servers 16 --variants client client-aiohttp client-httpx   # [rollout.client] http
 """
 
 from __future__ import annotations
@@ -185,7 +185,15 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["client", "client-httpx", "old", "httpx", "aiohttp-areal", "aiohttp-keepalive"],
+        default=[
+            "client",
+            "client-aiohttp",
+            "client-httpx",
+            "old",
+            "httpx",
+            "aiohttp-areal",
+            "aiohttp-keepalive",
+        ],
     )
     args = ap.parse_args()
 
@@ -196,6 +204,7 @@ def main() -> None:
     old = load_old_client(args.old) if args.old else None
     variants: dict[str, Callable[[list[str]], Any]] = {
         "client": lambda u: lambda: sglang_client(new_client, u, args.concurrency),
+        "client-aiohttp": lambda u: lambda: sglang_client(new_client, u, args.concurrency, "aiohttp"),
         "client-httpx": lambda u: lambda: sglang_client(new_client, u, args.concurrency, "httpx"),
         "old": lambda u: lambda: sglang_client(old, u, args.concurrency),
         "httpx": lambda u: lambda: bare_httpx(u, args.concurrency),

@@ -26,9 +26,10 @@ __all__ = ["ClientConfig", "RolloutConfig", "workflow_settings"]
 class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
 
-    # the HTTP library under the client (nodes/rollout/pool.py): aiohttp costs about a third of
-    # httpx's CPU per /generate call (bench/RESULTS.md, "Rollout client"); httpx is the design's
-    http: Literal["aiohttp", "httpx"] = "aiohttp"
+    # the HTTP layer under the client (nodes/rollout/pool.py): httptools (our connection pools over
+    # httptools' C parser) costs a quarter to a third of aiohttp's CPU per /generate call, aiohttp
+    # about a third of httpx's (bench/RESULTS.md, "Rollout client"); httpx is the design's
+    http: Literal["httptools", "aiohttp", "httpx"] = "httptools"
 
     # one /generate; a hung server is detected by this
     request_timeout_s: float = field(default=3600.0, metadata=above(0))

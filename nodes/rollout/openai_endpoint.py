@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -39,12 +40,12 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import web
 
 from nodes.rollout import chat
 from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, prompt_ids
 from nodes.rollout.chunks import TokensCallback
 from nodes.rollout.client import GenerationError, GenRequest, GenResult
+from nodes.rollout.http1 import HTTPServer, Request, Response
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
 
@@ -60,6 +61,10 @@ KEPT_COMPLETIONS = 4096  # per episode (the standalone server's one episode keep
 # 0.1-1 ms here); longer ones go to a thread, so the loop keeps serving. The thread hop itself
 # cost 200-300 µs of CPU per call on the 2-core machine (bench/RESULTS.md, "OpenAI-compatible").
 INLINE_RENDER_CHARS = 1024
+# First prompts rendered and tokenised, kept by their messages and tools: a GRPO group's episodes
+# all open with the same messages, so all but the first of them skip the template and tokenizer
+# (about 150-200 µs of a 2-message chat's CPU here, bench/RESULTS.md)
+FIRST_PROMPTS_KEPT = 1024
 
 
 class EndpointError(Exception):
@@ -70,9 +75,9 @@ class EndpointError(Exception):
         self.status, self.param, self.code = status, param, code
         self.type = "invalid_request_error" if status < 500 else "server_error"
 
-    def response(self) -> web.Response:
+    def response(self) -> Response:
         body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status, dumps=lambda o: orjson.dumps(o).decode())
+        return _json(body, self.status)
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -349,29 +354,19 @@ class ChatEndpoint:
         self.defaults = {"max_new_tokens": default_max_tokens, "temperature": default_temperature}
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
-        self._runner: web.AppRunner | None = None
+        self._first_prompts: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # FIRST_PROMPTS_KEPT
+        self._ids = itertools.count()  # completion ids: this endpoint's random prefix, then a count
+        self._id_prefix = uuid.uuid4().hex[:16]
         self.url = ""
-        self.app = web.Application(client_max_size=32 << 20)
-        self.app.router.add_post("/v1/chat/completions", self._chat_default)
-        self.app.router.add_get("/v1/models", self._models)
-        self.app.router.add_post("/episodes/{eid}/v1/chat/completions", self._chat_episode)
-        self.app.router.add_get("/episodes/{eid}/v1/models", self._models)
-        self.app.middlewares.append(_errors)
+        self._server = HTTPServer(self._handle, lambda status, msg: EndpointError(status, msg).response())
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0: a free port); returns the root URL."""
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
-        self.url = f"http://{host}:{bound[1]}"
+        self.url = f"http://{host}:{await self._server.start(host, port)}"
         return self.url
 
     async def aclose(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._server.aclose()
 
     def open_episode(self, episode_id: str | None = None, client: Any = None) -> tuple[Episode, str]:
         """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``); its
@@ -386,34 +381,44 @@ class ChatEndpoint:
 
     # -- routes ------------------------------------------------------------------------------
 
-    async def _models(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "object": "list",
-                "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
-            }
-        )
-
-    async def _chat_default(self, request: web.Request) -> web.StreamResponse:
-        return await self._chat(request, self.default)
-
-    async def _chat_episode(self, request: web.Request) -> web.StreamResponse:
-        ep = self.episodes.get(request.match_info["eid"])
-        if ep is None:
-            raise EndpointError(
-                404, f"no episode {request.match_info['eid']!r} is open here", code="episode_not_found"
-            )
-        return await self._chat(request, ep)
-
-    async def _chat(self, request: web.Request, ep: Episode) -> web.StreamResponse:
+    async def _handle(self, request: Request) -> Response | None:
+        """Route ``request``: ``[/episodes/<id>]/v1/chat/completions`` (POST), ``.../v1/models``
+        (GET). Every failure is OpenAI's error body; none stops the endpoint."""
         try:
-            body = orjson.loads(await request.read())
+            ep: Episode | None = self.default
+            route = request.path
+            if route.startswith("/episodes/"):
+                eid, _, rest = route[len("/episodes/") :].partition("/")
+                ep, route = self.episodes.get(eid), "/" + rest
+                if ep is None and route in ("/v1/chat/completions", "/v1/models"):
+                    raise EndpointError(404, f"no episode {eid!r} is open here", code="episode_not_found")
+            allowed = {"/v1/chat/completions": "POST", "/v1/models": "GET"}.get(route)
+            if allowed is None:
+                raise EndpointError(404, f"{request.method} {request.path}: Not Found")
+            if request.method != allowed:
+                raise EndpointError(405, f"{request.method} {request.path}: Method Not Allowed")
+            if route == "/v1/models":
+                return _json({
+                    "object": "list",
+                    "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
+                })  # fmt: skip
+            assert ep is not None
+            return await self._chat(request, ep)
+        except EndpointError as e:
+            return e.response()
+        except Exception as e:
+            log.exception("openai_endpoint.error", path=request.path)
+            return EndpointError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+    async def _chat(self, request: Request, ep: Episode) -> Response | None:
+        try:
+            body = orjson.loads(request.body)
         except orjson.JSONDecodeError as e:
             raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
         req = ChatRequest.parse(body, self.defaults)
         ep.counters["calls"] += 1
         turn = await self.begin_turn(ep, req)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model,
+        head = {"id": f"chatcmpl-{self._id_prefix}{next(self._ids):x}", "created": int(time.time()), "model": self.model,
                 "system_fingerprint": None}  # fmt: skip
         if req.stream:
             from nodes.rollout.openai_stream import stream_chat
@@ -464,17 +469,32 @@ class ChatEndpoint:
             base.add_context(new)
         else:
             ep.counters["new_samples"] += 1
-            try:
-                size = _chars(req.messages) + (len(orjson.dumps(tools)) if tools else 0)
-                ids = await _render(size, prompt_ids, self.tokenizer, req.messages, tools)
-            except ChatError as e:
-                raise EndpointError(400, str(e), "messages") from None
-            base = ep.add_sample(Sample(ids, req.sampling["temperature"]))
+            base = ep.add_sample(
+                Sample(await self._prompt_ids(req.messages, tools), req.sampling["temperature"])
+            )
         forced = self._forced_prefix(req)
         samples = [base] + [ep.add_sample(base.fork()) for _ in range(req.n - 1)]
         for s in samples:
             s.add_context(forced)
         return Turn(samples, forced, tools)
+
+    async def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        """The prompt's ids, from :data:`FIRST_PROMPTS_KEPT` when these messages and tools were
+        rendered before."""
+        key = orjson.dumps([messages, tools])
+        kept = self._first_prompts.get(key)
+        if kept is not None:
+            self._first_prompts.move_to_end(key)
+            return list(kept)
+        try:
+            size = _chars(messages) + (len(orjson.dumps(tools)) if tools else 0)
+            ids = await _render(size, prompt_ids, self.tokenizer, messages, tools)
+        except ChatError as e:
+            raise EndpointError(400, str(e), "messages") from None
+        self._first_prompts[key] = tuple(ids)
+        if len(self._first_prompts) > FIRST_PROMPTS_KEPT:
+            self._first_prompts.popitem(last=False)
+        return ids
 
     async def generate_turn(
         self, ep: Episode, req: ChatRequest, turn: Turn, on_tokens: list[TokensCallback] | None = None
@@ -482,9 +502,12 @@ class ChatEndpoint:
         """Generate each choice of ``turn`` (``on_tokens[i]`` gets choice i's tokens as they arrive)
         and read the answers: ``(assistant message, result, finish_reason)`` each."""
         feeds = on_tokens or [None] * len(turn.samples)
-        results = await asyncio.gather(
-            *(self._generate(ep, s, req, f) for s, f in zip(turn.samples, feeds, strict=True))
-        )
+        if len(turn.samples) == 1:  # no tasks for one choice
+            results = [await self._generate(ep, turn.samples[0], req, feeds[0])]
+        else:
+            results = await asyncio.gather(
+                *(self._generate(ep, s, req, f) for s, f in zip(turn.samples, feeds, strict=True))
+            )
         out = []
         for s, res in zip(turn.samples, results, strict=True):
             s.add_output(res)
@@ -575,22 +598,8 @@ def _trim_stop(text: str, res: GenResult, req: ChatRequest) -> str:
     return text
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every failure as OpenAI's error body; none stops the endpoint."""
-    try:
-        return await handler(request)
-    except EndpointError as e:
-        return e.response()
-    except web.HTTPException as e:  # unknown route or method
-        return EndpointError(e.status, f"{request.method} {request.path}: {e.reason}").response()
-    except Exception as e:
-        log.exception("openai_endpoint.error", path=request.path)
-        return EndpointError(500, f"internal error: {type(e).__name__}: {e}").response()
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(status, orjson.dumps(obj))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
-from aiohttp import web
 
 from nodes.rollout.client import GenerationError, GenResult
+from nodes.rollout.http1 import Request, Stream
 
 if TYPE_CHECKING:
     from nodes.rollout.openai_endpoint import ChatEndpoint, ChatRequest, Episode, Turn
@@ -40,7 +40,7 @@ TOOL_OPEN = "<tool_call>"
 class SSEWriter:
     """One response's chunks, written whole and in order whichever choice sends them."""
 
-    def __init__(self, resp: web.StreamResponse, head: dict[str, Any]) -> None:
+    def __init__(self, resp: Stream, head: dict[str, Any]) -> None:
         self.resp, self.head = resp, head
         self.gone = False  # the client went away: nothing more is written
         self._lock = asyncio.Lock()
@@ -54,7 +54,7 @@ class SSEWriter:
         async with self._lock:
             try:
                 await self.resp.write(b"data: " + data + b"\n\n")
-            except (ConnectionError, RuntimeError):  # reset, or written after the transport closed
+            except ConnectionError:  # the client went away
                 self.gone = True
 
 
@@ -167,15 +167,14 @@ class _Choice:
 
 async def stream_chat(
     endpoint: ChatEndpoint,
-    request: web.Request,
+    request: Request,
     ep: Episode,
     req: ChatRequest,
     turn: Turn,
     head: dict[str, Any],
-) -> web.StreamResponse:
+) -> None:
     """Answer ``req`` (rendered as ``turn``) as server-sent chunks while it generates."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    resp = await request.stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     out = SSEWriter(resp, head)
     choices = [_Choice(i, endpoint, req, turn.forced, turn.tools, out) for i in range(req.n)]
     for c in choices:
@@ -196,6 +195,5 @@ async def stream_chat(
             c.task.cancel()
         await asyncio.gather(*(c.task for c in choices), return_exceptions=True)
     await out.raw(b"[DONE]")
-    with contextlib.suppress(ConnectionError, RuntimeError):
-        await resp.write_eof()
-    return resp
+    with contextlib.suppress(ConnectionError):
+        await resp.end()

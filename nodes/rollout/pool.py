@@ -1,12 +1,15 @@
 """The wire to the inference servers: POST a JSON body, get the status and the body back.
 
-Two HTTP backends behind one small interface (:class:`HTTPBackend`), chosen by
+Three HTTP backends behind one small interface (:class:`HTTPBackend`), chosen by
 ``[rollout.client] http``; everything above the wire (routing, retries, failover, abort/resume,
-keys) is the client's and the same for both:
+keys) is the client's and the same for all:
 
-- ``"aiohttp"`` (the default): one shared session, keep-alive connections, a C HTTP parser. It
-  costs about a third of httpx's client CPU per ``/generate`` call, and its cost does not grow
-  with the number of connections (bench/RESULTS.md, "Rollout client").
+- ``"httptools"`` (the default): our keep-alive connection pools over asyncio transports and
+  httptools' C parser (nodes/rollout/http1.py). A quarter to a third of aiohttp's client CPU per
+  ``/generate`` call (bench/RESULTS.md, "Rollout client"). ``https://`` servers go through aiohttp.
+- ``"aiohttp"``: one shared session, keep-alive connections, a C HTTP parser. It costs about a
+  third of httpx's client CPU per ``/generate`` call, and its cost does not grow with the number
+  of connections.
 - ``"httpx"`` (the design's client): per server, many small ``httpx.AsyncClient`` pools
   ("lanes"), since httpx's pool does work linear in its number of connections on every request.
 
@@ -19,15 +22,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
+
+from nodes.rollout.http1 import ClientError, ClientPool
 
 if TYPE_CHECKING:
     import httpx
 
     from nodes.rollout.config import ClientConfig
 
-__all__ = ["AiohttpBackend", "HTTPBackend", "HttpxBackend", "ServerPool", "WireError", "open_backend"]
+__all__ = [
+    "AiohttpBackend",
+    "HTTPBackend",
+    "HttptoolsBackend",
+    "HttpxBackend",
+    "ServerPool",
+    "WireError",
+    "open_backend",
+]
 
 _JSON = {"Content-Type": "application/json"}
 # SGLang's uvicorn closes a connection idle for 5 s: a post racing that close would fail
@@ -47,7 +61,7 @@ class WireError(Exception):
 class HTTPBackend(Protocol):
     """How posts reach the servers: pooled keep-alive connections, the client's timeouts."""
 
-    name: str  # the library: "aiohttp" | "httpx"
+    name: str  # the library: "httptools" | "aiohttp" | "httpx"
 
     async def post(
         self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None
@@ -97,7 +111,76 @@ def open_backend(cfg: ClientConfig, transport: httpx.AsyncBaseTransport | None =
     """The backend ``cfg.http`` names; httpx over ``transport`` when one is given."""
     if transport is not None or cfg.http == "httpx":
         return HttpxBackend(cfg, transport)
-    return AiohttpBackend(cfg)
+    if cfg.http == "aiohttp":
+        return AiohttpBackend(cfg)
+    return HttptoolsBackend(cfg)
+
+
+class HttptoolsBackend:
+    """Per ``http://`` server, a :class:`~nodes.rollout.http1.ClientPool` of up to
+    ``max_connections_per_server`` keep-alive connections; ``https://`` servers through aiohttp.
+    ``connect_timeout_s`` bounds the TCP connect alone, ``request_timeout_s`` the wait for the
+    answer (for a stream, all of it)."""
+
+    name = "httptools"
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        self._cfg = cfg
+        self._pools: dict[str, tuple[ClientPool, str] | None] = {}  # url -> (pool, path prefix); None: https
+        self._tls: AiohttpBackend | None = None
+
+    def _pool(self, url: str) -> tuple[ClientPool, str] | None:
+        if url not in self._pools:
+            u = urlsplit(url)
+            self._pools[url] = None if u.scheme != "http" or not u.hostname else (
+                ClientPool(u.hostname, u.port or 80, max_connections=self._cfg.max_connections_per_server,
+                           keepalive_s=_KEEPALIVE_S, connect_timeout_s=self._cfg.connect_timeout_s),
+                u.path.rstrip("/"),
+            )  # fmt: skip
+        return self._pools[url]
+
+    def _aiohttp(self) -> AiohttpBackend:
+        if self._tls is None:
+            self._tls = AiohttpBackend(self._cfg)
+        return self._tls
+
+    async def post(
+        self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None
+    ) -> tuple[int, bytes]:
+        pool = self._pool(url)
+        if pool is None:
+            return await self._aiohttp().post(url, path, payload, headers, timeout)
+        limit = self._cfg.request_timeout_s if timeout is None else timeout
+        try:
+            return await pool[0].request("POST", pool[1] + path, payload, headers, limit)
+        except ClientError as e:
+            raise WireError(str(e), e.timed_out) from None
+
+    async def post_stream(
+        self,
+        url: str,
+        path: str,
+        payload: bytes,
+        headers: Mapping[str, str],
+        on_line: Callable[[bytes], None],
+    ) -> tuple[int, bytes]:
+        pool = self._pool(url)
+        if pool is None:
+            return await self._aiohttp().post_stream(url, path, payload, headers, on_line)
+        try:
+            return await pool[0].request(
+                "POST", pool[1] + path, payload, headers, self._cfg.request_timeout_s, on_line
+            )
+        except ClientError as e:
+            raise WireError(str(e), e.timed_out) from None
+
+    async def aclose(self) -> None:
+        for pool in self._pools.values():
+            if pool is not None:
+                pool[0].close()
+        self._pools.clear()
+        if self._tls is not None:
+            await self._tls.aclose()
 
 
 class AiohttpBackend:

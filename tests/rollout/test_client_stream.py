@@ -147,7 +147,7 @@ def slow_server(request: pytest.FixtureRequest) -> Iterator[str]:
         yield url
 
 
-@pytest.mark.parametrize("http", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("http", ["httptools", "aiohttp", "httpx"])
 async def test_streamed_across_an_abort_and_resume_every_token_once(slow_server: str, http: str) -> None:
     client = SGLangClient([slow_server], ClientConfig(http=http))
     got = Tokens()

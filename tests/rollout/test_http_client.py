@@ -23,7 +23,7 @@ from rlactors.aio import wait_for
 from rlactors.tomlconf import ConfigError, load_toml
 from tests.helpers.servers import hung_server, reference_server, wait_until
 
-HTTP = ["aiohttp", "httpx"]
+HTTP = ["httptools", "aiohttp", "httpx"]
 KEYS = ServerKeys("plain-key-1", "admin-key-2")
 PROMPT = [(11 * i + 5) % 30000 + 10 for i in range(200)]
 N_NEW = 80
@@ -160,6 +160,6 @@ async def test_the_rollout_plane_runs_over_the_configured_library(
 def test_an_unknown_library_is_refused_naming_the_key_and_the_choices(http: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_toml(RolloutConfig, None, [f"client.http={http}"])
-    assert str(e.value) == f"command line: 'client.http' must be 'aiohttp' or 'httpx', got '{http}'"
-    with pytest.raises(ValueError, match="'http' must be 'aiohttp' or 'httpx'"):
+    assert str(e.value) == f"command line: 'client.http' must be 'httptools' or 'aiohttp' or 'httpx', got '{http}'"
+    with pytest.raises(ValueError, match="'http' must be 'httptools' or 'aiohttp' or 'httpx'"):
         ClientConfig(http=http)
