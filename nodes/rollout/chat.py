@@ -27,6 +27,7 @@ __all__ = [
     "ChatError",
     "ToolCall",
     "continuation_ids",
+    "encode",
     "parse_tool_calls",
     "prompt_ids",
     "render_messages",
@@ -126,6 +127,9 @@ def render_messages(
     msgs = messages if native else _hermes(messages, tools)
     kwargs: dict[str, Any] = {"tools": tools} if native and tools else {}
     try:
+        direct = _direct_template(tokenizer)
+        if direct is not None:
+            return direct(msgs, kwargs.get("tools"), generation)
         return str(
             tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation, **kwargs)
         )
@@ -133,12 +137,73 @@ def render_messages(
         raise ChatError(f"the chat template cannot render these messages: {e}") from e
 
 
+# id(tokenizer) -> (tokenizer, its template, the direct renderer or None); a handful of tokenizers
+_DIRECT: dict[int, tuple[Any, Any, Any]] = {}
+_PROBES = [
+    [{"role": "user", "content": "probe <|im_end|> {{ x }}"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+     {"role": "user", "content": "v"}],
+]  # fmt: skip
+
+
+def _direct_template(tokenizer: Any) -> Any:
+    """``render(messages, tools, generation)`` through the tokenizer's compiled Jinja template, as
+    ``apply_chat_template`` renders it without its wrapper (which copies and checks every message:
+    half of a short chat's rendering CPU, 29 against 14 µs here). Only for a single string template,
+    and only once it renders probe conversations exactly as ``apply_chat_template`` does (else
+    None: that is used). Messages reach it already plain (dicts of strings)."""
+    template = getattr(tokenizer, "chat_template", None)
+    kept = _DIRECT.get(id(tokenizer))
+    if kept is not None and kept[0] is tokenizer and kept[1] is template:
+        return kept[2]
+    render = None
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template) if isinstance(template, str) else None
+    except Exception:  # another transformers: its wrapper, then
+        compiled = None
+    if compiled is not None:
+        special = dict(tokenizer.special_tokens_map)
+
+        def direct(messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
+            return str(
+                compiled.render(
+                    messages=[m if all(v is not None for v in m.values()) else
+                              {k: v for k, v in m.items() if v is not None} for m in messages],
+                    tools=tools, documents=None, add_generation_prompt=generation, **special,
+                )
+            )  # fmt: skip
+
+        try:
+            same = all(
+                direct(p, None, g)
+                == tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=g)
+                for p in _PROBES
+                for g in (True, False)
+            )
+        except Exception:
+            same = False
+        render = direct if same else None
+    _DIRECT[id(tokenizer)] = (tokenizer, template, render)
+    return render
+
+
 def prompt_ids(
     tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[int]:
     """Token ids of a conversation's prompt (the assistant header last)."""
-    text = render_messages(tokenizer, messages, tools, generation=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode(tokenizer, render_messages(tokenizer, messages, tools, generation=True))
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=False)``, through the Rust tokenizer directly
+    when there is one: the same ids at about half the CPU (65-80 against 105-140 µs for a 40-token
+    prompt on this machine; transformers' wrapper builds a batch encoding around it)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(backend.encode(text, add_special_tokens=False).ids)
 
 
 def continuation_ids(
@@ -165,7 +230,7 @@ def continuation_ids(
     eos_id = getattr(tokenizer, "eos_token_id", None)
     if finish_reason == "stop" and eos and closing.startswith(eos) and output_ids[-1:] == [eos_id]:
         closing = closing[len(eos) :]  # the model emitted the end-of-turn token itself
-    return list(tokenizer.encode(closing + with_new[len(with_answer) :], add_special_tokens=False))
+    return encode(tokenizer, closing + with_new[len(with_answer) :])
 
 
 TOOL_PARSERS = {

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
+from nodes.rollout import openai_endpoint as oe
 from nodes.rollout.chat import continuation_ids, prompt_ids
 from nodes.rollout.client import GenerationError, GenRequest, GenResult, SGLangClient
 from nodes.rollout.openai_endpoint import ChatEndpoint
@@ -134,6 +135,32 @@ async def test_tool_call_round_trip_is_one_token_exact_sequence(
         len(out1) + len(out2)
     )
     assert episode.counters == {"calls": 2, "continued": 1, "new_samples": 1, "tool_calls": 1, "errors": 0}
+
+
+async def test_a_first_prompt_is_rendered_once_per_messages_and_tools(
+    endpoint: tuple[ChatEndpoint, Scripted], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GRPO group's episodes open with the same messages: the template and tokenizer run once
+    for them, and every episode still gets a sample of its own with the exact ids."""
+    ep, gen = endpoint
+    rendered: list[Any] = []
+    monkeypatch.setattr(oe, "prompt_ids", lambda *a: rendered.append(a[1:]) or prompt_ids(*a))
+    same = [{"role": "user", "content": "same"}]
+    episodes = [ep.open_episode() for _ in range(3)]
+    for _, url in episodes:
+        await sdk(url).chat.completions.create(model="tiny", messages=same)
+    await sdk(episodes[0][1]).chat.completions.create(model="tiny", messages=same, tools=TOOLS)
+    assert rendered == [(same, None), (same, TOOLS)]
+    assert [r.input_ids for r in gen.requests[:3]] == [prompt_ids(tokenizer, same, None)] * 3
+    assert gen.requests[3].input_ids == prompt_ids(tokenizer, same, TOOLS)
+    assert [len(e.samples) for e, _ in episodes] == [2, 1, 1]
+    monkeypatch.setattr(oe, "FIRST_PROMPTS_KEPT", 2)  # the oldest kept prompt goes first
+    for text in ("other", "same"):
+        await sdk(episodes[0][1]).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": text}]
+        )
+    assert rendered[2:] == [([{"role": "user", "content": "other"}], None), (same, None)]
+    assert gen.requests[-1].input_ids == prompt_ids(tokenizer, same, None)
 
 
 async def test_edited_history_starts_another_sample(endpoint: tuple[ChatEndpoint, Scripted]) -> None:
