@@ -8,12 +8,17 @@ loops posting one request after another for ``--seconds`` after ``--warmup``:
 
 - ``generate``: bare aiohttp posts of the prompt's ids to ``/generate`` (the baseline);
 - ``client``: :class:`SGLangClient` ``agenerate`` in this process (what the endpoint calls inside);
-- ``chat``: aiohttp posts of the chat messages to the endpoint's ``/v1/chat/completions``;
+- ``chat``: aiohttp posts of the chat messages to the endpoint's ``/v1/chat/completions``, the same
+  messages each call, as a GRPO group's episodes open (the endpoint renders them once);
+- ``chat-distinct``: the same, but each call's user message is new (every prompt rendered);
+- ``chat-episode``: two-turn episodes, as an agent sends them: a new question, then that
+  conversation with the answer and a follow-up (which continues the first completion's ids);
 - ``chat-sdk``: the same through ``openai.AsyncOpenAI`` (the agent's SDK cost shows in this process);
 - ``models``: aiohttp GETs of the endpoint's ``/v1/models`` (its HTTP serving alone, no generation).
 
 The endpoint's cost per chat call is its process's CPU over the calls; what it adds is that minus
-the bare ``/generate`` call's CPU (target: ≤ 300 µs).
+the bare ``/generate`` call's CPU (target: ≤ 300 µs). Its own work (HTTP serving, rendering,
+reading the answer) is that cost minus its ``SGLangClient`` call's (the ``client`` row).
 
     python bench/agent_endpoint.py --servers 2 --concurrency 16 --seconds 5 --repeats 3
 """
@@ -93,16 +98,40 @@ async def rollout_client(urls: list[str], ids: list[int]) -> tuple[Post, Callabl
     return post, client.aclose
 
 
-async def chat_aiohttp(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+async def chat_aiohttp(base_url: str, distinct: bool = False) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    """``distinct``: each call asks about other numbers (a prompt the endpoint has not rendered)."""
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     body = {"model": "m", "messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
 
     async def post(i: int, n: int) -> None:
+        if distinct:
+            ask = {"role": "user", "content": f"What is {i} + {n}? Think step by step."}
+            body["messages"] = [MESSAGES[0], ask]
         async with session.post(base_url + "/chat/completions", json=body) as r:
             r.raise_for_status()
             assert (await r.json())["usage"]["completion_tokens"] == NEW_TOKENS
+
+    return post, session.close
+
+
+async def chat_episodes(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    """Loop i's even calls ask a new question, its odd calls continue that conversation."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    history: dict[int, list[dict[str, Any]]] = {}
+
+    async def post(i: int, n: int) -> None:
+        if n % 2 == 0:
+            history[i] = [MESSAGES[0], {"role": "user", "content": f"What is {i} + {n}? Think step by step."}]
+        body = {"model": "m", "messages": history[i], "max_tokens": NEW_TOKENS, "temperature": 0}
+        async with session.post(base_url + "/chat/completions", json=body) as r:
+            r.raise_for_status()
+            answer = await r.json()
+        assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+        history[i] = [*history[i], answer["choices"][0]["message"], {"role": "user", "content": "Go on."}]
 
     return post, session.close
 
@@ -187,7 +216,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--variants", nargs="+", default=["generate", "client", "chat", "chat-sdk", "models"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["generate", "client", "chat", "chat-distinct", "chat-episode", "chat-sdk", "models"],
+    )
     args = ap.parse_args()
 
     import psutil
@@ -209,6 +242,8 @@ def main() -> None:
         "generate": lambda: bare_generate(urls, ids),
         "client": lambda: rollout_client(urls, ids),
         "chat": lambda: chat_aiohttp(base_url),
+        "chat-distinct": lambda: chat_aiohttp(base_url, distinct=True),
+        "chat-episode": lambda: chat_episodes(base_url),
         "chat-sdk": lambda: chat_sdk(base_url),
         "models": lambda: models(base_url),
     }
@@ -218,7 +253,7 @@ def main() -> None:
             for name in args.variants:
                 r = uvloop.run(measure(variants[name], endpoint, args.concurrency, args.warmup, args.seconds))
                 results[name].append(r)
-                print(f"rep={rep} {name:9s} agent {r['agent_us']:6.0f} us/call  endpoint {r['endpoint_us']:6.0f}"
+                print(f"rep={rep} {name:13s} agent {r['agent_us']:6.0f} us/call  endpoint {r['endpoint_us']:6.0f}"
                       f" us/call  {r['calls_per_s']:6.0f} calls/s  calls={r['calls']}"
                       f" load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
     finally:
@@ -231,16 +266,14 @@ def main() -> None:
         vals = sorted(r[key] for r in results.get(name, []))
         return vals[len(vals) // 2] if vals else float("nan")
 
-    base = median("generate", "agent_us")
-    print(
-        f"baseline: bare /generate (aiohttp) {base:.0f} us/call; SGLangClient {median('client', 'agent_us'):.0f}"
-    )
-    for name in ("chat", "chat-sdk"):
+    base, client = median("generate", "agent_us"), median("client", "agent_us")
+    print(f"baseline: bare /generate (aiohttp) {base:.0f} us/call; SGLangClient {client:.0f}")
+    for name in ("chat", "chat-distinct", "chat-episode", "chat-sdk"):
         if name in results:
             ep, agent = median(name, "endpoint_us"), median(name, "agent_us")
-            print(f"{name:9s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
+            print(f"{name:13s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
                   f" target <= {TARGET_US:.0f}: {'met' if ep - base <= TARGET_US else 'MISSED'});"
-                  f" agent side {agent:.0f} us/call")  # fmt: skip
+                  f" its own work (minus its SGLangClient call) {ep - client:.0f} us; agent side {agent:.0f} us/call")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -160,6 +160,9 @@ async def test_the_rollout_plane_runs_over_the_configured_library(
 def test_an_unknown_library_is_refused_naming_the_key_and_the_choices(http: str) -> None:
     with pytest.raises(ConfigError) as e:
         load_toml(RolloutConfig, None, [f"client.http={http}"])
-    assert str(e.value) == f"command line: 'client.http' must be 'httptools' or 'aiohttp' or 'httpx', got '{http}'"
+    assert (
+        str(e.value)
+        == f"command line: 'client.http' must be 'httptools' or 'aiohttp' or 'httpx', got '{http}'"
+    )
     with pytest.raises(ValueError, match="'http' must be 'httptools' or 'aiohttp' or 'httpx'"):
         ClientConfig(http=http)
