@@ -141,7 +141,7 @@ class _Connection(asyncio.Protocol):
         if self._idle is not None:
             self._idle.cancel()
         if self._drained is not None and not self._drained.done():
-            self._drained.set_exception(ConnectionResetError("the client closed the connection"))
+            self._drained.set_result(None)  # drain() raises on waking, as the connection is gone
 
     def pause_writing(self) -> None:
         if self._drained is None or self._drained.done():
@@ -243,10 +243,10 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
 
     async def drain(self) -> None:
-        if self.gone:
-            raise ConnectionResetError("the client closed the connection")
         if self._drained is not None and not self._drained.done():
             await self._drained
+        if self.gone:
+            raise ConnectionResetError("the client closed the connection")
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a request the parser could not take, and close: its bytes cannot be skipped."""
@@ -355,6 +355,11 @@ class _ClientConnection(asyncio.Protocol):
             self._lines(line)  # type: ignore[misc]
 
     def on_message_complete(self) -> None:
+        if (
+            100 <= self.parser.get_status_code() < 200
+        ):  # informational (100 Continue, 103): the answer follows
+            self._body, self._event_stream = [], False
+            return
         if self._streaming and self._rest:
             self._lines(self._rest)  # type: ignore[misc]
         body = b"" if self._streaming else self._body[0] if len(self._body) == 1 else b"".join(self._body)

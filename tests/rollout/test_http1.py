@@ -395,3 +395,14 @@ async def test_a_cancelled_request_gives_its_slot_back() -> None:
         assert await wait_for(waiting, 5) == (200, b"fine")
         gate.set()
         p.close()
+
+
+async def test_an_informational_answer_is_skipped_for_the_real_one() -> None:
+    async def early(request: bytes) -> bytes:
+        return b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + ok(b"real")
+
+    async with raw_server(Counting(early)) as port:
+        p = pool(port)
+        assert await p.request("POST", "/", b"", {}, 5) == (200, b"real")
+        assert await p.request("POST", "/", b"", {}, 5) == (200, b"real")  # and the connection goes on
+        p.close()
