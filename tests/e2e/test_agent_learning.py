@@ -15,12 +15,12 @@ import pytest
 
 from tests.e2e.test_recipe import recipe, rows
 
-STEPS = 12
+STEPS = 16
 BATCH, SAMPLES = 8, 4
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # ~2-3 min on an idle machine; 10 min measured under a load of 12 on 2 cores
+@pytest.mark.timeout(1200)  # ~2-3 min idle; 10 min measured (12 steps) under a load of 12 on 2 cores
 def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
@@ -37,7 +37,10 @@ def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path)
         "data.eval_size=8",
         "servers.n=1",
         "trainer.n_ranks=1",
-        "trainer.lr=0.08",  # a random-weight model learns this objective only with large steps
+        # large steps: a random-weight model learns this objective only so. At 0.08 (test_learning's) its
+        # entropy fell and sprang back to uniform around step 3-5 in 3 runs of 4 here, and 2 of those
+        # had not recovered by step 12; at 0.05 it fell steadily and the reward reached 1.0 by step 11
+        "trainer.lr=0.05",
         f"async.batch_size={BATCH}",
         "async.max_staleness=1",
         "rollout.workflow_args.agent=tests.e2e.learning_agent:run",
@@ -52,7 +55,7 @@ def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path)
         "run.checkpoint_every=0",
         f"run.out_dir={out}",
     ]
-    done = recipe(args, timeout=840)
+    done = recipe(args, timeout=1140)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     m = rows(out)
     assert [r["step"] for r in m] == list(range(1, STEPS + 1))
