@@ -27,7 +27,7 @@ class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
 
     # the HTTP layer under the client (nodes/rollout/pool.py): httptools (our connection pools over
-    # httptools' C parser) costs a quarter to a third of aiohttp's CPU per /generate call, aiohttp
+    # httptools' C parser) costs about half of aiohttp's CPU per /generate call, aiohttp
     # about a third of httpx's (bench/RESULTS.md, "Rollout client"); httpx is the design's
     http: Literal["httptools", "aiohttp", "httpx"] = "httptools"
 

@@ -5,7 +5,7 @@ Three HTTP backends behind one small interface (:class:`HTTPBackend`), chosen by
 keys) is the client's and the same for all:
 
 - ``"httptools"`` (the default): our keep-alive connection pools over asyncio transports and
-  httptools' C parser (nodes/rollout/http1.py). A quarter to a third of aiohttp's client CPU per
+  httptools' C parser (nodes/rollout/http1.py). About half of aiohttp's client CPU per
   ``/generate`` call (bench/RESULTS.md, "Rollout client"). ``https://`` servers go through aiohttp.
 - ``"aiohttp"``: one shared session, keep-alive connections, a C HTTP parser. It costs about a
   third of httpx's client CPU per ``/generate`` call, and its cost does not grow with the number
@@ -147,14 +147,7 @@ class HttptoolsBackend:
     async def post(
         self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None
     ) -> tuple[int, bytes]:
-        pool = self._pool(url)
-        if pool is None:
-            return await self._aiohttp().post(url, path, payload, headers, timeout)
-        limit = self._cfg.request_timeout_s if timeout is None else timeout
-        try:
-            return await pool[0].request("POST", pool[1] + path, payload, headers, limit)
-        except ClientError as e:
-            raise WireError(str(e), e.timed_out) from None
+        return await self._send(url, path, payload, headers, timeout, None)
 
     async def post_stream(
         self,
@@ -164,13 +157,21 @@ class HttptoolsBackend:
         headers: Mapping[str, str],
         on_line: Callable[[bytes], None],
     ) -> tuple[int, bytes]:
+        return await self._send(url, path, payload, headers, None, on_line)
+
+    async def _send(
+        self, url: str, path: str, payload: bytes, headers: Mapping[str, str], timeout: float | None,
+        on_line: Callable[[bytes], None] | None,
+    ) -> tuple[int, bytes]:  # fmt: skip
         pool = self._pool(url)
         if pool is None:
-            return await self._aiohttp().post_stream(url, path, payload, headers, on_line)
+            tls = self._aiohttp()
+            if on_line is None:
+                return await tls.post(url, path, payload, headers, timeout)
+            return await tls.post_stream(url, path, payload, headers, on_line)
+        limit = self._cfg.request_timeout_s if timeout is None else timeout
         try:
-            return await pool[0].request(
-                "POST", pool[1] + path, payload, headers, self._cfg.request_timeout_s, on_line
-            )
+            return await pool[0].request("POST", pool[1] + path, payload, headers, limit, on_line)
         except ClientError as e:
             raise WireError(str(e), e.timed_out) from None
 
