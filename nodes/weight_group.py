@@ -20,7 +20,25 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-__all__ = ["broadcast", "destroy_weight_update_group", "init_weight_update_group", "tcp_init_method"]
+__all__ = [
+    "broadcast",
+    "destroy_weight_update_group",
+    "gpu_uuid",
+    "init_weight_update_group",
+    "tcp_init_method",
+]
+
+
+def gpu_uuid(device: Any) -> str | None:
+    """The physical GPU behind ``device`` (its UUID, the same whatever ``CUDA_VISIBLE_DEVICES``
+    calls it), or ``None`` for a CPU. NCCL refuses a group with two ranks on one GPU ("Duplicate
+    GPU detected"), so a trainer compares this with each server's before it picks NCCL."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def tcp_init_method(host: str, port: int) -> str:

@@ -52,9 +52,11 @@ def step_fsdp(device: str, state: dict[str, Any]) -> dict[str, Any]:
     from nodes.trainer.fsdp import _apply_fsdp  # the trainer's own FSDP2 wrapping
 
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if device == "cuda":
-        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if device == "cuda" else None
+    if dev is not None:
+        torch.cuda.set_device(dev)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group(backend, init_method=init, rank=0, world_size=1, device_id=dev)
     path = ensure_tiny_checkpoint(seed=0, tied=False)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.config.use_cache = False

@@ -22,6 +22,7 @@ from nodes.inference import weight_sync
 from nodes.inference.backends.base import Backend
 from nodes.inference.radix import RadixCache
 from nodes.inference.scheduler import Scheduler
+from nodes.weight_group import gpu_uuid
 from protocols.sglang import (
     InitWeightsUpdateGroupRequest,
     ProtocolError,
@@ -132,6 +133,8 @@ class Engine:
         self.rng = random.Random(args.random_seed)
         self.groups: dict[str, weight_sync.UpdateGroup] = {}
         self.session_open = False
+        device = str(getattr(self.backend, "device", "cpu"))
+        self.gpu_uuid = gpu_uuid(device) if device.startswith("cuda") else None
         self.context_len = args.context_length or _model_context_length(args.model_path)
         # one thread: tokenizers are not safe to share between threads, and a long text must not
         # stall the event loop
@@ -303,6 +306,8 @@ class Engine:
         return {
             **dataclasses.asdict(self.args),
             "tp_size": 1,
+            # ours, not SGLang's: a trainer on the same GPU must not join it over NCCL
+            "gpu_uuid": self.gpu_uuid,
             "max_total_num_tokens": self.args.cache_tokens,
             "weights_id": self.backend.weights_id,
             "internal_states": [self.scheduler.stats()],

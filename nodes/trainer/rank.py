@@ -46,12 +46,14 @@ class TrainerRank(rlactors.Actor):
         train_cfg = self.config
         if train_cfg.device == "cpu":
             torch.set_num_threads(train_cfg.threads)
-        if not dist.is_initialized():
-            backend = "nccl" if train_cfg.device == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method="env://")
+        device = None
         if train_cfg.device == "cuda":
             # the node agent may narrow CUDA_VISIBLE_DEVICES to this actor's GPU(s)
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():  # NCCL told its device: it need not guess it from the rank
+            backend = "nccl" if train_cfg.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method="env://", device_id=device)
         self.trainer = FSDPTrainer(train_cfg)
         TRACE.track = f"trainer-{dist.get_rank()}"
         log.info("trainer_rank_ready", rank=dist.get_rank(), world_size=dist.get_world_size())

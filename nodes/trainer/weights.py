@@ -45,7 +45,7 @@ from nodes.trainer.config import PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
 from nodes.trainer.lora import merge_state_dict
-from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
+from nodes.weight_group import broadcast, destroy_weight_update_group, gpu_uuid, init_weight_update_group
 from protocols.sglang import (
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
@@ -104,8 +104,11 @@ class WeightPusher:
         self.model, self.cfg = model, cfg
         self.model_config_dir = model_config_dir
         self.rank = dist.get_rank()
-        on_cuda = next(iter(model.parameters())).device.type == "cuda"
-        self.backend = cfg.backend if cfg.backend != "auto" else ("nccl" if on_cuda else "gloo")
+        self.device = next(iter(model.parameters())).device
+        # the group's backend; under "auto" connect() picks gloo when a server shares our GPU
+        self.backend = (
+            cfg.backend if cfg.backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        )
         self.urls: list[str] = []
         self.group: Any = None
         self.group_name = ""
@@ -157,8 +160,10 @@ class WeightPusher:
         addr = master_address or self.cfg.master_address
         port = master_port or self.cfg.master_port or _free_port()
         self.group_name = self.cfg.group_name or f"rlactors-weights-{uuid.uuid4().hex[:8]}"
-        tp = [int(self._http.get(u + "/server_info").json().get("tp_size", 1)) for u in self.urls]
+        infos = [self._http.get(u + "/server_info").json() for u in self.urls]
+        tp = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp)
+        self.backend = self._group_backend(infos)
         futures, offset = [], 1
         for url, size in zip(self.urls, tp, strict=True):
             body = request_body(
@@ -187,6 +192,21 @@ class WeightPusher:
         finally:
             dist.barrier()
         log.info("weight_group_ready", group=self.group_name, world_size=world, servers=len(self.urls))
+
+    def _group_backend(self, infos: list[dict[str, Any]]) -> str:
+        """NCCL unless ``cfg.backend`` names one, the model is on CPU, or a server says (its
+        ``gpu_uuid``, which our reference server reports) it runs on this rank's GPU: NCCL refuses
+        two ranks on one GPU ("Duplicate GPU detected"), so such a group uses gloo, which moves
+        CUDA tensors through host memory. Real SGLang does not say; colocated with one, set
+        ``trainer.push.backend = "gloo"``."""
+        if self.cfg.backend != "auto" or self.device.type != "cuda":
+            return self.backend
+        ours = gpu_uuid(self.device)
+        shared = [u for u, info in zip(self.urls, infos, strict=True) if info.get("gpu_uuid") == ours]
+        if not shared:
+            return "nccl"
+        log.info("weight_group_colocated", servers=shared, backend="gloo", reason="NCCL: one rank per GPU")
+        return "gloo"
 
     def disconnect(self) -> None:
         """Ask the servers to leave the group and drop it (rank 0)."""
