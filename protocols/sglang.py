@@ -436,6 +436,35 @@ class UpdateWeightsFromDistributedRequest(_Body):
         return self
 
 
+class UpdateWeightsFromTensorRequest(_Body):
+    """``/update_weights_from_tensor``: tensors handed over by reference from a process on the
+    server's host (CUDA IPC handles; shared-memory files for CPU tensors).
+
+    ``serialized_named_tensors`` holds one payload per tensor-parallel rank, each a base64 string
+    of ``[(name, tensor), ...]`` pickled by torch's ``ForkingPickler`` (SGLang's
+    ``MultiprocessingSerializer``; see nodes/tensor_ipc.py). Every payload must be serialized on
+    its own: CUDA IPC counts each rank's reference.
+    """
+
+    _wire: ClassVar[str] = "UpdateWeightsFromTensorReqInput"
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if not self.serialized_named_tensors:
+            raise _invalid("serialized_named_tensors needs one payload per tensor-parallel rank")
+        if self.load_format is not None:  # SGLang's flattened bucket pickles SGLang's own classes
+            raise _invalid(f"unsupported load_format {self.load_format!r}: send (name, tensor) pairs")
+        return self
+
+
 class DestroyWeightsUpdateGroupRequest(_Body):
     """``/destroy_weights_update_group``."""
 
@@ -645,6 +674,7 @@ __all__ = [
     "UpdateWeightVersionRequest",
     "UpdateWeightsFromDiskRequest",
     "UpdateWeightsFromDistributedRequest",
+    "UpdateWeightsFromTensorRequest",
     "error_body",
     "finish_abort",
     "finish_length",

@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from nodes import tensor_ipc
 from nodes.inference import weight_sync
 from nodes.inference.backends.base import Backend
 from nodes.inference.radix import RadixCache
@@ -28,6 +29,7 @@ from protocols.sglang import (
     ProtocolError,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
 )
 
 log = structlog.get_logger(__name__)
@@ -275,6 +277,31 @@ class Engine:
         if ok and req.weight_version is not None:
             message += f" Weight version updated to {req.weight_version}."
         return ok, message
+
+    async def update_from_tensor(self, req: UpdateWeightsFromTensorRequest) -> tuple[bool, str]:
+        """Copy tensors handed over by reference (nodes/tensor_ipc.py) into the live model. As in
+        SGLang 0.5.23, only inside a weight-update session (with ``strict_weight_update_session``)."""
+        if self.args.strict_weight_update_session and not self.session_open:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        if req.abort_all_requests:
+            self.scheduler.abort(abort_all=True)
+        payload = req.serialized_named_tensors[0]  # tensor-parallel rank 0: this server's only rank
+        async with self.scheduler.step_lock:
+            try:
+                await asyncio.to_thread(self._load_payload, payload)
+            except Exception as e:
+                log.warning("weights_from_tensor_failed", error=str(e))
+                return False, f"Failed to update weights from tensor: {e}"
+            self.set_weight_version(req.weight_version)  # with the weights, before the next step
+            ok, message = self._flush_after_update(req.flush_cache, True, "Success")
+        if ok and req.weight_version is not None:
+            message += f" Weight version updated to {req.weight_version}."
+        return ok, message
+
+    def _load_payload(self, payload: str) -> None:
+        named = tensor_ipc.deserialize_named_tensors(payload, self.backend.device)
+        self.backend.apply_tensors(named)
+        del named  # the sender's memory is released with the last reference to it
 
     def _flush_after_update(self, flush: bool, ok: bool, message: str) -> tuple[bool, str]:
         """As SGLang: a flush refused because requests still run fails the update call (the

@@ -66,6 +66,7 @@ from protocols.sglang import (
     SamplingParams,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     error_body,
     success_body,
@@ -645,6 +646,10 @@ def create_app(engine: Engine, keys: ServerKeys | None = None) -> Starlette:
         req = UpdateWeightsFromDistributedRequest.from_json(await body(request))
         return _ok_or_400(*await engine.update_from_distributed(req))
 
+    async def update_weights_from_tensor(request: Request) -> OrjsonResponse:
+        req = UpdateWeightsFromTensorRequest.from_json(await body(request))
+        return _ok_or_400(*await engine.update_from_tensor(req))
+
     async def destroy_weights_update_group(request: Request) -> OrjsonResponse:
         req = DestroyWeightsUpdateGroupRequest.from_json(await body(request, allow_empty=True))
         return _ok_or_400(*engine.destroy_group(req.group_name))
@@ -685,6 +690,7 @@ def create_app(engine: Engine, keys: ServerKeys | None = None) -> Starlette:
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/init_weights_update_group", init_weights_update_group, methods=["POST"]),
         Route("/update_weights_from_distributed", update_weights_from_distributed, methods=["POST"]),
+        Route("/update_weights_from_tensor", update_weights_from_tensor, methods=["POST"]),
         Route("/destroy_weights_update_group", destroy_weights_update_group, methods=["POST"]),
         Route("/begin_weight_update", begin_weight_update, methods=["POST"]),
         Route("/end_weight_update", end_weight_update, methods=["POST"]),

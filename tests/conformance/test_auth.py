@@ -60,7 +60,8 @@ ROUTES = [
     ("GET", "/get_weight_version"), ("POST", "/update_weight_version"), ("GET", "/server_info"),
     ("GET", "/get_server_info"), ("GET", "/v1/loads"), ("GET", "/get_weights_by_name"),
     ("POST", "/update_weights_from_disk"), ("POST", "/init_weights_update_group"),
-    ("POST", "/update_weights_from_distributed"), ("POST", "/destroy_weights_update_group"),
+    ("POST", "/update_weights_from_distributed"), ("POST", "/update_weights_from_tensor"),
+    ("POST", "/destroy_weights_update_group"),
     ("POST", "/begin_weight_update"), ("POST", "/end_weight_update"), ("GET", "/no_such_route"),
     ("OPTIONS", "/generate"),
 ]  # fmt: skip
