@@ -3,9 +3,12 @@
 1. fsdp: FSDP2 (``fully_shard`` per layer, bf16 parameters, fp32 reduction) on the tiny model,
    3 optimizer steps on random tokens; the loss must be finite and the weights must move.
 2. push: the reference server (hf backend) on the same device, and a weight push from step 1's
-   model over a process group (NCCL on CUDA, gloo on CPU); the server's copy of a parameter must
-   equal the trainer's, and its weight version must be the pushed one.
-3. recipe: the GSM8K recipe with recipes/configs/gpu.toml, narrowed to one device and the tiny
+   model over a weight-update group (gloo: NCCL refuses two ranks on one GPU, so the pusher picks
+   gloo for a server that reports the trainer's GPU); the server's copy of a parameter must equal
+   the trainer's, and its weight version must be the pushed one.
+3. push-tensor: the same by reference, ``/update_weights_from_tensor`` (CUDA IPC handles on a GPU,
+   shared memory on CPU).
+4. recipe: the GSM8K recipe with recipes/configs/gpu.toml, narrowed to one device and the tiny
    model: one trainer rank, one reference server, a few local GSM8K rows, ``--steps`` steps.
 
 Each step's result, timing and details go to one JSON report (``--report``); the exit code is the
@@ -88,13 +91,13 @@ def step_fsdp(device: str, state: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def step_push(device: str, state: dict[str, Any]) -> dict[str, Any]:
+def step_push(device: str, state: dict[str, Any], method: str) -> dict[str, Any]:
     if "model" not in state:
         raise RuntimeError("needs the fsdp step's model")
-    return asyncio.run(_push(device, state["model"], state["path"]))
+    return asyncio.run(_push(device, state["model"], state["path"], method))
 
 
-async def _push(device: str, model: Any, path: Path) -> dict[str, Any]:
+async def _push(device: str, model: Any, path: Path, method: str) -> dict[str, Any]:
     import httpx
 
     from nodes.inference.launcher import ReferenceServerConfig, ServerSupervisor
@@ -107,7 +110,7 @@ async def _push(device: str, model: Any, path: Path) -> dict[str, Any]:
     await sup.start()
     started = time.perf_counter() - t0
     try:  # the pusher's calls block: in a thread, while this loop supervises the server
-        pusher = WeightPusher(model, PushConfig(keys=sup.keys), model_config_dir=str(path))
+        pusher = WeightPusher(model, PushConfig(method=method, keys=sup.keys), model_config_dir=str(path))
         t1 = time.perf_counter()
         await asyncio.to_thread(pusher.connect, [sup.url])
         connect_s = time.perf_counter() - t1
@@ -124,7 +127,8 @@ async def _push(device: str, model: Any, path: Path) -> dict[str, Any]:
         )
         assert str(version) == "1", f"weight version {version!r}, pushed 1"
         await asyncio.to_thread(pusher.close)
-        return {"backend": pusher.backend, "server_start_s": started, "connect_s": connect_s,
+        backend = pusher.backend if method == "distributed" else None  # tensor: no group
+        return {"method": method, "backend": backend, "server_start_s": started, "connect_s": connect_s,
                 "push": {k: v for k, v in stats.items() if isinstance(v, int | float)}}  # fmt: skip
     finally:
         await sup.stop()
@@ -187,7 +191,8 @@ def main() -> int:
     }
     plan = [
         ("fsdp", lambda: step_fsdp(args.device, state)),
-        ("push", lambda: step_push(args.device, state)),
+        ("push", lambda: step_push(args.device, state, "distributed")),
+        ("push-tensor", lambda: step_push(args.device, state, "tensor")),
         ("recipe", lambda: step_recipe(args.device, args.steps, args.config, work)),
     ]
     for name, run in plan:

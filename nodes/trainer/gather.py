@@ -187,6 +187,10 @@ class ParamGatherer:
         end = b[-1].offset + b[-1].nbytes
         return self._buffer(k)[:end].view(b[0].dtype)
 
+    def views(self, k: int, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Bucket ``k``'s tensors as views into ``buf``, a copy of its buffer's bytes."""
+        return [(s.name, self._view(buf, s)) for s in self.buckets[k]]
+
     def gather(self, k: int) -> list[tuple[str, torch.Tensor]]:
         """Fill bucket ``k`` on rank 0 (every rank must call it); returns ``(name, tensor)`` views
         on rank 0, ``[]`` elsewhere. The views stay valid until bucket ``k + 2`` is gathered."""

@@ -9,9 +9,14 @@ Not a test module: ``tests/sglang/test_sglang_code.py`` starts it with the pytho
   ``FlattenedTensorBucket``). Every body is validated with SGLang's request class
   (``sglang.srt.managers.io_struct``), and a key the class does not have is refused, so a field
   SGLang would ignore shows as an error. ``POST /dump`` saves what was received.
+  ``/update_weights_from_tensor`` payloads are opened with SGLang's ``MultiprocessingSerializer``
+  (its ``SafeUnpickler``), as SGLang's scheduler opens them.
 - ``push URL PORT TENSORS``: the trainer's side as AReaL and slime write it with SGLang's
   helpers: rank 0 of ``init_custom_process_group``, one flattened bucket
   (``FlattenedTensorBucket``) and then the same tensors one broadcast each, into a server.
+- ``push-tensor URL TENSORS``: the same tensors by reference, serialized by SGLang's
+  ``MultiprocessingSerializer`` as verl and SGLang's own ``Engine`` send them (CPU tensors: torch's
+  ``file_system`` sharing, since a file descriptor cannot cross an HTTP call).
 
 Stdlib HTTP only: nothing is installed into SGLang's venv for this.
 """
@@ -34,12 +39,13 @@ from safetensors.torch import load_file, save_file
 
 from sglang.srt.managers import io_struct as io
 from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-from sglang.srt.utils.common import init_custom_process_group
+from sglang.srt.utils.common import MultiprocessingSerializer, init_custom_process_group
 from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
 ROUTES = {
     "/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
     "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
+    "/update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
     "/destroy_weights_update_group": io.DestroyWeightsUpdateGroupReqInput,
     "/begin_weight_update": io.BeginWeightUpdateReqInput,
     "/end_weight_update": io.EndWeightUpdateReqInput,
@@ -101,6 +107,12 @@ class Server:
                     self.runner, names=req.names, dtypes=req.dtypes, shapes=req.shapes,
                     group_name=req.group_name, load_format=req.load_format,
                 )  # fmt: skip
+                for name, t in named:
+                    self.received[name] = t.clone()
+            return 200, {"success": True, "message": f"received {len(named)} tensors"}
+        if path == "/update_weights_from_tensor":
+            with self.lock:
+                named = MultiprocessingSerializer.deserialize(body["serialized_named_tensors"][0])
                 for name, t in named:
                     self.received[name] = t.clone()
             return 200, {"success": True, "message": f"received {len(named)} tensors"}
@@ -184,10 +196,25 @@ def push(url: str, port: int, tensors_path: str) -> None:
     print("pushed", flush=True)
 
 
+def push_tensor(url: str, tensors_path: str) -> None:
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_system")
+    named = list(load_file(tensors_path).items())  # alive until the server has answered
+    post(url + "/begin_weight_update", {"selector": "all"})
+    payload = MultiprocessingSerializer.serialize(named, output_str=True)
+    post(url + "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "flush_cache": False,
+                                               "weight_version": "by-reference"})  # fmt: skip
+    post(url + "/end_weight_update", {})
+    print("pushed", flush=True)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     mode, *args = sys.argv[1:]
     if mode == "serve":
         serve(int(args[0]), args[1])
+    elif mode == "push-tensor":
+        push_tensor(args[0], args[1])
     else:
         push(args[0], int(args[1]), args[2])

@@ -89,14 +89,15 @@ def assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 def test_trainer_pushes_into_sglang_receive_code(tmp_path: Path, sglang_receiver: str) -> None:
     model = ensure_tiny_checkpoint()
     run_ranks(HERE / "trainer_worker.py", [str(tmp_path), str(model), sglang_receiver], world=2, timeout=240)
-    for kind in ("flat", "per-tensor"):
+    for kind in ("flat", "per-tensor", "tensor"):
         got = load_file(str(tmp_path / f"received-{kind}.safetensors"))
         want = load_file(str(tmp_path / f"trainer-{kind}.safetensors"))
         assert_bit_equal(got, want, kind)
     sent = json.loads((tmp_path / "requests.json").read_text())
     paths = [r["path"] for r in sent]
     assert paths[0] == "/init_weights_update_group"
-    assert "/update_weights_from_distributed" in paths and paths.count("/begin_weight_update") == 2
+    assert "/update_weights_from_distributed" in paths and paths.count("/begin_weight_update") == 3
+    assert "/update_weights_from_tensor" in paths  # opened by SGLang's own unpickler
     flat = [r["body"] for r in sent if r["path"] == "/update_weights_from_distributed"]
     assert {b.get("load_format") for b in flat} == {"flattened_bucket", None}
 
@@ -130,3 +131,22 @@ def test_sglang_trainer_side_pushes_into_reference_server(tmp_path: Path) -> Non
                 )
                 assert torch.equal(got, t.float()), name
             assert c.get(url + "/model_info").json()["weight_version"] == "per-tensor"
+            # by reference: SGLang's MultiprocessingSerializer, as verl and SGLang's Engine send it
+            for name in sent:
+                sent[name] = torch.randn(sent[name].shape).to(sent[name].dtype)
+            save_file(sent, str(tmp_path / "push-tensor.safetensors"))
+            # output to a file: torch's shared-memory manager, started by the sender, inherits its
+            # stderr and lives while this server keeps the mapping open, so a pipe would not close
+            log = tmp_path / "push-tensor.log"
+            with log.open("w") as f:
+                code = subprocess.run(
+                    [SGLANG_PYTHON, str(HERE / "sglang_side.py"), "push-tensor", url, str(tmp_path / "push-tensor.safetensors")],
+                    env=sglang_env(), stdout=f, stderr=subprocess.STDOUT, timeout=240,
+                ).returncode  # fmt: skip
+            assert code == 0 and "pushed" in log.read_text(), log.read_text()[-3000:]
+            for name, t in sent.items():
+                got = torch.tensor(
+                    c.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}).json()
+                )
+                assert torch.equal(got, t.float()), name
+            assert c.get(url + "/model_info").json()["weight_version"] == "by-reference"

@@ -1,8 +1,9 @@
 """A trainer rank pushing into SGLang's own receive code: ``python trainer_worker.py OUT MODEL URL``.
 
 Run by test_sglang_code.py with RANK/WORLD_SIZE/MASTER_* set. After one training step the ranks
-push the model twice, as a flattened bucket and one tensor at a time; after each push rank 0
-has the server save what it received, and saves the trainer's full weights beside it.
+push the model three times: as a flattened bucket and one tensor at a time over the group, then by
+reference (``/update_weights_from_tensor``); after each push rank 0 has the server save what it
+received, and saves the trainer's full weights beside it.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def main() -> None:
     cfg = PushConfig(bucket_bytes=64 << 10, pause_mode=None)
     pusher = WeightPusher(trainer.model, cfg, model_config_dir=model)
     pusher.connect([url])
-    for flat in (True, False):
-        cfg.flattened_bucket = flat
+    for kind, method, flat in (("flat", "distributed", True), ("per-tensor", "distributed", False),
+                               ("tensor", "tensor", True)):  # fmt: skip
+        cfg.method, cfg.flattened_bucket = method, flat
         pusher.push(trainer.version)
         sd = trainer.full_state_dict()  # collective
         if dist.get_rank() == 0:
             httpx.post(url + "/dump", json={}, timeout=60).raise_for_status()
-            kind = "flat" if flat else "per-tensor"
             (out / "received.safetensors").rename(out / f"received-{kind}.safetensors")
             save_file({k: v.contiguous() for k, v in sd.items()}, str(out / f"trainer-{kind}.safetensors"))
     pusher.close()

@@ -55,6 +55,7 @@ PUSH_CASES = [  # (method, pause mode, flattened buckets)
     ("distributed", "abort", True),
     ("distributed", "retract", False),
     ("distributed", "in_place", True),
+    ("tensor", "retract", True),  # by reference: rank 0's buckets through shared memory (CPU)
     ("disk", "retract", True),
 ]
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}

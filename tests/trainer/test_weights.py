@@ -1,7 +1,8 @@
 """Weight push from 2 FSDP ranks into a live reference server, with requests in flight.
 
 After each push the server's every parameter equals the trainer's (exact, fp32), for the group
-path (gloo, per-tensor and flattened buckets) and the disk path, under each pause mode.
+path (gloo, per-tensor and flattened buckets), by reference (``/update_weights_from_tensor``) and
+the disk path, under each pause mode.
 """
 
 from __future__ import annotations
