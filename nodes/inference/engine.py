@@ -282,7 +282,10 @@ class Engine:
         """Copy tensors handed over by reference (nodes/tensor_ipc.py) into the live model. As in
         SGLang 0.5.23, only inside a weight-update session (with ``strict_weight_update_session``)."""
         if self.args.strict_weight_update_session and not self.session_open:
-            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+            return (
+                False,
+                "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
+            )
         if req.abort_all_requests:
             self.scheduler.abort(abort_all=True)
         payload = req.serialized_named_tensors[0]  # tensor-parallel rank 0: this server's only rank
