@@ -41,6 +41,7 @@ def declared() -> dict[str, set[str]]:
 USERS = {
     "protocols/sglang.py": [["", "inference"], ["", "rl"]],  # the server's and the client's schemas
     "nodes/weight_group.py": [["", "inference"], ["", "train"]],  # both ends of the weight push
+    "nodes/tensor_ipc.py": [["", "inference"], ["", "train"]],  # likewise
 }
 # Imports reached only with what they import already in hand (a tensor to encode, a torch group to
 # form, mypy loading its plugin): not a requirement of the module's extra.

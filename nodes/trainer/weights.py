@@ -13,8 +13,8 @@ Two paths:
 - **tensor**: the same buckets, handed over by reference with ``/update_weights_from_tensor``
   (nodes/tensor_ipc.py): on a GPU a CUDA IPC handle to rank 0's bucket buffer, which the server
   copies from on the GPU; on CPU a shared-memory copy of it. For servers on rank 0's host; on
-  rank 0's own GPU, where a group has to use gloo (NCCL refuses two ranks on one GPU), it moves
-  2.8 GB in ~2 ms of copying against ~0.9 s (bench/gpu_push.py).
+  rank 0's own GPU, where a group has to use gloo (NCCL refuses two ranks on one GPU), it pushes
+  2.8 GB in 36 ms against 0.83 s (an H200; bench/gpu_push.py).
 - **disk**: the full state dict is saved as safetensors and every server is asked to
   ``/update_weights_from_disk``.
 
@@ -161,9 +161,13 @@ class WeightPusher:
         new = [u.rstrip("/") for u in urls]
         if self.cfg.method != "distributed" or self.rank != 0:
             self.urls = new
-            if self.cfg.method == "tensor" and self.rank == 0:
-                self._tp = {u: int(self._http.get(u + "/server_info").json().get("tp_size", 1)) for u in new}
-            dist.barrier()
+            try:  # rank 0's failure raises there after the barrier, not while the others wait in it
+                if self.cfg.method == "tensor" and self.rank == 0:
+                    self._tp = {
+                        u: int(self._http.get(u + "/server_info").json().get("tp_size", 1)) for u in new
+                    }
+            finally:
+                dist.barrier()
             return
         if self.group is not None:
             self.disconnect()  # tells the old group's members to leave it (not the new list's)
