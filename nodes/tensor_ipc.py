@@ -12,10 +12,11 @@ receiver has answered.
 
 The receiver unpickles with an allow-list: torch's tensor and storage rebuild functions, torch's
 dtypes and a few torch types, nothing else (SGLang's ``SafeUnpickler`` keeps a similar list), so a
-payload can build tensors but cannot call anything else. A CUDA handle names the sender's GPU by
-its index in the sender's numbering, which need not be the receiver's (``CUDA_VISIBLE_DEVICES``
-may differ): the receiver opens it on its own GPU, the one a colocated trainer shares. A GPU named
-by UUID (SGLang's patched senders do so) is looked up among this process's GPUs.
+payload can build tensors but cannot call anything else. Our sender names a CUDA handle's GPU by
+UUID, as SGLang's patched senders do, and the receiver looks it up among its own GPUs
+(``CUDA_VISIBLE_DEVICES`` may number them differently). A handle from torch's plain reduction names
+an index in the sender's numbering, which means nothing here: it is opened on the receiver's own GPU,
+the one a colocated trainer shares.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import pickle
 import threading
 from collections.abc import Sequence
 from typing import Any
+
+from nodes.weight_group import gpu_uuid
 
 __all__ = ["PayloadError", "deserialize_named_tensors", "serialize_named_tensors"]
 
@@ -119,14 +122,8 @@ def _reduce_tensor(t: Any) -> tuple[Any, tuple[Any, ...]]:
 
     fn, args = reductions.reduce_tensor(t)
     if fn is reductions.rebuild_cuda_tensor:
-        args = (*args[:_DEVICE_ARG], _gpu_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
+        args = (*args[:_DEVICE_ARG], gpu_uuid(f"cuda:{args[_DEVICE_ARG]}"), *args[_DEVICE_ARG + 1 :])
     return fn, args
-
-
-def _gpu_uuid(index: int) -> str:
-    import torch
-
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def deserialize_named_tensors(payload: str | bytes, device: Any = None) -> list[tuple[str, Any]]:
@@ -183,7 +180,7 @@ def _local_gpu(named: int | str, device: Any) -> int:
 
     if isinstance(named, str):
         for i in range(torch.cuda.device_count()):
-            if _gpu_uuid(i) == named:
+            if gpu_uuid(f"cuda:{i}") == named:
                 return i
         raise PayloadError(f"GPU {named} is not visible to this process")
     if device is not None and torch.device(device).index is not None:
