@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from nodes.advantage import AdvantageConfig
 from nodes.buffer import BufferConfig
-from nodes.data import PROMPT_SUFFIX, SYSTEM_PROMPT
+from nodes.data import PROMPT_SUFFIX, SYSTEM_PROMPT, DataConfig
 from nodes.governor import GovernorConfig
 from nodes.inference.launcher import ReferenceServerConfig, SGLangServerConfig
 from nodes.rollout.config import RolloutConfig
@@ -64,22 +64,6 @@ class ServersConfig:
     # [servers.sglang]: real SGLang; on CPU set device = "cpu" and python = the venv
     # scripts/sglang-setup.sh prints (SGLang pins its own torch)
     sglang: SGLangServerConfig = field(default_factory=lambda: SGLangServerConfig(model_path=""))
-
-    def __post_init__(self) -> None:
-        check_ranges(self)
-
-
-@dataclass
-class DataConfig:
-    # easy: single-digit sums SmolLM2-135M can learn on CPU (see nodes/data.py); GSM8K proper:
-    # hub, local, offline (reasoning-gym's GSM8K-style generator) or auto (hub, else offline)
-    # products: three-digit by two-digit products, for agents with a Python tool (configs/agent_cpu.toml)
-    source: Literal["auto", "hub", "local", "offline", "easy", "products"] = "easy"
-    path: str = ""  # local parquet/jsonl file or folder (data.source = local or auto)
-    train_limit: int = field(default=0, metadata=at_least(0))  # 0 = all
-    # held-out problems, evaluated at version 0, every run.eval_every steps, at the end
-    eval_size: int = field(default=64, metadata=at_least(1))
-    seed: int = field(default=0, metadata=at_least(0))
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -41,6 +41,7 @@ from typing import Any
 
 import rlactors
 from nodes.advantage import batch_advantages, shape_rewards
+from nodes.data import DataError, load_data
 from nodes.evaluator import Evaluator
 from nodes.metrics import MetricsLogger, format_step_line
 from nodes.run_state import RunLockedError, RunState, Terminated, Termination
@@ -52,18 +53,15 @@ from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane
 
 def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path, list[Any], list[Any]]:
     """What is decided before any process starts: where the run resumes (a missing or corrupt
-    checkpoint is an error now), the output folder, the model, the training and held-out data."""
-    from nodes.data import load_gsm8k
-
+    checkpoint is an error now), the output folder, the model, the training and held-out data.
+    Bad data (:class:`~nodes.data.DataError`) is found first, before anything is written."""
+    data = load_data(cfg.data)
     state = RunState(out, resume)  # the folder is this run's alone from here (out/.lock)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    d = cfg.data
-    train_items, about = load_gsm8k("train", d.source, d.path or None, d.train_limit or None, d.seed)
-    eval_items, _ = load_gsm8k("test", d.source, d.path or None, d.eval_size, d.seed)
-    state.n_items = len(train_items)
+    state.n_items = len(data.train)
     model = resolve_model(cfg.model)
-    print(f"data: {about}\nmodel: {model}")
-    return state, model, train_items, eval_items
+    print(f"data: {data.train_about}\neval: {data.eval_about}\nmodel: {model}")
+    return state, model, data.train, data.eval
 
 
 async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | None, resume: bool) -> None:
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(cfg.run.out_dir).expanduser().resolve()
         asyncio.run(train(cfg, out, cluster_address(args.cluster), args.resume))
         report(out)
-    except (ConfigError, FileNotFoundError, CheckpointError, RunLockedError) as e:
+    except (ConfigError, DataError, FileNotFoundError, CheckpointError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except rlactors.ClusterError as e:  # e.g. no cluster at the given address

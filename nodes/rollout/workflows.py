@@ -205,9 +205,14 @@ class RLVRWorkflow:
         self.reward = reward_fn if isinstance(reward_fn, RewardRunner) else RewardRunner(reward_fn)
 
     def prompt_messages(self, item: Any) -> list[dict[str, str]]:
-        """The chat messages for ``item``."""
+        """The chat messages for ``item``: its ``messages`` as written when it has them (a chat-format
+        prompt, ``[data] messages_field``; the system prompt only added when they have none), else
+        the system prompt and ``item[prompt_key]`` with the prompt suffix."""
         c = self.config
         msgs = [{"role": "system", "content": c.system_prompt}] if c.system_prompt else []
+        if isinstance(item, dict) and item.get("messages"):
+            given = list(item["messages"])
+            return given if given[0]["role"] == "system" else [*msgs, *given]
         return [*msgs, {"role": "user", "content": str(item[c.prompt_key]) + c.prompt_suffix}]
 
     async def arun_episode(

@@ -12,9 +12,12 @@ import pytest
 from nodes.data import (
     PROMPT_SUFFIX,
     SYSTEM_PROMPT,
+    DataConfig,
+    DataError,
     DataUnavailableError,
     extract_final_answer,
     format_prompt,
+    load_data,
     load_gsm8k,
 )
 
@@ -39,6 +42,13 @@ def _write_parquet(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
+
+
+def _load(tmp_path: Path, rows: list[dict], **kw: object):
+    """``rows`` as train.jsonl and test.jsonl (the same rows: prompts differ by a prefix) in a folder."""
+    _write_jsonl(tmp_path / "train.jsonl", rows)
+    _write_jsonl(tmp_path / "test.jsonl", [{**r, "question": "held out: " + r["question"]} for r in rows])
+    return load_data(DataConfig(source="local", path=str(tmp_path), **kw))
 
 
 @pytest.fixture
@@ -83,7 +93,8 @@ def test_items_fit_the_rollout_workflow_and_reward(tmp_path: Path) -> None:
     from nodes.rollout.reward import gsm8k_reward
     from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow
 
-    items, _ = load_gsm8k("train", path=str(_write_jsonl(tmp_path / "train.jsonl", ROWS)))
+    data = _load(tmp_path, ROWS, answer_format="gsm8k")
+    items = data.train
     wf = RLVRWorkflow(
         ByteChatTokenizer(),
         gsm8k_reward,
@@ -112,47 +123,6 @@ def test_offline_generation_is_deterministic_and_splits_are_disjoint() -> None:
     assert full_train[:50] == train
     assert len(test) > 1000
     assert not {t["question"] for t in test} & {t["question"] for t in full_train}
-
-
-# -- local files ---------------------------------------------------------------------------
-
-
-def test_local_jsonl(tmp_path: Path) -> None:
-    f = _write_jsonl(tmp_path / "train.jsonl", ROWS)
-    items, desc = load_gsm8k("train", path=str(f))  # auto + path -> local
-    assert [i["answer"] for i in items] == ["72", "1234", "10"]
-    assert items[0]["question"] == ROWS[0]["question"]
-    assert [i["id"] for i in items] == ["gsm8k-train-0", "gsm8k-train-1", "gsm8k-train-2"]
-    assert str(f) in desc and "3 problems" in desc
-    assert load_gsm8k("train", source="local", path=str(f), limit=2)[0] == items[:2]
-
-
-def test_local_parquet_folder_picks_the_split(tmp_path: Path) -> None:
-    # The hub repo's layout: main/train-00000-of-00001.parquet, main/test-00000-of-00001.parquet
-    _write_parquet(tmp_path / "main" / "train-00000-of-00001.parquet", ROWS[:2])
-    _write_parquet(tmp_path / "main" / "test-00000-of-00001.parquet", ROWS[2:])
-    train, _ = load_gsm8k("train", source="local", path=str(tmp_path))
-    test, desc = load_gsm8k("test", source="local", path=str(tmp_path))
-    assert [i["answer"] for i in train] == ["72", "1234"]
-    assert [i["answer"] for i in test] == ["10"]
-    assert "test-00000-of-00001.parquet" in desc
-
-
-def test_local_split_placeholder_and_bad_files(tmp_path: Path) -> None:
-    _write_jsonl(tmp_path / "test.jsonl", ROWS[:1])
-    items, _ = load_gsm8k("test", path=str(tmp_path / "{split}.jsonl"))
-    assert items[0]["answer"] == "72"
-    with pytest.raises(FileNotFoundError, match="train"):
-        load_gsm8k("train", source="local", path=str(tmp_path / "{split}.jsonl"))
-    with pytest.raises(FileNotFoundError, match="no train"):
-        load_gsm8k("train", source="local", path=str(tmp_path))
-    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "solution": "#### 1"}])
-    with pytest.raises(ValueError, match="'question' and 'answer'"):
-        load_gsm8k("train", source="local", path=str(bad))
-    with pytest.raises(ValueError, match="split"):
-        load_gsm8k("validation", source="local", path=str(bad))
-    with pytest.raises(ValueError, match="source"):
-        load_gsm8k("train", source="s3")
 
 
 # -- hub -----------------------------------------------------------------------------------
