@@ -1,4 +1,6 @@
-"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``stack``, ``pool``, ``down``, ``secret``.
+"""The ``rlactors`` command: ``up cluster.toml``, ``status``, ``stack``, ``pool``, ``down``, ``secret``,
+and the commands other packages contribute through the ``rlactors.commands`` entry-point group
+(``export``, from nodes/trainer/export.py), which this layer never imports by name.
 
 ``up`` starts the head and one node agent per host (locally, over ssh, or with srun inside
 a Slurm allocation), waits until every node has registered, and records the cluster in
@@ -489,6 +491,24 @@ def cmd_secret(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS_GROUP = "rlactors.commands"
+
+
+def _contributed_commands(sub: Any) -> None:
+    """Add the subcommands installed packages contribute: each entry point of the ``rlactors.commands``
+    group names a function that takes the subparsers, adds its parser and sets ``handler`` (parsed
+    arguments -> exit code) as its default. One that fails to load is reported and left out."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=COMMANDS_GROUP):
+        try:
+            ep.load()(sub)
+        except Exception as e:  # a broken plugin must not take the built-in commands down with it
+            console.print(
+                f"[yellow]warning:[/] command {ep.name!r} ({ep.value}) unavailable: {escape(str(e))}"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="rlactors", description="Run and inspect rlactors clusters.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -540,15 +560,17 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("down", help="stop the cluster started by `rlactors up`")
     se = sub.add_parser("secret", help="create a new cluster secret file")
     se.add_argument("path", help="where to write it (mode 600; an existing file is not overwritten)")
+    _contributed_commands(sub)
     args = ap.parse_args(argv)
-    handler = {
+    builtin = {
         "up": cmd_up,
         "status": cmd_status,
         "stack": cmd_stack,
         "pool": cmd_pool,
         "down": cmd_down,
         "secret": cmd_secret,
-    }[args.cmd]
+    }
+    handler = builtin[args.cmd] if args.cmd in builtin else args.handler
     try:
         sys.exit(handler(args))
     except (ClusterError, ConfigError, FileExistsError, FileNotFoundError, PermissionError) as e:

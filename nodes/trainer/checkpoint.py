@@ -5,7 +5,8 @@ schedule, every rank's RNG state, and the data position.
 Layout of a checkpoint folder::
 
     model+optim shards (DCP: .metadata, __<rank>_0.distcp); under LoRA the adapters only
-    trainer_state.json   version, optim_steps, data_position, world_size (rank 0)
+    trainer_state.json   version, optim_steps, data_position, world_size, the base model path and
+                         the LoRA settings (rank 0; what `rlactors export` needs)
     rank<r>.pt           RNG states and LR-scheduler state of rank r
     manifest.json        sha256 and size of every file above, written last (manifest.py)
 
@@ -28,7 +29,7 @@ import random
 import shutil
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,16 @@ log = structlog.get_logger(__name__)
 
 @dataclass
 class TrainerState:
-    """The non-tensor part of a checkpoint."""
+    """The non-tensor part of a checkpoint. ``model_path`` (the base model's Hugging Face folder) and
+    ``lora`` (:class:`~nodes.trainer.config.LoraConfig`'s fields, or None) say how to rebuild the model
+    outside the trainer (nodes/trainer/export.py); checkpoints from before they were recorded lack them."""
 
     version: int
     optim_steps: int
     data_position: Any
     world_size: int
+    model_path: str = ""
+    lora: dict[str, Any] | None = None
 
 
 def _trained_state(trainer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -137,7 +142,10 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict()}, tmp / f"rank{rank}.pt")
     if rank == 0:
-        state = TrainerState(trainer.version, trainer.optim_steps, data_position, world)
+        lora = asdict(trainer.cfg.lora) if trainer.cfg.lora.enabled else None
+        state = TrainerState(
+            trainer.version, trainer.optim_steps, data_position, world, trainer.cfg.model_path, lora
+        )
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__))
     dist.barrier()
     hashes: list[Any] = [None] * world  # each rank hashes a share of the files
