@@ -24,8 +24,8 @@ BATCH, SAMPLES = 8, 4
 def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
-    for split, n in (("train", 64), ("test", 8)):  # short prompts: the reward ignores them
-        lines = [json.dumps({"question": str(i), "answer": "#### 0"}) for i in range(n)]
+    for split, first, n in (("train", 0, 64), ("test", 100, 8)):  # short prompts: the reward ignores them
+        lines = [json.dumps({"question": str(i), "answer": "#### 0"}) for i in range(first, first + n)]
         (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "run"
     args = [

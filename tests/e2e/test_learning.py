@@ -22,8 +22,8 @@ STEPS = 12
 def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
-    for split, n in (("train", 64), ("test", 8)):  # short prompts: the reward ignores them
-        lines = [json.dumps({"question": str(i), "answer": "#### 0"}) for i in range(n)]
+    for split, first, n in (("train", 0, 64), ("test", 100, 8)):  # short prompts: the reward ignores them
+        lines = [json.dumps({"question": str(i), "answer": "#### 0"}) for i in range(first, first + n)]
         (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / name
     args = [
