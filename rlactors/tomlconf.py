@@ -16,9 +16,15 @@ not from the nested class's own defaults: only the keys the file gives change.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import functools
+import inspect
+import io
+import json
+import textwrap
+import tokenize
 import tomllib
 import types
 from collections.abc import Callable
@@ -28,11 +34,15 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 __all__ = [
     "ConfigError",
     "above",
+    "allowed_values",
     "at_least",
     "check_ranges",
+    "field_docs",
     "from_dict",
     "import_path",
     "load_toml",
+    "render_markdown",
+    "render_toml",
     "within",
 ]
 
@@ -327,3 +337,217 @@ def load_toml(
         for old, new in renames.items():
             msg = msg.replace(f"'{new}.", f"'{old}.").replace(f"'{new}'", f"'{old}'")
         raise ConfigError(msg) from None
+
+
+# -- reading a config: each field's meaning, the resolved config as TOML, a Markdown reference ----
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The meaning of each field of dataclass ``cls``, from its source: the ``#`` comment lines
+    directly above the field and the comments on its own line(s), joined into one line ("" where
+    there are none). An inherited field's meaning is read from the class that declares it."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        docs.update(_declared_docs(klass))
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+
+_DIRECTIVES = ("type:", "noqa", "pragma:", "fmt:")
+
+
+@functools.cache
+def _declared_docs(cls: type) -> dict[str, str]:
+    """The comments of the fields ``cls``'s own body declares (nothing when its source is not at
+    hand, or it is not a class statement)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    if not tree.body or not isinstance(tree.body[0], ast.ClassDef):
+        return {}
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            if not text.startswith(_DIRECTIVES):
+                comments[tok.start[0]] = text
+    lines = source.splitlines()
+    docs = {}
+    for node in tree.body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above, n = [], node.lineno - 1
+        while n >= 1 and lines[n - 1].lstrip().startswith("#"):  # the comment block right above
+            if n in comments:
+                above.append(comments[n])
+            n -= 1
+        own = [comments[i] for i in range(node.lineno, (node.end_lineno or node.lineno) + 1) if i in comments]
+        docs[node.target.id] = " ".join(p for p in [*reversed(above), *own] if p)
+    return docs
+
+
+def allowed_values(cls: type, name: str) -> str:
+    """What field ``name`` of dataclass ``cls`` allows beyond its type, in words: its ``Literal``
+    choices or the range its metadata declares ("" when nothing more)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]  # type: ignore[arg-type]
+    choices = _literal_values(_hints(cls).get(name))
+    if choices is not None:
+        return "one of " + ", ".join(_toml_value(c) if c is not None else "unset" for c in choices)
+    check = f.metadata.get("check")
+    if check is None:
+        return ""
+    return f"{check[1]}, or unset" if type(None) in get_args(_hints(cls).get(name)) else check[1]
+
+
+def render_toml(obj: Any, *, renames: dict[str, str] | None = None) -> str:
+    """Dataclass instance ``obj`` (a resolved config) as TOML that :func:`load_toml` loads back to an
+    equal object: every table and key with its value, above each its meaning (:func:`field_docs`),
+    and beside a key what it allows (:func:`allowed_values`).
+
+    Nested dataclasses (settings objects of ``settings_of`` fields included) are ``[a.b]`` tables. TOML
+    has no null: an unset (None) key is shown commented out, and loads back as its default. A field
+    declared ``repr=False`` (a secret) is shown only while empty. ``renames`` maps field names to
+    their TOML spelling (``{"async_": "async"}``)."""
+    out: list[str] = []
+    _render_table(obj, [], out, renames or {})
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _render_table(obj: Any, path: list[str], out: list[str], renames: dict[str, str]) -> None:
+    cls = type(obj)
+    docs = field_docs(cls)
+    tables = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = _toml_key(renames.get(f.name, f.name) if not path else f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            tables.append((key, f.name, value))
+            continue
+        out.extend(_comment(docs[f.name]))
+        allowed = allowed_values(cls, f.name)
+        if value is None:
+            line = f"# {key} = (unset)"
+        elif not f.repr and value:
+            line = f"# {key} = (set; a secret, not shown)"
+        else:
+            line = f"{key} = {_toml_value(value)}"
+        out.append(f"{line}  # {allowed}" if allowed else line)
+    for key, name, value in tables:
+        out.append("")
+        out.extend(_comment(docs[name]))
+        out.append(f"[{'.'.join([*path, key])}]")
+        _render_table(value, [*path, key], out, renames)
+
+
+def _comment(text: str) -> list[str]:
+    lines = textwrap.wrap(text, 98, break_long_words=False, break_on_hyphens=False)
+    return [f"# {line}" for line in lines]
+
+
+def _toml_key(key: str) -> str:
+    bare = key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key)
+    return key if bare else _toml_value(key)
+
+
+def _toml_value(value: Any) -> str:
+    """``value`` as a TOML value (a string, number, boolean, array or inline table)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)  # inf and nan are spelt as TOML spells them
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items())
+        return "{" + (f" {items} " if items else "") + "}"
+    raise ValueError(f"{value!r} has no TOML form")
+
+
+def render_markdown(
+    obj: Any, *, prefix: str = "", renames: dict[str, str] | None = None, doc: str = "", level: int = 2
+) -> str:
+    """A reference of the keys of ``obj`` (a dataclass instance, or a dataclass: its own defaults)
+    in Markdown: a heading per table (``[a.b]``, under ``prefix``; ``level`` ``#``), its meaning
+    (``doc`` for ``obj``'s own), and a table of its keys: key, type, default (``obj``'s value),
+    allowed range or choices, meaning. Nested tables follow."""
+    out: list[str] = []
+    _markdown_table(obj, prefix, doc, out, renames or {}, level)
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+_REQUIRED = object()
+
+
+def _markdown_table(
+    obj: Any, path: str, doc: str, out: list[str], renames: dict[str, str], level: int
+) -> None:
+    cls = obj if isinstance(obj, type) else type(obj)
+    docs, hints = field_docs(cls), _hints(cls)
+    rows, tables = [], []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if isinstance(obj, type):
+            value = _REQUIRED if _is_required(f) else _default(f)
+        else:
+            value = getattr(obj, f.name)
+        key = renames.get(f.name, f.name) if not path else f.name
+        if dataclasses.is_dataclass(value) or (
+            value is _REQUIRED and dataclasses.is_dataclass(hints[f.name])
+        ):
+            table = hints[f.name] if value is _REQUIRED else value
+            tables.append((f"{path}.{key}" if path else key, docs[f.name], table))
+            continue
+        if value is _REQUIRED:
+            default = "(required)"
+        elif value is None:
+            default = "unset"
+        elif not f.repr and value:
+            default = "(secret)"
+        else:
+            default = f"`{_toml_value(value)}`"
+        cells = [
+            f"`{key}`",
+            _short_type(hints.get(f.name)),
+            default,
+            allowed_values(cls, f.name),
+            docs[f.name],
+        ]
+        rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    if path:
+        out += [f"{'#' * level} `[{path}]`", "", *([doc, ""] if doc else [])]
+    if rows:
+        out += ["| key | type | default | allowed | meaning |", "| --- | --- | --- | --- | --- |", *rows, ""]
+    elif not tables:
+        out += ["No keys: this table takes none.", ""]
+    for sub, sub_doc, value in tables:
+        _markdown_table(value, sub, sub_doc, out, renames, level)
+
+
+def _cell(text: str) -> str:
+    """``text`` in a Markdown table cell: a ``|`` would end the cell, a ``<`` may open an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "&lt;")
+
+
+def _is_required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _short_type(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " or ".join(sorted({type(a).__name__ for a in get_args(tp)}))
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        name = " or ".join(_short_type(a) for a in args)
+        return f"{name} (optional)" if len(args) < len(get_args(tp)) else name
+    if origin in (list, tuple, dict):
+        return f"{origin.__name__}[{', '.join(_short_type(a) for a in get_args(tp))}]"
+    if tp is Any or tp is None:
+        return "any"
+    if dataclasses.is_dataclass(tp):
+        return "table"
+    return getattr(tp, "__name__", str(tp))
