@@ -55,9 +55,9 @@ class ShapingConfig:
     bias and scale, as DAPO adds it to the rule-based reward. Off while ``overlong_max_len`` is 0.
     """
 
-    bias: float = -0.5  # AReaL's GSM8K values: a 1/0 reward becomes +5/-5
-    scale: float = 10.0
-    clip: float = field(default=20.0, metadata=above(0))
+    bias: float = -0.5  # added to the reward; with scale, AReaL's GSM8K values: a 1/0 reward becomes +5/-5
+    scale: float = 10.0  # the biased reward is multiplied by this
+    clip: float = field(default=20.0, metadata=above(0))  # then clipped to [-clip, clip]
     overlong_max_len: int = field(default=0, metadata=at_least(0))  # L: the max new tokens; 0 = off
     overlong_buffer: int = field(default=0, metadata=at_least(0))  # C: the soft zone before L
     overlong_penalty: float = field(default=1.0, metadata=at_least(0))  # the penalty at and past L
@@ -88,12 +88,12 @@ def advantage_settings(path: str) -> type:
 @register
 @dataclass
 class AdvantageConfig:
-    fn: str = field(
-        default="nodes.advantage:grpo", metadata=import_path()
-    )  # grpo | dr_grpo | leave_one_out, or yours
+    # the estimator: grpo | dr_grpo | leave_one_out (this module), or yours
+    fn: str = field(default="nodes.advantage:grpo", metadata=import_path())
     batch_norm: bool = False  # then normalise over all loss tokens of the batch
     eps: float = field(default=1e-5, metadata=above(0))  # added to a std before dividing by it
-    shaping: ShapingConfig = field(default_factory=ShapingConfig)  # [advantage.shaping]
+    # reward shaping before the estimator: clip((reward + overlong + bias) * scale, -clip, clip)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
     # the estimator's own settings (cfg.fn_args): an instance of its config_class, [advantage.fn_args]
     fn_args: Any = field(default_factory=NoSettings, metadata={"settings_of": ("fn", advantage_settings)})
 

@@ -76,8 +76,8 @@ class ServerKeys:
     """The keys an SGLang-protocol server was started with (``--api-key``, ``--admin-api-key``), as
     its clients hold them; empty: the server takes none. Never printed (``repr`` hides them)."""
 
-    api_key: str = field(default="", repr=False)
-    admin_api_key: str = field(default="", repr=False)
+    api_key: str = field(default="", repr=False)  # --api-key: every route but the open ones
+    admin_api_key: str = field(default="", repr=False)  # --admin-api-key: the admin routes ("": api_key)
 
     @classmethod
     def new(cls) -> ServerKeys:

@@ -70,15 +70,16 @@ async def cluster_keys(cluster: Any) -> ServerKeys:
 class ReferenceServerConfig:
     """Arguments for ``python -m nodes.inference.server``."""
 
-    model_path: str = ""
+    model_path: str = ""  # the HF model folder (the recipe sets it from [model])
+    # hf: the model through transformers; sim: a simulated model (no weights; tests, benchmarks)
     backend: Literal["hf", "sim"] = "sim"
-    max_running_requests: int = 64
-    cache_tokens: int = 65536
-    dtype: str = "auto"
-    device: str = "auto"
-    random_seed: int = 0
+    max_running_requests: int = 64  # sequences decoded at once; more requests wait in its queue
+    cache_tokens: int = 65536  # prefix-cache (KV) budget per server, in tokens
+    dtype: str = "auto"  # the model's dtype: auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    random_seed: int = 0  # the server's sampling seed
     auth: Auth = "auto"  # --api-key/--admin-api-key: beyond loopback always; on loopback if "on"
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # more flags for `python -m nodes.inference.server`
 
     def command(self, host: str, port: int) -> list[str]:
         """The command line that starts this server."""
@@ -123,17 +124,18 @@ class SGLangServerConfig:
     sgl-kernel ops it needs, and the flags measured to work here (../shared/FACTS.md).
     """
 
-    model_path: str
+    model_path: str  # --model-path (the recipe sets it from [model])
     python: str = ""  # the interpreter that has sglang ("" = this one)
     device: str = "cuda"  # cuda | cpu
-    tp_size: int = 1
+    tp_size: int = 1  # --tp-size: GPUs one server shards the model over
+    # --mem-fraction-static: the share of memory for weights and KV (None: SGLang's own; 0.2 on CPU)
     mem_fraction_static: float | None = None
-    dtype: str = "auto"
-    random_seed: int | None = None
-    context_length: int | None = None
+    dtype: str = "auto"  # --dtype (auto on CPU: float32)
+    random_seed: int | None = None  # --random-seed (None: SGLang's own)
+    context_length: int | None = None  # --context-length (None: the model's)
     max_running_requests: int | None = None  # --max-running-requests (None: SGLang's own)
     auth: Auth = "auto"  # --api-key/--admin-api-key: beyond loopback always; on loopback if "on"
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # more flags for sglang.launch_server
 
     def command(self, host: str, port: int) -> list[str]:
         """The command line that starts SGLang."""

@@ -48,11 +48,13 @@ class AgentError(RuntimeError):
 class AgentConfig:
     """An agent function by import path and how its episodes run."""
 
-    agent: str = field(default="", metadata=import_path())  # async def run(client, item) -> float | dict
+    # the agent: async def run(client, item) -> float | dict, its reward (and metrics)
+    agent: str = field(default="", metadata=import_path())
     n_samples: int = field(default=4, metadata=at_least(1))  # runs of the agent per item: one group
     episode_timeout_s: float = field(default=300.0, metadata=above(0))  # one run of the agent
-    # what a completion gets when the agent does not say (OpenAI's defaults otherwise)
+    # a completion's token limit when the agent's request does not say (OpenAI's defaults otherwise)
     max_new_tokens: int = field(default=256, metadata=at_least(1))
+    # a completion's temperature when the agent's request does not say; 0 = greedy
     temperature: float = field(default=1.0, metadata=at_least(0))
     model_name: str = "policy"  # what /v1/models lists; any name is accepted in requests
     tool_parser: str = "hermes"  # how tool calls are read: hermes (= qwen25), or module:fn

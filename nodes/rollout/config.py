@@ -33,15 +33,15 @@ class ClientConfig:
 
     # one /generate; a hung server is detected by this
     request_timeout_s: float = field(default=3600.0, metadata=above(0))
-    # the TCP connect alone. It is a timer on the client's loop, so a loop turn longer than it fails
+    # the TCP connect alone; keep it well above the loop's longest turn. It is a timer on the client's loop, so a loop turn longer than it fails
     # connects that had completed: rollout actors at 10k requests in flight on 2 busy cores had turns
     # of up to 4.9 s (stats loop_lag_max_s) and retried ~130 connects at 5 s (bench/RESULTS.md).
     connect_timeout_s: float = field(default=30.0, metadata=above(0))
-    max_retries: int = field(
-        default=3, metadata=at_least(0)
-    )  # per server per post, on transport errors and 5xx
+    # retries of a /generate post to one server, on transport errors and 5xx; then the next server
+    max_retries: int = field(default=3, metadata=at_least(0))
+    # the first retry's delay, doubled on each next one (jittered); also between aborts without progress
     backoff_base_s: float = field(default=0.05, metadata=at_least(0))
-    backoff_max_s: float = field(default=2.0, metadata=at_least(0))
+    backoff_max_s: float = field(default=2.0, metadata=at_least(0))  # the longest delay between retries
     # a failed server is skipped this long before being tried again
     down_cooldown_s: float = field(default=10.0, metadata=at_least(0))
     # keep-alive connections; more requests queue for one
@@ -81,14 +81,15 @@ def _default_settings() -> Any:
 @register
 @dataclass
 class RolloutConfig:
-    n_actors: int = field(
-        default=1, metadata=at_least(1)
-    )  # rollout actors (processes); each takes every n-th prompt
+    # rollout actors (processes); each takes every n-th prompt
+    n_actors: int = field(default=1, metadata=at_least(1))
     max_inflight: int = field(default=64, metadata=at_least(1))  # episodes one rollout actor runs at once
-    acquire_batch: int = field(default=64, metadata=at_least(1))  # grants asked for per governor call
+    # admission grants a rollout actor asks the governor for in one call
+    acquire_batch: int = field(default=64, metadata=at_least(1))
     # a wait for capacity returns empty after this, to re-check pause/stop
     acquire_timeout_s: float = field(default=5.0, metadata=above(0))
-    put_retries: int = field(default=3, metadata=at_least(0))  # put is idempotent, so retrying is safe
+    # retries of handing a finished group to the buffer (put is idempotent, so retrying is safe)
+    put_retries: int = field(default=3, metadata=at_least(0))
     # the episode: a class with arun_episode(client, item, group_id) -> TrajectoryGroup
     workflow: str = field(default="nodes.rollout.workflows:RLVRWorkflow", metadata=import_path())
     # the workflow's settings: an instance of its config_class, from [rollout.workflow_args]
@@ -96,7 +97,8 @@ class RolloutConfig:
     workflow_args: Any = field(
         default_factory=_default_settings, metadata={"settings_of": ("workflow", workflow_settings)}
     )
-    client: ClientConfig = field(default_factory=ClientConfig)  # [rollout.client]
+    # the rollout actors' SGLang client: timeouts, retries, connection pools, HTTP library
+    client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:
         check_ranges(self)

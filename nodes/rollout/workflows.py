@@ -113,13 +113,14 @@ class RLVRConfig:
     ``temperature`` (the trainer's log-probs use the temperature each trajectory records)."""
 
     n_samples: int = field(default=4, metadata=at_least(1))  # completions per prompt: one GRPO group
-    max_new_tokens: int = field(default=256, metadata=at_least(1))
-    temperature: float = field(default=1.0, metadata=at_least(0))  # 0 = greedy
+    max_new_tokens: int = field(default=256, metadata=at_least(1))  # tokens one completion may generate
+    temperature: float = field(default=1.0, metadata=at_least(0))  # the sampling temperature; 0 = greedy
     # any other SGLang sampling parameter (top_p, stop, ...); not max_new_tokens or temperature
     sampling_params: dict[str, Any] = field(default_factory=dict)
-    prompt_key: str = "question"
-    prompt_suffix: str = ""  # e.g. "\nPlease put your final answer within \\boxed{}."
-    system_prompt: str | None = None  # None or "": no system message
+    prompt_key: str = "question"  # the item's field that holds the question
+    # appended to each question, e.g. "\nPlease put your final answer within \\boxed{}."
+    prompt_suffix: str = ""
+    system_prompt: str | None = None  # the system message before each question; None or "": none
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -249,8 +250,10 @@ class RLVRWorkflow:
 class MultiTurnConfig(RLVRConfig):
     """Retry-until-correct: up to ``max_turns`` answers, reward ``r * turn_discount**turn``."""
 
-    max_turns: int = field(default=3, metadata=at_least(1))
+    max_turns: int = field(default=3, metadata=at_least(1))  # answers per episode, the first included
+    # a correct answer at turn t (from 0) is rewarded r * turn_discount**t
     turn_discount: float = field(default=0.9, metadata=within(0, 1))
+    # the user turn appended after a wrong answer
     feedback: str = "Your answer is incorrect. Please think again and put your final answer within \\boxed{}."
 
 

@@ -37,12 +37,12 @@ class MismatchCorrections:
     mis_high: float | None = field(default=None, metadata=above(0))  # token MIS/IcePop: w > high masked
     # a sequence whose geometric-mean w (exp of its mean log w) is outside [low, high] is masked
     geo_low: float | None = field(default=None, metadata=at_least(0))
-    geo_high: float | None = field(default=None, metadata=above(0))
-    seq_ratio: bool = (
-        False  # GSPO: the PPO ratio is the sequence's geometric-mean ratio, clipped per sequence
-    )
-    seq_eps_clip: float = field(default=3e-4, metadata=within(0, 1, open_=True))  # GSPO paper's values
-    seq_eps_clip_higher: float = field(default=4e-4, metadata=above(0))
+    geo_high: float | None = field(default=None, metadata=above(0))  # the upper bound of that mask
+    # GSPO: the PPO ratio is the sequence's geometric-mean ratio, clipped per sequence
+    seq_ratio: bool = False
+    # GSPO's clip range [1 - seq_eps_clip, 1 + seq_eps_clip_higher]; the defaults are the paper's
+    seq_eps_clip: float = field(default=3e-4, metadata=within(0, 1, open_=True))
+    seq_eps_clip_higher: float = field(default=4e-4, metadata=above(0))  # GSPO's upper clip (above)
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -76,14 +76,18 @@ class LossConfig:
     sum / ``agg_norm``, averaged over sequences: Dr. GRPO with ``agg_norm`` = the max new tokens).
     """
 
+    # the loss: fn(logp, prox_logp, behave_logp, advantages, loss_mask, cfg, entropy, ref_logp) -> LossSums
     fn: str = field(default="nodes.trainer.loss:decoupled_ppo_loss", metadata=import_path())
+    # the PPO ratio is clipped to [1 - eps_clip, 1 + eps_clip]
     eps_clip: float = field(default=0.4, metadata=within(0, 1, open_=True))
     # asymmetric upper clip (DAPO's clip-higher); unset: eps_clip
     eps_clip_higher: float | None = field(default=None, metadata=above(0))
     c_clip: float | None = field(default=None, metadata=above(1))  # dual clip for negative advantages
+    # decoupled PPO: tokens whose behaviour weight pi_prox / pi_behave exceeds this are masked; None: no cap
     behav_imp_weight_cap: float | None = field(default=5.0, metadata=above(0))
     kl_coef: float = field(default=0.0, metadata=at_least(0))  # k3 KL to a reference model, added to the loss
-    agg: Aggregation = "token-mean"  # how token losses are averaged (see above)
+    # how token losses become the loss: over all tokens, or per sequence first (the class docstring)
+    agg: Aggregation = "token-mean"
     agg_norm: float = field(default=1.0, metadata=above(0))  # seq-mean-token-sum's constant divisor
     # the function's own settings: an instance of its config_class, from [trainer.loss.fn_args]
     fn_args: Any = field(default_factory=MismatchCorrections, metadata={"settings_of": ("fn", loss_settings)})
@@ -102,28 +106,33 @@ class PushConfig:
     # IPC; shared memory on CPU): for servers on rank 0's host, fastest on rank 0's own GPU
     # (2.8 GB in 36 ms a push, against 0.83 s through gloo, on an H200: bench/gpu_push.py). disk: safetensors.
     method: Literal["distributed", "tensor", "disk"] = "distributed"
-    # per broadcast (distributed); AReaL's default. Rank 0 keeps up to two buckets between pushes.
-    # Smaller buckets let the next gather overlap a broadcast, which needs idle cores or copy
-    # engines: on 2 CPU cores 256 MiB buckets were 1.44x a raw broadcast, one bucket 1.36x.
+    # bytes per bucket, one broadcast each (distributed); AReaL's default. Rank 0 keeps up to two
+    # buckets between pushes. Smaller buckets let the next gather overlap a broadcast, which needs idle
+    # cores or copy engines: on 2 CPU cores 256 MiB buckets were 1.44x a raw broadcast, one bucket 1.36x.
     bucket_bytes: int = field(default=1 << 30, metadata=at_least(1))
     # one flat tensor per bucket: one collective per bucket instead of one per tensor (gloo: 0.2 s
     # vs 0.13 s for SmolLM2's 272 tensors). SGLang before flattened-bucket support: set False.
     flattened_bucket: bool = True
-    dtype: str | None = None  # cast before sending, e.g. "bfloat16" (None: as trained)
+    dtype: str | None = None  # cast the weights to this before sending, e.g. "bfloat16" (None: as trained)
     shared_memory: bool = True  # ranks on rank 0's host hand it their shards through /dev/shm
-    pause_mode: Literal["abort", "retract", "in_place"] | None = "retract"  # None: between decode steps
+    # how servers pause for the update (SGLang's /pause_generation mode); None: no pause, the
+    # weights change between decode steps
+    pause_mode: Literal["abort", "retract", "in_place"] | None = "retract"
     # Drop the servers' prefix cache (KV from the old weights) with the update. None: where SGLang
     # allows it, i.e. under abort and retract; under in_place or no pause requests still run, and
     # SGLang refuses to flush then (the update call fails), so those modes keep the cache.
     flush_cache: bool | None = None
     weight_update_session: bool = True  # wrap in /begin_weight_update ... /end_weight_update
-    group_name: str = ""  # "" -> a fresh unique name per connect
+    group_name: str = ""  # the weight-update group's name; "" -> a fresh unique name per connect
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl for a CUDA model, else gloo
+    # where the weight-update group meets when the runtime gives no address (the recipe's does)
     master_address: str = "127.0.0.1"
-    master_port: int = 0  # 0 -> a free port on this host
+    master_port: int = 0  # likewise its port; 0 -> a free port on this host
     disk_dir: str = ""  # where the disk path writes versions (the recipe: <run.out_dir>/weights)
+    # versions kept on disk (disk method); older ones are removed
     keep_disk_versions: int = field(default=2, metadata=at_least(1))
-    http_timeout_s: float = field(default=600.0, metadata=above(0))
+    http_timeout_s: float = field(default=600.0, metadata=above(0))  # one call to a server during a push
+    # forming the weight-update group, and each collective in it
     group_timeout_s: float = field(default=600.0, metadata=above(0))
     # the servers' --api-key/--admin-api-key (the recipe fills it in; the push's routes are admin ones)
     keys: ServerKeys = field(default_factory=ServerKeys, repr=False)
@@ -144,7 +153,7 @@ class LoraConfig:
     fine-tuning (about 10x in Thinking Machines' "LoRA Without Regret").
     """
 
-    enabled: bool = False
+    enabled: bool = False  # train LoRA adapters instead of every weight
     rank: int = field(default=16, metadata=at_least(1))  # r: the adapters' inner dimension
     alpha: float = field(default=32.0, metadata=above(0))  # the update is scaled by alpha / rank
     # module names (peft's target_modules: exact names or suffixes), or "all-linear" (all but lm_head)
@@ -162,35 +171,36 @@ class LoraConfig:
 class TrainConfig:
     """Everything a trainer rank needs; defaults are the CPU recipe's.
 
-    ``model_path``, ``total_steps`` and ``seed`` are filled in by the recipe from ``[model]`` and
-    ``[run]``; ``n_ranks`` and ``threads`` say how many rank actors it starts and how they run.
+    ``model_path`` and ``total_steps`` are filled in by the recipe from ``[model]`` and ``[run]``;
+    ``n_ranks`` and ``threads`` say how many rank actors it starts and how they run.
     """
 
     n_ranks: int = field(default=2, metadata=at_least(1))  # trainer rank actors, one torch.distributed world
-    device: Literal["cpu", "cuda"] = "cpu"  # gloo or nccl
+    device: Literal["cpu", "cuda"] = "cpu"  # where the ranks train: cpu (gloo) or cuda (nccl)
     threads: int = field(default=1, metadata=at_least(1))  # torch threads per rank (CPU)
-    model_path: str = ""
+    model_path: str = ""  # the policy's HF folder (the recipe sets it from [model])
     ref_model_path: str | None = None  # the KL term's reference (loss.kl_coef > 0); None: model_path
-    bf16: bool = False  # MixedPrecisionPolicy(param bf16, reduce fp32)
-    activation_checkpointing: bool = False
-    lr: float = field(default=2e-5, metadata=at_least(0))
-    weight_decay: float = field(default=0.01, metadata=at_least(0))
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
+    bf16: bool = False  # train in bf16: MixedPrecisionPolicy(param bf16, reduce fp32)
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, more time
+    lr: float = field(default=2e-5, metadata=at_least(0))  # AdamW's learning rate (the peak, with a schedule)
+    weight_decay: float = field(default=0.01, metadata=at_least(0))  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's moment decay rates
+    adam_eps: float = 1e-8  # AdamW's epsilon
     warmup_steps: int = field(default=0, metadata=at_least(0))  # optimizer steps of linear warm-up from 0
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # the learning rate after warm-up
     # optimizer steps, for the decaying schedules (the recipe: run.steps x n_minibatches)
     total_steps: int = field(default=1000, metadata=at_least(0))
-    min_lr_ratio: float = field(default=0.0, metadata=at_least(0))
-    grad_clip: float = field(default=1.0, metadata=at_least(0))  # 0 = no clipping
+    min_lr_ratio: float = field(default=0.0, metadata=at_least(0))  # where decay ends, as a fraction of lr
+    grad_clip: float = field(default=1.0, metadata=at_least(0))  # max gradient norm; 0 = no clipping
     # tokens per micro-batch (memory); sequences are packed by FFD
     max_tokens_per_mb: int = field(default=2048, metadata=at_least(1))
     n_minibatches: int = field(default=1, metadata=at_least(1))  # optimizer steps per train_step
-    pad_id: int = 0
-    seed: int = 0
+    pad_id: int = 0  # the token id that pads micro-batches (masked out: it never reaches the loss)
+    seed: int = 0  # torch's seed on every rank
+    # the policy loss by import path, its knobs and [trainer.loss.fn_args], the function's own settings
     loss: LossConfig = field(default_factory=LossConfig)
-    push: PushConfig = field(default_factory=PushConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    push: PushConfig = field(default_factory=PushConfig)  # how new weights reach the servers after each step
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # a list after msgpack or TOML
