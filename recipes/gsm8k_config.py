@@ -13,7 +13,12 @@ Loaded from TOML (recipes/configs/*.toml) with ``section.key=value`` overrides; 
 wrong type or a value outside its range (declared on the field, rlactors/tomlconf.py) is an error
 naming the key, the file (or the command line) and what is allowed; a misspelt key also names the
 closest valid one. Reward, advantage, loss and workflow are import paths, checked when the config
-loads. ``recipes/configs/cpu.toml`` spells out these defaults.
+loads.
+
+Each field's meaning is the ``#`` comment on it (or right above it), in one place: :func:`render_config`
+(``gsm8k_grpo.py --print-config``, and ``<run.out_dir>/config.toml``) shows every key with its value,
+meaning and allowed values, and ``scripts/gen-config-reference.py`` writes docs/reference/config.md
+from the same comments.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from nodes.rollout.config import RolloutConfig
 from nodes.rollout.reward import RewardConfig
 from nodes.rollout.workflows import RLVRConfig
 from nodes.trainer.config import TrainConfig
-from rlactors.tomlconf import ConfigError, above, at_least, check_ranges, load_toml
+from rlactors.tomlconf import ConfigError, above, at_least, check_ranges, load_toml, render_toml
 
-__all__ = ["ConfigError", "RecipeConfig", "load_config"]
+__all__ = ["RENAMES", "ConfigError", "RecipeConfig", "load_config", "render_config"]
 
 
 @dataclass
@@ -47,21 +52,25 @@ class ModelConfig:
 class ServersConfig:
     """How many inference servers, of which kind, where; each kind's own settings in its table."""
 
-    n: int = field(default=2, metadata=at_least(1))
+    n: int = field(default=2, metadata=at_least(1))  # inference servers started with the run
     kind: Literal["reference", "sglang"] = "reference"  # our CPU/GPU server, or real SGLang
+    # GPUs each server takes on its node (its placement asks for them); 0: a CPU server
     gpus_per_server: int = field(default=0, metadata=at_least(0))
     threads: int = field(default=1, metadata=at_least(1))  # torch threads per server process (CPU)
+    # a server not healthy this long after its launch is an error
     startup_timeout_s: float = field(default=600.0, metadata=above(0))
     # a server that dies is launched again on its node and joins with the current weights
     replace_dead: bool = True
-    max_replacements: int = field(default=3, metadata=at_least(0))  # over the whole run
-    # [servers.reference]: hf backend; 16,384 cache tokens of SmolLM2 are ~0.75 GB of KV per server
+    # dead servers relaunched at most this many times, over the whole run
+    max_replacements: int = field(default=3, metadata=at_least(0))
+    # our reference server's settings (kind = "reference"); the recipe's: the hf backend, 16,384
+    # cache tokens (SmolLM2's KV for them is ~0.75 GB per server)
     reference: ReferenceServerConfig = field(
         default_factory=lambda: ReferenceServerConfig(
             backend="hf", max_running_requests=32, cache_tokens=16384
         )
     )
-    # [servers.sglang]: real SGLang; on CPU set device = "cpu" and python = the venv
+    # real SGLang's settings (kind = "sglang"); on CPU set device = "cpu" and python = the venv
     # scripts/sglang-setup.sh prints (SGLang pins its own torch)
     sglang: SGLangServerConfig = field(default_factory=lambda: SGLangServerConfig(model_path=""))
 
@@ -71,19 +80,21 @@ class ServersConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = field(default=10, metadata=at_least(1))
-    eval_every: int = field(
-        default=5, metadata=at_least(0)
-    )  # 0 = only before the first and after the last step
-    # 0 = greedy: the interval then reflects the problems, not sampling
+    steps: int = field(default=10, metadata=at_least(1))  # training steps (policy versions) of the run
+    # steps between evaluations of the held-out problems; 0 = only before the first and after the last step
+    eval_every: int = field(default=5, metadata=at_least(0))
+    # the evaluation's sampling temperature; 0 = greedy: the interval then reflects the problems, not sampling
     eval_temperature: float = field(default=0.0, metadata=at_least(0))
-    checkpoint_every: int = field(default=5, metadata=at_least(0))  # steps; the last step always checkpoints
+    # steps between checkpoints; the last step always checkpoints
+    checkpoint_every: int = field(default=5, metadata=at_least(0))
+    # the run's folder: config, metrics, checkpoints, logs; one run at a time (--resume continues it)
     out_dir: str = "runs/gsm8k_grpo"
     # waiting longer than this for a batch is an error
     batch_timeout_s: float = field(default=900.0, metadata=above(0))
     # after SIGTERM: finish the step in progress and checkpoint it within this, else stop at once
     term_grace_s: float = field(default=120.0, metadata=above(0))
-    trace: bool = True  # <out_dir>/trace.json (Perfetto, chrome://tracing) and timeline.png
+    # record the run's timeline: <out_dir>/trace.json (Perfetto, chrome://tracing) and timeline.png
+    trace: bool = True
     # a step running longer writes <out_dir>/stalls/step-N.txt and names what it waits on;
     # 0: the larger of 600 s and 10 times the median step
     stall_after_s: float = field(default=0.0, metadata=at_least(0))
@@ -94,8 +105,9 @@ class RunConfig:
 
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = True
-    wandb: dict[str, Any] = field(default_factory=dict)  # e.g. {project = "gsm8k"}; needs `pip install wandb`
+    tensorboard: bool = True  # write the metrics for TensorBoard too (<out_dir>/tensorboard)
+    # Weights & Biases: wandb.init's arguments, e.g. {project = "gsm8k"} (needs `pip install wandb`); {}: off
+    wandb: dict[str, Any] = field(default_factory=dict)
 
 
 def _gsm8k_rollout() -> RolloutConfig:
@@ -109,17 +121,23 @@ def _gsm8k_rollout() -> RolloutConfig:
 
 @dataclass
 class RecipeConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    servers: ServersConfig = field(default_factory=ServersConfig)
+    """Every section of the recipe; ``--print-config`` shows them all with their meanings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy model
+    servers: ServersConfig = field(default_factory=ServersConfig)  # the inference servers
+    # the rollout actors: the episode (workflow) and its settings, and their SGLang client
     rollout: RolloutConfig = field(default_factory=_gsm8k_rollout)
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the reward function, on every completion
+    # from rewards to advantages: shaping, then the estimator over each group
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    # staleness bound and admission ([async] in TOML): how far generation may run ahead of training
     async_: GovernorConfig = field(default_factory=GovernorConfig)
-    buffer: BufferConfig = field(default_factory=BufferConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # finished groups waiting for a batch
+    # the trainer ranks: optimiser, loss, LoRA, and how weights reach the servers
     trainer: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # the training and held-out problems
+    run: RunConfig = field(default_factory=RunConfig)  # length, evaluation, checkpoints, output
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # where the metrics go beyond metrics.jsonl
 
 
 def _check_algorithm(cfg: RecipeConfig, source: str) -> None:
@@ -139,12 +157,26 @@ def _check_algorithm(cfg: RecipeConfig, source: str) -> None:
         raise ConfigError(f"{source}: {e}") from None
 
 
+# TOML tables whose Python field is spelt otherwise: ``async`` is a keyword
+RENAMES = {"async": "async_"}
+
+
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     """The TOML file (or the defaults) plus ``section.key=value`` overrides, every value checked.
 
     The ``[async]`` table is ``async_`` in Python (``async`` is a keyword).
     """
-    cfg = load_toml(RecipeConfig, path, overrides, renames={"async": "async_"})
+    cfg = load_toml(RecipeConfig, path, overrides, renames=RENAMES)
     file = str(Path(path).expanduser()) if path else "defaults"
     _check_algorithm(cfg, f"{file} (with overrides)" if overrides else file)
     return cfg
+
+
+def render_config(cfg: RecipeConfig) -> str:
+    """``cfg`` as TOML, every key with its meaning and allowed values; :func:`load_config` loads
+    it back to an equal config."""
+    header = (
+        "# The resolved configuration of recipes/gsm8k_grpo.py: every table and key, its value, its\n"
+        "# meaning and what it allows. Run it as is with --config; unset keys are commented out.\n\n"
+    )
+    return header + render_toml(cfg, renames={v: k for k, v in RENAMES.items()})

@@ -47,7 +47,7 @@ from nodes.metrics import MetricsLogger, format_step_line
 from nodes.run_state import RunLockedError, RunState, Terminated, Termination
 from nodes.trainer.manifest import CheckpointError
 from nodes.watchdog import StallWatchdog
-from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config
+from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config, render_config
 from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane
 
 
@@ -58,6 +58,7 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
     data = load_data(cfg.data)
     state = RunState(out, resume)  # the folder is this run's alone from here (out/.lock)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    (out / "config.toml").write_text(render_config(cfg))  # the same, readable: every key with its meaning
     state.n_items = len(data.train)
     model = resolve_model(cfg.model)
     print(f"data: {data.train_about}\neval: {data.eval_about}\nmodel: {model}")
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint in run.out_dir")
     ap.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as TOML (every key, its meaning and allowed values) and exit",
+    )
+    ap.add_argument(
         "overrides",
         nargs="*",
         metavar="section.key=value",
@@ -203,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path()
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(render_config(cfg), end="")
+            return 0
         out = Path(cfg.run.out_dir).expanduser().resolve()
         asyncio.run(train(cfg, out, cluster_address(args.cluster), args.resume))
         report(out)
