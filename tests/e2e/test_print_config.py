@@ -313,3 +313,22 @@ def recipe_module() -> Any:
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_cpu_toml_names_the_tables_it_leaves_out() -> None:
+    """Its header says which tables it leaves to their defaults: that list stays true."""
+    text = (ROOT / "recipes" / "configs" / "cpu.toml").read_text()
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    said = set(re.findall(r"\[([\w.]+)\]", header.split("Tables left out entirely:")[1].split(";")[0]))
+    data = tomllib.loads(text)
+
+    def present(path: str) -> bool:
+        node: Any = data
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    left_out = {path for path, _ in tables_of(load_config(None, [])) if path and not present(path)}
+    assert said == {p for p in left_out if present(p.rpartition(".")[0]) or "." not in p}
