@@ -62,6 +62,7 @@ __all__ = [
     "extract_final_answer",
     "format_prompt",
     "load_data",
+    "load_eval_items",
     "load_gsm8k",
 ]
 
@@ -491,6 +492,17 @@ def _load_yours(cfg: DataConfig) -> Data:
         f"{len(train_items)} rows of {train.where} ({fields})",
         f"{len(kept)} of {eval_about}",
     )
+
+
+def load_eval_items(cfg: DataConfig, path: str, limit: int = 0) -> tuple[list[dict[str, Any]], str]:
+    """Every row of the data at ``path`` (a file, or the ``eval_split`` of a folder, saved dataset or
+    hub id), as items with ``cfg``'s field names, the first ``limit`` (0 = all); for evaluating a
+    model on data of your choice (``recipes/evaluate.py --data``)."""
+    rows = _read(path, cfg.eval_split, True, "--data", cfg.hub_timeout_s)
+    if rows is None:
+        raise DataError(f"--data {path}: no {cfg.eval_split!r} split there (data.eval_split)")
+    items = _limited(_items(rows, cfg, cfg.eval_split), limit or None)
+    return items, f"{len(items)} rows of {rows.where} ({_fields_text(cfg)})"
 
 
 def load_data(cfg: DataConfig) -> Data:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -26,26 +27,48 @@ log = structlog.get_logger(__name__)
 
 
 async def evaluate(
-    workflow: Any, urls: list[str], items: list[dict[str, Any]], version: int, keys: ServerKeys | None = None
+    workflow: Any,
+    urls: list[str],
+    items: list[dict[str, Any]],
+    version: int,
+    keys: ServerKeys | None = None,
+    records: list[dict[str, Any]] | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Accuracy of one sample per item (the first trajectory's reward), with its 95% Wilson interval
-    and the policy version the evaluation started at (weights may move on while it runs). A failure
-    is logged and reported as a NaN accuracy: evaluation is a side job. ``keys``: the servers' keys."""
+    """Accuracy over ``items``: the mean over items of the mean reward of each item's samples (one
+    sample each unless the workflow's ``n_samples`` says more), with its 95% Wilson interval over the
+    items and the policy version the evaluation started at (weights may move on while it runs). A
+    failure is logged and reported as a NaN accuracy: evaluation is a side job.
+
+    ``keys``: the servers' keys. ``records``: when given, one dict per item is appended (its id,
+    question, answer, the mean reward, and each sample's reward and completion text), in ``items``'
+    order. ``progress``: called as each item finishes.
+    """
     from nodes.rollout.client import ClientConfig, SGLangClient
 
     client = SGLangClient(urls, ClientConfig(keys=keys or ServerKeys()), version=version)
     started = time.time()
+
+    async def one(i: int, item: dict[str, Any]) -> Any:
+        group = await workflow.arun_episode(client, item, f"eval/v{version}/{i}")
+        if progress is not None:
+            progress()
+        return group
+
     try:
-        groups = await asyncio.gather(
-            *(workflow.arun_episode(client, it, f"eval/v{version}/{i}") for i, it in enumerate(items))
-        )
+        groups = await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
     except Exception as e:
         log.warning("eval_failed", version=version, error=f"{type(e).__name__}: {e}")
         return {"eval/accuracy": float("nan"), "eval/version": version}
     finally:
         await client.aclose()
         TRACE.span("eval", started, time.time(), thread="eval", version=version)
-    correct = sum(g.trajectories[0].reward for g in groups)
+    scores = [sum(t.reward for t in g.trajectories) / len(g.trajectories) for g in groups]
+    if records is not None:
+        records.extend(
+            _record(workflow, item, g, score) for item, g, score in zip(items, groups, scores, strict=True)
+        )
+    correct = sum(scores)
     low, high = accuracy_interval(correct, len(groups))
     out = {
         "eval/accuracy": correct / max(1, len(groups)),
@@ -60,6 +83,18 @@ async def evaluate(
         out.update({"eval/tool_call_rate": calling / max(1, len(groups)), "eval/tool_call_ci_low": low,
                     "eval/tool_call_ci_high": high})  # fmt: skip
     return out
+
+
+def _record(workflow: Any, item: dict[str, Any], group: Any, score: float) -> dict[str, Any]:
+    """One item's result: what it was, its score, and each sample's completion as the model wrote it."""
+    decode = getattr(getattr(workflow, "tokenizer", None), "decode", None)
+    samples = []
+    for t in group.trajectories:
+        generated = [i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m]
+        text = decode(generated, skip_special_tokens=True) if decode is not None else None
+        samples.append({"reward": t.reward, "completion": text, "tokens": len(generated)})
+    return {"id": item.get("id"), "question": item.get("question"), "answer": item.get("answer"),
+            "reward": score, "samples": samples}  # fmt: skip
 
 
 def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:

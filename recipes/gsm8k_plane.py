@@ -29,7 +29,7 @@ from nodes.trainer.rank import TrainerRank
 from protocols.auth import ServerKeys
 from recipes.gsm8k_config import ModelConfig, RecipeConfig
 
-__all__ = ["Plane", "eval_spec", "resolve_model", "start_plane"]
+__all__ = ["Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "with_keys"]
 
 # A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
 # buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
@@ -77,7 +77,7 @@ def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
     return WorkflowSpec(workflow, str(model), cfg.reward, settings)
 
 
-async def _start_pool(
+async def start_pool(
     cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path
 ) -> tuple[Any, list[str]]:
     """The ``inference-pool`` actor and its first servers, each healthy; each server writes its log
@@ -245,7 +245,7 @@ async def start_plane(
         resources={"gpu": gpu},
     )
     await cluster.collective_group(list(ranks), backend="nccl" if gpu else "gloo")
-    pool, urls = await _start_pool(cluster, cfg, model, state.out)
+    pool, urls = await start_pool(cluster, cfg, model, state.out)
     await ranks.setup()
     if state.resume_from is not None:
         print(await state.load(ranks))
