@@ -186,6 +186,13 @@ def export_checkpoint(
         raise ExportError(str(e)) from None
     state = _read_json(ckpt / STATE_FILE)
     run, config = _run_config(ckpt)
+    base = _base_folder(base_model, state.get("model_path", ""), ckpt)
+    # a checkpoint that records its LoRA settings says whether it is one; an older one, its shards
+    recorded = "lora" in state
+    if recorded and lora is not None and not state["lora"]:
+        raise ExportError(
+            f"--lora {lora} is for LoRA checkpoints, and {ckpt} is a full fine-tune's: drop --lora"
+        )
     keys = _model_keys(ckpt)
     if not keys:
         raise ExportError(f"checkpoint {ckpt} holds no model weights (no 'model' entries in its .metadata)")
@@ -199,7 +206,6 @@ def export_checkpoint(
             f"{ckpt} holds LoRA adapters but {STATE_FILE} does not record their settings (a checkpoint "
             "from an older version): it cannot be exported"
         )
-    base = _base_folder(base_model, state.get("model_path", ""), ckpt)
     mode = (lora or "merge") if is_lora else None
 
     import torch
