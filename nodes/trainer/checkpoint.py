@@ -143,9 +143,9 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
     torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict()}, tmp / f"rank{rank}.pt")
     if rank == 0:
         lora = asdict(trainer.cfg.lora) if trainer.cfg.lora.enabled else None
-        state = TrainerState(
-            trainer.version, trainer.optim_steps, data_position, world, trainer.cfg.model_path, lora
-        )
+        base = trainer.cfg.model_path  # a folder: absolute, so an export from anywhere finds it
+        base = str(Path(base).resolve()) if Path(base).is_dir() else base
+        state = TrainerState(trainer.version, trainer.optim_steps, data_position, world, base, lora)
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__))
     dist.barrier()
     hashes: list[Any] = [None] * world  # each rank hashes a share of the files
