@@ -4,10 +4,11 @@
 #   bash scripts/gpu-check.sh                 # there, from the repository's root
 # It installs rlactors and its packages from the wheelhouse into a scratch folder (no index, no
 # editable install: the check runs the installed package, from outside this tree), then runs
-# scripts/gpu_check.py: FSDP2 in bf16 on CUDA, an NCCL weight push to the reference server on the
-# same GPU, and the recipe's GPU config (recipes/configs/gpu.toml) for 3 steps with the reference
-# server. One JSON report (--report, default gpu-check-report.json) holds each step's result and
-# timing; the exit code is the number of failed steps.
+# scripts/gpu_check.py: FSDP2 in bf16 on CUDA, weight pushes to the reference server on the same
+# GPU (through a weight-update group, and by reference), and the recipe with the one-GPU config's
+# geometry (recipes/configs/gpu_1x.toml: trainer and server sharing the GPU, tensor push) and the
+# tiny model for 3 steps. One JSON report (--report, default gpu-check-report.json) holds each
+# step's result and timing; the exit code is the number of failed steps.
 # --device cpu runs the same steps on CPU (gloo; bf16 where the CPU has it); CI runs it so, with a
 # wheelhouse for its own Python (--python-version of gpu-wheelhouse.sh).
 #   bash scripts/gpu-check.sh [--device cuda|cpu] [--wheelhouse DIR] [--python PY] [--steps N] [--report FILE]
@@ -41,7 +42,7 @@ cp -r "$WH/cache/." "$WORK/cache/"
 export PYTHONPATH=$WORK/site RLACTORS_CACHE=$WORK/cache PYTHONUNBUFFERED=1
 cd "$WORK"
 set +e
-"$PY" "$ROOT/scripts/gpu_check.py" --device "$DEVICE" --steps "$STEPS" --config "$ROOT/recipes/configs/gpu.toml" \
+"$PY" "$ROOT/scripts/gpu_check.py" --device "$DEVICE" --steps "$STEPS" --config "$ROOT/recipes/configs/gpu_1x.toml" \
   --work "$WORK/work" --report "$REPORT"
 failed=$?
 set -e

@@ -8,8 +8,10 @@
    the trainer's, and its weight version must be the pushed one.
 3. push-tensor: the same by reference, ``/update_weights_from_tensor`` (CUDA IPC handles on a GPU,
    shared memory on CPU).
-4. recipe: the GSM8K recipe with recipes/configs/gpu.toml, narrowed to one device and the tiny
-   model: one trainer rank, one reference server, a few local GSM8K rows, ``--steps`` steps.
+4. recipe: the GSM8K recipe with recipes/configs/gpu_1x.toml's geometry (one trainer rank and one
+   reference server on the same GPU, bf16, weights pushed by reference), with the tiny model, a few
+   local GSM8K rows and short generations, ``--steps`` steps; every push must reach the server
+   through ``/update_weights_from_tensor`` (its access log says so).
 
 Each step's result, timing and details go to one JSON report (``--report``); the exit code is the
 number of steps that failed.
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -30,12 +33,25 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ROWS = [  # GSM8K-style rows for the recipe step (the answer after ####)
+ROWS = [  # GSM8K-style rows for the recipe step (the answer after ####): 8 to train, 4 held out
     {
         "question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
         "answer": f"#### {a + b}",
     }
-    for a, b in [(3, 4), (10, 5), (7, 8), (12, 30), (6, 6), (21, 9), (2, 40), (15, 15)]
+    for a, b in [
+        (3, 4),
+        (10, 5),
+        (7, 8),
+        (12, 30),
+        (6, 6),
+        (21, 9),
+        (2, 40),
+        (15, 15),
+        (8, 1),
+        (4, 13),
+        (20, 22),
+        (9, 9),
+    ]
 ]
 
 
@@ -137,20 +153,23 @@ async def _push(device: str, model: Any, path: Path, method: str) -> dict[str, A
 def step_recipe(device: str, steps: int, config: str, work: Path) -> dict[str, Any]:
     data = work / "gsm8k"
     data.mkdir(parents=True, exist_ok=True)
-    for split, rows in (("train", ROWS), ("test", ROWS[:4])):
+    for split, rows in (("train", ROWS[:8]), ("test", ROWS[8:])):  # disjoint: eval drops trained prompts
         (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = work / "run"
+    # The config's geometry as it is (one rank, one server, its push); only the model, the data and
+    # the sizes shrink, and on CPU the devices move.
     args = [
         "--config", config, "model.tiny=true", 'model.path=""', "data.source=local", f"data.path={data}",
-        "data.eval_size=4",
-        "servers.kind=reference", "servers.n=1", f"servers.gpus_per_server={int(device == 'cuda')}", "servers.reference.backend=hf",
-        f"servers.reference.device={device}", "servers.reference.dtype=bfloat16", "servers.reference.auth=on",
-        "trainer.n_ranks=1", f"trainer.device={device}", "trainer.bf16=true", "rollout.n_actors=1",
+        "data.eval_size=4", "servers.kind=reference", "servers.reference.auth=on",
+        'servers.reference.extra_args=["--log-level", "info"]',  # its access log: which routes the push used
         "rollout.workflow_args.n_samples=2", "rollout.workflow_args.max_new_tokens=32", "async.batch_size=2",
         "metrics.tensorboard=false", f"run.steps={steps}", "run.checkpoint_every=0", f"run.out_dir={out}",
     ]  # fmt: skip
-    # One GPU for both: the local cluster is told of two (CUDA_VISIBLE_DEVICES=0,0), so placement
-    # gives the trainer rank one and the server the other, and both map to physical GPU 0.
+    if device == "cpu":
+        args += ["trainer.device=cpu", "servers.gpus_per_server=0", "servers.reference.device=cpu"]
+    # One GPU for both, as gpu_1x.toml's header says: the local cluster is told of two
+    # (CUDA_VISIBLE_DEVICES=0,0), placement gives the trainer rank one and the server the other,
+    # and both map to physical GPU 0.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,0"} if device == "cuda" else None
     t0 = time.perf_counter()
     run = subprocess.run(
@@ -164,7 +183,12 @@ def step_recipe(device: str, steps: int, config: str, work: Path) -> dict[str, A
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), "a step is missing"
     assert all(r["servers/min_weight_version"] == r["step"] for r in rows), "a push did not land"
+    routes = re.findall(r'"POST (\S+) HTTP/1.1" 200', (out / "servers" / "server-0.log").read_text())
+    pushes = routes.count("/update_weights_from_tensor")
+    assert pushes >= steps, f"{pushes} pushes by reference for {steps} steps"
+    assert "/init_weights_update_group" not in routes, "a weight-update group was made: not a tensor push"
     return {"wall_s": seconds, "step_s": [r.get("time/step_s", r.get("time/train_s")) for r in rows],
+            "push_s": [r.get("push/push_time_s") for r in rows], "tensor_pushes": pushes,
             "reward_mean": [r["reward/mean"] for r in rows], "log": str(work / "recipe.log")}  # fmt: skip
 
 
@@ -172,7 +196,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--config", required=True, help="the recipe's GPU config (recipes/configs/gpu.toml)")
+    ap.add_argument(
+        "--config", required=True, help="the recipe's one-GPU config (recipes/configs/gpu_1x.toml)"
+    )
     ap.add_argument("--work", required=True, help="a scratch folder")
     ap.add_argument("--report", required=True)
     args = ap.parse_args()
