@@ -187,20 +187,16 @@ def export_checkpoint(
     state = _read_json(ckpt / STATE_FILE)
     run, config = _run_config(ckpt)
     base = _base_folder(base_model, state.get("model_path", ""), ckpt)
-    # a checkpoint that records its LoRA settings says whether it is one; an older one, its shards
-    recorded = "lora" in state
-    if recorded and lora is not None and not state["lora"]:
-        raise ExportError(
-            f"--lora {lora} is for LoRA checkpoints, and {ckpt} is a full fine-tune's: drop --lora"
-        )
+    # whether it is a LoRA checkpoint: recorded by the trainer; an older checkpoint's shards say it
+    not_lora = f"--lora {lora} is for LoRA checkpoints, and {ckpt} is a full fine-tune's: drop --lora"
+    if lora is not None and "lora" in state and not state["lora"]:
+        raise ExportError(not_lora)
     keys = _model_keys(ckpt)
     if not keys:
         raise ExportError(f"checkpoint {ckpt} holds no model weights (no 'model' entries in its .metadata)")
     is_lora = any(_is_adapter(k) for k in keys)
     if lora is not None and not is_lora:
-        raise ExportError(
-            f"--lora {lora} is for LoRA checkpoints, and {ckpt} is a full fine-tune's: drop --lora"
-        )
+        raise ExportError(not_lora)
     if is_lora and not state.get("lora"):
         raise ExportError(
             f"{ckpt} holds LoRA adapters but {STATE_FILE} does not record their settings (a checkpoint "
