@@ -1,25 +1,40 @@
 """scripts/slurm/: the cluster.toml written from a Slurm node list loads and names every node with
 launch = "slurm", and the sbatch template brings the cluster up, runs the recipe on it and takes
-it down however the recipe ends, a SIGTERM from Slurm included. No Slurm needed: the node list is
-given, and the template runs with a stand-in interpreter that records what it is asked to run."""
+it down however the recipe ends, a SIGTERM from Slurm included. Most tests need no Slurm: the node
+list is given, and the template runs with a stand-in interpreter that records what it is asked to
+run. Two run under a real one-node Slurm (munged, slurmctld, slurmd: sysdaemons.py), skipping,
+saying why, where it cannot start: the writer's srun options in an allocation, and the template
+submitted with sbatch running configs/smoke.toml."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rlactors.config import load_cluster_config
-from tests.cluster.sysdaemons import wait_until
+from tests.cluster import sysdaemons
+from tests.cluster.sysdaemons import Slurm, free_port, wait_until
+from tests.cluster.test_launchers import agent_pids, check_status_then_down, cli_env, cluster_up, use_node
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
 SBATCH = SLURM / "gsm8k_grpo.sbatch"
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path: Path) -> Iterator[Slurm]:
+    with sysdaemons.slurm(tmp_path / "slurm") as cluster:
+        yield cluster
 
 
 def writer():
@@ -156,3 +171,64 @@ def test_slurms_sigterm_reaches_the_recipe_and_down_waits_for_it(tmp_path: Path)
             job.kill()
     assert job.returncode == 143, out
     assert calls(tmp_path)[-2:] == ["terminated", "-m rlactors.cli down"], calls(tmp_path)
+
+
+def test_the_written_cluster_toml_starts_an_agent_with_srun_holding_the_nodes_cpus(
+    tmp_path: Path, slurm_cluster: Slurm
+) -> None:
+    """Under a real (one-node) Slurm: the node list expands through scontrol as it does here, and
+    the srun options the writer adds are accepted in an exclusive allocation, giving the agent's
+    step (and so its workers) every CPU of the node."""
+    node, cpus = slurm_cluster.node, os.cpu_count() or 1
+    scontrol = slurm_cluster.run("scontrol", "show", "hostnames", f"{node},x[1-2]")
+    assert scontrol.returncode == 0 and scontrol.stdout.split() == writer().expand_local(f"{node},x[1-2]")
+    res = slurm_cluster.run(
+        "salloc", "-N1", f"--nodelist={node}", "--exclusive", "--no-shell", "--job-name=rlx-tpl"
+    )
+    job = res.stderr.split("Granted job allocation")[-1].split()[0] if "Granted" in res.stderr else ""
+    assert res.returncode == 0 and job.isdigit(), res.stderr
+    out = tmp_path / "cluster.toml"
+    res = write(tmp_path, node, "--out", str(out), "--port", str(free_port()), "--cpus-per-node", str(cpus),
+                "--workdir", str(ROOT))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    node_id = f"slurmtpl-{uuid.uuid4().hex[:8]}"  # its own id: the clean-up kills agents by id
+    out.write_text(
+        out.read_text().replace(f'host = "{node}"\nlaunch', f'host = "{node}"\nnode_id = "{node_id}"\nlaunch')
+    )
+    assert load_cluster_config(out).nodes[0].node_id == node_id
+    env = cli_env(tmp_path, {"SLURM_CONF": slurm_cluster.env["SLURM_CONF"], "SLURM_JOB_ID": job})
+    with cluster_up(out, env, node_id):
+        [agent] = agent_pids(node_id)
+        assert "slurmstepd" in sysdaemons.ancestors(agent), "the agent was not started by srun"
+        worker, worker_env = asyncio.run(
+            use_node(env["RLACTORS_STATE_DIR"], node_id, ["SLURM_JOB_ID", "SLURM_CPUS_PER_TASK"])
+        )
+        assert worker_env == {"SLURM_JOB_ID": job, "SLURM_CPUS_PER_TASK": str(cpus)}, worker_env
+        check_status_then_down(env, node_id, agent, worker)
+
+
+@pytest.mark.slow
+def test_the_sbatch_runs_the_smoke_config_under_slurm(tmp_path: Path, slurm_cluster: Slurm) -> None:
+    """The template as submitted, on a real one-node Slurm without GPUs: cluster up through srun,
+    one step of configs/smoke.toml on it, cluster down, the recipe's exit code the job's."""
+    run = tmp_path / "run"
+    env = {**slurm_cluster.env, "CONFIG": "recipes/configs/smoke.toml", "GPUS_PER_NODE": "0", "SERVERS": "1",
+           "RANKS": "2", "RUN": str(run), "PY": sys.executable, "REPO": str(ROOT),
+           "RLACTORS_STATE_DIR": str(tmp_path / "elsewhere")}  # fmt: skip
+    res = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out",
+         str(SBATCH), "run.steps=1"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    job = res.stdout.strip().split(";")[0]
+    assert res.returncode == 0 and job.isdigit(), res.stderr
+    assert wait_until(lambda: job not in slurm_cluster.jobs(), 240, 0.5), f"job {job} still queued or running"
+    out = (tmp_path / f"job-{job}.out").read_text()
+    assert "cluster up: head tcp://" in out and "[slurm] the recipe exited with 0" in out, out[-3000:]
+    assert "cluster down" in out.split("[slurm] the recipe exited")[-1], out[-3000:]  # down after the recipe
+    rows = (run / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [1]
+    assert (run / "out" / "checkpoints" / "step-1").is_dir()
+    # the job kept its cluster record in its own folder (not RLACTORS_STATE_DIR's), and down removed it
+    assert (run / "state").is_dir() and not (run / "state" / "cluster.json").exists()
+    assert not (tmp_path / "elsewhere").exists()
