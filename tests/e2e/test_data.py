@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from nodes.data import (
     PROMPT_SUFFIX,
     SYSTEM_PROMPT,
     DataConfig,
-    DataError,
     DataUnavailableError,
     extract_final_answer,
     format_prompt,
@@ -49,22 +47,6 @@ def _load(tmp_path: Path, rows: list[dict], **kw: object):
     _write_jsonl(tmp_path / "train.jsonl", rows)
     _write_jsonl(tmp_path / "test.jsonl", [{**r, "question": "held out: " + r["question"]} for r in rows])
     return load_data(DataConfig(source="local", path=str(tmp_path), **kw))
-
-
-@pytest.fixture
-def hanging_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """An HF_ENDPOINT whose TCP connect succeeds (listen backlog) but which never answers."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(8)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    monkeypatch.setenv("HF_ENDPOINT", url)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    try:
-        yield url
-    finally:
-        sock.close()
 
 
 # -- answers and prompts -------------------------------------------------------------------

@@ -210,3 +210,13 @@ def test_bad_data_stops_the_recipe_with_one_line_and_exit_2(tmp_path: Path, case
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
     assert not out.exists()  # found before anything was written
+
+
+@pytest.mark.timeout(30)
+def test_a_hub_id_that_cannot_be_reached_is_one_line(hanging_endpoint: str) -> None:
+    """``data.path`` that is no file here is read as a hub dataset id; a hub that never answers fails
+    within the probe's timeout, naming the id and the endpoint."""
+    with pytest.raises(DataError) as e:
+        load("someone/their-data", eval_from_train=2, hub_timeout_s=1.0)
+    assert "data.path=someone/their-data" in str(e.value) and hanging_endpoint in str(e.value)
+    assert "\n" not in str(e.value)
