@@ -1,4 +1,4 @@
-"""The reference server's engine: server arguments, backend construction, and weight operations.
+"""The reference server's engine: backend construction, the prefix cache and scheduler, weight operations.
 
 The HTTP layer (server.py) only parses and renders; everything that changes model state goes
 through :class:`Engine`, which serialises it against decode steps with the scheduler's
@@ -12,7 +12,6 @@ import concurrent.futures
 import dataclasses
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from nodes.inference import weight_sync
 from nodes.inference.backends.base import Backend
 from nodes.inference.radix import RadixCache
 from nodes.inference.scheduler import Scheduler
+from nodes.inference.settings import ServerArgs
 from nodes.weight_group import gpu_uuid
 from protocols.sglang import (
     InitWeightsUpdateGroupRequest,
@@ -37,63 +37,12 @@ log = structlog.get_logger(__name__)
 VERSION = "0.5.23-rlactors-reference"
 
 
-@dataclass
-class ServerArgs:
-    """Command-line arguments of the reference server (names follow SGLang's where they exist)."""
-
-    model_path: str = ""
-    tokenizer_path: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    backend: str = "sim"  # hf | sim
-    max_running_requests: int = 64
-    cache_tokens: int = 65536  # prefix-cache budget in tokens
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    random_seed: int = 0
-    weight_version: str = "default"
-    # refuse distributed updates outside /begin_weight_update ... /end_weight_update, as SGLang
-    # 0.5.23 always does (--no-strict-weight-update-session: as SGLang before sessions)
-    strict_weight_update_session: bool = True
-    sim_prefill_s_per_token: float = 0.0
-    sim_decode_s_base: float = 0.0
-    sim_decode_s_per_seq: float = 0.0
-    sim_eos_prob: float = 0.0
-    sim_vocab_size: int = 32000
-    num_threads: int = 0  # torch intra-op threads (0: torch's default)
-    # prompt + max_new_tokens limit, as SGLang's --context-length (0: the model config's
-    # max_position_embeddings, else 32768); longer requests get 400 unless --allow-auto-truncate
-    context_length: int = 0
-    allow_auto_truncate: bool = False
-    # request limits (SGLang has none of these; they keep one request from stalling the server):
-    # bodies past max_request_bytes get 413, n past max_n and more than max_batch_size sequences
-    # (prompts x n) in one /generate get 400
-    max_request_bytes: int = 16 << 20
-    max_n: int = 64
-    max_batch_size: int = 256
-    # log-prob entries one /generate may ask for (top_logprobs_num and token_ids_logprob entries
-    # at every reported position, summed over its sequences, e.g. top_logprobs_num x n x new
-    # tokens); past it, 400. About 40 bytes of JSON each: the default bounds a response near 40 MB
-    max_logprob_entries: int = 1 << 20
-    # stream events carry what is new since the previous one (output ids, text, output log-probs)
-    # instead of everything so far, as SGLang's --incremental-streaming-output
-    incremental_streaming_output: bool = False
-    log_level: str = "warning"
-
-
 def build_backend(args: ServerArgs) -> Backend:
     """Construct the backend the arguments name."""
     if args.backend == "sim":
-        from nodes.inference.backends.sim import SimBackend, SimConfig
+        from nodes.inference.backends.sim import SimBackend
 
-        cfg = SimConfig(
-            prefill_s_per_token=args.sim_prefill_s_per_token,
-            decode_s_base=args.sim_decode_s_base,
-            decode_s_per_seq=args.sim_decode_s_per_seq,
-            eos_prob=args.sim_eos_prob,
-            vocab_size=args.sim_vocab_size,
-        )
-        return SimBackend(args.model_path or None, cfg)
+        return SimBackend(args.model_path or None, args.sim)
     if args.backend == "hf":
         from nodes.inference.backends.hf import HFBackend
 

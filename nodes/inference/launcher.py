@@ -37,6 +37,7 @@ from typing import Any, Literal
 import httpx
 import structlog
 
+from nodes.inference.settings import ServerSettings, to_argv
 from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.aio import wait_for
@@ -67,46 +68,20 @@ async def cluster_keys(cluster: Any) -> ServerKeys:
 
 @register
 @dataclass
-class ReferenceServerConfig:
-    """Arguments for ``python -m nodes.inference.server``."""
+class ReferenceServerConfig(ServerSettings):
+    """The reference server a launcher starts: its settings (:class:`ServerSettings`, the keys of
+    ``python -m nodes.inference.server``, one definition) and how the launcher starts it; the
+    launcher picks the address and port."""
 
-    model_path: str = ""  # the HF model folder (the recipe sets it from [model])
-    # hf: the model through transformers; sim: a simulated model (no weights; tests, benchmarks)
-    backend: Literal["hf", "sim"] = "sim"
-    max_running_requests: int = 64  # sequences decoded at once; more requests wait in its queue
-    cache_tokens: int = 65536  # prefix-cache (KV) budget per server, in tokens
-    dtype: str = "auto"  # the model's dtype: auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    random_seed: int = 0  # the server's sampling seed
     auth: Auth = "auto"  # --api-key/--admin-api-key: beyond loopback always; on loopback if "on"
     extra_args: list[str] = field(default_factory=list)  # more flags for `python -m nodes.inference.server`
 
     def command(self, host: str, port: int) -> list[str]:
-        """The command line that starts this server."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "nodes.inference.server",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--backend",
-            self.backend,
-            "--max-running-requests",
-            str(self.max_running_requests),
-            "--cache-tokens",
-            str(self.cache_tokens),
-            "--dtype",
-            self.dtype,
-            "--device",
-            self.device,
-            "--random-seed",
-            str(self.random_seed),
-        ]
-        if self.model_path:
-            cmd += ["--model-path", self.model_path]
-        return cmd + list(self.extra_args)
+        """The command line that starts this server: the settings that differ from their defaults
+        as flags (:func:`~nodes.inference.settings.to_argv`), then ``extra_args``."""
+        where = ["--host", host, "--port", str(port)]
+        settings = to_argv(self, ServerSettings)
+        return [sys.executable, "-m", "nodes.inference.server", *where, *settings, *self.extra_args]
 
 
 # the two sgl-kernel ops SGLang's CPU engine needs (a folder for PYTHONPATH; package data)

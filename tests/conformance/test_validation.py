@@ -22,9 +22,10 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from nodes.inference.engine import Engine, ServerArgs
+from nodes.inference.engine import Engine
 from nodes.inference.launcher import REPO_ROOT, free_port
 from nodes.inference.server import create_app
+from nodes.inference.settings import ServerArgs, SimSettings
 
 PROMPT = [5, 6, 7, 8]
 TIMEOUT = 10.0  # every answer here is immediate; a hang fails the test instead of stalling it
@@ -313,7 +314,7 @@ async def test_huge_prompts_are_refused_at_once(client: httpx.AsyncClient) -> No
 @pytest.fixture
 async def in_process() -> Any:
     """A sim reference server app in this process (its scheduler running), with an httpx client."""
-    engine = Engine(ServerArgs(backend="sim", sim_vocab_size=512, context_length=1024))
+    engine = Engine(ServerArgs(backend="sim", sim=SimSettings(vocab_size=512), context_length=1024))
     app = create_app(engine)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -22,7 +22,6 @@ import itertools
 import math
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +29,11 @@ import structlog
 
 from nodes.inference.backends.base import InputLogprobs, Sample, Seq, adjusts_logits, penalize
 from nodes.inference.radix import NoKV
+from nodes.inference.settings import SimSettings
 
 log = structlog.get_logger(__name__)
 
 _MASK = (1 << 64) - 1
-
-
-@dataclass
-class SimConfig:
-    """Latency model and token space of the sim backend."""
-
-    prefill_s_per_token: float = 0.0
-    decode_s_base: float = 0.0
-    decode_s_per_seq: float = 0.0
-    eos_prob: float = 0.0  # chance that a sampled token is EOS
-    vocab_size: int = 32000
-    eos_token_id: int = 2
 
 
 def _mix(x: int) -> int:
@@ -85,8 +73,8 @@ class SimBackend:
 
     kv_ops = NoKV()
 
-    def __init__(self, model_path: str | None, config: SimConfig | None = None) -> None:
-        self.config = config or SimConfig()
+    def __init__(self, model_path: str | None, config: SimSettings | None = None) -> None:
+        self.config = config or SimSettings()
         self._tokenizer: Any = None
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = {self.config.eos_token_id}
