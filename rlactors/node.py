@@ -41,6 +41,9 @@ from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
 log = structlog.get_logger("rlactors.node")
 
+# How an agent asks its worker to stop (its on_stop hook runs); SIGTERM and SIGINT are left to the
+# driver (see rlactors.worker), and SIGUSR2 dumps a worker's stacks (rlactors.forensics).
+STOP_SIGNAL = signal.SIGUSR1
 STATUS_TIMEOUT_S = 1.0  # a worker that does not say what it is doing within this is "not answering"
 
 LogSink = Callable[[str], None]
@@ -480,7 +483,7 @@ class NodeAgent:
         procs = [p for p in self._procs.values() if p.returncode is None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
-                p.terminate() if grace > 0 else p.kill()
+                p.send_signal(STOP_SIGNAL) if grace > 0 else p.kill()
         if procs:
             _, pending = await asyncio.wait(
                 [asyncio.ensure_future(p.wait()) for p in procs], timeout=grace or 5

@@ -4,6 +4,12 @@ Started by a node agent as ``python -m rlactors.worker`` with its identity in th
 environment and its credential (see :mod:`rlactors.security`) on its stdin. It asks the agent for its spec, imports the actor class by module path (or
 the driver's script by file, as multiprocessing's spawn does), binds its ROUTER socket,
 constructs the actor and reports ready. It exits when its agent process goes away.
+
+Stopping it is its agent's job: the agent asks with :data:`STOP_SIGNAL` (its ``on_stop`` hook runs)
+and kills it past a grace period. SIGTERM and SIGINT are the driver's to handle while the agent
+lives: a scheduler (Slurm, ``timeout``, systemd) or a terminal's Ctrl-C sends them to every process
+of a job at once, and the driver's answer (finish the step, checkpoint, then stop its actors) needs
+its workers alive. With its agent gone a worker stops anyway (the kernel kills it with its parent).
 """
 
 from __future__ import annotations
@@ -29,11 +35,21 @@ from rlactors.client import Connection
 from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
 from rlactors.forensics import DUMP_SIGNAL, LoopProbe, register_dump
+from rlactors.node import STOP_SIGNAL
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security
 from rlactors.service import Service
 
 log = structlog.get_logger("rlactors.worker")
+
+_LEFT_TO_DRIVER = (signal.SIGTERM, signal.SIGINT)
+
+
+def _ignore_until_loop(signum: int, frame: Any = None) -> None:
+    """SIGTERM or SIGINT before the loop runs: the driver stops this worker (see the module docstring).
+
+    A Python handler, not SIG_IGN: an ignored signal would stay ignored in the processes this worker
+    starts (an inference server must still stop on SIGTERM)."""
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -44,6 +60,13 @@ def _die_with_parent(parent_pid: int) -> None:
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def _on_job_signal(sig: signal.Signals, parent: int, stop: asyncio.Event) -> None:
+    if os.getppid() != parent:  # no agent left to stop us
+        stop.set()
+        return
+    log.info("signal left to the driver; this worker stops when its agent says so", signal=sig.name)
 
 
 async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
@@ -80,8 +103,9 @@ async def main(security: Security | None) -> int:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(STOP_SIGNAL, stop.set)
+    for sig in _LEFT_TO_DRIVER:
+        loop.add_signal_handler(sig, _on_job_signal, sig, parent, stop)
 
     service = Service(
         name=name or actor_id, max_concurrency=int(spec.get("max_concurrency", 1000)), security=security
@@ -154,6 +178,8 @@ async def main(security: Security | None) -> int:
 
 
 def run() -> None:
+    for sig in _LEFT_TO_DRIVER:
+        signal.signal(sig, _ignore_until_loop)
     security = _read_credential()  # before the loop starts: a blocking read of a few bytes
     try:
         import uvloop
