@@ -114,8 +114,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type = ServerArgs, prefix: s
         tp, _ = _scalar(hints[f.name])
         dest = prefix.replace("-", "_") + f.name
         if dataclasses.is_dataclass(tp):
-            doc = " ".join((tp.__doc__ or "").split())
-            group = parser.add_argument_group(f"{f.name} ({_flag(f.name, prefix)}-...)", doc)
+            # the class's summary (up to its first colon) heads the group: an indented
+            # description would read as a flag in --help
+            summary = " ".join((tp.__doc__ or "").split()).partition(":")[0]
+            group = parser.add_argument_group(f"{_flag(f.name, prefix)}-...: {summary}")
             add_flags(group, tp, prefix=f"{prefix}{f.name}-")  # type: ignore[arg-type]
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
