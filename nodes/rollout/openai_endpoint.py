@@ -48,13 +48,12 @@ from nodes.rollout.client import GenerationError, GenRequest, GenResult
 from nodes.rollout.http1 import HTTPServer, Request, Response
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
+from protocols.openai import ChatCompletionRequest, OpenAIError, error_body
 
 __all__ = ["ChatEndpoint", "EndpointError", "Episode", "Turn"]
 
 log = structlog.get_logger(__name__)
 
-MAX_N = 16  # choices per request
-MAX_TOP_LOGPROBS = 20  # as OpenAI
 DEFAULT_MAX_TOKENS = 1024
 KEPT_COMPLETIONS = 4096  # per episode (the standalone server's one episode keeps the newest)
 # Rendering and tokenising up to this many characters of messages runs on the event loop (about
@@ -76,82 +75,17 @@ class EndpointError(Exception):
         self.type = "invalid_request_error" if status < 500 else "server_error"
 
     def response(self) -> Response:
-        body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-        return _json(body, self.status)
+        return _json(error_body(str(self), self.type, self.param, self.code), self.status)
 
 
 # -- requests ------------------------------------------------------------------------------------
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's content as text (a string, or text parts)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for i, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise EndpointError(400, f"{where}[{i}]: only text content parts are supported", where)
-            parts.append(p["text"])
-        return "".join(parts)
-    raise EndpointError(400, f"{where} must be a string or a list of text parts", where)
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise EndpointError(400, f"{where} must be a list", where)
-    out = []
-    for i, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise EndpointError(400, f"{where}[{i}].function.name is required", f"{where}[{i}]")
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, str):
-            raise EndpointError(400, f"{where}[{i}].function.arguments must be a string", f"{where}[{i}]")
-        out.append(
-            {
-                "id": str(c.get("id") or ""),
-                "type": "function",
-                "function": {"name": fn["name"], "arguments": args},
-            }
-        )
-    return out
-
-
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """The request's messages with only what rendering and matching need, checked."""
-    if not isinstance(messages, list) or not messages:
-        raise EndpointError(400, "'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise EndpointError(400, f"{where} must be an object", where)
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
-            raise EndpointError(
-                400, f"{where}.role must be system, developer, user, assistant or tool, got {role!r}", where
-            )
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{where}.content")}
-        if role == "assistant" and m.get("tool_calls"):
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
-        if role == "tool":
-            if not isinstance(m.get("tool_call_id"), str):
-                raise EndpointError(400, f"{where}.tool_call_id is required for a tool message", where)
-            msg["tool_call_id"] = m["tool_call_id"]
-        out.append(msg)
-    return out
-
-
 @dataclass
 class ChatRequest:
-    """A checked ``/v1/chat/completions`` body."""
+    """A checked ``/v1/chat/completions`` body, in the terms the endpoint generates with."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # role, content as text, tool_calls, tool_call_id
     tools: list[dict[str, Any]] | None
     tool_choice: Any  # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
     n: int
@@ -159,79 +93,31 @@ class ChatRequest:
     include_usage: bool
     logprobs: bool
     top_logprobs: int
-    sampling: dict[str, Any]
+    sampling: dict[str, Any]  # SGLang's sampling_params
 
     @classmethod
     def parse(cls, body: Any, defaults: dict[str, Any]) -> ChatRequest:
-        """Check ``body``; ``defaults`` gives max_new_tokens and temperature when it does not."""
-        if not isinstance(body, dict):
-            raise EndpointError(400, "the request body must be a JSON object")
-        messages = normalize_messages(body.get("messages"))
-        tools = body.get("tools") or None
-        if tools is not None:
-            if not isinstance(tools, list) or not all(
-                isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools
-            ):
-                raise EndpointError(
-                    400, "'tools' must be a list of {type: function, function: {name, ...}}", "tools"
-                )
-        names = {t["function"]["name"] for t in tools or ()}
-        choice = body.get("tool_choice") or ("auto" if tools else "none")
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if name not in names:
-                raise EndpointError(
-                    400, f"tool_choice names {name!r}, which is not in 'tools'", "tool_choice"
-                )
-        elif choice not in ("auto", "none", "required") or (choice == "required" and not tools):
-            raise EndpointError(
-                400,
-                f"tool_choice {choice!r} is not auto, none, required (with tools) or a function",
-                "tool_choice",
-            )
-        n = _int(body, "n", 1, 1, MAX_N)
-        top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-        if top and not body.get("logprobs"):
-            raise EndpointError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        """Check ``body`` (:class:`protocols.openai.ChatCompletionRequest`; 400 naming the field);
+        ``defaults`` gives max_new_tokens and temperature when it does not."""
+        try:
+            req = ChatCompletionRequest.from_json(body)
+        except OpenAIError as e:
+            raise EndpointError(400, str(e), e.param) from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling: dict[str, Any] = {
-            "max_new_tokens": defaults["max_new_tokens"]
-            if max_tokens is None
-            else _int({"max_tokens": max_tokens}, "max_tokens", 0, 1, 1 << 20)
+            "max_new_tokens": defaults["max_new_tokens"] if max_tokens is None else max_tokens,
+            "temperature": defaults["temperature"] if req.temperature is None else float(req.temperature),
         }
-        for key, sglang, lo, hi in (("temperature", "temperature", 0.0, 2.0), ("top_p", "top_p", 0.0, 1.0),
-                                    ("frequency_penalty", "frequency_penalty", -2.0, 2.0),
-                                    ("presence_penalty", "presence_penalty", -2.0, 2.0)):  # fmt: skip
-            if body.get(key) is not None:
-                v = body[key]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-                    raise EndpointError(400, f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
-                sampling[sglang] = float(v)
-        sampling.setdefault("temperature", defaults["temperature"])
-        if body.get("seed") is not None:
-            sampling["sampling_seed"] = _int(body, "seed", 0, -(1 << 63), (1 << 63) - 1)
-        stop = body.get("stop")
-        if stop is not None:
-            stops = [stop] if isinstance(stop, str) else stop
-            if (
-                not isinstance(stops, list)
-                or not all(isinstance(s, str) and s for s in stops)
-                or len(stops) > 4
-            ):
-                raise EndpointError(400, "'stop' must be a string or up to 4 strings", "stop")
-            sampling["stop"] = stops
-        options = body.get("stream_options") or {}
-        return cls(messages, tools, choice, n, bool(body.get("stream")), bool(options.get("include_usage")),
-                   bool(body.get("logprobs")), top, sampling)  # fmt: skip
-
-
-def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise EndpointError(400, f"'{key}' must be an integer in [{lo}, {hi}], got {v!r}", key)
-    return v
+        for key in ("top_p", "frequency_penalty", "presence_penalty"):
+            if (value := getattr(req, key)) is not None:
+                sampling[key] = float(value)
+        if req.seed is not None:
+            sampling["sampling_seed"] = req.seed
+        if req.stop is not None:
+            sampling["stop"] = req.stop_strings
+        options = req.stream_options or {}
+        return cls([m.normalized() for m in req.messages], req.tools, req.tool_choice, req.n, bool(req.stream),
+                   bool(options.get("include_usage")), bool(req.logprobs), req.top_logprobs, sampling)  # fmt: skip
 
 
 # -- episodes ------------------------------------------------------------------------------------
