@@ -6,7 +6,6 @@ Both work on the caller's running event loop: no second loop, no threads to mana
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -91,6 +90,7 @@ class Cluster:
             "detached": detached,
             "get_if_exists": get_if_exists,
             "owner": self._client.client_id,
+            "run": self._client.run,
             "sys_path": [p for p in sys.path if p and os.path.isdir(p)],  # noqa: ASYNC240 (quick stat calls)
             "cwd": os.getcwd(),
             "placement": [placement[0].group_id, placement[1]] if placement is not None else None,
@@ -124,7 +124,8 @@ class Cluster:
     async def kill(self, actor: ActorHandle[Any] | str, *, no_restart: bool = True) -> bool:
         """Kill an actor's process (SIGKILL). With ``no_restart=False`` it may be restarted."""
         actor_id = actor.actor_id if isinstance(actor, ActorHandle) else actor
-        return bool(await self._client.head_call("kill", actor_id, no_restart))
+        by = self._client.client_id if no_restart else ""  # an owner's stop: STOPPED in `status`
+        return bool(await self._client.head_call("kill", actor_id, no_restart, by))
 
     async def watch(self, actor: ActorHandle[Any] | str) -> dict[str, Any]:
         """Return when the actor (its current incarnation) dies: ``{state, reason, restarting}``."""
@@ -210,9 +211,7 @@ class Cluster:
         if self._local is not None:
             await self._local.shutdown(self._client)
             return
-        with contextlib.suppress(Exception):
-            await wait_for(self._client.head_call("client_closed", self._client.client_id), 10)
-        await self._client.close()
+        await self._client.leave()
 
     shutdown = close
 

@@ -33,6 +33,7 @@ log = structlog.get_logger("rlactors.head")
 START_TIMEOUT_S = 3600.0  # safety net; a lost node fails its calls at once
 MAX_DEAD_ACTORS = 100  # records of dead actors kept (for status, and to say why a late call fails)
 AGENT_CALL_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0  # a run's actors get this long for their on_stop hooks when the run ends
 STATUS_TIMEOUT_S = 3.0  # an agent that does not report its workers within this: their activity is unknown
 
 
@@ -67,6 +68,7 @@ class Head:
         self.kv = KVStore()
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
         self.sessions = Sessions(self.client_timeout)
+        self.clients: dict[str, dict[str, Any]] = {}  # client id -> pid, host, cmd (while connected)
         # placement group id -> bundles: {node_id, resources, gpus, actor}
         self.bundles = BundleTable()
         self._monitor: asyncio.Task[None] | None = None
@@ -92,8 +94,10 @@ class Head:
 
     # --- clients ------------------------------------------------------------------------------
 
-    async def hello(self, client_id: str) -> dict[str, Any]:
+    async def hello(self, client_id: str, about: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A client connects; ``about`` (pid, host, cmd) names its run in errors and ``status``."""
         self.sessions.beat(client_id)
+        self.clients[client_id] = dict(about or {})
         return {"ok": True, "nodes": len(self.nodes), "client_heartbeat": self.client_timeout / 5}
 
     async def client_alive(self, client_id: str) -> bool:
@@ -105,8 +109,11 @@ class Head:
         return self.sessions.beat(client_id)
 
     async def client_closed(self, client_id: str) -> int:
+        """The client leaves: the actors it spawned (a driver: its whole run's) are stopped."""
         self.sessions.close(client_id)
-        return await self.release_owner(client_id)
+        by = f"{self.who(client_id)}, which left"
+        self.clients.pop(client_id, None)
+        return await self.release_owner(client_id, by=by)
 
     async def subscribe(self, client_id: str) -> AsyncIterator[dict[str, Any]]:
         """Actor-state events: a snapshot first, then every change. Ends when the client is gone."""
@@ -179,21 +186,20 @@ class Head:
                 )
             stalled = clock.stalled_s
             for cid in self.sessions.expire():
-                victims = [
-                    r for r in self.actors.values() if r.owner == cid and not r.detached and r.state != "DEAD"
-                ]
+                self.clients.pop(cid, None)
+                victims = self._owned_by(cid)
                 if victims:
                     log.warning(
                         "client stopped answering; stopping the actors it owned",
                         client=cid,
                         actors=len(victims),
                     )
+                    by = (
+                        f"the head: its run's client {cid} was silent for more than "
+                        f"{self.client_timeout:g}s (client_timeout)"
+                    )
                     for r in victims:
-                        r.kill_reason = (
-                            f"stopped by the head: its owner {cid} was silent for more than "
-                            f"{self.client_timeout:g}s (client_timeout)"
-                        )
-                        self._spawn_bg(self.kill(r.actor_id))
+                        self._spawn_bg(self.kill(r.actor_id, by=by))
             for n in list(self.nodes.values()):
                 if n.alive and now - n.last_seen > self.node_timeout:
                     log.warning(
@@ -229,9 +235,7 @@ class Head:
                     if rec.state != "ALIVE":
                         raise ActorNotFoundError(f"actor {name!r} died while starting: {rec.reason}")
                     return rec.info()
-                raise ValueError(
-                    f"an actor named {name!r} already exists ({existing}); kill it first or pick another name"
-                )
+                raise ValueError(self._name_taken(self.actors[existing]))
         res = normalise_request(request.get("resources"))
         placement = request.get("placement")
         bundle: dict[str, Any] | None = None
@@ -253,6 +257,7 @@ class Head:
             resources=res,
             owner=request.get("owner", ""),
             detached=bool(request.get("detached")),
+            run=request.get("run") or request.get("owner", ""),
             max_restarts=int(request.get("max_restarts", 0)),
             node_id=nid,
         )
@@ -335,8 +340,8 @@ class Head:
             rec.pending_exit = reason
             return
         log.warning("actor process exited", actor=actor_id, name=rec.name, reason=reason)
-        if rec.killed and rec.kill_reason:
-            reason = f"{rec.kill_reason} ({reason})"
+        if rec.killed and rec.stopped_by:
+            reason = f"stopped by {rec.stopped_by} ({reason})"
         node = self.nodes.get(rec.node_id)
         if rec.killed or rec.restarts >= rec.max_restarts or node is None or not node.alive:
             self._mark_dead(rec, reason)
@@ -365,21 +370,25 @@ class Head:
         while rec.state not in ("ALIVE", "DEAD"):
             await rec.changed.wait()
 
-    async def kill(self, actor_id: str, no_restart: bool = True) -> bool:
+    async def kill(self, actor_id: str, no_restart: bool = True, by: str = "", grace: float = 0.0) -> bool:
+        """Kill an actor's process; ``by`` (who asked) makes it STOPPED rather than DEAD. With
+        ``grace`` its agent asks it to stop first (its ``on_stop`` runs) and kills it after that long."""
         rec = self.actors.get(actor_id)
         if rec is None or rec.state == "DEAD":
             return False
         rec.killed = rec.killed or no_restart
+        if no_restart and by and not rec.stopped_by:
+            rec.stopped_by = by
         node = self.nodes.get(rec.node_id)
         if node is not None and node.alive:
             died = rec.died
-            call = node.conn.call("kill_worker", (actor_id,), {}, target="agent")
+            call = node.conn.call("kill_worker", (actor_id, grace), {}, target="agent")
             if await wait_for(call, AGENT_CALL_TIMEOUT_S):
                 # Return once the agent has seen the exit, so the kill is visible to everyone.
                 with contextlib.suppress(TimeoutError):
-                    await wait_for(died.wait(), 10)
+                    await wait_for(died.wait(), 10 + grace)
         else:
-            self._mark_dead(rec, "killed")
+            self._mark_dead(rec, f"stopped by {rec.stopped_by}" if rec.stopped_by else "killed")
         return True
 
     async def watch(self, actor_id: str) -> dict[str, Any]:
@@ -396,12 +405,45 @@ class Head:
             "restarting": rec.state == "RESTARTING",
         }
 
-    async def release_owner(self, owner: str) -> int:
-        """Kill the non-detached actors a departing client spawned."""
-        victims = [
-            r for r in self.actors.values() if r.owner == owner and not r.detached and r.state != "DEAD"
+    def _owned_by(self, client_id: str) -> list[ActorRecord]:
+        """The live non-detached actors a client spawned, and, for a driver, every one of its run
+        (those its actors spawned too: a pool's servers are the run's, not the pool's alone)."""
+        return [
+            r
+            for r in self.actors.values()
+            if client_id in (r.owner, r.run) and not r.detached and r.state != "DEAD"
         ]
-        await asyncio.gather(*(self.kill(r.actor_id) for r in victims), return_exceptions=True)
+
+    def who(self, client_id: str, cmd: bool = False) -> str:
+        """A client as a person finds it: its id, pid and host (and command line)."""
+        about = self.clients.get(client_id)
+        if not about:
+            return client_id
+        line = f": {about.get('cmd', '')}" if cmd else ""
+        return f"{client_id} (pid {about.get('pid')} on {about.get('host')}{line})"
+
+    def run_about(self, run: str) -> str:
+        """A run as a person finds it: its driver's command, pid and host, or that it has ended."""
+        if run not in self.clients:
+            return f"run {run} (its driver has left)"
+        return f"run {self.who(run, cmd=True)}"
+
+    def _name_taken(self, rec: ActorRecord) -> str:
+        taken = f"an actor named {rec.name!r} already exists ({rec.actor_id}, {rec.state})"
+        if rec.detached or rec.run not in self.clients:
+            return f"{taken}; kill it first (cluster.kill) or pick another name"
+        about = self.clients[rec.run]
+        return (
+            f"{taken}: it belongs to {self.run_about(rec.run)}, which is still running; stop that run "
+            f"(kill -TERM {about.get('pid')} on {about.get('host')}) or pick another name"
+        )
+
+    async def release_owner(self, owner: str, by: str = "") -> int:
+        """Kill the non-detached actors a departing client spawned (a driver: all of its run's)."""
+        victims = self._owned_by(owner)
+        by = by or f"{owner}, which left"
+        stops = (self.kill(r.actor_id, by=by, grace=STOP_GRACE_S) for r in victims)
+        await asyncio.gather(*stops, return_exceptions=True)
         return len(victims)
 
     # --- placement groups ----------------------------------------------------------------------
@@ -452,15 +494,18 @@ class Head:
             w = workers.get(rec.actor_id)
             if w is None or w["pid"] != rec.pid or rec.state != "ALIVE":
                 w = {"heard_s": None, "activity": None}
+            stopped = rec.state == "DEAD" and bool(rec.stopped_by)
             actors.append(
                 dict(
                     rec.info(),
+                    state="STOPPED" if stopped else rec.state,
+                    stopped_by=rec.stopped_by or None,
                     state_s=round(now - rec.since, 3),
                     heard_s=w["heard_s"],
                     activity=w["activity"],
                 )
             )
-        order = {"ALIVE": 0, "PENDING": 1, "RESTARTING": 1, "DEAD": 2}
+        order = {"ALIVE": 0, "PENDING": 1, "RESTARTING": 1, "DEAD": 2, "STOPPED": 3}
         nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
         actors.sort(key=lambda a: order.get(a["state"], 1))
         return {"nodes": nodes, "actors": actors}

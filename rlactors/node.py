@@ -459,12 +459,24 @@ class NodeAgent:
             entry[1].set_exception(exception_from_payload(payload))
 
     @control_plane
-    async def kill_worker(self, actor_id: str) -> bool:
+    async def kill_worker(self, actor_id: str, grace: float = 0.0) -> bool:
+        """Kill a worker (SIGKILL); with ``grace``, ask it to stop first (its ``on_stop`` runs) and
+        kill it only if it is still there ``grace`` seconds later."""
         proc = self._procs.get(actor_id)
         if proc is None or proc.returncode is not None:
             return False
-        proc.kill()
+        if grace <= 0:
+            proc.kill()
+            return True
+        proc.send_signal(STOP_SIGNAL)
+        asyncio.get_running_loop().call_later(grace, self._kill_if_running, proc)
         return True
+
+    @staticmethod
+    def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
 
     async def reserve_port(self) -> int:
         """A free TCP port on this host, not handed out in the last minute."""

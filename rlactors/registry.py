@@ -46,6 +46,7 @@ class ActorRecord:
     resources: dict[str, float]
     owner: str
     detached: bool
+    run: str  # the client id of the driver whose run spawned it, directly or through its actors
     max_restarts: int
     node_id: str = ""
     bundle: tuple[str, int] | None = None  # (placement group id, bundle index) it runs in
@@ -59,7 +60,9 @@ class ActorRecord:
     restarts: int = 0
     reason: str = ""
     killed: bool = False
-    kill_reason: str = ""  # why the head itself killed it, reported instead of the bare exit
+    # Who stopped it, when its owner asked (a run's end, a kill, a pool removing it): such an actor
+    # is STOPPED in `status`; DEAD is left for deaths nobody asked for.
+    stopped_by: str = ""
     died: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     since: float = field(default_factory=time.monotonic)  # when its state last changed
@@ -78,6 +81,8 @@ class ActorRecord:
             "reason": self.reason,
             "resources": self.resources,
             "gpus": self.gpus,
+            "run": self.run,
+            "detached": self.detached,
         }
 
     def event(self) -> dict[str, Any]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
+import socket
+import sys
 import uuid
 from typing import Any
 
@@ -39,6 +42,11 @@ def current_client() -> RuntimeClient:
     return _current
 
 
+def _about() -> dict[str, Any]:
+    """Who a client is, for the head to name its run: pid, host and command line."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "cmd": " ".join(sys.argv)[:200]}
+
+
 def set_current(client: RuntimeClient | None) -> None:
     global _current
     _current = client
@@ -47,10 +55,21 @@ def set_current(client: RuntimeClient | None) -> None:
 class RuntimeClient:
     """Connections of one process to a cluster, kept consistent with the head's actor events."""
 
-    def __init__(self, head_address: str, security: Security | None = None, *, name: str = "driver") -> None:
+    def __init__(
+        self,
+        head_address: str,
+        security: Security | None = None,
+        *,
+        name: str = "driver",
+        run: str | None = None,
+    ) -> None:
         self.head_address = head_address
         self.security = security
         self.client_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        # The run this process belongs to: a driver's is its own client id; a worker's is its actor's
+        # run. The actors of a run are stopped when its driver leaves or is given up (rlactors.head).
+        self.run = run or self.client_id
+        self.leaving = False  # the head ends our event stream because we asked to leave
         self.closed = False
         self._conns: dict[str, Connection] = {}
         self._actors: dict[str, ActorState] = {}
@@ -66,7 +85,8 @@ class RuntimeClient:
         """Connect to the head and follow its actor events (returns once the first snapshot is in)."""
         self.head = Connection(self.head_address, self.security, name="head")
         try:
-            hello = await wait_for(self.head.call("hello", (self.client_id,), {}, target="head"), timeout)
+            call = self.head.call("hello", (self.client_id, _about()), {}, target="head")
+            hello = await wait_for(call, timeout)
         except TimeoutError:
             self.head.close()
             raise ClusterError(
@@ -85,6 +105,13 @@ class RuntimeClient:
             raise ClusterError(
                 f"head at {self.head_address} did not send actor events within {timeout:.0f}s"
             ) from None
+
+    async def leave(self, timeout: float = 10.0) -> None:
+        """Tell the head this client leaves (it stops the actors of our run), then close."""
+        self.leaving = True
+        with contextlib.suppress(Exception):
+            await wait_for(self.head_call("client_closed", self.client_id), timeout)
+        await self.close()
 
     async def close(self) -> None:
         if self.closed:
@@ -163,6 +190,8 @@ class RuntimeClient:
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)
             else:
+                if self.leaving:
+                    return
                 if not self.closed:
                     log.warning("the head ended this client's event stream; subscribing again")
 

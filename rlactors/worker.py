@@ -110,7 +110,7 @@ async def main(security: Security | None) -> int:
     service = Service(
         name=name or actor_id, max_concurrency=int(spec.get("max_concurrency", 1000)), security=security
     )
-    client = RuntimeClient(spec["head_address"], security, name=name or actor_id)
+    client = RuntimeClient(spec["head_address"], security, name=name or actor_id, run=spec.get("run"))
     # Forensics: the agent reads this worker's stacks by signal when its loop cannot answer, and
     # its loop's last tick (see rlactors.forensics).
     files = os.environ.get("RLACTORS_FORENSICS")

@@ -82,7 +82,9 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
         assert node["node_id"] == "n1" and node["alive"] and 0 <= node["heard_s"] < 3.0
         actors = {a["name"]: a for a in status["actors"]}
         assert [a["name"] for a in status["actors"]][-1] == "gone"  # live ones first
-        assert actors["gone"]["state"] == "DEAD" and actors["gone"]["heard_s"] is None
+        # killed by its owner: STOPPED, with who stopped it (DEAD is for deaths nobody asked for)
+        assert actors["gone"]["state"] == "STOPPED" and actors["gone"]["heard_s"] is None
+        assert actors["gone"]["stopped_by"].startswith("driver-")
         assert actors["idle"]["activity"] == {"running": 0, "oldest_method": None, "oldest_s": 0.0}
         assert actors["idle"]["heard_s"] == 0.0
         busy = actors["busy"]["activity"]
@@ -105,7 +107,7 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
             "a blocked event loop?",
             "running 2 calls; oldest sleep for",
             "idle",
-            "DEAD",
+            "STOPPED",
         ):
             assert text in table.stdout, table.stdout
     finally:

@@ -1,0 +1,144 @@
+"""However a run on an `rlactors up` cluster ends, the actors it spawned (and those its actors
+spawned) are stopped and their names freed, and `status` shows them STOPPED with who stopped them;
+a death nobody asked for stays DEAD. A name held by a live run is an error naming that run and how
+to end it. (Issue 39, items 2 and 4.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.test_cli import one_node_config, run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = ROOT / "tests/cluster/run_driver.py"
+CLIENT_TIMEOUT_S = 10.0  # the head's default with node_timeout = 3
+
+
+@pytest.fixture
+def up(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """A cluster of one local node started with `rlactors up`."""
+    cfg = one_node_config(tmp_path, "n1", cpu=4, head_extra="node_timeout = 3.0")
+    started = run_cli(["up", str(cfg)], cli_env)
+    try:
+        assert started.returncode == 0, started.stderr
+        yield cli_env
+    finally:
+        down = run_cli(["down"], cli_env)
+        assert down.returncode == 0, down.stderr
+
+
+def _driver(env: dict[str, str], mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(DRIVER), mode],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _ready(proc: subprocess.Popen[str]) -> int:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    assert line[:1] == ["ready"], (
+        line,
+        proc.stderr.read() if proc.poll() is not None and proc.stderr else "",
+    )
+    return int(line[1])
+
+
+def _actors(env: dict[str, str]) -> list[dict]:
+    res = run_cli(["status", "--json"], env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)["actors"]
+
+
+def _run_actors(env: dict[str, str], run: str) -> dict[str, dict]:
+    return {a["name"]: a for a in _actors(env) if a["run"] == run}
+
+
+@pytest.mark.parametrize("end", ["done", "error", "sigterm", "sigint", "sigkill"])
+def test_however_a_run_ends_its_actors_are_stopped_and_the_next_run_starts(
+    up: dict[str, str], end: str
+) -> None:
+    first = _driver(up, {"sigterm": "signal", "sigint": "signal", "sigkill": "signal"}.get(end, end))
+    try:
+        victim = _ready(first)
+        os.kill(victim, signal.SIGKILL)  # a death nobody asked for, during the run
+        (run,) = {a["run"] for a in _actors(up) if a["name"] == "pool"}
+        assert run.startswith("driver-")
+        if end in ("done", "error"):
+            assert first.stdin is not None
+            first.stdin.write("end\n")
+            first.stdin.flush()
+        else:
+            first.send_signal(
+                {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}[end]
+            )
+        _, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    expected = {"done": 0, "error": 1, "sigterm": 143, "sigint": 130, "sigkill": -signal.SIGKILL}[end]
+    assert first.returncode == expected, err[-3000:]
+    assert "event stream" not in err, err[-3000:]  # no warning at a normal end
+    if end == "sigkill":  # nobody was there to say so: the head stops them once the driver is silent
+        deadline = time.monotonic() + 3 * CLIENT_TIMEOUT_S
+        while any(a["state"] == "ALIVE" for a in _run_actors(up, run).values()):
+            assert time.monotonic() < deadline, _run_actors(up, run)
+    actors = _run_actors(up, run)
+    assert set(actors) == {"pool", "server-0", "victim"}
+    assert actors["victim"]["state"] == "DEAD" and "SIGKILL" in actors["victim"]["reason"]
+    for name in ("pool", "server-0"):  # server-0 was spawned by pool, and is the run's all the same
+        a = actors[name]
+        assert a["state"] == "STOPPED", a
+        assert a["reason"].startswith("stopped by "), a
+        who = "the head: its run's client" if end == "sigkill" else f"{run} (pid {first.pid} on "
+        assert who in a["stopped_by"], a
+    # The names are free: the next run on the same cluster starts.
+    second = _driver(up, "done")
+    try:
+        _ready(second)
+        assert second.stdin is not None
+        second.stdin.write("end\n")
+        second.stdin.flush()
+        _, err = second.communicate(timeout=60)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert second.returncode == 0, err[-3000:]
+
+
+def test_a_name_held_by_a_live_run_is_an_error_naming_that_run_and_how_to_end_it(up: dict[str, str]) -> None:
+    first = _driver(up, "done")
+    try:
+        _ready(first)
+        second = subprocess.run(
+            [sys.executable, str(DRIVER), "spawn"],
+            cwd=ROOT,
+            env=up,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "an actor named 'pool' already exists" in second.stdout
+        assert f"(pid {first.pid} on " in second.stdout and f"{DRIVER} done" in second.stdout
+        assert f"which is still running; stop that run (kill -TERM {first.pid} on " in second.stdout
+    finally:
+        first.kill()
+        first.wait()
