@@ -1,6 +1,6 @@
 """The reference server's engine: backend construction, the prefix cache and scheduler, weight operations.
 
-The HTTP layer (server.py) only parses and renders; everything that changes model state goes
+The HTTP layer (app.py) only parses and renders; everything that changes model state goes
 through :class:`Engine`, which serialises it against decode steps with the scheduler's
 ``step_lock``.
 """
