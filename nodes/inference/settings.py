@@ -123,6 +123,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type = ServerArgs, prefix: s
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         text = docs[f.name] or f.name
         flag = _flag(f.name, prefix)
+        if get_origin(tp) is list:  # a repeatable flag; absent: the field's default
+            (item,) = get_args(tp)
+            parser.add_argument(flag, dest=dest, type=item, action="append", help=f"{text} (repeatable)")
+            continue
         if tp is bool:
             parser.add_argument(
                 flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=text
@@ -148,6 +152,8 @@ def from_namespace(ns: argparse.Namespace, cls: type = ServerArgs, prefix: str =
         tp, _ = _scalar(hints[f.name])
         if dataclasses.is_dataclass(tp):
             kwargs[f.name] = from_namespace(ns, tp, prefix=f"{prefix}{f.name}_")  # type: ignore[arg-type]
+        elif values[prefix + f.name] is None and get_origin(tp) is list:  # a repeatable flag not given
+            kwargs[f.name] = f.default_factory()  # type: ignore[misc]
         else:
             kwargs[f.name] = values[prefix + f.name]
     return cls(**kwargs)
@@ -169,7 +175,9 @@ def to_argv(settings: Any, cls: type | None = None, prefix: str = "") -> list[st
         if value == default or value is None:
             continue
         flag = _flag(f.name, prefix)
-        if tp is bool:
+        if isinstance(value, list):
+            argv += [f"{flag}={v}" for v in value]
+        elif tp is bool:
             argv.append(flag if value else "--no-" + flag[2:])
         elif str(value).startswith("-"):  # a value argparse would take for a flag
             argv.append(f"{flag}={value}")

@@ -488,25 +488,42 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(status, orjson.dumps(obj))
 
 
+@dataclass
+class EndpointArgs:
+    """The command line of ``python -m nodes.rollout.openai_endpoint``: the endpoint alone, in front
+    of SGLang-protocol servers, to try an agent without training."""
+
+    server_url: list[str] = field(default_factory=list)  # an SGLang or reference server (at least one)
+    model_path: str = ""  # the served model's folder (its tokenizer and chat template); required
+    model_name: str = ""  # the name /v1/models gives ("": the model folder's name)
+    tool_parser: str = "hermes"  # how tool calls are read from the output: hermes (= qwen25) or module:fn
+    host: str = "127.0.0.1"  # the address to listen on
+    port: int = 8000  # the port to listen on (0: a free one)
+    # the servers' --api-key ("": $RLACTORS_SERVER_API_KEY, else none)
+    api_key: str = field(default="", repr=False)
+    # the servers' --admin-api-key ("": $RLACTORS_SERVER_ADMIN_API_KEY, else none)
+    admin_api_key: str = field(default="", repr=False)
+
+
+def parse_args(argv: list[str] | None = None) -> EndpointArgs:
+    """:class:`EndpointArgs` from the command line (flags, ``--help`` and defaults made from it)."""
+    from nodes.inference.settings import add_flags, from_namespace
+
+    ap = argparse.ArgumentParser(
+        prog="python -m nodes.rollout.openai_endpoint", description=EndpointArgs.__doc__
+    )
+    add_flags(ap, EndpointArgs)
+    args: EndpointArgs = from_namespace(ap.parse_args(argv), EndpointArgs)
+    if not args.server_url or not args.model_path:
+        ap.error("--server-url (one or more) and --model-path are required")
+    args.api_key = args.api_key or os.environ.get("RLACTORS_SERVER_API_KEY", "")
+    args.admin_api_key = args.admin_api_key or os.environ.get("RLACTORS_SERVER_ADMIN_API_KEY", "")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Serve the endpoint in front of SGLang-protocol servers, to try an agent without training."""
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument(
-        "--server-url", action="append", required=True, help="an SGLang or reference server (repeatable)"
-    )
-    ap.add_argument(
-        "--model-path", required=True, help="the served model's folder (its tokenizer and chat template)"
-    )
-    ap.add_argument("--model-name", default="", help="the name /v1/models gives (default: the folder's name)")
-    ap.add_argument("--tool-parser", default="hermes", help="hermes (= qwen25) or an import path module:fn")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    ap.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one)")
-    for flag, env in (
-        ("--api-key", "RLACTORS_SERVER_API_KEY"),
-        ("--admin-api-key", "RLACTORS_SERVER_ADMIN_API_KEY"),
-    ):
-        ap.add_argument(flag, default=os.environ.get(env, ""), help=f"the servers' {flag} (default: ${env})")
-    args = ap.parse_args(argv)
+    """Serve the endpoint in front of SGLang-protocol servers (:class:`EndpointArgs`)."""
+    args = parse_args(argv)
 
     async def serve() -> None:
         from pathlib import Path

@@ -124,3 +124,36 @@ def test_help_lists_every_flag_with_its_meaning() -> None:
         first_words = " ".join(meaning.split()[:4])
         assert first_words in text, (flag, first_words)
     assert "test and benchmark tool" in text  # the simulator says what it is for
+
+
+def test_the_endpoint_command_line_is_its_settings_class(monkeypatch: Any) -> None:
+    """``python -m nodes.rollout.openai_endpoint``: a flag per field of :class:`EndpointArgs`, each
+    with its meaning in ``--help``; every field changed round-trips through the flags; the key
+    flags fall back to the environment; a missing server or model is a usage error."""
+    import pytest
+
+    from nodes.inference.settings import to_argv
+    from nodes.rollout import openai_endpoint
+    from nodes.rollout.openai_endpoint import EndpointArgs
+    from rlactors.tomlconf import field_docs
+
+    chosen = EndpointArgs(
+        server_url=["http://127.0.0.1:1", "http://127.0.0.1:2"], model_path="/m", model_name="n",
+        tool_parser="pkg.mod:fn", host="0.0.0.0", port=9, api_key="k", admin_api_key="-a",
+    )  # fmt: skip
+    for f in dataclasses.fields(EndpointArgs):
+        assert getattr(chosen, f.name) != getattr(EndpointArgs(), f.name), f"{f.name} is not changed"
+    assert openai_endpoint.parse_args(to_argv(chosen)) == chosen
+    monkeypatch.setenv("RLACTORS_SERVER_API_KEY", "from-env")
+    assert openai_endpoint.parse_args(["--server-url", "u", "--model-path", "m"]).api_key == "from-env"
+    with pytest.raises(SystemExit):
+        openai_endpoint.parse_args(["--model-path", "m"])
+    out = subprocess.run(
+        [sys.executable, "-m", "nodes.rollout.openai_endpoint", "--help"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    text = " ".join(out.split())
+    for name, meaning in field_docs(EndpointArgs).items():
+        assert meaning and "--" + name.replace("_", "-") in text and " ".join(meaning.split()[:3]) in text, (
+            name
+        )
