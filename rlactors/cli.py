@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
@@ -226,8 +227,8 @@ def _fmt_res(total: dict[str, float], used: dict[str, float]) -> str:
 def _doing(a: dict[str, Any]) -> str:
     """What an actor is doing, in a few words."""
     reason = escape(a["reason"])  # a reason may hold brackets rich would read as markup
-    if a["state"] == "DEAD":
-        return reason or "dead"
+    if a["state"] in ("DEAD", "STOPPED"):
+        return reason or a["state"].lower()
     if a["state"] != "ALIVE":
         return a["state"].lower() + (f": {reason}" if reason else "")
     act = a.get("activity")
@@ -241,11 +242,18 @@ def _doing(a: dict[str, Any]) -> str:
     return f"running {calls}; oldest {escape(act['oldest_method'])} for {_age(act['oldest_s'])}"
 
 
-def _tables(status: dict[str, Any]) -> Group:
-    """The status as two tables: nodes, then actors (live ones first)."""
-    nodes = Table(title="nodes", title_justify="left")
+WIDE = 120  # columns from which `status` shows every column; narrower, the compact view
+
+
+def _tables(status: dict[str, Any], width: int = 200) -> Group:
+    """The status as two tables: nodes, then actors (live ones first). Under ``WIDE`` columns the
+    actors' table keeps name, state, pid, last heard and what each is doing (the last folded), so
+    that it still reads at 80; ``--json`` has every field."""
+    compact = width < WIDE
+    style: dict[str, Any] = {"box": box.SIMPLE_HEAD, "pad_edge": False} if compact else {}
+    nodes = Table(title="nodes", title_justify="left", **style)
     for col in ("node", "host", "state", "last heard", "resources used/total"):
-        nodes.add_column(col)
+        nodes.add_column(col, no_wrap=col != "resources used/total")
     for n in status["nodes"]:
         nodes.add_row(
             n["node_id"],
@@ -254,23 +262,30 @@ def _tables(status: dict[str, Any]) -> Group:
             _age(n["heard_s"]) + " ago",
             _fmt_res(n["total"], n["used"]),
         )
-    actors = Table(title="actors", title_justify="left")
-    for col in ("name", "class", "id", "node", "state", "in state", "restarts", "pid", "last heard", "doing"):
-        actors.add_column(col)
+    actors = Table(title="actors", title_justify="left", **style)
+    columns = ["name", "state", "pid", "heard", "doing"] if compact else [
+        "name", "class", "id", "node", "run", "state", "in state", "restarts", "pid", "last heard", "doing",
+    ]  # fmt: skip
+    for col in columns:
+        actors.add_column(col, no_wrap=col != "doing", overflow="fold" if col == "doing" else "ellipsis")
+    states = {"ALIVE": "[green]ALIVE[/]", "DEAD": "[red]DEAD[/]", "STOPPED": "[dim]STOPPED[/]"}
     for a in status["actors"]:
         heard = a["heard_s"]
-        actors.add_row(
-            a["name"] or "-",
-            a["class_name"].rsplit(".", 1)[-1],
-            a["actor_id"],
-            a["node_id"],
-            {"ALIVE": "[green]ALIVE[/]", "DEAD": "[red]DEAD[/]"}.get(a["state"], f"[yellow]{a['state']}[/]"),
-            _age(a["state_s"]),
-            str(a["restarts"]),
-            str(a["pid"]),
-            "-" if heard is None else _age(heard) + " ago",
-            _doing(a),
-        )
+        cells = {
+            "name": a["name"] or "-",
+            "class": a["class_name"].rsplit(".", 1)[-1],
+            "id": a["actor_id"],
+            "node": a["node_id"],
+            "run": a.get("run") or "-",
+            "state": states.get(a["state"], f"[yellow]{a['state']}[/]"),
+            "in state": _age(a["state_s"]),
+            "restarts": str(a["restarts"]),
+            "pid": str(a["pid"]),
+            "last heard": "-" if heard is None else _age(heard) + " ago",
+            "heard": "-" if heard is None else _age(heard),
+            "doing": _doing(a),
+        }
+        actors.add_row(*(cells[c] for c in columns))
     return Group(nodes, actors)
 
 
@@ -302,12 +317,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                     sys.stdout.write(json.dumps(status, indent=None if every else 2) + "\n")
                     sys.stdout.flush()
                 elif every is None:
-                    out.print(_tables(status))
+                    out.print(_tables(status, out.width))
                 elif live is None:
-                    live = Live(_tables(status), console=out, auto_refresh=False)
+                    live = Live(_tables(status, out.width), console=out, auto_refresh=False)
                     live.start()
                 else:
-                    live.update(_tables(status), refresh=True)
+                    live.update(_tables(status, out.width), refresh=True)
         finally:
             if live is not None:
                 live.stop()

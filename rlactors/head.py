@@ -22,6 +22,7 @@ from rlactors.aio import wait_for
 from rlactors.awake import awake_clock
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
+from rlactors.node import exit_reason
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
 from rlactors.registry import ActorRecord, KVStore, NodeRecord
 from rlactors.security import Security, control_plane
@@ -340,8 +341,9 @@ class Head:
             rec.pending_exit = reason
             return
         log.warning("actor process exited", actor=actor_id, name=rec.name, reason=reason)
-        if rec.killed and rec.stopped_by:
-            reason = f"stopped by {rec.stopped_by} ({reason})"
+        if rec.killed and rec.stopped_by:  # a clean exit is what was asked for: no need to say it
+            clean = reason == exit_reason(0)
+            reason = f"stopped by {rec.stopped_by}" + ("" if clean else f" ({reason})")
         node = self.nodes.get(rec.node_id)
         if rec.killed or rec.restarts >= rec.max_restarts or node is None or not node.alive:
             self._mark_dead(rec, reason)
@@ -507,7 +509,7 @@ class Head:
             )
         order = {"ALIVE": 0, "PENDING": 1, "RESTARTING": 1, "DEAD": 2, "STOPPED": 3}
         nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
-        actors.sort(key=lambda a: order.get(a["state"], 1))
+        actors.sort(key=lambda a: (order.get(a["state"], 1), a["run"]))  # the ended: by run
         return {"nodes": nodes, "actors": actors}
 
     async def stacks(self, names: list[str] | None = None, timeout_s: float = 5.0) -> list[dict[str, Any]]:

@@ -108,6 +108,13 @@ def test_however_a_run_ends_its_actors_are_stopped_and_the_next_run_starts(
         assert a["reason"].startswith("stopped by "), a
         who = "the head: its run's client" if end == "sigkill" else f"{run} (pid {first.pid} on "
         assert who in a["stopped_by"], a
+    # The status reads at 80 columns: no line wider, each cell whole.
+    table = run_cli(["status"], {**up, "COLUMNS": "80"})
+    assert table.returncode == 0, table.stderr
+    assert max(len(line) for line in table.stdout.splitlines()) <= 80, table.stdout
+    rows = {line.split()[0]: line.split() for line in table.stdout.splitlines() if line.split()}
+    assert rows["server-0"][1] == "STOPPED" and rows["victim"][1] == "DEAD", table.stdout
+    assert "stopped by" in table.stdout and "SIGKILL" in table.stdout, table.stdout
     # The names are free: the next run on the same cluster starts.
     second = _driver(up, "done")
     try:
