@@ -72,10 +72,13 @@ def workflow_settings(path: str) -> type:
     return settings
 
 
-def _default_settings() -> Any:
-    from nodes.rollout.workflows import RLVRConfig
+DEFAULT_WORKFLOW = "nodes.rollout.workflows:RLVRWorkflow"
 
-    return RLVRConfig()
+
+def _default_settings() -> Any:
+    """The default workflow's settings, found as any workflow's are (by its import path): this
+    module configures workflows and does not depend on one."""
+    return workflow_settings(DEFAULT_WORKFLOW)()
 
 
 @register
@@ -91,7 +94,7 @@ class RolloutConfig:
     # retries of handing a finished group to the buffer (put is idempotent, so retrying is safe)
     put_retries: int = field(default=3, metadata=at_least(0))
     # the episode: a class with arun_episode(client, item, group_id) -> TrajectoryGroup
-    workflow: str = field(default="nodes.rollout.workflows:RLVRWorkflow", metadata=import_path())
+    workflow: str = field(default=DEFAULT_WORKFLOW, metadata=import_path())
     # the workflow's settings: an instance of its config_class, from [rollout.workflow_args]
     # (RLVRWorkflow: n_samples, max_new_tokens, temperature, system_prompt, ...)
     workflow_args: Any = field(
