@@ -65,8 +65,8 @@ async def _nodes(address: str, secret: str, security: str) -> list[dict[str, Any
     cluster = await connect(address, secret_file=secret, timeout=5, security=security)
     try:
         return await cluster.nodes()
-    finally:
-        await cluster._client.close()
+    finally:  # leave, not just close: a head told to stop waits for the clients still connected
+        await cluster._client.leave()
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -303,7 +303,7 @@ async def _statuses(
                 return
             await asyncio.sleep(every)
     finally:
-        await cluster._client.close()
+        await cluster._client.leave()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -355,7 +355,7 @@ async def _stacks(address: str | None, secret: str | None, names: list[str], tim
     try:
         return str(await cluster.stacks(names or None, timeout_s=timeout_s))
     finally:
-        await cluster._client.close()
+        await cluster._client.leave()
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
@@ -387,7 +387,7 @@ async def _pool_call(address: str | None, secret: str | None, method: str, *args
             ) from None
         return await getattr(pool, method)(*args)
     finally:
-        await cluster._client.close()
+        await cluster._client.leave()
 
 
 def _pool_table(status: dict[str, Any]) -> Table:

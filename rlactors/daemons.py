@@ -3,7 +3,10 @@
     python -m rlactors.daemons head  --bind tcp://0.0.0.0:6380 --secret-file S
     python -m rlactors.daemons agent --head tcp://H:6380 --node-id n1 --host 10.0.0.2 --secret-file S
 
-Both serve until told to stop (``rlactors down``) or sent SIGTERM.
+Both serve until told to stop (``rlactors down``) or sent SIGTERM. A scheduler (Slurm at ``scancel`` or
+the time limit) sends SIGTERM to every process of the job at once: the drivers of the runs on the
+cluster answer it (finish the step, checkpoint, leave), so the daemons leave it to them. The head
+stops once no run is connected; an agent once its head is gone. A second SIGTERM stops either at once.
 """
 
 from __future__ import annotations
@@ -40,8 +43,22 @@ async def run_head(args: argparse.Namespace) -> int:
     head.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    waiting: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if waiting or not head.drivers():
+            stop.set()
+            return
+        log.warning(
+            "signal: the head stops once the runs connected have ended (again to stop now)",
+            signal=sig.name,
+            runs=[head.who(d) for d in head.drivers()],
+        )
+        waiting.append(loop.create_task(head.runs_ended()))
+        waiting[0].add_done_callback(lambda _: stop.set())
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     head.on_exit = stop.set
     log.info("head serving", address=address)
     print(f"head ready at {address}", flush=True)
@@ -82,8 +99,17 @@ async def _serve_agent(
     address = service.bind(f"tcp://{args.host}:0")
     service.add("agent", agent)
     loop = asyncio.get_running_loop()
+    stopping: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if agent.leaving:  # the second signal: now
+            stopping.append(loop.create_task(agent.stop(grace=2.0)))
+            return
+        log.warning("signal: this agent stops once its head is gone (again to stop now)", signal=sig.name)
+        agent.leaving = True
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: loop.create_task(agent.stop(grace=2.0)))
+        loop.add_signal_handler(sig, on_signal, sig)
     deadline = loop.time() + args.connect_timeout
     while True:
         try:

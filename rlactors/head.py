@@ -69,7 +69,8 @@ class Head:
         self.kv = KVStore()
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
         self.sessions = Sessions(self.client_timeout)
-        self.clients: dict[str, dict[str, Any]] = {}  # client id -> pid, host, cmd (while connected)
+        self.clients: dict[str, dict[str, Any]] = {}  # client id -> pid, host, cmd, run (while connected)
+        self._client_left = asyncio.Event()
         # placement group id -> bundles: {node_id, resources, gpus, actor}
         self.bundles = BundleTable()
         self._monitor: asyncio.Task[None] | None = None
@@ -113,8 +114,24 @@ class Head:
         """The client leaves: the actors it spawned (a driver: its whole run's) are stopped."""
         self.sessions.close(client_id)
         by = f"{self.who(client_id)}, which left"
+        try:
+            return await self.release_owner(client_id, by=by)
+        finally:  # a head waiting for its runs to end stops only once their actors have
+            self._forget_client(client_id)
+
+    def _forget_client(self, client_id: str) -> None:
         self.clients.pop(client_id, None)
-        return await self.release_owner(client_id, by=by)
+        self._client_left.set()
+        self._client_left = asyncio.Event()
+
+    def drivers(self) -> list[str]:
+        """The connected clients that drive a run (a driver's run is its own client id)."""
+        return [cid for cid, about in self.clients.items() if about.get("run") == cid]
+
+    async def runs_ended(self) -> None:
+        """Return once no driver is connected (they leave, or fall silent past client_timeout)."""
+        while self.drivers():
+            await self._client_left.wait()
 
     async def subscribe(self, client_id: str) -> AsyncIterator[dict[str, Any]]:
         """Actor-state events: a snapshot first, then every change. Ends when the client is gone."""
@@ -187,7 +204,7 @@ class Head:
                 )
             stalled = clock.stalled_s
             for cid in self.sessions.expire():
-                self.clients.pop(cid, None)
+                self._forget_client(cid)
                 victims = self._owned_by(cid)
                 if victims:
                     log.warning(

@@ -136,6 +136,9 @@ class NodeAgent:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         self._visible_gpus = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
         self.stopped = asyncio.Event()
+        # Told to stop (a scheduler's SIGTERM) while its head may still have runs: stop when the head
+        # no longer answers, or says so (`rlactors down`).
+        self.leaving = False
 
     def _spawn_task(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -181,6 +184,10 @@ class NodeAgent:
                     await self._kill_all()
                     await self._register()
             except (TimeoutError, ClusterError, OSError) as e:
+                if self.leaving:
+                    log.warning("the head is gone; this agent stops as it was told", node=self.node_id)
+                    self._spawn_task(self.stop(grace=2.0), "agent-stop")
+                    return
                 beat_failed(node=self.node_id, error=repr(e))
 
     # --- workers --------------------------------------------------------------------------------

@@ -42,9 +42,9 @@ def current_client() -> RuntimeClient:
     return _current
 
 
-def _about() -> dict[str, Any]:
-    """Who a client is, for the head to name its run: pid, host and command line."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "cmd": " ".join(sys.argv)[:200]}
+def _about(run: str) -> dict[str, Any]:
+    """Who a client is, for the head to name its run: pid, host, command line and run."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "cmd": " ".join(sys.argv)[:200], "run": run}
 
 
 def set_current(client: RuntimeClient | None) -> None:
@@ -85,7 +85,7 @@ class RuntimeClient:
         """Connect to the head and follow its actor events (returns once the first snapshot is in)."""
         self.head = Connection(self.head_address, self.security, name="head")
         try:
-            call = self.head.call("hello", (self.client_id, _about()), {}, target="head")
+            call = self.head.call("hello", (self.client_id, _about(self.run)), {}, target="head")
             hello = await wait_for(call, timeout)
         except TimeoutError:
             self.head.close()
