@@ -527,7 +527,8 @@ class Head:
         order = {"ALIVE": 0, "PENDING": 1, "RESTARTING": 1, "DEAD": 2, "STOPPED": 3}
         nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
         actors.sort(key=lambda a: (order.get(a["state"], 1), a["run"]))  # the ended: by run
-        return {"nodes": nodes, "actors": actors}
+        runs = {d: self.who(d, cmd=True) for d in self.drivers()}  # whose the live actors are
+        return {"nodes": nodes, "actors": actors, "runs": runs}
 
     async def stacks(self, names: list[str] | None = None, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """For ``cluster.stacks()``: each actor (these names or ids; None: all) as its node agent

@@ -79,6 +79,8 @@ def test_however_a_run_ends_its_actors_are_stopped_and_the_next_run_starts(
         os.kill(victim, signal.SIGKILL)  # a death nobody asked for, during the run
         (run,) = {a["run"] for a in _actors(up) if a["name"] == "pool"}
         assert run.startswith("driver-")
+        runs = json.loads(run_cli(["status", "--json"], up).stdout)["runs"]  # whose they are
+        assert runs[run].startswith(f"{run} (pid {first.pid} on ") and str(DRIVER) in runs[run]
         if end in ("done", "error"):
             assert first.stdin is not None
             first.stdin.write("end\n")
