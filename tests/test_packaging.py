@@ -40,6 +40,7 @@ def declared() -> dict[str, set[str]]:
 # Modules whose users are not their folder's extra: each import must be declared by every user.
 USERS = {
     "protocols/sglang.py": [["", "inference"], ["", "rl"]],  # the server's and the client's schemas
+    "protocols/openai.py": [["", "rl"]],  # the agent endpoint's request schema (nodes/rollout)
     "nodes/weight_group.py": [["", "inference"], ["", "train"]],  # both ends of the weight push
     "nodes/tensor_ipc.py": [["", "inference"], ["", "train"]],  # likewise
 }
