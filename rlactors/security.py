@@ -25,6 +25,7 @@ import hashlib
 import os
 import secrets as _secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -173,8 +174,7 @@ class Security:
         with self._auth_lock:
             if self._auth is not None:
                 return
-            auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=_ZapLog())
-            auth.start()
+            auth = _start_authenticator(ctx)
             if self.mechanism == "plain":
                 passwords = {CALL: self._call_token.decode()}
                 if self.control:
@@ -190,6 +190,28 @@ class Security:
             if self._auth is not None:
                 self._auth.stop()
                 self._auth = None
+
+
+ZAP_REBIND_S = 2.0  # how long a new authenticator waits for a stopped one's ZAP address to free
+
+
+def _start_authenticator(ctx: zmq.Context) -> zmq.auth.thread.ThreadAuthenticator:
+    """A started ZAP handler on ``ctx``. A context has one ZAP address, and libzmq closes a socket
+    in its own thread: right after another authenticator on ``ctx`` stopped (a cluster shut down
+    and a new one started in the same process), binding it can fail with EADDRINUSE for a moment,
+    so that is retried briefly."""
+    deadline = time.monotonic() + ZAP_REBIND_S
+    while True:
+        auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=_ZapLog())
+        try:
+            auth.start()
+            return auth
+        except zmq.ZMQError as e:
+            if auth.zap_socket is not None:
+                auth.zap_socket.close(linger=0)
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
 
 
 def control_plane(fn: F) -> F:
