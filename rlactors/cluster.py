@@ -192,7 +192,7 @@ class Cluster:
         the KV store under ``rendezvous/<name>`` for the other members to read.
         """
         if node_id is None:
-            # In an actor, its own node: its agent names it in the worker's environment (rlactors.node).
+            # In an actor, its own node: its agent names it in the worker's environment (rlactors.agent).
             node_id = os.environ.get("RLACTORS_NODE_ID") or (await self.nodes())[0]["node_id"]
         return await self._client.head_call("rendezvous", name, world_size, node_id)
 

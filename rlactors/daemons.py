@@ -23,9 +23,9 @@ from pathlib import Path
 import structlog
 
 from rlactors import logging as rlog
+from rlactors.agent import NodeAgent
 from rlactors.head import Head
 from rlactors.local import detect_gpus, new_session_dir
-from rlactors.node import NodeAgent
 from rlactors.security import Security, load_secret
 from rlactors.service import Service
 from rlactors.transport import set_max_message_bytes, set_send_backlog

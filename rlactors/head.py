@@ -18,11 +18,11 @@ from typing import Any
 
 import structlog
 
+from rlactors.agent import exit_reason
 from rlactors.aio import wait_for
 from rlactors.awake import awake_clock
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
-from rlactors.node import exit_reason
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
 from rlactors.registry import ActorRecord, KVStore, NodeRecord
 from rlactors.security import Security, control_plane

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlactors.agent import NodeAgent
 from rlactors.head import Head
-from rlactors.node import NodeAgent
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret, new_secret, new_secret_file
 from rlactors.service import Service

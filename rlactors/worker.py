@@ -29,13 +29,13 @@ import structlog
 from protocols import codec
 from rlactors import logging as rlog
 from rlactors.actor import ActorContext, _set_context
+from rlactors.agent import STOP_SIGNAL
 from rlactors.aio import wait_for
 from rlactors.classpath import load_class
 from rlactors.client import Connection
 from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
 from rlactors.forensics import DUMP_SIGNAL, LoopProbe, register_dump
-from rlactors.node import STOP_SIGNAL
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security
 from rlactors.service import Service

@@ -39,7 +39,7 @@ from rlactors.security import Security, control_plane, module_allowed
 from rlactors.service import ACTIVITY_TARGET
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
-log = structlog.get_logger("rlactors.node")
+log = structlog.get_logger("rlactors.agent")
 
 # How an agent asks its worker to stop (its on_stop hook runs); SIGTERM and SIGINT are left to the
 # driver (see rlactors.worker), and SIGUSR2 dumps a worker's stacks (rlactors.forensics).
