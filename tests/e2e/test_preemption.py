@@ -26,14 +26,12 @@ from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, _cmdline, _descendants, r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("to", ["driver", "group"])
-def test_sigterm_to_the_driver_or_its_whole_process_group_checkpoints_and_resumes(
-    tmp_path: Path, to: str
-) -> None:
+def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(tmp_path: Path) -> None:
+    """As the SIGTERM to the driver alone (tests/e2e/test_recipe.py) does."""
     out = tmp_path / "run"
     args = [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"]  # no checkpoint but the one at the stop
     proc = _start(args, {**os.environ, "PYTHONPATH": str(ROOT)}, tmp_path / "err")
-    _terminate_after_step_1(proc, out, alone=to == "driver")
+    _terminate_after_step_1(proc, out, alone=False)
     _check_stopped_and_resume(proc, out, tmp_path / "err", args)
 
 
