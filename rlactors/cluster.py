@@ -21,6 +21,7 @@ from rlactors.classpath import class_spec
 from rlactors.collective import CollectiveGroup, make_group
 from rlactors.handle import ActorGroup, ActorHandle
 from rlactors.local import LocalCluster, ensure_logging, start_local
+from rlactors.registry import is_secret
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret
 from rlactors.stacks import ActorStacks, StacksReport, build_report
@@ -161,10 +162,14 @@ class Cluster:
         return build_report(actors, time.monotonic() - t0)
 
     async def kv_put(self, key: str, value: Any) -> None:
-        await self._client.head_call("kv_put", key, value)
+        """Store ``value`` at ``key`` in the head's key-value store. Keys under ``secret/`` (the
+        servers' API keys) need the control credential: a worker without it gets a PermissionError."""
+        await self._client.head_call("kv_put_secret" if is_secret(key) else "kv_put", key, value)
 
     async def kv_get(self, key: str, wait: float = 0.0) -> Any:
-        return await self._client.head_call("kv_get", key, wait)
+        """The value at ``key`` (KeyError when absent; ``wait`` > 0: wait that long for it). Keys
+        under ``secret/`` need the control credential, as for :meth:`kv_put`."""
+        return await self._client.head_call("kv_get_secret" if is_secret(key) else "kv_get", key, wait)
 
     async def reserve_port(self, node_id: str) -> dict[str, Any]:
         """A free port on ``node_id``'s host: ``{host, port}``."""

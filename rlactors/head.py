@@ -24,7 +24,7 @@ from rlactors.awake import awake_clock
 from rlactors.client import Connection
 from rlactors.errors import ActorNotFoundError, ClusterError, PlacementError
 from rlactors.placement import BundleTable, NodeResources, choose_node, normalise_request
-from rlactors.registry import ActorRecord, KVStore, NodeRecord
+from rlactors.registry import SECRET_PREFIX, ActorRecord, KVStore, NodeRecord, is_secret
 from rlactors.security import Security, control_plane
 from rlactors.sessions import Sessions
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS
@@ -389,6 +389,7 @@ class Head:
         while rec.state not in ("ALIVE", "DEAD"):
             await rec.changed.wait()
 
+    @control_plane(what="killing an actor")  # a worker owns no actor: it cannot spawn one
     async def kill(self, actor_id: str, no_restart: bool = True, by: str = "", grace: float = 0.0) -> bool:
         """Kill an actor's process; ``by`` (who asked) makes it STOPPED rather than DEAD. With
         ``grace`` its agent asks it to stop first (its ``on_stop`` runs) and kills it after that long."""
@@ -467,6 +468,7 @@ class Head:
 
     # --- placement groups ----------------------------------------------------------------------
 
+    @control_plane(what="creating a placement group")
     async def reserve_bundles(
         self, bundles: list[dict[str, float]], strategy: str = "pack"
     ) -> dict[str, Any]:
@@ -474,6 +476,7 @@ class Head:
         gid, nodes = self.bundles.reserve(self._alive_nodes(), bundles, strategy)
         return {"group_id": gid, "nodes": nodes}
 
+    @control_plane(what="removing a placement group")
     async def release_bundles(self, group_id: str) -> None:
         """Kill the group's actors and give its resources back to the nodes."""
         bundles = self.bundles.groups.get(group_id)
@@ -571,10 +574,22 @@ class Head:
         return out
 
     async def kv_put(self, key: str, value: Any) -> None:
+        _not_secret(key, "writing")
         self.kv.put(key, value)
 
     async def kv_get(self, key: str, wait: float = 0.0) -> Any:
         """The value at ``key``; with ``wait`` > 0, wait up to that long for it to appear."""
+        _not_secret(key, "reading")
+        return await self.kv.get(key, wait)
+
+    @control_plane(what="writing a secret key")
+    async def kv_put_secret(self, key: str, value: Any) -> None:
+        """``kv_put`` for a key under ``secret/`` (the servers' API keys): control credential only."""
+        self.kv.put(key, value)
+
+    @control_plane(what="reading a secret key")
+    async def kv_get_secret(self, key: str, wait: float = 0.0) -> Any:
+        """``kv_get`` for a key under ``secret/``: control credential only."""
         return await self.kv.get(key, wait)
 
     async def reserve_port(self, node_id: str) -> dict[str, Any]:
@@ -615,3 +630,11 @@ class Head:
         if self.on_exit is not None:
             asyncio.get_running_loop().call_later(0.2, self.on_exit)
         return len(alive)
+
+
+def _not_secret(key: str, doing: str) -> None:
+    if is_secret(key):
+        raise PermissionError(
+            f"{doing} the key {key!r} needs the cluster's control credential (keys under "
+            f"{SECRET_PREFIX!r} are secret): use cluster.kv_get/kv_put, which ask for it"
+        )

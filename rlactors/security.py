@@ -40,6 +40,7 @@ log = structlog.get_logger("rlactors.security")
 __all__ = [
     "Security",
     "control_plane",
+    "control_plane_act",
     "is_control_plane",
     "load_secret",
     "module_allowed",
@@ -214,15 +215,27 @@ def _start_authenticator(ctx: zmq.Context) -> zmq.auth.thread.ThreadAuthenticato
         time.sleep(0.01)
 
 
-def control_plane(fn: F) -> F:
+def control_plane(fn: F | None = None, *, what: str = "") -> Any:
     """Mark a served method as control plane: a :class:`Service` with security answers it only to
-    peers that connected with the control credential (see the module docstring)."""
-    fn.__rlactors_control__ = True  # type: ignore[attr-defined]
-    return fn
+    peers that connected with the control credential (see the module docstring). ``what`` names
+    the act in the refusal ("killing an actor"); ``@control_plane`` or
+    ``@control_plane(what=...)``."""
+
+    def mark(f: F) -> F:
+        f.__rlactors_control__ = what or True  # type: ignore[attr-defined]
+        return f
+
+    return mark(fn) if fn is not None else mark
 
 
 def is_control_plane(fn: Callable[..., Any]) -> bool:
     return bool(getattr(fn, "__rlactors_control__", False))
+
+
+def control_plane_act(fn: Callable[..., Any]) -> str:
+    """What a control-plane method does, as its refusal names it ('' when not said)."""
+    what = getattr(fn, "__rlactors_control__", "")
+    return what if isinstance(what, str) else ""
 
 
 def module_allowed(module: str, prefixes: Sequence[str] | None) -> bool:

@@ -43,7 +43,7 @@ from rlactors.errors import MessageTooLargeError, exception_payload
 from rlactors.forensics import CURRENT_CALL, LoopProbe, coroutine_stack, thread_stacks
 from rlactors.logging import Throttle
 from rlactors.methods import ASYNC, ASYNCGEN, SYNC, method_table, runs_on_loop
-from rlactors.security import Security, is_control_plane
+from rlactors.security import Security, control_plane_act, is_control_plane
 from rlactors.transport import AsyncSocket, Outbox, bind_router, check_size
 
 log = structlog.get_logger("rlactors.service")
@@ -84,7 +84,8 @@ class Service:
         self.name = name
         self.security = security
         self._targets: dict[str | None, dict[str, tuple[Callable[..., Any], str]]] = {}
-        self._control: set[tuple[str | None, str]] = set()  # (target, method) of control-plane methods
+        # (target, method) of control-plane methods -> what each does, for the refusal
+        self._control: dict[tuple[str | None, str], str] = {}
         # None: unbounded (the head: its long-polls and event streams must never starve control calls).
         self._sem: asyncio.Semaphore | contextlib.nullcontext[None] = (
             asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
@@ -124,7 +125,7 @@ class Service:
                 fn, kind = _on_loop(fn), ASYNC
             table[mname] = (fn, kind)
             if is_control_plane(fn):
-                self._control.add((target, mname))
+                self._control[(target, mname)] = control_plane_act(fn)
         self._targets[target] = table
         return {k: v[1] for k, v in table.items()}
 
@@ -193,8 +194,10 @@ class Service:
         """A control-plane call from a peer that holds only the call credential (a worker)."""
         log.warning("refused a control-plane call from a peer without the control credential", method=method)
         if not flags & Flags.NO_REPLY:
+            act = self._control.get((target, method), "")
+            what = f"{act} ({target or self.name}.{method})" if act else f"{target or self.name}.{method}"
             err = PermissionError(
-                f"{target or self.name}.{method} needs the cluster's control credential, and this process "
+                f"{what} needs the cluster's control credential, and this process "
                 "holds only the call credential (what workers get): call it from the driver, or spawn "
                 "this actor with control=True"
             )

@@ -48,7 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder holding `nodes` (s
 
 # "auto": keys when the server listens beyond loopback; "on": always; "off": never
 Auth = Literal["auto", "on", "off"]
-KEYS_KV = "inference/server-keys"  # the cluster's pair, in the head's key-value store
+KEYS_KV = "secret/inference/server-keys"  # the cluster's pair: a secret key (control credential only)
 
 
 async def cluster_keys(cluster: Any) -> ServerKeys:

@@ -34,6 +34,7 @@ from nodes.inference.launcher import (
     SGLangServerConfig,
     cluster_keys,
 )
+from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.aio import wait_for
 
@@ -94,10 +95,11 @@ class InferencePool(rlactors.Actor):
         self._misses: dict[str, int] = {}
         self._watch: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
+        self._keys: ServerKeys | None = None
 
     async def on_start(self) -> None:
         # the servers' keys (the cluster's pair): /v1/loads needs one when they take keys
-        keys = await cluster_keys(rlactors.get_context().cluster)
+        keys = self._keys = await cluster_keys(rlactors.get_context().cluster)
         self._http = httpx.AsyncClient(timeout=self.config.health_timeout_s, auth=keys)
         self._watch = asyncio.create_task(self._watch_health(), name="pool-health")
 
@@ -213,6 +215,7 @@ class InferencePool(rlactors.Actor):
                 server_max_restarts=0,
                 name=name,
                 log_path=f"{c.log_dir}/{name}.log" if c.log_dir else None,
+                keys=self._keys,  # the servers' own workers may not read the secret key
                 resources={"gpu": c.gpus_per_server},
                 node_id=node,
             )

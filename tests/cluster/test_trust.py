@@ -113,3 +113,58 @@ def test_cluster_toml_allowed_modules_reach_every_agent_command(tmp_path) -> Non
         cmd = agent_command(cfg, node, "secret", "logs")
         flags = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--allow-module"]
         assert flags == ["nodes", "recipes"]
+
+
+class Intruder(rlactors.Actor):
+    """Tries, from inside a worker, what only an owner with the control credential may do."""
+
+    async def kill(self, name: str) -> bool:
+        cluster = rlactors.get_context().cluster
+        return await cluster.kill(await cluster.get_actor(name))
+
+    async def reserve(self) -> str:
+        return (await rlactors.get_context().cluster.reserve([{"cpu": 0.1}])).group_id
+
+    async def release(self, group_id: str) -> None:
+        # a handle to a group the driver made: removing it is the control plane's
+        await rlactors.PlacementGroup(group_id, [], rlactors.get_context().cluster).release()
+
+    async def kv_get(self, key: str) -> object:
+        return await rlactors.get_context().cluster.kv_get(key)
+
+    async def kv_put(self, key: str, value: object) -> None:
+        await rlactors.get_context().cluster.kv_put(key, value)
+
+
+@pytest.mark.parametrize("where", ["ipc", "tcp-curve"])
+async def test_a_worker_cannot_kill_place_or_read_secrets_without_the_control_credential(where: str) -> None:
+    async with rlactors.init(**ADDRESSES[where]) as cluster:
+        victim = await cluster.spawn(Counter, 1, name="victim")
+        worker = await cluster.spawn(Intruder)
+        await cluster.kv_put("secret/inference/server-keys", ["k1", "k2"])
+        await cluster.kv_put("rendezvous/open", 7)
+        group = await cluster.reserve([{"cpu": 0.1}])
+        refusals = {
+            "killing an actor": worker.kill("victim"),
+            "creating a placement group": worker.reserve(),
+            "removing a placement group": worker.release(group.group_id),
+            "reading a secret key": worker.kv_get("secret/inference/server-keys"),
+            "writing a secret key": worker.kv_put("secret/inference/server-keys", ["evil", "evil"]),
+        }
+        for act, call in refusals.items():
+            with pytest.raises(PermissionError) as refused:
+                await wait_for(call, 30)
+            assert f"{act} (head." in str(refused.value) and "control credential" in str(refused.value)
+        # nothing was done: the victim answers, the group holds, the secret is the driver's
+        assert await victim.add(1) == 2
+        assert await cluster.kv_get("secret/inference/server-keys") == ["k1", "k2"]
+        placed = await cluster.spawn(Counter, 5, placement=(group, 0))  # the group still holds
+        assert await placed.add(1) == 6
+        # the data plane stays open to the worker: a key that is not secret
+        assert await worker.kv_get("rendezvous/open") == 7
+        await worker.kv_put("rendezvous/open", 8)
+        assert await cluster.kv_get("rendezvous/open") == 8
+        # the open methods refuse a secret key however they are reached
+        with pytest.raises(PermissionError, match="secret"):
+            await cluster._client.head_call("kv_get", "secret/inference/server-keys", 0.0)
+        await group.release()
