@@ -487,6 +487,43 @@ class EndWeightUpdateRequest(_Body):
     _wire: ClassVar[str] = "EndWeightUpdateReqInput"
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """``/load_lora_adapter``: load the PEFT adapter folder ``lora_path`` (``adapter_config.json``
+    and ``adapter_model.safetensors``) under ``lora_name``, which ``/generate``'s ``lora_path``
+    then names. A name already loaded is refused (unload it first). Needs ``--enable-lora``."""
+
+    _wire: ClassVar[str] = "LoadLoRAAdapterReqInput"
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # never evicted by --max-loaded-loras
+    lora_id: str | None = None  # SGLang fills it in itself
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """``/unload_lora_adapter``: forget ``lora_name``; in SGLang the call waits until the requests
+    that use it have finished."""
+
+    _wire: ClassVar[str] = "UnloadLoRAAdapterReqInput"
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+def lora_name(prefix: str, version: int) -> str | None:
+    """The adapter name under which an rlactors trainer loads policy ``version`` (``policy-v3``);
+    None for version 0, the base model (peft's adapters start at zero). Not SGLang's: the trainer
+    and the rollout client agree on it."""
+    return f"{prefix}-v{version}" if version else None
+
+
+def lora_update_body(success: bool, loaded: dict[str, str], error: str | None = None) -> dict[str, Any]:
+    """The answer of ``/load_lora_adapter`` and ``/unload_lora_adapter`` (SGLang's
+    ``LoRAUpdateOutput``): ``success``, ``error_message``, and the adapters loaded now by name
+    (their paths); HTTP 200 on success, else 400."""
+    return {"success": success, "error_message": error, "loaded_adapters": loaded}
+
+
 # ---- response pieces -------------------------------------------------------------------
 
 
@@ -637,6 +674,7 @@ class GenerateBody(_GenerateBodyRequired, total=False):
     the optional keys only when asked."""
 
     top_logprobs_num: int  # the most likely tokens at each output position
+    lora_path: str  # the LoRA adapter (its name on the server) that generates
     stream: bool  # server-sent events as tokens are generated (nodes/rollout/chunks.py StreamedChunk)
 
 
@@ -667,10 +705,12 @@ __all__ = [
     "GenerateResult",
     "GetWeightsByNameRequest",
     "InitWeightsUpdateGroupRequest",
+    "LoadLoRAAdapterRequest",
     "LogprobReport",
     "PauseGenerationRequest",
     "ProtocolError",
     "SamplingParams",
+    "UnloadLoRAAdapterRequest",
     "UpdateWeightVersionRequest",
     "UpdateWeightsFromDiskRequest",
     "UpdateWeightsFromDistributedRequest",
@@ -679,6 +719,8 @@ __all__ = [
     "finish_abort",
     "finish_length",
     "finish_stop",
+    "lora_name",
+    "lora_update_body",
     "request_body",
     "success_body",
     "weight_version_spans",

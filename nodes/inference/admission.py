@@ -118,10 +118,11 @@ def _check_sampling(sp: SamplingParams, vocab: int) -> None:
         raise ProtocolError(GRAMMAR_REFUSED)
 
 
-def refuse_unlaunched_features(req: GenerateRequest) -> None:
+def refuse_unlaunched_features(req: GenerateRequest, lora: bool = False) -> None:
     """Fields that ask for what this server never serves get the 400 SGLang 0.5.23 gives when it
     was launched without the feature (its words): hidden states, a custom logit processor, a LoRA
-    adapter, a data-parallel rank other than 0, a session. Without this they would be ignored."""
+    adapter (unless ``lora``: launched with --enable-lora), a data-parallel rank other than 0, a
+    session. Without this they would be ignored."""
 
     def asked(value: Any) -> bool:
         return any(value) if isinstance(value, list) else bool(value)
@@ -136,7 +137,7 @@ def refuse_unlaunched_features(req: GenerateRequest) -> None:
             "The server is not configured to enable custom logit processor. "
             "Please set `--enable-custom-logit-processor` to enable this feature."
         )
-    if req.lora_path:  # SGLang tests the field itself: a list of nulls is "requested" too
+    if req.lora_path and not lora:  # SGLang tests the field itself: a list of nulls is "requested" too
         lora = req.lora_path
         first = lora if isinstance(lora, str) else next((a for a in lora if a), None)
         raise ProtocolError(

@@ -53,13 +53,16 @@ from protocols.sglang import (
     GenerateRequest,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterRequest,
     PauseGenerationRequest,
     ProtocolError,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    lora_update_body,
 )
 from rlactors.aio import wait_for
 
@@ -172,9 +175,15 @@ class Routes:
 
     async def generate(self, request: Request) -> Response:
         req = GenerateRequest.from_json(await self.body(request))
-        refuse_unlaunched_features(req)
+        refuse_unlaunched_features(req, lora=self.engine.args.enable_lora)
         flags = per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
+        loras = [
+            self.engine.lora_adapter(n)
+            for n in per_prompt(req.lora_path, req.prompt_count, "lora_path", None)
+        ]
         indexed = await build_seqs(self.engine, req)
+        for i, s in indexed:
+            s.lora = loras[i]
         seqs = [s for _, s in indexed]
         seen = set()
         for s in seqs:
@@ -332,6 +341,16 @@ class Routes:
         req = DestroyWeightsUpdateGroupRequest.from_json(await self.body(request, allow_empty=True))
         return render.ok_or_400(*self.engine.destroy_group(req.group_name))
 
+    async def load_lora_adapter(self, request: Request) -> render.OrjsonResponse:
+        req = LoadLoRAAdapterRequest.from_json(await self.body(request))
+        ok, error = await self.engine.load_lora(req.lora_name, req.lora_path)
+        return _lora_answer(ok, error, self.engine.loaded_adapters())
+
+    async def unload_lora_adapter(self, request: Request) -> render.OrjsonResponse:
+        req = UnloadLoRAAdapterRequest.from_json(await self.body(request))
+        ok, error = self.engine.unload_lora(req.lora_name)
+        return _lora_answer(ok, error, self.engine.loaded_adapters())
+
     async def begin_weight_update(self, request: Request) -> render.OrjsonResponse:
         req = BeginWeightUpdateRequest.from_json(await self.body(request, allow_empty=True))
         if self.engine.session_open:
@@ -349,6 +368,13 @@ class Routes:
             return render.ok_or_400(False, "No weight update session is in progress.")
         self.engine.session_open = False
         return render.ok_or_400(True, "Weight update session ended.")
+
+
+def _lora_answer(ok: bool, error: str | None, loaded: dict[str, str]) -> render.OrjsonResponse:
+    # SGLang: LoRAUpdateOutput, 200 on success else 400 (loaded_adapters only with success)
+    return render.OrjsonResponse(
+        lora_update_body(ok, loaded if ok else {}, error), status_code=200 if ok else 400
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -412,6 +438,8 @@ def create_app(engine: Engine, keys: ServerKeys | None = None) -> Starlette:
         Route("/destroy_weights_update_group", r.destroy_weights_update_group, methods=["POST"]),
         Route("/begin_weight_update", r.begin_weight_update, methods=["POST"]),
         Route("/end_weight_update", r.end_weight_update, methods=["POST"]),
+        Route("/load_lora_adapter", r.load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", r.unload_lora_adapter, methods=["POST"]),
     ]
     handlers = {
         HTTPException: _http_error,

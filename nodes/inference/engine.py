@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import json
 import random
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ def build_backend(args: ServerArgs) -> Backend:
             device=args.device,
             seed=args.random_seed,
             num_threads=args.num_threads,
+            enable_lora=args.enable_lora,
         )
     raise ValueError(f"unknown backend {args.backend!r}; use hf or sim")
 
@@ -84,6 +86,8 @@ class Engine:
         self.rng = random.Random(args.random_seed)
         self.groups: dict[str, weight_sync.UpdateGroup] = {}
         self.session_open = False
+        # LoRA adapters by name, least recently used first (args.enable_lora)
+        self.adapters: OrderedDict[str, Any] = OrderedDict()
         device = str(getattr(self.backend, "device", "cpu"))
         self.gpu_uuid = gpu_uuid(device) if device.startswith("cuda") else None
         self.context_len = args.context_length or _model_context_length(args.model_path)
@@ -254,6 +258,63 @@ class Engine:
         named = tensor_ipc.deserialize_named_tensors(payload, self.backend.device)
         self.backend.apply_tensors(named)
         del named  # the sender's memory is released with the last reference to it
+
+    def lora_adapter(self, name: str | None) -> Any:
+        """The loaded adapter a ``/generate`` names (None for none), as SGLang resolves it."""
+        if not name:
+            return None
+        if not self.args.enable_lora:
+            raise ProtocolError(
+                f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the server "
+                "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ProtocolError(
+                f"Got LoRA adapter that has never been loaded: {name}\n"
+                f"All loaded adapters: {list(self.adapters)}."
+            )
+        self.adapters.move_to_end(name)
+        return adapter
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """Name -> folder of every loaded adapter (SGLang's ``loaded_adapters``)."""
+        return {name: a.path for name, a in self.adapters.items()}
+
+    async def load_lora(self, name: str, path: str) -> tuple[bool, str | None]:
+        """Read the PEFT folder ``path`` (off the loop) and serve it as ``name``; SGLang's refusals:
+        LoRA not enabled, the name taken, a rank or module the flags do not allow. Past
+        ``max_loaded_loras`` the least recently used adapter is unloaded."""
+        if not self.args.enable_lora:
+            return False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        if name in self.adapters:
+            return False, f"LoRA with name {name} already exists. Loaded LoRAs: {list(self.adapters)}"
+        from nodes.inference.backends.lora import read_adapter
+
+        model = getattr(self.backend, "model", None)
+        if model is None:
+            return False, f"LoRA adapters need the hf backend, not {self.args.backend}"
+        targets = list(self.args.lora_target_modules)
+        try:
+            adapter = await asyncio.to_thread(
+                read_adapter, name, path, model, self.args.max_lora_rank, targets
+            )
+        except (OSError, ValueError, KeyError) as e:
+            return False, f"Failed to load LoRA adapter {name} from {path}: {e}"
+        self.adapters[name] = adapter
+        limit = self.args.max_loaded_loras
+        while limit is not None and len(self.adapters) > limit:
+            self.adapters.popitem(last=False)
+        log.info("lora_loaded", name=name, path=path, rank=adapter.rank, layers=len(adapter.layers))
+        return True, None
+
+    def unload_lora(self, name: str) -> tuple[bool, str | None]:
+        """Stop serving ``name``; requests already using it finish with it."""
+        if not self.args.enable_lora:
+            return False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        if self.adapters.pop(name, None) is None:
+            return False, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}"
+        return True, None
 
     def _flush_after_update(self, flush: bool, ok: bool, message: str) -> tuple[bool, str]:
         """As SGLang: a flush refused because requests still run fails the update call (the

@@ -302,7 +302,8 @@ class Scheduler:
                 ids = req.seq.ids
                 # the prompt's log-probs are computed from logprob_start on: no cache before it (SGLang's rule)
                 cut = min(req.seq.logprob_start, len(ids) - 1) if req.seq.wants_input else len(ids) - 1
-                match = self.cache.match(ids[:cut])
+                # KV made with a LoRA adapter is that adapter's alone: such requests skip the cache
+                match = self.cache.match(ids[: 0 if req.seq.lora is not None else cut])
                 req.seq.cached_len, req.seq.cached_kv = match.length, match.kv
                 # SGLang adds each prefill's hit (a retracted request's re-prefill counts again)
                 req.cached_tokens = (req.cached_tokens or 0) + match.length
@@ -411,7 +412,7 @@ class Scheduler:
         kv = self.backend.release(req.seq)
         req.prefilled = False
         ids = req.seq.ids[:-1]
-        if ids:
+        if ids and req.seq.lora is None:
             self.cache.insert(ids, kv)
 
     def _fail(self, req: Req, exc: Exception) -> None:

@@ -75,6 +75,14 @@ class ServerSettings:
     # stream events carry only what is new since the previous one (output ids, text, output
     # log-probs) instead of everything so far, as SGLang's --incremental-streaming-output
     incremental_streaming_output: bool = False
+    # LoRA adapters as SGLang's --enable-lora serves them (hf backend): /load_lora_adapter and
+    # /unload_lora_adapter, and a lora_path per /generate naming the adapter that request uses
+    enable_lora: bool = False
+    max_lora_rank: int | None = None  # the largest adapter rank /load_lora_adapter accepts (None: any)
+    # the modules an adapter may target, e.g. q_proj (empty: any linear layer); SGLang's flag of that name
+    lora_target_modules: list[str] = field(default_factory=list)
+    # adapters loaded at once; loading one more unloads the least recently used (None: no limit)
+    max_loaded_loras: int | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = (
         "warning"  # how much it logs
     )

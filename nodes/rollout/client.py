@@ -43,7 +43,7 @@ from nodes.rollout.chunks import (
 from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, WireError, open_backend
 from nodes.trace import TRACE
-from protocols.sglang import AbortRequest, GenerateBody, request_body
+from protocols.sglang import AbortRequest, GenerateBody, lora_name, request_body
 from rlactors.aio import wait_for
 from rlactors.logging import Throttle
 
@@ -290,6 +290,8 @@ class SGLangClient:
             }
             if request.top_logprobs_num:
                 body["top_logprobs_num"] = request.top_logprobs_num
+            if cfg.lora and (adapter := lora_name(cfg.lora, posted_at)):
+                body["lora_path"] = adapter
             if request.on_tokens is not None:
                 body["stream"] = True
             # servers that failed this post; a later post may go back to one that recovered
@@ -297,6 +299,8 @@ class SGLangClient:
             res.posts += 1
             chunk_ids, chunk_lps, meta = parse_chunk(data)
             chunk_vers, labelled = token_versions(meta, len(chunk_ids), posted_at)
+            if cfg.lora:  # the adapter named is fixed for the whole post: its version is exact
+                chunk_vers, labelled = [posted_at] * len(chunk_ids), 0
             if chunk_vers and min(chunk_vers) < posted_at:
                 log.warning("rollout.server_behind_client_version", rid=rid, server=server.url,
                             server_version=min(chunk_vers), client_version=posted_at)  # fmt: skip

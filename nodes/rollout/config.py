@@ -55,6 +55,9 @@ class ClientConfig:
     # the servers' --api-key/--admin-api-key, sent as each route needs (the recipe fills it in
     # with its servers' keys; set it for servers started elsewhere)
     keys: ServerKeys = field(default_factory=ServerKeys, repr=False)
+    # LoRA adapter pushes ([trainer.lora] push = "adapter"; the recipe fills it in): each post names
+    # the adapter "<lora>-v<version>" of the version the client knows, which labels its tokens
+    lora: str = ""
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -147,7 +147,10 @@ class LoraConfig:
     """LoRA through ``peft`` (nodes/trainer/lora.py): low-rank adapters on the policy's linear layers.
 
     Only the adapters are optimised and checkpointed (the base weights come from the model path on
-    every start, resume included); the servers get merged weights under the base model's names.
+    every start, resume included). ``push`` says what the servers get: ``merged`` weights under the
+    base model's names (any server), or the ``adapter`` alone, which servers launched with LoRA
+    enabled load with ``/load_lora_adapter`` and the rollout client names per request
+    (nodes/trainer/lora.py says how).
     With ``loss.kl_coef`` and no ``ref_model_path``, the reference is the base model: the policy with
     its adapters switched off, no second copy. LoRA usually wants a higher ``lr`` than full
     fine-tuning (about 10x in Thinking Machines' "LoRA Without Regret").
@@ -159,6 +162,14 @@ class LoraConfig:
     # module names (peft's target_modules: exact names or suffixes), or "all-linear" (all but lm_head)
     target_modules: str | list[str] = "all-linear"
     dropout: float = field(default=0.0, metadata=within(0, 1))  # on the adapters' input, training only
+    # what each push sends: "merged" (W + scale * B @ A under the base names: full weights, any
+    # server) or "adapter" (the adapter alone, a PEFT folder loaded with /load_lora_adapter; the
+    # servers need LoRA enabled, which the recipe does; requests name "<name>-v<version>")
+    push: Literal["merged", "adapter"] = "merged"
+    name: str = "policy"  # adapter pushes: the adapters' name on the servers, before "-v<version>"
+    # adapter pushes: versions each server keeps loaded (and on disk); a request still naming an
+    # older one gets an error (the rollout client names the newest at every post)
+    keep: int = field(default=2, metadata=at_least(1))
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -13,11 +13,25 @@ of ``B`` it holds are the same output rows, so a rank computes its rows of the m
 its own shards and the whole of ``A`` (``rank x in``, small, all-gathered). ``peft`` is imported
 only when LoRA is enabled; the rest of this module needs torch only, and recognises peft's layers
 by their attributes.
+
+With ``[trainer.lora] push = "adapter"`` a push sends the adapter alone instead
+(:func:`adapter_state`, :func:`write_adapter`): rank 0 writes it as a PEFT folder
+(``adapter_config.json``, ``adapter_model.safetensors``) and each server loads it with SGLang's
+``/load_lora_adapter`` (nodes/trainer/weights.py). A folder on disk, not tensors handed over with
+SGLang 0.5.23's ``/load_lora_adapter_from_tensors``: that route takes the same
+``MultiprocessingSerializer`` payloads as ``/update_weights_from_tensor`` (CUDA IPC handles, or
+shared-memory file descriptors for CPU tensors), which reach only servers on rank 0's host, while a
+folder reaches every server that shares the disk (the cluster's shared file system, or the one host
+of the CPU recipe) and every SGLang version with LoRA reads it. The adapter is small (a few percent
+of the model), so writing and reading it costs little next to the merged weights it replaces; the
+folder is also a usable PEFT artifact of that version.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +39,15 @@ from torch.distributed.tensor import DTensor
 
 from nodes.trainer.config import LoraConfig
 
-__all__ = ["LoraConfig", "apply_lora", "is_lora", "merge_state_dict", "served_parameters"]
+__all__ = [
+    "LoraConfig",
+    "adapter_state",
+    "apply_lora",
+    "is_lora",
+    "merge_state_dict",
+    "served_parameters",
+    "write_adapter",
+]
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's names
 # a rank's rows (False) or the full tensor (True) of a parameter -> the same rows of what is served
@@ -134,3 +156,46 @@ def merge_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dic
         target = base_name(f"{name}.base_layer.weight")
         out[target] = out[target] + (b @ a) * float(layer.scaling[key])
     return out
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's full tensors on CPU under PEFT's saved names (``...q_proj.lora_A.weight``, the
+    adapter's own name dropped), in ``named_parameters`` order. Collective under FSDP2 (each
+    sharded tensor is all-gathered): every rank calls it and gets the same tensors."""
+    out = {}
+    for name, p in model.named_parameters():
+        if ".lora_A." not in name and ".lora_B." not in name:
+            continue
+        key = name
+        for part in (".lora_A.", ".lora_B."):
+            head, sep, tail = name.partition(part)
+            if sep:  # drop the adapter's own name: "lora_A.default.weight" -> "lora_A.weight"
+                key = head + sep + tail.partition(".")[2]
+        out[key] = _full(p.detach()).cpu()
+    return out
+
+
+def write_adapter(
+    folder: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor], base_model: str | None
+) -> int:
+    """Write ``tensors`` (:func:`adapter_state`) and ``model``'s LoRA settings to ``folder`` as a
+    PEFT adapter folder, atomically (a folder that exists is complete); returns the bytes written."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    config = model.peft_config["default"] if isinstance(model, PeftModel) else None
+    if config is None:
+        raise ValueError("write_adapter: the model has no peft LoRA config")
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    saved = config.base_model_name_or_path
+    config.base_model_name_or_path = base_model or saved
+    try:
+        config.save_pretrained(str(tmp))
+    finally:
+        config.base_model_name_or_path = saved
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -79,7 +79,7 @@ class TrainerRank(rlactors.Actor):
         trainer = self._need()
         if self.pusher is None:
             self.pusher = WeightPusher(
-                trainer.model, self.config.push, model_config_dir=trainer.cfg.model_path
+                trainer.model, self.config.push, trainer.cfg.model_path, lora=self.config.lora
             )
         self.pusher.connect(urls, master_address, master_port)
         return True

@@ -18,8 +18,15 @@ Two paths:
 - **disk**: the full state dict is saved as safetensors and every server is asked to
   ``/update_weights_from_disk``.
 
-Under LoRA both paths send merged weights under the base model's names (nodes/trainer/lora.py):
-the servers load them as they load a full fine-tune's.
+Under LoRA every path sends merged weights under the base model's names (nodes/trainer/lora.py):
+the servers load them as they load a full fine-tune's. With ``[trainer.lora] push = "adapter"`` a
+push sends the adapter alone instead: every rank all-gathers it (collective), rank 0 writes it
+as a PEFT folder under ``disk_dir`` while the servers pause, each server loads it with
+``/load_lora_adapter`` as ``<name>-v<version>`` (:func:`protocols.sglang.lora_name`), and its
+``weight_version`` is set with ``/update_weight_version``; the rollout client names that adapter
+in every ``/generate`` it posts from then on. Before the pause, versions older than the
+``keep`` newest are unloaded (SGLang's unload waits for the requests that still use one, so it
+must not run while they are held by a pause).
 
 Around either: optional ``/pause_generation`` (abort | retract | in_place) and
 ``/continue_generation``, optional ``/begin_weight_update`` ... ``/end_weight_update`` (SGLang
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shutil
 import socket
 import time
 import uuid
@@ -47,10 +55,10 @@ import torch.distributed as dist
 
 from nodes.tensor_ipc import serialize_named_tensors
 from nodes.trace import TRACE
-from nodes.trainer.config import PushConfig
+from nodes.trainer.config import LoraConfig, PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
-from nodes.trainer.lora import merge_state_dict
+from nodes.trainer.lora import adapter_state, merge_state_dict, write_adapter
 from nodes.weight_group import broadcast, destroy_weight_update_group, gpu_uuid, init_weight_update_group
 from protocols.sglang import (
     BeginWeightUpdateRequest,
@@ -58,10 +66,14 @@ from protocols.sglang import (
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterRequest,
     PauseGenerationRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
+    UpdateWeightVersionRequest,
+    lora_name,
     request_body,
 )
 
@@ -104,11 +116,20 @@ def _free_port() -> int:
 
 
 class WeightPusher:
-    """One rank's side of the weight push; build it on every rank with the same config."""
+    """One rank's side of the weight push; build it on every rank with the same config. With
+    ``lora.push == "adapter"`` (and LoRA enabled) pushes send the adapter alone."""
 
-    def __init__(self, model: torch.nn.Module, cfg: PushConfig, model_config_dir: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: PushConfig,
+        model_config_dir: str | None = None,
+        lora: LoraConfig | None = None,
+    ):
         flush_cache(cfg)  # refuses a combination SGLang would fail mid-push
         self.model, self.cfg = model, cfg
+        self.lora = lora if lora is not None and lora.enabled and lora.push == "adapter" else None
+        self._adapters: list[str] = []  # the adapter names this pusher loaded, oldest first
         self.model_config_dir = model_config_dir
         self.rank = dist.get_rank()
         self.device = next(iter(model.parameters())).device
@@ -159,10 +180,10 @@ class WeightPusher:
         the servers live on other hosts; by default rank 0 picks a free local port.
         """
         new = [u.rstrip("/") for u in urls]
-        if self.cfg.method != "distributed" or self.rank != 0:
+        if self.cfg.method != "distributed" or self.rank != 0 or self.lora is not None:
             self.urls = new
             try:  # rank 0's failure raises there after the barrier, not while the others wait in it
-                if self.cfg.method == "tensor" and self.rank == 0:
+                if self.cfg.method == "tensor" and self.rank == 0 and self.lora is None:
                     self._tp = {
                         u: int(self._http.get(u + "/server_info").json().get("tp_size", 1)) for u in new
                     }
@@ -260,11 +281,14 @@ class WeightPusher:
         it continues. A push that fails continues them whatever ``keep_paused`` says.
         """
         t0, wall0 = time.perf_counter(), time.time()
-        bucketed = self.cfg.method in ("distributed", "tensor")  # else disk
+        adapter = self.lora is not None
+        bucketed = self.cfg.method in ("distributed", "tensor") and not adapter  # else disk or adapter
         pause = self.cfg.pause_mode if self.rank == 0 else None  # rank 0 pauses, in this mode
         session = self.rank == 0 and bucketed and self.cfg.weight_update_session
         self._timing = {"gather_s": 0.0, "wait_s": 0.0}
         undo: dict[str, list[str]] = {url: [] for url in self.urls}  # per server, in order
+        if adapter and self.rank == 0:  # while the servers still run (see the module docstring)
+            self._unload_old_adapters()
         prepare = [
             self._pool.submit(self._prepare, url, pause, session, undo[url])
             for url in self.urls
@@ -278,13 +302,22 @@ class WeightPusher:
                     self.model, self.cfg.bucket_bytes, self.send_dtype, shared_memory=self.cfg.shared_memory
                 )
             first = self._timed_gather(0) if bucketed and self.gatherer.buckets else []
+            folder, nbytes = None, 0
+            if adapter:  # gathered and written while the servers pause
+                try:
+                    folder, nbytes = self._write_adapter(version)
+                except Exception as e:
+                    error = e
             try:
                 self._wait(prepare)
             except Exception as e:
-                error = e
+                error = error or e
             t_paused = time.perf_counter()
             self._agree(error)
-            nbytes = self._push_buckets(str(version), first) if bucketed else self._push_disk(version)
+            if adapter:
+                self._load_adapter(version, folder)
+            else:
+                nbytes = self._push_buckets(str(version), first) if bucketed else self._push_disk(version)
             if keep_paused:  # pushed: leave the continue to the caller
                 for steps in undo.values():
                     if "/continue_generation" in steps:
@@ -307,7 +340,7 @@ class WeightPusher:
             log.info(
                 "weights_pushed",
                 version=version,
-                method=self.cfg.method,
+                method="adapter" if adapter else self.cfg.method,
                 seconds=round(elapsed, 3),
                 mib=round(nbytes / 2**20, 1),
             )
@@ -457,6 +490,59 @@ class WeightPusher:
                 w.wait(datetime.timedelta(seconds=self.cfg.group_timeout_s))
             self._wait(posts)
         self._timing["wait_s"] += time.perf_counter() - t0
+
+    # ---- adapter pushes (lora.push == "adapter") ---------------------------------------------
+    def _write_adapter(self, version: int) -> tuple[Path | None, int]:
+        """Gather the adapter (collective) and, on rank 0, write it as a PEFT folder; rank 0's
+        error is raised on rank 0 only (``push`` agrees on it with the others)."""
+        with TRACE.phase("gather adapter"):
+            tensors = adapter_state(self.model)
+        if self.rank != 0:
+            return None, 0
+        if not self.cfg.disk_dir:
+            raise ValueError("adapter pushes write a folder: PushConfig.disk_dir must be set")
+        folder = Path(self.cfg.disk_dir) / f"adapter-v{version}"
+        nbytes = write_adapter(folder, self.model, tensors, self.model_config_dir)
+        return folder, nbytes
+
+    def _load_adapter(self, version: int, folder: Path | None) -> None:
+        """Every server loads the folder as this version's adapter and reports the version;
+        collective (every rank learns whether rank 0's servers did)."""
+        error: BaseException | None = None
+        if self.rank == 0:
+            assert self.lora is not None and folder is not None
+            name = lora_name(self.lora.name, version)
+            try:
+                if name in self._adapters:  # pushed again at the same version (a retried push)
+                    self._unload(name)
+                    self._adapters.remove(name)
+                load = request_body(LoadLoRAAdapterRequest(lora_name=name, lora_path=str(folder)))
+                self._wait(self._post_all("/load_lora_adapter", load))
+                self._adapters.append(name)
+                relabel = UpdateWeightVersionRequest(new_version=str(version), abort_all_requests=False)
+                self._wait(self._post_all("/update_weight_version", request_body(relabel)))
+            except Exception as e:
+                error = e
+        self._agree(error)
+
+    def _unload(self, name: str) -> None:
+        """Unload ``name`` from every server, best effort (a server that never had it, a joiner,
+        says so)."""
+        body = request_body(UnloadLoRAAdapterRequest(lora_name=name))
+        for f in self._post_all("/unload_lora_adapter", body):
+            try:
+                f.result(timeout=self.cfg.http_timeout_s)
+            except Exception as e:
+                log.info("lora_unload_skipped", adapter=name, error=str(e)[:200])
+
+    def _unload_old_adapters(self) -> None:
+        """Make room for this push's adapter: unload (and delete) versions past ``keep - 1``."""
+        assert self.lora is not None
+        while len(self._adapters) >= self.lora.keep:
+            name = self._adapters.pop(0)
+            self._unload(name)
+            version = name.rpartition("-v")[2]
+            shutil.rmtree(Path(self.cfg.disk_dir) / f"adapter-v{version}", ignore_errors=True)
 
     def _push_disk(self, version: int) -> int:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -34,6 +34,7 @@ class Seq:
     token_ids_logprob: list[int] | None = None  # also these tokens' log-probs, at every position reported
     logprob_start: int | None = None  # also the prompt's, from this position (the prefill computes them)
     input_logprobs: InputLogprobs | None = None  # set by the first prefill when logprob_start is set
+    lora: Any = None  # the LoRA adapter this request uses (backends/lora.py Adapter), if any
 
     @property
     def ids(self) -> list[int]:

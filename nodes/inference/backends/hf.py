@@ -24,6 +24,7 @@ import torch
 
 from nodes.inference import weight_sync
 from nodes.inference.backends.base import InputLogprobs, Sample, Seq, adjusts_logits
+from nodes.inference.backends.lora import LoraHooks
 
 log = structlog.get_logger(__name__)
 
@@ -84,6 +85,7 @@ class HFBackend:
         device: str = "auto",
         seed: int = 0,
         num_threads: int = 0,
+        enable_lora: bool = False,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -114,6 +116,8 @@ class HFBackend:
                 self._packed = weight_sync.PackedParams(self.model)
             except ValueError as e:
                 log.info("hf_params_not_packed", reason=str(e))
+        # LoRA: adapters applied per batch row by forward hooks (backends/lora.py)
+        self.lora = LoraHooks(self.model) if enable_lora else None
         log.info("hf_backend_ready", model=model_path, device=self._device, dtype=str(self.dtype))
 
     @property
@@ -146,6 +150,7 @@ class HFBackend:
             else:
                 cache = DynamicCache()
             inp = torch.tensor([ids[c:]], device=self._device)
+            self._lora_rows([seq])
             start = seq.logprob_start if seq.wants_input else None
             # the prompt's log-probs need the logits of positions start .. (the scheduler kept
             # the cached prefix within start); else only the last position's, to sample
@@ -172,6 +177,7 @@ class HFBackend:
         assert self._mask is not None
         b = len(seqs)
         mask = torch.cat([self._mask, torch.ones(b, 1, dtype=torch.long, device=self._device)], dim=1)
+        self._lora_rows(seqs)
         out = self.model(
             input_ids=torch.tensor([[s.ids[-1]] for s in seqs], device=self._device),
             attention_mask=mask,
@@ -183,6 +189,10 @@ class HFBackend:
         for s in seqs:
             s.slot.length += 1
         return self._sample(seqs, out.logits[:, -1])
+
+    def _lora_rows(self, seqs: list[Seq]) -> None:
+        if self.lora is not None:
+            self.lora.rows = [s.lora for s in seqs]
 
     def _rebuild(self, seqs: list[Seq]) -> None:
         """Lay the batch's KV out again, left-padded, when membership changed."""
