@@ -26,7 +26,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-__all__ = ["MAX_N", "MAX_TOP_LOGPROBS", "ChatCompletionRequest", "OpenAIError", "error_body"]
+__all__ = [
+    "MAX_N",
+    "MAX_TOP_LOGPROBS",
+    "ChatCompletionRequest",
+    "OpenAIError",
+    "ResponsesRequest",
+    "error_body",
+]
 
 MAX_N = 16  # choices per request
 MAX_TOP_LOGPROBS = 20  # as OpenAI
@@ -336,3 +343,218 @@ def _message_refusal(loc: list[Any], value: Any) -> OpenAIError:
     if rest[0] == "tool_call_id":
         return OpenAIError(f"{where}.tool_call_id is required for a tool message", where)
     return OpenAIError(f"{where}: invalid message", where)
+
+
+# ---- the Responses API -------------------------------------------------------------------
+
+# Tool and item types of the Responses API the endpoint does not serve: refused by name, never ignored
+_BUILT_IN_TOOLS = "web search, file search, computer use, code interpreter, MCP, image generation, shell"
+
+
+class _ResponsesTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def as_chat(self) -> dict[str, Any]:
+        """The tool as chat completions (and the chat template) know it."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        if self.parameters is not None:
+            fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+
+def _tool_types(tools: list[_ResponsesTool]) -> list[_ResponsesTool]:
+    for i, t in enumerate(tools):
+        if t.type != "function":
+            raise _fail(
+                f"tools[{i}] is a {t.type!r} tool: only function tools are served here "
+                f"(no built-in tools: {_BUILT_IN_TOOLS})",
+                f"tools[{i}].type",
+            )
+        if not t.name:
+            raise _fail(f"tools[{i}].name is required", f"tools[{i}].name")
+    return tools
+
+
+class ResponsesRequest(BaseModel):
+    """The ``/v1/responses`` body: the fields the endpoint serves, those it may ignore (``model``,
+    ``metadata``, ...), and none else: any other field is refused by name (OpenAI's 400)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: Annotated[list[_ResponsesTool], AfterValidator(_tool_types)] = []
+    # "auto" | "none" | "required" | {"type": "function", "name": ...}
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: _int_in(1, MAX_TOKENS) | None = None
+    temperature: _number_in(0.0, 2.0) | None = None
+    top_p: _number_in(0.0, 1.0) | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    # accepted and ignored: they change nothing of what the endpoint generates
+    model: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    # accepted only as the defaults (anything else is a feature not served)
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _fail("the request body must be a JSON object", None)
+        return {k: v for k, v in data.items() if v is not None}
+
+    @model_validator(mode="after")
+    def _served(self) -> Self:
+        if self.include:
+            raise _fail(f"include {self.include!r} is not served here (leave it empty)", "include")
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        if fmt.get("type") != "text" or set(self.text or {}) - {"format"}:
+            raise _fail("text: only plain text output is served ({'format': {'type': 'text'}})", "text")
+        if any(v is not None for v in (self.reasoning or {}).values()):
+            raise _fail("reasoning is not served here (the model has no reasoning settings)", "reasoning")
+        names = {t.name for t in self.tools}
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if isinstance(choice, dict):
+            if choice.get("type") != "function":
+                raise _fail(
+                    f"tool_choice {choice!r}: only a function (or auto, none, required) is served",
+                    "tool_choice",
+                )
+            if choice.get("name") not in names:
+                raise _fail(
+                    f"tool_choice names {choice.get('name')!r}, which is not in 'tools'", "tool_choice"
+                )
+        elif choice not in ("auto", "none", "required") or (choice == "required" and not self.tools):
+            raise _fail(
+                f"tool_choice {choice!r} is not auto, none, required (with tools) or a function",
+                "tool_choice",
+            )
+        self.tool_choice = choice
+        return self
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` in chat completions' shape (None: none)."""
+        return [t.as_chat() for t in self.tools] or None
+
+    def chat_tool_choice(self) -> str | dict[str, Any]:
+        """``tool_choice`` in chat completions' shape."""
+        c = self.tool_choice
+        return {"type": "function", "function": {"name": c["name"]}} if isinstance(c, dict) else str(c)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """``input`` as chat messages (as :meth:`_Message.normalized` gives them): an assistant's
+        text and the function calls after it are one message, a call's output a tool message.
+        Items the endpoint does not serve (reasoning, built-in tools' calls, images, files,
+        references) raise :class:`OpenAIError` naming them."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict[str, Any]] = []
+        for i, item in enumerate(self.input):
+            where = f"input[{i}]"
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role")
+                if role not in _ROLES:
+                    raise OpenAIError(
+                        f"{where}.role must be system, developer, user or assistant, got {role!r}", where
+                    )
+                text = _item_text(item.get("content"), where)
+                if role == "assistant" and out and out[-1]["role"] == "assistant" and not out[-1]["content"]:
+                    out[-1]["content"] = text  # defensive: text after calls of the same turn
+                else:
+                    out.append({"role": _ROLES[role], "content": text})
+            elif kind == "function_call":
+                call = _function_call(item, where)
+                last = out[-1] if out else None
+                if last is None or last["role"] != "assistant":
+                    last = {"role": "assistant", "content": ""}
+                    out.append(last)
+                last.setdefault("tool_calls", []).append(call)
+            elif kind == "function_call_output":
+                output = item.get("output")
+                if not isinstance(item.get("call_id"), str):
+                    raise OpenAIError(f"{where}.call_id is required", f"{where}.call_id")
+                text = output if isinstance(output, str) else _item_text(output, f"{where}.output")
+                out.append({"role": "tool", "content": text, "tool_call_id": item["call_id"]})
+            else:
+                raise OpenAIError(
+                    f"{where} is a {kind!r} item: only messages, function_call and function_call_output "
+                    "items are served here (no reasoning, built-in tool calls or item references)",
+                    f"{where}.type",
+                )
+        if not out:
+            raise OpenAIError("'input' must not be empty", "input")
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> Self:
+        """Parse and check a decoded JSON body; the first violation raises :class:`OpenAIError`."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors(include_url=False)[0]
+            if err["type"] == "openai":
+                raise OpenAIError(err["ctx"]["message"], err["ctx"]["param"]) from None
+            field = ".".join(
+                str(p) for p in err["loc"] if not str(p).startswith(("function-", "str", "list"))
+            )
+            top = str(err["loc"][0]) if err["loc"] else None
+            if err["type"] == "extra_forbidden":
+                raise OpenAIError(
+                    f"'{top}' is not served here (unknown or unsupported parameter)", top
+                ) from None
+            if err["type"] == "missing":
+                raise OpenAIError(f"'{field}' is required", field) from None
+            info = cls.model_fields.get(top or "")
+            says = _says(Annotated[info.annotation, *info.metadata] if info and info.metadata else
+                         info.annotation if info else None)  # fmt: skip
+            if says is not None:
+                raise OpenAIError(f"'{top}' must be {says}, got {err['input']!r}", top) from None
+            raise OpenAIError(f"'{field or top}': {err['msg']}", top) from None
+
+
+def _item_text(content: Any, where: str) -> str:
+    """A message item's content as text: a string or text parts (input_text, output_text)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise OpenAIError(
+                f"{where}.content[{j}] is a {kind!r} part: only text parts are served here",
+                f"{where}.content",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise OpenAIError(f"{where}.{key} must be a string", f"{where}.{key}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip

@@ -1,6 +1,9 @@
 """An OpenAI-compatible chat endpoint over the rollout plane, so agent code written against the
 OpenAI SDK (or any framework that takes a ``base_url``) is trained unchanged.
 
+``/v1/responses`` (OpenAI's Responses API, what the OpenAI Agents SDK calls) is served by the same
+turns, token-exact too (nodes/rollout/responses.py).
+
 ``/v1/chat/completions`` renders the messages with the model's chat template (tools included,
 nodes/rollout/chat.py), generates through an :class:`~nodes.rollout.client.SGLangClient` (aborts and
 resumes, sticky routing, per-token policy versions, retries and failover as for any episode), reads
@@ -47,6 +50,7 @@ from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, prompt_ids
 from nodes.rollout.chunks import TokensCallback
 from nodes.rollout.client import GenerationError, GenRequest, GenResult
 from nodes.rollout.http1 import HTTPServer, Request, Response, Stream
+from nodes.rollout.responses import respond
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
 from protocols.openai import ChatCompletionRequest, OpenAIError, error_body
@@ -65,6 +69,10 @@ INLINE_RENDER_CHARS = 1024
 # all open with the same messages, so all but the first of them skip the template and tokenizer
 # (about 150-200 µs of a 2-message chat's CPU here, bench/RESULTS.md)
 FIRST_PROMPTS_KEPT = 1024
+
+
+# what each route serves: [/episodes/<id>]/v1/...
+ROUTES = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/models": "GET"}
 
 
 class EndpointError(Exception):
@@ -165,6 +173,8 @@ class Episode:
     _by_reply: dict[tuple[int, Any], list[int]] = field(default_factory=dict)
     _next: int = 0
     _sample_count: int = 0
+    # stored /v1/responses answers (nodes/rollout/responses.py): response id -> its conversation
+    responses: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
 
     def add_sample(self, s: Sample) -> Sample:
         """Number ``s`` (its request id names it) and keep it when the episode keeps samples."""
@@ -194,6 +204,13 @@ class Episode:
                 ):
                     best = n, c
         return None if best is None else (best[1], len(best[1].messages) + 1)
+
+    def keep_response(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+        """Keep a stored ``/v1/responses`` answer's conversation (its reply last), for a request
+        that names it as ``previous_response_id``."""
+        self.responses[response_id] = conversation
+        while len(self.responses) > KEPT_COMPLETIONS:
+            self.responses.popitem(last=False)
 
     def keep(self, c: _Completion) -> None:
         self._completions[self._next] = c
@@ -269,17 +286,17 @@ class ChatEndpoint:
     # -- routes ------------------------------------------------------------------------------
 
     async def _handle(self, request: Request) -> Response | None:
-        """Route ``request``: ``[/episodes/<id>]/v1/chat/completions`` (POST), ``.../v1/models``
-        (GET). Every failure is OpenAI's error body; none stops the endpoint."""
+        """Route ``request``: ``[/episodes/<id>]/v1/chat/completions`` and ``.../v1/responses``
+        (POST, nodes/rollout/responses.py), ``.../v1/models`` (GET). Every failure is OpenAI's error body; none stops the endpoint."""
         try:
             ep: Episode | None = self.default
             route = request.path
             if route.startswith("/episodes/"):
                 eid, _, rest = route[len("/episodes/") :].partition("/")
                 ep, route = self.episodes.get(eid), "/" + rest
-                if ep is None and route in ("/v1/chat/completions", "/v1/models"):
+                if ep is None and route in ROUTES:
                     raise EndpointError(404, f"no episode {eid!r} is open here", code="episode_not_found")
-            allowed = {"/v1/chat/completions": "POST", "/v1/models": "GET"}.get(route)
+            allowed = ROUTES.get(route)
             if allowed is None:
                 raise EndpointError(404, f"{request.method} {request.path}: Not Found")
             if request.method != allowed:
@@ -290,6 +307,8 @@ class ChatEndpoint:
                     "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
                 })  # fmt: skip
             assert ep is not None
+            if route == "/v1/responses":
+                return await respond(self, request, ep)
             return await self._chat(request, ep)
         except EndpointError as e:
             return e.response()
