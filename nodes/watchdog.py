@@ -4,10 +4,14 @@
 its bound (``run.stall_after_s``; 0: the larger of 600 s and 10 times the median step so far), it writes
 ``<out>/stalls/step-N.txt`` — the cluster's forensics report (who waits on whom, stacks; when the
 runtime has ``cluster.stacks``), each server's ``/v1/loads``, the governor's and the buffer's
-counters, what each rollout actor's client is waiting on — and prints one line naming the end of
-the wait chain: a server that does not answer, or holds a request far past the others; the rollout
-actor holding the oldest episode in flight; or what the forensics report ends at. It keeps
-watching (one report per bound of stall) and kills nothing.
+counters, what each rollout actor's client is waiting on — and prints one line naming the culprit:
+a server that does not answer; an actor somebody waits on that is dead, unresponsive, failed a call
+it still owes (a rank missing from its peers' collective) or in a wait cycle (the forensics
+report's culprit); a server holding a request far past the others; the rollout actor holding the
+oldest episode in flight; or what the forensics report ends at. Waits that are back-pressure by
+design (the governor's staleness bound, the buffer waiting for groups) never head it. The line ends
+with the command that shows the cluster's stacks now. It keeps watching (one report per bound of
+stall) and kills nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ __all__ = ["StallWatchdog", "stall_bound"]
 log = structlog.get_logger(__name__)
 
 ASK_TIMEOUT_S = 10.0  # each question the diagnosis asks (an actor, a server) gets this long
+# culprits of the forensics report that head the line before the rollout's facts (rlactors.stacks.KINDS)
+SEVERE = ("dead", "unresponsive", "failed", "cycle")
 
 
 def stall_bound(configured: float, durations: list[float]) -> float:
@@ -42,8 +48,12 @@ class StallWatchdog:
     """Watches the loop's steps over ``plane`` (recipes/gsm8k_plane.py's Plane: its cluster,
     governor, buffer, rollout actors and the servers' URLs); reports go to ``<out>/stalls``."""
 
-    def __init__(self, plane: Any, out: Path, stall_after_s: float = 0.0, report: Any = print) -> None:
+    def __init__(
+        self, plane: Any, out: Path, stall_after_s: float = 0.0, report: Any = print, command: str = ""
+    ) -> None:
+        """``command``: what an operator runs to see the stacks now (``rlactors stack --run …``)."""
         self.plane, self.dir, self.configured, self.report = plane, out / "stalls", stall_after_s, report
+        self.command = command
         self.durations: list[float] = []
         self._step: int | None = None
         self._started = 0.0
@@ -92,8 +102,17 @@ class StallWatchdog:
                 stacks_report = await wait_for(p.cluster.stacks(), ASK_TIMEOUT_S * 2)
                 stacks = str(stacks_report)
                 facts["waited_on"] = [
-                    getattr(w, "name", str(w)) for w in getattr(stacks_report, "waited_on", [])
+                    getattr(w, "name", str(w))
+                    for w in getattr(stacks_report, "waited_on", [])
+                    if getattr(w, "kind", "") != "backpressure"
                 ]
+                culprit = getattr(stacks_report, "culprit", None)
+                if culprit is not None:
+                    facts["culprit"] = {
+                        "name": culprit.name,
+                        "kind": culprit.kind,
+                        "summary": culprit.summary,
+                    }
             except Exception as e:
                 stacks = f"(the forensics report failed: {type(e).__name__}: {e})"
         facts["servers"] = await self._loads(p.sync.live)
@@ -120,6 +139,8 @@ class StallWatchdog:
         path.write_text(text)
         self.reports.append(path)
         line = f"stall: step {step} has run for {running_s:.0f} s, waiting on {who} ({why}); report {path}"
+        if self.command:
+            line += f"; stacks now: {self.command}"
         self.report(line)
         return line, path
 
@@ -129,6 +150,11 @@ class StallWatchdog:
         for url, load in facts.get("servers", {}).items():
             if isinstance(load, str):
                 return f"server {url}", f"it does not answer: {load}"
+        culprit = facts.get("culprit")
+        if isinstance(culprit, dict) and culprit.get("kind") in SEVERE:
+            # "X at the end of a → b → X: what it is doing": the line names X, then what
+            what = culprit["summary"].split(": ", 1)[-1]
+            return culprit["name"], what
         oldest = facts.get("oldest_in_flight")
         if isinstance(oldest, dict):
             holder = names.get(oldest["actor_id"], oldest["actor_id"])

@@ -22,7 +22,7 @@ from rlactors.errors import (
     RuntimeShutdownError,
 )
 from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod, drain
-from rlactors.methods import blocking
+from rlactors.methods import backpressure, blocking
 from rlactors.stacks import StacksReport
 
 __version__ = "0.1.0"
@@ -47,6 +47,7 @@ __all__ = [
     "RuntimeShutdownError",
     "StacksReport",
     "__version__",
+    "backpressure",
     "blocking",
     "connect",
     "drain",

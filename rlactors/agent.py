@@ -440,8 +440,9 @@ class NodeAgent:
                     entry.update(await wait_for(call, timeout_s / 3), responsive=True)
                     return entry
             files = self._forensics_files(actor_id, int(live.spec.get("restarts", 0)))
-            tick = read_tick(files.with_suffix(".tick"))
+            tick, loop_thread = read_tick(files.with_suffix(".tick"))
             entry["unresponsive_s"] = None if tick is None else round(time.monotonic() - tick, 3)
+            entry["loop_thread"] = loop_thread
             entry["dump"] = await collect_dump(live.pid, files.with_suffix(".stacks"), timeout_s / 3)
             return entry
 

@@ -62,6 +62,9 @@ class WorkerSystem:
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.host = host
+        # the group this worker joined (name, backend, rank, world size, its members' ids and
+        # names by rank): stacks() reports it, so a rank blocked in a collective names who is missing
+        self.joined: dict[str, Any] | None = None
 
     def init_collective(
         self,
@@ -72,6 +75,8 @@ class WorkerSystem:
         backend: str,
         local_rank: int,
         timeout_s: float,
+        group: str = "default",
+        members: list[list[Any]] | None = None,
     ) -> dict[str, Any]:
         os.environ.update(
             RANK=str(rank),
@@ -99,6 +104,13 @@ class WorkerSystem:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        self.joined = {
+            "group": group,
+            "backend": backend,
+            "rank": rank,
+            "world_size": world_size,
+            "members": members or [],  # [actor id, name] by rank
+        }
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size(), "backend": dist.get_backend()}
 
     def destroy_collective(self) -> bool:
@@ -106,6 +118,7 @@ class WorkerSystem:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+            self.joined = None
             return True
         return False
 
@@ -123,12 +136,13 @@ async def make_group(
     client = cluster._client
     futs = []
     seen: dict[str, int] = {}
+    roster = {"group": name, "members": [[m.actor_id, m.name] for m in members]}
     for rank, (m, node) in enumerate(zip(members, nodes, strict=True)):
         local_rank = seen.get(node, 0)
         seen[node] = local_rank + 1
         args = (rank, len(members), where["host"], where["port"], backend, local_rank, timeout)
         futs.append(
-            client.call_actor(m.actor_id, m.address, "init_collective", args, {}, target=SYSTEM_TARGET)
+            client.call_actor(m.actor_id, m.address, "init_collective", args, roster, target=SYSTEM_TARGET)
         )
     done, pending = await asyncio.wait(futs, timeout=timeout + 5)
     problems = []

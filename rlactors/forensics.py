@@ -144,8 +144,10 @@ class LoopProbe:
 
     def _tick(self) -> None:
         if self._fd is not None:
+            # the loop's thread too: a dump by signal names threads by ident, and the one that
+            # takes the signal need not be the loop's
             with contextlib.suppress(OSError):
-                os.pwrite(self._fd, struct.pack("<d", time.monotonic()), 0)
+                os.pwrite(self._fd, struct.pack("<dQ", time.monotonic(), threading.get_ident()), 0)
 
     def report(self) -> dict[str, float]:
         """The loop's lag now and the most since the last report, in seconds."""
@@ -161,14 +163,18 @@ class LoopProbe:
             self._fd = None
 
 
-def read_tick(tick_file: Path) -> float | None:
-    """When the loop behind ``tick_file`` last woke (time.monotonic(), shared by a host's processes)."""
+def read_tick(tick_file: Path) -> tuple[float | None, int | None]:
+    """When the loop behind ``tick_file`` last woke (time.monotonic(), shared by a host's
+    processes), and its thread's ident; None for what the file does not hold."""
     try:
         with open(tick_file, "rb") as f:
-            data = f.read(8)
+            data = f.read(16)
     except OSError:
-        return None
-    return struct.unpack("<d", data)[0] if len(data) == 8 else None
+        return None, None
+    if len(data) == 16:
+        tick, ident = struct.unpack("<dQ", data)
+        return tick, ident
+    return (struct.unpack("<d", data[:8])[0] if len(data) >= 8 else None), None
 
 
 def register_dump(dump_file: Path) -> BinaryIO:

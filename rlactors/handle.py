@@ -20,8 +20,9 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 from protocols import codec, wire
 from rlactors.client import Args, StreamCall
 from rlactors.errors import ActorDiedError
+from rlactors.forensics import CURRENT_CALL
 from rlactors.methods import ASYNCGEN, GEN
-from rlactors.runtime import current_client
+from rlactors.runtime import GroupCall, current_client
 
 __all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod", "StreamMethod"]
 
@@ -210,7 +211,7 @@ class GroupMethod(Generic[P, R]):
         """Send the call to every member now (the arguments encoded once); a coroutine for the
         results, in member order, under the group's failure rules (see :class:`ActorGroup`)."""
         encoded = wire.encode_args(args, kwargs)
-        return _gather([m._submit(encoded, {}) for m in self._methods], self._grace_s)
+        return self._gather([m._submit(encoded, {}) for m in self._methods])
 
     def scatter(self, per_member_args: Sequence[Sequence[Any]]) -> Coroutine[Any, Any, list[R]]:
         """Call member i with ``per_member_args[i]``; results and failures as for a call."""
@@ -219,7 +220,14 @@ class GroupMethod(Generic[P, R]):
                 f"scatter needs {len(self._methods)} argument tuples, got {len(per_member_args)}"
             )
         calls = [m._submit(tuple(a), {}) for m, a in zip(self._methods, per_member_args, strict=True)]
-        return _gather(calls, self._grace_s)
+        return self._gather(calls)
+
+    async def _gather(self, calls: list[asyncio.Future[Any]]) -> list[Any]:
+        # held while it gathers: a member that failed is still what the call waits on (forensics)
+        members = [(m._handle.actor_id, m._handle.name) for m in self._methods]
+        call = GroupCall(self._methods[0]._name if self._methods else "", members, calls, CURRENT_CALL.get())
+        with current_client().group_call(call):
+            return await _gather(calls, self._grace_s)
 
     def tell(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Send to every member without waiting for replies (the arguments encoded once)."""

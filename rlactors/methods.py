@@ -12,7 +12,18 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ASYNC", "ASYNCGEN", "GEN", "SYNC", "blocking", "method_kind", "method_table", "runs_on_loop"]
+__all__ = [
+    "ASYNC",
+    "ASYNCGEN",
+    "GEN",
+    "SYNC",
+    "backpressure",
+    "backpressure_of",
+    "blocking",
+    "method_kind",
+    "method_table",
+    "runs_on_loop",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,6 +59,23 @@ def blocking(fn: F) -> F:
     it runs on the worker thread, in order with the other thread-run methods, not on the loop."""
     fn._rlactors_blocking = True  # type: ignore[attr-defined]
     return fn
+
+
+def backpressure(why: str) -> Callable[[F], F]:
+    """Mark a method whose wait is back-pressure by design (``why``: "under the staleness bound"):
+    a caller waiting in it is held back on purpose, so ``cluster.stacks()`` labels the wait so and
+    never names its actor the culprit while something else is stuck."""
+
+    def mark(fn: F) -> F:
+        fn._rlactors_backpressure = why  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def backpressure_of(fn: Callable[..., Any]) -> str:
+    """Why a method's wait is back-pressure by design ('' when it is not marked)."""
+    return getattr(fn, "_rlactors_backpressure", "")
 
 
 def runs_on_loop(obj: Any, fn: Callable[..., Any]) -> bool:

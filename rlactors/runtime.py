@@ -8,7 +8,10 @@ import contextlib
 import os
 import socket
 import sys
+import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -75,6 +78,9 @@ class RuntimeClient:
         self._actors: dict[str, ActorState] = {}
         self._dead: collections.deque[str] = collections.deque()  # ids of dead actors, oldest first
         self._checks: set[asyncio.Task[None]] = set()
+        # group calls still gathering (ActorGroup): a member whose call failed is still waited on
+        # from the caller's side (its peers may be blocked in a collective on it), for forensics
+        self._group_calls: set[GroupCall] = set()
         self._events_task: asyncio.Task[None] | None = None
         self._beat_task: asyncio.Task[None] | None = None
         self._events: StreamCall | None = None  # the current subscription to the head's events
@@ -260,7 +266,8 @@ class RuntimeClient:
 
     def outgoing_calls(self) -> list[dict[str, Any]]:
         """This process's calls to actors still waiting for a reply, each with the target actor's
-        id and name (for ``cluster.stacks()``)."""
+        id and name (for ``cluster.stacks()``); and, of an ``ActorGroup`` call still gathering,
+        each member whose call failed (``failed``: the error), which the call still waits on."""
         out = []
         for conn in list(self._conns.values()):
             if conn.peer is not None and len(conn):
@@ -268,6 +275,31 @@ class RuntimeClient:
                 st = self._actors.get(actor_id)
                 name = (st.name if st is not None else None) or name
                 out.extend(dict(c, actor_id=actor_id, name=name) for c in conn.pending_calls())
+        return out + self._failed_group_members()
+
+    def group_call(self, call: GroupCall) -> contextlib.AbstractContextManager[None]:
+        """Hold ``call`` in :meth:`outgoing_calls` while the ``with`` block runs."""
+        return _held(self._group_calls, call)
+
+    def _failed_group_members(self) -> list[dict[str, Any]]:
+        out = []
+        now = time.monotonic()
+        for g in list(self._group_calls):
+            for (actor_id, name), fut in zip(g.members, g.calls, strict=True):
+                if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                    e = fut.exception()
+                    out.append(
+                        {
+                            "actor_id": actor_id,
+                            "name": name,
+                            "method": g.method,
+                            "age_s": round(now - g.started, 3),
+                            "call_id": 0,
+                            "from": g.origin,
+                            "failed": f"{type(e).__name__}: {e}",
+                            "group": len(g.members),
+                        }
+                    )
         return out
 
     def _forget_old_dead(self, actor_id: str) -> None:
@@ -399,3 +431,23 @@ class RuntimeClient:
             )
             return s
         return self._actor_connection(st).stream(method, args, kwargs)
+
+
+@dataclass(eq=False)
+class GroupCall:
+    """One call of an ``ActorGroup`` method: its members' ``(actor id, name)`` and their futures."""
+
+    method: str
+    members: list[tuple[str, str | None]]
+    calls: list[asyncio.Future[Any]]
+    origin: str | None = None  # the incoming method it was made from (in an actor)
+    started: float = field(default_factory=time.monotonic)
+
+
+@contextlib.contextmanager
+def _held(calls: set[GroupCall], call: GroupCall) -> Iterator[None]:
+    calls.add(call)
+    try:
+        yield
+    finally:
+        calls.discard(call)

@@ -42,7 +42,7 @@ from rlactors.aio import wait_for
 from rlactors.errors import MessageTooLargeError, exception_payload
 from rlactors.forensics import CURRENT_CALL, LoopProbe, coroutine_stack, thread_stacks
 from rlactors.logging import Throttle
-from rlactors.methods import ASYNC, ASYNCGEN, SYNC, method_table, runs_on_loop
+from rlactors.methods import ASYNC, ASYNCGEN, SYNC, backpressure_of, method_table, runs_on_loop
 from rlactors.security import Security, control_plane_act, is_control_plane
 from rlactors.transport import AsyncSocket, Outbox, bind_router, check_size
 
@@ -103,6 +103,8 @@ class Service:
         self._sync_now: tuple[tuple[bytes, int], int] | None = None  # (call, thread ident)
         self.max_concurrency = max_concurrency
         self.outgoing: Callable[[], list[dict[str, Any]]] | None = None
+        self.collective: Callable[[], dict[str, Any] | None] | None = None  # the group it joined
+        self._backpressure: dict[str, str] = {}  # method -> why its wait is by design
         self.probe: LoopProbe | None = None
         self._asock: AsyncSocket | None = None
         self._outbox: Outbox | None = None
@@ -126,6 +128,8 @@ class Service:
             table[mname] = (fn, kind)
             if is_control_plane(fn):
                 self._control[(target, mname)] = control_plane_act(fn)
+            if backpressure_of(fn) and target is None:
+                self._backpressure[mname] = backpressure_of(fn)
         self._targets[target] = table
         return {k: v[1] for k, v in table.items()}
 
@@ -292,6 +296,8 @@ class Service:
         for key, (method, start) in self._started.items():
             task = self._running.get(key)
             entry: dict[str, Any] = {"call_id": key[1], "method": method, "age_s": round(now - start, 3)}
+            if method in self._backpressure:
+                entry["backpressure"] = self._backpressure[method]
             if isinstance(task, asyncio.Task):
                 queued = key not in self._admitted and not isinstance(self._sem, contextlib.nullcontext)
                 entry["state"] = "queued" if queued and key not in self._credits else "running"
@@ -310,6 +316,8 @@ class Service:
             "outgoing": self.outgoing() if self.outgoing is not None else [],
             "threads": [{"name": t["name"], "stack": t["stack"]} for t in threads],
             "loop": self.probe.report() if self.probe is not None else None,
+            "loop_thread": threading.get_ident(),
+            "collective": self.collective() if self.collective is not None else None,
         }
 
     def _in_thread(self, key: tuple[bytes, int], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,14 @@ signal; a dead actor is reported dead. This module turns those answers into a
 its reply (queued behind B's ``max_concurrency`` or running there); :attr:`StacksReport.cycles`
 are the graph's cycles, :attr:`StacksReport.waited_on` the actors at the ends of its longest
 chains. ``str(report)`` is the text ``rlactors stack`` prints.
+
+The graph holds every call a driver has pending, from the caller's side: an ``ActorGroup`` call is
+an edge to each rank, and a rank whose call failed stays one while the group call still waits. A
+rank blocked in a ``torch.distributed`` collective waits on each member of its group that is not
+in one (unresponsive, dead, or elsewhere). The ends are ranked, the culprit first: dead, then
+unresponsive, then a member whose call failed, then a wait cycle, then an actor busy in a call;
+an actor waited on only through methods marked :func:`rlactors.backpressure` (a staleness bound,
+a buffer waiting for data) comes last, labelled as back-pressure by design.
 """
 
 from __future__ import annotations
@@ -16,7 +24,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ActorStacks", "IncomingCall", "OutgoingCall", "StacksReport", "WaitCycle", "WaitEdge", "WaitEnd"]
+__all__ = [
+    "ActorStacks",
+    "IncomingCall",
+    "OutgoingCall",
+    "StacksReport",
+    "WaitCycle",
+    "WaitEdge",
+    "WaitEnd",
+    "collective_frame",
+]
 
 MAX_PATHS = 20_000  # path expansions when looking for cycles and longest chains (graphs are small)
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
@@ -38,12 +55,31 @@ def innermost(stack: list[str]) -> str:
     return f"{f.group(3)} ({f.group(1).rsplit('/', 1)[-1]}:{f.group(2)})"
 
 
-def _dump_main_thread(dump: str) -> list[str]:
-    """The loop thread's frames from a faulthandler dump, outermost first (the dump lists the
-    current thread, the one the signal interrupted, most recent call first)."""
-    blocks = dump.strip().split("\n\n")
-    block = next((b for b in blocks if b.startswith("Current thread")), blocks[0] if blocks else "")
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+
+
+def dump_loop_thread(dump: str, loop_thread: int | None) -> list[str]:
+    """The loop thread's frames from a faulthandler dump, outermost first. The dump lists every
+    thread, most recent call first; the loop's is found by its ident (the signal may have landed
+    on any thread, so "Current thread" need not be the loop's). Without the ident: the current
+    thread's block."""
+    blocks = [b for b in dump.strip().split("\n\n") if _THREAD.match(b)]
+    block = ""
+    if loop_thread is not None:
+        block = next((b for b in blocks if int(_THREAD.match(b).group(1), 16) == loop_thread), "")  # type: ignore[union-attr]
+    if not block:
+        block = next((b for b in blocks if b.startswith("Current thread")), blocks[0] if blocks else "")
     return list(reversed([line for line in block.splitlines()[1:] if line.strip()]))
+
+
+def collective_frame(stack: list[str]) -> str:
+    """The ``torch.distributed`` function a stack (outermost first) waits in, as ``func
+    (file:line)``; '' when it is not in one."""
+    frames = [m for line in stack for m in [_FRAME.search(line)] if m]
+    for f in reversed(frames):
+        if "/torch/distributed/" in f.group(1) and f.group(3) not in ("wrapper", "_wrapper", "inner"):
+            return f"{f.group(3)} ({f.group(1).rsplit('/', 1)[-1]}:{f.group(2)})"
+    return ""
 
 
 @dataclass
@@ -58,6 +94,7 @@ class IncomingCall:
     call_id: int = 0
     caller: str | None = None  # matched from the callers' outgoing calls in this report
     thread: bool = False  # a sync method (runs on the worker thread)
+    backpressure: str = ""  # why a wait in it is by design (rlactors.backpressure), if it is
 
 
 @dataclass
@@ -70,6 +107,7 @@ class OutgoingCall:
     age_s: float
     origin: str | None = None  # the incoming method it was made from
     call_id: int = 0
+    failed: str = ""  # a group call's member that failed (the error) while the call still waits
 
 
 @dataclass
@@ -92,6 +130,22 @@ class ActorStacks:
     loop_lag_s: float | None = None
     max_loop_lag_s: float | None = None  # since the last report
     dump: str | None = None  # the faulthandler dump of an unresponsive worker
+    loop_thread: int | None = None  # its loop's thread ident (to find the loop's stack in a dump)
+    collective: dict[str, Any] | None = None  # the torch.distributed group it joined (rlactors.collective)
+    collective_wait: str = ""  # set by build_report: blocked in a collective, and who is missing
+
+    def in_collective(self) -> tuple[str, IncomingCall | None]:
+        """The ``torch.distributed`` function one of its threads waits in, and the running call
+        it serves (None: another thread); ('', None) when none does."""
+        for c in self.running:
+            op = collective_frame(c.stack)
+            if op:
+                return op, c
+        for stack in self.threads.values():
+            op = collective_frame(stack)
+            if op:
+                return op, None
+        return "", None
 
     @property
     def queued(self) -> list[IncomingCall]:
@@ -110,12 +164,12 @@ class ActorStacks:
         if self.state in ("PENDING", "RESTARTING"):
             return self.state.lower() + (f": {self.reason}" if self.reason else "")
         if not self.responsive:
-            where = innermost(_dump_main_thread(self.dump)) if self.dump else ""
+            where = innermost(dump_loop_thread(self.dump, self.loop_thread)) if self.dump else ""
             how = f"unresponsive for {_age(self.unresponsive_s)}" if self.unresponsive_s else "unresponsive"
             return how + (
                 f": its loop is stuck in {where}" if where else " (no stacks came: a stopped process?)"
             )
-        parts = []
+        parts = [self.collective_wait] if self.collective_wait else []
         for c in sorted(self.running, key=lambda c: -c.age_s)[:1]:
             at = innermost(c.stack)
             parts.append(f"running {c.method} for {_age(c.age_s)}" + (f", in {at}" if at else ""))
@@ -152,11 +206,13 @@ class ActorStacks:
                     else f" behind max_concurrency={self.max_concurrency}"
                 )
             src = f" from {c.caller}" if c.caller else ""
-            lines.append(f"  call {c.method}{src}: {c.state}{why} for {_age(c.age_s)}")
+            bp = f" (back-pressure by design: {c.backpressure})" if c.backpressure else ""
+            lines.append(f"  call {c.method}{src}: {c.state}{why} for {_age(c.age_s)}{bp}")
             lines.extend("    " + s for s in c.stack)
         for o in self.outgoing:
             src = f" (from {o.origin})" if o.origin else ""
-            lines.append(f"  waits on {o.target}.{o.method}{src} for {_age(o.age_s)}")
+            failed = f"; its call failed ({o.failed}) and the group call still waits" if o.failed else ""
+            lines.append(f"  waits on {o.target}.{o.method}{src} for {_age(o.age_s)}{failed}")
         if self.dump:
             lines.append("  stacks dumped by signal (most recent call first):")
             lines.extend("    " + s for s in self.dump.rstrip().splitlines())
@@ -189,6 +245,7 @@ class ActorStacks:
                     c["stack"],
                     c["call_id"],
                     thread=c.get("thread", False),
+                    backpressure=c.get("backpressure", ""),
                 )
                 for c in a.get("incoming", [])
             ],
@@ -197,6 +254,8 @@ class ActorStacks:
             loop_lag_s=loop.get("lag_s"),
             max_loop_lag_s=loop.get("max_lag_s"),
             dump=a.get("dump"),
+            loop_thread=a.get("loop_thread"),
+            collective=a.get("collective"),
         )
 
     @classmethod
@@ -212,26 +271,44 @@ class ActorStacks:
 
 def _outgoing(o: dict[str, Any]) -> OutgoingCall:
     return OutgoingCall(
-        o.get("name") or o["actor_id"], o["actor_id"], o["method"], o["age_s"], o.get("from"), o["call_id"]
+        o.get("name") or o["actor_id"],
+        o["actor_id"],
+        o["method"],
+        o["age_s"],
+        o.get("from"),
+        o["call_id"],
+        o.get("failed", ""),
     )
 
 
 @dataclass
 class WaitEdge:
-    """``waiter`` waits on ``target``: its call of ``method`` there has no reply yet."""
+    """``waiter`` waits on ``target``: its call of ``method`` there has no reply yet, or (``state``
+    "collective") it is blocked in the collective ``method`` that ``target`` has not joined."""
 
     waiter: str
     target: str
     method: str
     age_s: float
     origin: str | None  # the waiter's incoming method that made the call
-    state: str  # "running" or "queued" there; "unseen" when the target did not report it
+    # "running" or "queued" there; "unseen" when the target did not report it; "failed" for a
+    # group member whose call failed while the group call waits; "collective"
+    state: str
     behind: str = ""  # what a queued call waits behind ("max_concurrency=1", "the sync thread")
+    backpressure: str = ""  # why this wait is by design (the target's method is marked so)
+    note: str = ""  # the failure ("failed"), or where the missing member is ("collective")
 
     def __str__(self) -> str:
         waiter = f"{self.waiter}.{self.origin}" if self.origin else self.waiter
-        there = {"running": "running there", "queued": "queued there"}.get(self.state, "not seen there")
+        if self.state == "collective":
+            return f"{waiter} waits on {self.target} in {self.method} ({self.note}, {_age(self.age_s)})"
+        there = {
+            "running": "running there",
+            "queued": "queued there",
+            "failed": f"failed there: {self.note}; the group call still waits",
+        }.get(self.state, "not seen there")
         there += f" behind {self.behind}" if self.behind else ""
+        there += f", back-pressure by design: {self.backpressure}" if self.backpressure else ""
         return f"{waiter} waits on {self.target}.{self.method} ({there}, {_age(self.age_s)})"
 
 
@@ -247,6 +324,12 @@ class WaitCycle:
         return "\n".join([f"wait cycle: {ring}", *(f"  {e}" for e in self.edges)])
 
 
+# How bad an end of a wait chain is, the culprit first: an actor that somebody waits on and that
+# is dead, unresponsive, failed a call it still owes, in a wait cycle, or busy; an actor waited on
+# only through back-pressure by design comes last and is never the culprit.
+KINDS = ("dead", "unresponsive", "failed", "cycle", "busy", "backpressure")
+
+
 @dataclass
 class WaitEnd:
     """An actor at the end of a wait chain: others wait on it, it waits on no one (or it is in a
@@ -255,11 +338,16 @@ class WaitEnd:
     name: str
     chain: list[str]  # the longest chain of waiters ending here, first waiter first
     stacks: ActorStacks
+    kind: str = "busy"  # one of KINDS
+    why: str = ""  # what the waiters' edges add (a failed call, a collective it is missing from)
 
     @property
     def summary(self) -> str:
         """One line: who, at the end of which chain, doing what."""
-        return f"{self.name} at the end of {' → '.join(self.chain)}: {self.stacks.summary()}"
+        what = self.stacks.summary() + (f"; {self.why}" if self.why else "")
+        if self.kind == "backpressure":
+            what += " (back-pressure by design)"
+        return f"{self.name} at the end of {' → '.join(self.chain)}: {what}"
 
 
 @dataclass
@@ -268,7 +356,7 @@ class StacksReport:
 
     actors: list[ActorStacks]
     cycles: list[WaitCycle]
-    waited_on: list[WaitEnd]
+    waited_on: list[WaitEnd]  # the culprit first (see KINDS), then by chain length
     edges: list[WaitEdge]
     taken_s: float = 0.0
 
@@ -277,6 +365,12 @@ class StacksReport:
             if name in (a.name, a.actor_id):
                 return a
         raise KeyError(name)
+
+    @property
+    def culprit(self) -> WaitEnd | None:
+        """The end of a wait chain to look at first: dead, unresponsive, failed, in a cycle or
+        busy, and waited on; None when only back-pressure waits (or nothing) remain."""
+        return next((w for w in self.waited_on if w.kind != "backpressure"), None)
 
     @property
     def unresponsive(self) -> list[ActorStacks]:
@@ -291,10 +385,14 @@ class StacksReport:
         head = f"stacks of {n} actor{'s' * (n != 1)}, taken in {self.taken_s:.2f} s"
         head += f"; {len(self.cycles)} wait cycle{'s' * (len(self.cycles) != 1)}" if self.cycles else ""
         out = [head]
+        culprit = self.culprit
+        if culprit is not None:
+            out += ["", f"CULPRIT ({culprit.kind}): {culprit.summary}"]
+            out += [f"  {e}" for e in self.edges if e.target == culprit.name]
         if self.cycles:
             out += ["", "WAIT CYCLES", *(str(c) for c in self.cycles)]
         if self.waited_on:
-            out += ["", "WAITED ON (the ends of the longest wait chains)"]
+            out += ["", "WAITED ON (the ends of the wait chains, the culprit first)"]
             out += [w.summary for w in self.waited_on]
         if self.edges:
             out += ["", "WHO WAITS ON WHOM", *(str(e) for e in self.edges)]
@@ -310,15 +408,91 @@ class StacksReport:
         return "\n".join(out)
 
 
+def _where(m: ActorStacks | None, name: str) -> str:
+    """Where a group member that is not in the collective is, in a few words."""
+    if m is None:
+        return f"{name} is not in this report"
+    if m.state in ("DEAD", "UNKNOWN", "PENDING", "RESTARTING"):
+        return f"{name} is {m.summary()}"
+    if not m.responsive:
+        return f"{name} is {m.summary().split(':', 1)[0]}"
+    return f"{name} is elsewhere: {m.summary()}"
+
+
+def _collective_edges(actors: list[ActorStacks], by_id: dict[str, ActorStacks]) -> list[WaitEdge]:
+    """A rank blocked in a collective waits on each member of its group that is not in one."""
+    edges = []
+    for a in actors:
+        if not a.responsive or not a.collective:
+            continue
+        op, call = a.in_collective()
+        if not op:
+            continue
+        g = a.collective
+        missing = []
+        for actor_id, name in g.get("members", []):
+            if actor_id == a.actor_id:
+                continue
+            m = by_id.get(actor_id)
+            if m is not None and m.responsive and m.state == "ALIVE" and m.in_collective()[0]:
+                continue  # in it too
+            missing.append((m.name if m is not None else name or actor_id, _where(m, name or actor_id)))
+        where = (
+            f"group {g.get('group')!r} ({g.get('backend')}, rank {g.get('rank')} of {g.get('world_size')})"
+        )
+        a.collective_wait = f"blocked in {op}, a collective of {where}" + (
+            "; not in it: " + "; ".join(w for _, w in missing) if missing else ""
+        )
+        for name, w in missing:
+            edges.append(
+                WaitEdge(
+                    a.name,
+                    name,
+                    op,
+                    call.age_s if call else 0.0,
+                    call.method if call else None,
+                    "collective",
+                    note=w,
+                )
+            )
+    return edges
+
+
+def _kind(end: str, a: ActorStacks | None, into: list[WaitEdge], in_cycle: bool) -> tuple[str, str]:
+    """How bad an end is (see KINDS), and what its waiters' edges add."""
+    failed = [e for e in into if e.state == "failed"]
+    missed = [e for e in into if e.state == "collective"]
+    why = []
+    if failed:
+        why.append(f"its {failed[0].method} failed ({failed[0].note}) and {failed[0].waiter} still waits")
+    if missed:
+        why.append(
+            f"{', '.join(sorted({e.waiter for e in missed}))} wait for it in {missed[0].method.split(' ')[0]}"
+        )
+    if a is None or a.state in ("DEAD", "UNKNOWN"):
+        kind = "dead"
+    elif not a.responsive:
+        kind = "unresponsive"
+    elif failed or missed:
+        kind = "failed"
+    elif in_cycle:
+        kind = "cycle"
+    elif into and all(e.backpressure for e in into):
+        kind = "backpressure"
+    else:
+        kind = "busy"
+    return kind, "; ".join(why)
+
+
 def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksReport:
-    """The wait-for graph of these actors' outgoing calls, its cycles and chain ends."""
+    """The wait-for graph of these actors' outgoing calls and collectives, its cycles and chain ends
+    (the culprit first)."""
     by_id = {a.actor_id: a for a in actors if a.actor_id}
     incoming = {(a.actor_id, c.call_id, c.method): c for a in actors for c in a.incoming}
     edges: list[WaitEdge] = []
-    graph: dict[str, list[str]] = {}
     for a in actors:
         for o in a.outgoing:
-            c = incoming.get((o.actor_id, o.call_id, o.method))
+            c = None if o.failed else incoming.get((o.actor_id, o.call_id, o.method))
             if c is not None:
                 c.caller = f"{a.name}.{o.origin}" if o.origin else a.name
             callee = by_id.get(o.actor_id)
@@ -326,22 +500,26 @@ def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksRepor
             behind = ""
             if c is not None and c.state == "queued" and callee is not None:
                 behind = "the sync thread" if c.thread else f"max_concurrency={callee.max_concurrency}"
-            edges.append(
-                WaitEdge(a.name, target, o.method, o.age_s, o.origin, c.state if c else "unseen", behind)
-            )
-            if target not in graph.setdefault(a.name, []):
-                graph[a.name].append(target)
+            state = "failed" if o.failed else (c.state if c else "unseen")
+            bp = c.backpressure if c is not None else ""
+            edges.append(WaitEdge(a.name, target, o.method, o.age_s, o.origin, state, behind, bp, o.failed))
+    edges += _collective_edges(actors, by_id)
+    graph: dict[str, list[str]] = {}
+    for e in edges:
+        if e.target not in graph.setdefault(e.waiter, []):
+            graph[e.waiter].append(e.target)
     cycles = _cycles(graph)
     in_cycle = {m for c in cycles for m in c}
     waiters = {e.waiter for e in edges}
     targets = {e.target for e in edges}
     ends = [t for t in targets if t not in waiters or t in in_cycle]
-    chains = sorted(((_longest_chain_to(t, graph), t) for t in ends), key=lambda x: (-len(x[0]), x[1]))
     stub = {a.name: a for a in actors}
-    waited_on = [
-        WaitEnd(t, chain, stub.get(t) or ActorStacks(t, "", "UNKNOWN", reason="not in this report"))
-        for chain, t in chains
-    ]
+    waited_on = []
+    for t in ends:
+        kind, why = _kind(t, stub.get(t), [e for e in edges if e.target == t], t in in_cycle)
+        stacks = stub.get(t) or ActorStacks(t, "", "UNKNOWN", reason="not in this report")
+        waited_on.append(WaitEnd(t, _longest_chain_to(t, graph), stacks, kind, why))
+    waited_on.sort(key=lambda w: (KINDS.index(w.kind), -len(w.chain), w.name))
     return StacksReport(
         actors=actors,
         cycles=[

@@ -141,7 +141,9 @@ async def main(security: Security | None) -> int:
             if spec["bind"].startswith("tcp://")
             else "127.0.0.1"
         )
-        service.add(SYSTEM_TARGET, WorkerSystem(bind_host))
+        system = WorkerSystem(bind_host)
+        service.add(SYSTEM_TARGET, system)
+        service.collective = lambda: system.joined
         for hook in ("on_start", "on_stop"):
             methods.pop(hook, None)
     except BaseException as e:
