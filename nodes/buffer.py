@@ -359,6 +359,7 @@ class TrajectoryBuffer:
         self._c["groups_out"] += batch_size
         return Batch([r.group for r in taken], version)
 
+    @rlactors.backpressure("the trainer waits for groups")
     async def get_batch(self, batch_size: int, version: int, timeout: float | None = 60.0) -> Batch:
         """Wait (no polling) until ``batch_size`` groups are eligible; TimeoutError after ``timeout`` s."""
         loop = asyncio.get_running_loop()

@@ -121,6 +121,7 @@ class StalenessGovernor:
             self._stats.granted += n
         return Grant(n, self.version)
 
+    @rlactors.backpressure("rollout held under the staleness bound")
     async def acquire(self, holder_id: str, n_max: int = 1, timeout: float | None = 30.0) -> Grant:
         """Grant between 1 and ``n_max`` admissions, waiting (no polling) while capacity is 0.
 
