@@ -14,6 +14,12 @@ tokens under the loss mask. The runs of one item form a GRPO group (a run whose 
 history contributes one trajectory per sample, each with the run's reward). An agent that raises or
 runs past ``episode_timeout_s`` drops the item's group: counted (``rollout/agent_errors``,
 ``rollout/agent_timeouts``), logged with its traceback, and the run goes on.
+
+Where the agent's code runs is ``agent_runner`` (nodes/rollout/agent_runner.py): ``"thread"``, the
+default, gives each run a thread and event loop of its own, so a tool that blocks (``time.sleep``, a
+sync HTTP call) holds up only its own episode; ``"loop"`` runs it on the actor's event loop;
+``"process"`` in ``agent_processes`` worker processes. bench/agent_endpoint.py ``--runners``
+measures them (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,17 +27,17 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import structlog
 
 from nodes.plugins import resolve
+from nodes.rollout.agent_runner import ProcessRunner, in_thread, run_agent
 from nodes.rollout.openai_endpoint import ChatEndpoint
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
 from protocols.codec import register
 from protocols.rl import TrajectoryGroup
-from rlactors.aio import wait_for
 from rlactors.tomlconf import above, at_least, check_ranges, import_path
 
 __all__ = ["AgentConfig", "AgentError", "AgentWorkflow"]
@@ -58,6 +64,11 @@ class AgentConfig:
     temperature: float = field(default=1.0, metadata=at_least(0))
     model_name: str = "policy"  # what /v1/models lists; any name is accepted in requests
     tool_parser: str = "hermes"  # how tool calls are read: hermes (= qwen25), or module:fn
+    # where the agent's code runs: "thread" (a thread and event loop per run: a blocking tool holds up
+    # only its run), "loop" (the actor's event loop), "process" (agent_processes worker processes)
+    agent_runner: Literal["loop", "thread", "process"] = "thread"
+    # "process": worker processes, one run each at a time (runs beyond wait, their time counting)
+    agent_processes: int = field(default=4, metadata=at_least(1))
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -78,6 +89,7 @@ class AgentWorkflow:
                                      default_temperature=c.temperature, tool_parser=c.tool_parser)  # fmt: skip
         self._started: asyncio.Future[str] | None = None
         self.counters = dict.fromkeys(("agent_runs", "agent_errors", "agent_timeouts", "history_edits"), 0)
+        self.processes = ProcessRunner(c.agent_processes)  # "process": its workers start with the first run
 
     async def _endpoint(self) -> ChatEndpoint:
         if self._started is None:  # the first episode starts it; the others wait for the same start
@@ -112,13 +124,16 @@ class AgentWorkflow:
     async def _run(
         self, endpoint: ChatEndpoint, client: Any, item: Any, name: str
     ) -> tuple[float, dict[str, float], Any]:
-        import openai
-
         episode, url = endpoint.open_episode(client=client)  # a fresh id: a group id has slashes
-        sdk = openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0)
         self.counters["agent_runs"] += 1
+        c = self.config
         try:
-            out = await wait_for(self.agent(sdk, item), self.config.episode_timeout_s)
+            if c.agent_runner == "thread":
+                out = await in_thread(self.agent, url, item, c.episode_timeout_s)
+            elif c.agent_runner == "process":
+                out = await self.processes.run(c.agent, url, item, c.episode_timeout_s)
+            else:
+                out = await run_agent(self.agent, url, item, c.episode_timeout_s)
         except TimeoutError:
             self.counters["agent_timeouts"] += 1
             raise AgentError(f"agent {self.config.agent} ran past {self.config.episode_timeout_s}s") from None
@@ -128,7 +143,6 @@ class AgentWorkflow:
             raise AgentError(f"agent {self.config.agent} raised {type(e).__name__}: {e}") from e
         finally:
             endpoint.close_episode(episode.id)
-            await sdk.close()
         reward, info = _reward(out, self.config.agent)
         return reward, info, episode
 
