@@ -8,7 +8,9 @@ a result, the items of a small list or dict, a registered type's fields): each a
 read-only ``memoryview`` of the received message, without a copy (``bytes(view)`` copies it
 out), freed with the last reference to it. Smaller ones, and those deep inside large
 containers, are packed inline and arrive as ``bytes``. Dataclasses registered with :func:`register`
-round-trip by name. There is no pickle: an unknown type is an error at the sender, and the
+round-trip by name; a field declared with :func:`array_field` travels as one raw array of its
+dtype whatever sequence it holds (a list is converted once, at the sender), so it arrives as a
+numpy array. There is no pickle: an unknown type is an error at the sender, and the
 receiver resolves only registered names, importing a module for one only inside a trusted
 package (:func:`trust_package`), never any module a peer names.
 
@@ -31,6 +33,7 @@ import msgpack
 
 __all__ = [
     "CodecError",
+    "array_field",
     "decode",
     "encode",
     "import_trusted",
@@ -51,6 +54,8 @@ EXT_BUFFER = 4
 # Buffers at or below this size are carried inline in the msgpack body; a separate
 # frame costs more than copying a few hundred bytes.
 INLINE_LIMIT = 1024
+# The initial buffer of each msgpack packer (see _pack).
+PACK_BUFFER = 4096
 # msgpack packs bytes-likes itself, with a copy, and offers no hook for them: before packing, the
 # encoder looks for large ones among at most this many container items per message, so a message
 # with a long list (token ids) costs no more than before, and its buffers deep inside go inline.
@@ -66,6 +71,9 @@ class CodecError(ValueError):
 
 
 _dataclasses: dict[str, type] = {}
+# registered dataclass -> its array_field fields, as (name, numpy dtype name)
+_array_fields: dict[type, tuple[tuple[str, str], ...]] = {}
+_ARRAY_DTYPE = "protocols.codec.array_dtype"  # the field metadata key array_field sets
 _custom: dict[str, tuple[type, Callable[[Any], Any], Callable[[Any], Any]]] = {}
 _custom_by_type: dict[type, str] = {}
 # Top-level packages decoding may import from (see trust_package); ours holds the wire contracts.
@@ -89,8 +97,24 @@ def register(cls: type[T]) -> type[T]:
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls.__qualname__} is not a dataclass; decorate it with @dataclass first")
     _dataclasses[_type_name(cls)] = cls
+    arrays = tuple(
+        (f.name, f.metadata[_ARRAY_DTYPE]) for f in dataclasses.fields(cls) if _ARRAY_DTYPE in f.metadata
+    )
+    if arrays:
+        _array_fields[cls] = arrays
     trust_package(cls.__module__)
     return cls
+
+
+def array_field(dtype: str, **kwargs: Any) -> Any:
+    """A field of a registered dataclass that travels as one raw array of numpy ``dtype``.
+
+    The field may hold a list, a tuple or an array in the sending process; the encoder converts
+    what is not already a numpy array of that dtype (once, at the sender), and the receiver gets a
+    read-only numpy array, never a per-element msgpack list. ``kwargs`` go to
+    :func:`dataclasses.field`.
+    """
+    return dataclasses.field(metadata={_ARRAY_DTYPE: dtype}, **kwargs)
 
 
 def register_type(
@@ -288,6 +312,8 @@ class _Default:
                     f"dataclass {name} is not registered; decorate it with @protocols.codec.register"
                 )
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+            for key, dtype in _array_fields.get(cls, ()):
+                fields[key] = _as_array(fields[key], dtype, name, key)
             return msgpack.ExtType(EXT_DATACLASS, _pack([name, self.lift(fields)], self))
         mod = cls.__module__
         if (mod.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")) or (
@@ -303,12 +329,27 @@ class _Default:
         )
 
 
+def _as_array(value: Any, dtype: str, owner: str, key: str) -> Any:
+    """``value`` as a numpy array of ``dtype`` for an :func:`array_field` (no copy when it is one)."""
+    import numpy as np
+
+    if type(value) is np.ndarray and value.dtype == dtype:
+        return value
+    try:
+        return np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CodecError(f"{owner}.{key} cannot be sent as an array of {dtype}: {e}") from e
+
+
 def _nbytes(buf: Any) -> int:
     return buf.nbytes if type(buf) is memoryview else len(buf)
 
 
 def _pack(obj: Any, default: Callable[[Any], Any]) -> bytes:
-    return msgpack.packb(obj, default=default, use_bin_type=True, datetime=False)
+    # A packer starts with a buffer of PACK_BUFFER bytes and grows it as needed. msgpack's own
+    # default (256 KiB) costs an allocation larger than the message it holds at every extension
+    # type (each packs its body with a packer of its own): most of a small message's encoding.
+    return msgpack.Packer(default=default, use_bin_type=True, datetime=False, buf_size=PACK_BUFFER).pack(obj)
 
 
 class _ExtHook:

@@ -1,8 +1,9 @@
 """RL batch schema: what rollout hands to the buffer and the buffer hands to the trainer.
 
 These dataclasses cross process boundaries (rollout actor -> buffer actor -> trainer ranks),
-so they are registered with the runtime codec and hold only msgpack-friendly fields.
-No I/O and no heavy imports here.
+so they are registered with the runtime codec and hold only wire types; a trajectory's per-token
+fields travel as raw numpy arrays (see :class:`Trajectory` for which type comes out).
+No I/O and no heavy imports here (numpy only).
 
 Conventions (shared with nodes/trainer):
 - ``input_ids`` is prompt + generated tokens (multi-turn: turns interleaved).
@@ -15,10 +16,13 @@ Conventions (shared with nodes/trainer):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols.codec import register
+import numpy as np
+
+from protocols.codec import array_field, register
 
 __all__ = ["Batch", "Trajectory", "TrajectoryError", "TrajectoryGroup"]
 
@@ -27,20 +31,57 @@ class TrajectoryError(ValueError):
     """A trajectory, group or batch breaks the schema's invariants (say which and why)."""
 
 
-@register
-@dataclass
-class Trajectory:
-    """One sampled sequence with everything the trainer needs to compute a PPO loss on it."""
+# The per-token fields' dtypes on the wire and after it: token ids and versions fit in 32 bits, the
+# mask is 0/1 (int8 rather than bool, so a bad value still fails validate() after a conversion),
+# and the trainer computes log-probs in float32.
+IDS_DTYPE, MASK_DTYPE, LOGPROBS_DTYPE, VERSIONS_DTYPE = "int32", "int8", "float32", "int32"
 
-    input_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int]
+
+@register
+@dataclass(eq=False)
+class Trajectory:
+    """One sampled sequence with everything the trainer needs to compute a PPO loss on it.
+
+    The per-token fields (``input_ids``, ``loss_mask``, ``logprobs``, ``versions``) accept lists
+    or numpy arrays. A trajectory keeps what it was built with in its own process (a workflow or
+    agent may build lists and edit them); it travels as raw arrays (converted once, when sent),
+    so every trajectory the buffer, the driver and the trainer ranks receive holds numpy arrays:
+    int32 ids, int8 mask, float32 log-probs, int32 versions (views of the received message,
+    read-only; copy one to change it). Code that reads these
+    fields should treat them as sequences (``len``, indexing, ``numpy.asarray``), not as lists.
+    """
+
+    input_ids: Sequence[int] = array_field(IDS_DTYPE)
+    loss_mask: Sequence[int] = array_field(MASK_DTYPE)
+    logprobs: Sequence[float] = array_field(LOGPROBS_DTYPE)
+    versions: Sequence[int] = array_field(VERSIONS_DTYPE)
     reward: float
     group_id: str
     prompt_len: int
     meta: dict[str, Any] = field(default_factory=dict)
     temperature: float = 1.0  # sampling temperature (0 = greedy, scored at 1)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Trajectory:
+            return NotImplemented
+        return (self.reward, self.group_id, self.prompt_len, self.meta, self.temperature) == (
+            other.reward,
+            other.group_id,
+            other.prompt_len,
+            other.meta,
+            other.temperature,
+        ) and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _PER_TOKEN)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like any dataclass with eq
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The per-token fields as numpy arrays of their wire dtypes (no copy when they are)."""
+        return (
+            _array(self.input_ids, IDS_DTYPE),
+            _array(self.loss_mask, MASK_DTYPE),
+            _array(self.logprobs, LOGPROBS_DTYPE),
+            _array(self.versions, VERSIONS_DTYPE),
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -50,27 +91,33 @@ class Trajectory:
     @property
     def num_generated(self) -> int:
         """Tokens the loss is computed on."""
-        return sum(self.loss_mask)
+        return int(np.count_nonzero(_array(self.loss_mask, MASK_DTYPE)))
 
     @property
     def loss_tokens(self) -> int:
         """Tokens the loss is computed on: generated tokens with a token before them to predict
         them from (the first token of a sequence has none)."""
-        return sum(self.loss_mask[1:])
+        return int(np.count_nonzero(_array(self.loss_mask, MASK_DTYPE)[1:]))
 
     @property
     def oldest_version(self) -> int:
         """The oldest policy version among generated tokens, or -1 when nothing was generated."""
-        gen = [v for v, m in zip(self.versions, self.loss_mask, strict=False) if m]
-        return min(gen) if gen else -1
+        gen = self._generated_versions()
+        return int(gen.min()) if gen.size else -1
 
     @property
     def newest_version(self) -> int:
         """The newest policy version among generated tokens, or -1 when nothing was generated."""
-        return max((v for v, m in zip(self.versions, self.loss_mask, strict=False) if m), default=-1)
+        gen = self._generated_versions()
+        return int(gen.max()) if gen.size else -1
+
+    def _generated_versions(self) -> np.ndarray:
+        mask, versions = _array(self.loss_mask, MASK_DTYPE), _array(self.versions, VERSIONS_DTYPE)
+        n = min(len(mask), len(versions))
+        return versions[:n][mask[:n] != 0]
 
     def validate(self) -> None:
-        """Raise TrajectoryError unless the per-token lists line up and masks are consistent."""
+        """Raise TrajectoryError unless the per-token fields line up and masks are consistent."""
         n = len(self.input_ids)
         lens = {
             "loss_mask": len(self.loss_mask),
@@ -84,17 +131,39 @@ class Trajectory:
             raise TrajectoryError(
                 f"trajectory {self.group_id!r}: prompt_len={self.prompt_len} outside [0, {n}]"
             )
-        if any(m not in (0, 1) for m in self.loss_mask):
+        try:
+            mask = np.asarray(self.loss_mask)
+            versions = _array(self.versions, VERSIONS_DTYPE)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TrajectoryError(
+                f"trajectory {self.group_id!r}: per-token fields must be numbers: {e}"
+            ) from e
+        gen = mask == 1
+        if not (gen | (mask == 0)).all():
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask must hold only 0/1")
-        if any(self.loss_mask[: self.prompt_len]):
+        if gen[: self.prompt_len].any():
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask is 1 inside the prompt")
-        for i, (m, v) in enumerate(zip(self.loss_mask, self.versions, strict=True)):
-            if m and v < 0:
-                raise TrajectoryError(f"trajectory {self.group_id!r}: generated token {i} has no version")
-            if not m and v != -1:
-                raise TrajectoryError(
-                    f"trajectory {self.group_id!r}: masked token {i} has version {v}, want -1"
-                )
+        unversioned = np.flatnonzero(gen & (versions < 0))
+        if unversioned.size:
+            raise TrajectoryError(
+                f"trajectory {self.group_id!r}: generated token {unversioned[0]} has no version"
+            )
+        stamped = np.flatnonzero(~gen & (versions != -1))
+        if stamped.size:
+            i = int(stamped[0])
+            raise TrajectoryError(
+                f"trajectory {self.group_id!r}: masked token {i} has version {versions[i]}, want -1"
+            )
+
+
+_PER_TOKEN = ("input_ids", "loss_mask", "logprobs", "versions")
+
+
+def _array(values: Sequence[Any], dtype: str) -> np.ndarray:
+    """``values`` as an array of ``dtype``; an array that is one already is returned as it is."""
+    if type(values) is np.ndarray and values.dtype == dtype:
+        return values
+    return np.asarray(values, dtype=dtype)
 
 
 @register

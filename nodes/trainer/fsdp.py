@@ -18,6 +18,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -375,10 +376,11 @@ class FSDPTrainer:
         return out
 
     def _staleness(self, trajs: list) -> dict[str, float]:
-        lags = [self.version - v for t in trajs for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
-        if not lags:
+        gen = [np.asarray(t.versions)[np.asarray(t.loss_mask) != 0] for t in trajs]  # per token: vectorised
+        lags = self.version - np.concatenate(gen or [np.empty(0)]).astype(np.float64)
+        if not lags.size:
             return {"staleness_mean": 0.0, "staleness_max": 0.0}
-        return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
+        return {"staleness_mean": float(lags.mean()), "staleness_max": float(lags.max())}
 
     # ---- weights -----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ Each micro-batch is padded only to its own longest sequence (padding stripped be
 micro-batches; right padding, so default position ids stay correct). Everything the loss needs
 per token is aligned with ``labels = input_ids[:, 1:]``: the log-prob at position ``t`` scores
 token ``t + 1``, so the loss mask, behaviour log-probs and versions are the trajectory's lists
-shifted left by one.
+shifted left by one. Trajectories arrive with numpy arrays (protocols/rl.py), so building
+the tensors is a concatenation and a scatter per field.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["MicroBatch", "build_microbatch", "dummy_microbatch"]
@@ -69,34 +71,32 @@ def build_microbatch(
     their max length.
 
     ``advantages`` holds one scalar per trajectory of the flat list (GRPO puts the sequence's
-    advantage on each of its loss tokens).
+    advantage on each of its loss tokens). The rows are concatenated and scattered into the padded
+    tensors in one numpy operation per field: no Python loop over tokens, and none over rows
+    beyond collecting them (a trajectory's fields are arrays once received; lists are converted).
     """
     if not seqs:
         return dummy_microbatch(pad_id)
     trajs = [trajectories[i] for i in seqs]
-    L = max(len(t.input_ids) for t in trajs)
-    B = len(trajs)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.bool)
-    behave = torch.zeros((B, L), dtype=torch.float32)
-    adv = torch.zeros((B, L), dtype=torch.float32)
-    for row, (i, t) in enumerate(zip(seqs, trajs, strict=True)):
-        n = len(t.input_ids)
-        ids[row, :n] = torch.tensor(t.input_ids, dtype=torch.long)
-        attn[row, :n] = 1
-        mask[row, :n] = torch.tensor(t.loss_mask, dtype=torch.bool)
-        behave[row, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-        adv[row, :n] = float(advantages[i])
+    lens = np.fromiter((len(t.input_ids) for t in trajs), dtype=np.int64, count=len(trajs))
+    B, L = len(trajs), int(lens.max())
+    real = np.arange(L) < lens[:, None]  # [B, L]: True on each row's tokens, in row-major order
+    ids = np.full((B, L), pad_id, dtype=np.int64)
+    mask = np.zeros((B, L), dtype=bool)
+    behave = np.zeros((B, L), dtype=np.float32)
+    ids[real] = np.concatenate([np.asarray(t.input_ids) for t in trajs])
+    mask[real] = np.concatenate([np.asarray(t.loss_mask) for t in trajs])
+    behave[real] = np.concatenate([np.asarray(t.logprobs, dtype=np.float32) for t in trajs])
     mask[:, 0] = False  # the first token has no prediction
+    adv = np.asarray([float(advantages[i]) for i in seqs], dtype=np.float32)[:, None] * mask[:, 1:]
     return MicroBatch(
         list(seqs),
-        ids,
-        attn,
-        mask[:, 1:],
-        behave[:, 1:],
-        adv[:, 1:] * mask[:, 1:],
-        n_tokens=sum(len(t.input_ids) for t in trajs),
+        torch.from_numpy(ids),
+        torch.from_numpy(real.astype(np.int64)),
+        torch.from_numpy(mask[:, 1:].copy()),
+        torch.from_numpy(behave[:, 1:].copy()),
+        torch.from_numpy(adv),
+        n_tokens=int(lens.sum()),
         temperature=torch.tensor([t.temperature or 1.0 for t in trajs], dtype=torch.float32).view(B, 1, 1),
     )
 
