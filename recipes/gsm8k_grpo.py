@@ -70,6 +70,7 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
     state, model, train_items, eval_items = await asyncio.to_thread(prepare, cfg, out, resume)
     term = Termination(cfg.run.term_grace_s)
     c = await (rlactors.init() if cluster is None else rlactors.connect(cluster[0], secret_file=cluster[1]))
+    reach = c.record_run(out)  # `rlactors status|stack|pool` reach this run while it runs
     metrics = MetricsLogger(
         out,
         tensorboard=cfg.metrics.tensorboard,
@@ -80,7 +81,7 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
         evaluator = Evaluator(eval_spec(cfg, model), eval_items, plane.sync.keys)
         await evaluator.start(plane.sync.live, state.version)
-        stall = StallWatchdog(plane, out, cfg.run.stall_after_s)
+        stall = StallWatchdog(plane, out, cfg.run.stall_after_s, command=f"rlactors stack {reach}".strip())
         try:
             await loop(cfg, plane, state, evaluator, metrics, term, stall)
         except Terminated:  # SIGTERM: the step in progress finished (or never started training)

@@ -38,6 +38,7 @@ from rlactors.config import (
     state_file,
 )
 from rlactors.errors import ActorNotFoundError, ClusterError
+from rlactors.runs import NoSuchRun, live_runs, read_run
 from rlactors.security import new_secret_file
 
 console = Console(stderr=True)
@@ -194,6 +195,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_HELP = (
+    "an embedded run's folder (its run.out_dir), which records how to reach it while it runs "
+    "(default: the cluster `rlactors up` started, else the only live run)"
+)
+
+
 def _load_state() -> dict[str, Any]:
     sf = state_file()
     if not sf.exists():
@@ -289,13 +296,38 @@ def _tables(status: dict[str, Any], width: int = 200) -> Group:
     return Group(nodes, actors)
 
 
-async def _statuses(
-    address: str | None, secret: str | None, every: float | None
-) -> AsyncIterator[dict[str, Any]]:
+Where = tuple[str | None, str | None, str | None]  # address, secret file, security mechanism
+
+
+def _where(args: argparse.Namespace) -> Where:
+    """The cluster a command inspects: ``--run RUN_DIR`` (an embedded run's record), ``--address``,
+    the cluster ``rlactors up`` started, else the only live embedded run."""
+    run = getattr(args, "run", None)
+    if run:
+        if args.address:
+            raise NoSuchRun("pass either --run or --address, not both")
+        r = read_run(run)
+        return r.address, r.secret_file, r.security
+    if args.address or os.environ.get("RLACTORS_ADDRESS"):
+        return args.address, args.secret_file, None
+    sf = state_file()
+    if sf.exists() and _running(_load_state().get("head_pid")):
+        return None, args.secret_file, None
+    runs = live_runs()
+    if len(runs) == 1:
+        return runs[0].address, runs[0].secret_file, runs[0].security
+    if len(runs) > 1:
+        lines = "; ".join(r.describe() for r in runs)
+        raise NoSuchRun(f"{len(runs)} runs are live here: name one with --run RUN_DIR: {lines}")
+    return None, args.secret_file, None  # connect() says there is no cluster
+
+
+async def _statuses(where: Where, every: float | None) -> AsyncIterator[dict[str, Any]]:
     """The head's status, once or (``every`` seconds) until interrupted, over one connection."""
     from rlactors.cluster import connect
 
-    cluster = await connect(address, secret_file=secret, timeout=5)
+    address, secret, security = where
+    cluster = await connect(address, secret_file=secret, timeout=5, security=security)
     try:
         while True:
             yield await cluster._client.head_call("status")
@@ -308,11 +340,12 @@ async def _statuses(
 
 def cmd_status(args: argparse.Namespace) -> int:
     every = args.watch
+    where = _where(args)
 
     async def show() -> None:
         live: Live | None = None
         try:
-            async for status in _statuses(args.address, args.secret_file, every):
+            async for status in _statuses(where, every):
                 if args.json:  # one document, or one line per refresh
                     sys.stdout.write(json.dumps(status, indent=None if every else 2) + "\n")
                     sys.stdout.flush()
@@ -348,10 +381,11 @@ def _head_gone(address: str | None) -> ClusterError | None:
     return None
 
 
-async def _stacks(address: str | None, secret: str | None, names: list[str], timeout_s: float) -> str:
+async def _stacks(where: Where, names: list[str], timeout_s: float) -> str:
     from rlactors.cluster import connect
 
-    cluster = await connect(address, secret_file=secret, timeout=5)
+    address, secret, security = where
+    cluster = await connect(address, secret_file=secret, timeout=5, security=security)
     try:
         return str(await cluster.stacks(names or None, timeout_s=timeout_s))
     finally:
@@ -360,7 +394,7 @@ async def _stacks(address: str | None, secret: str | None, names: list[str], tim
 
 def cmd_stack(args: argparse.Namespace) -> int:
     try:
-        text = asyncio.run(_stacks(args.address, args.secret_file, args.actors, args.timeout))
+        text = asyncio.run(_stacks(_where(args), args.actors, args.timeout))
     except ClusterError as e:
         if (gone := _head_gone(args.address)) is not None:
             raise gone from e
@@ -372,11 +406,12 @@ def cmd_stack(args: argparse.Namespace) -> int:
 POOL_ACTOR = "inference-pool"  # nodes/inference/pool.py's POOL_NAME (the CLI does not import nodes)
 
 
-async def _pool_call(address: str | None, secret: str | None, method: str, *args: Any) -> Any:
+async def _pool_call(where: Where, method: str, *args: Any) -> Any:
     """Call ``method`` of the cluster's ``inference-pool`` actor (the one a run creates)."""
     from rlactors.cluster import connect
 
-    cluster = await connect(address, secret_file=secret, timeout=5)
+    address, secret, security = where
+    cluster = await connect(address, secret_file=secret, timeout=5, security=security)
     try:
         try:
             pool = await cluster.get_actor(POOL_ACTOR)
@@ -404,22 +439,22 @@ def _pool_table(status: dict[str, Any]) -> Table:
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
-    where = (args.address, args.secret_file)
+    where = _where(args)
     if args.action == "ls":
-        status = asyncio.run(_pool_call(*where, "status"))
+        status = asyncio.run(_pool_call(where, "status"))
         if args.json:
             sys.stdout.write(json.dumps(status, indent=2) + "\n")
         else:
             out.print(_pool_table(status))
         return 0
     if args.action == "add":
-        row = asyncio.run(_pool_call(*where, "add", args.url))
+        row = asyncio.run(_pool_call(where, "add", args.url))
         out.print(f"{escape(row['url'])}: {row['state']} (serves from the next weight publish)")
     elif args.action == "launch":
-        urls = asyncio.run(_pool_call(*where, "launch", args.n, args.node))
+        urls = asyncio.run(_pool_call(where, "launch", args.n, args.node))
         out.print(f"launched {', '.join(urls)}: joining (serve from the next weight publish)")
     else:
-        row = asyncio.run(_pool_call(*where, "remove", args.url, not args.no_drain))
+        row = asyncio.run(_pool_call(where, "remove", args.url, not args.no_drain))
         out.print(f"{escape(row['url'])}: {row['state']} (no new requests; it leaves at the next publish)")
     return 0
 
@@ -535,6 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     st.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
     st.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")
+    st.add_argument("--run", metavar="RUN_DIR", help=RUN_HELP)
     st.add_argument(
         "--json", action="store_true", help="print JSON for scripts (one line per refresh with --watch)"
     )
@@ -554,6 +590,7 @@ def main(argv: list[str] | None = None) -> None:
     sk.add_argument("actors", nargs="*", metavar="ACTOR", help="actor names or ids (default: all)")
     sk.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
     sk.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")
+    sk.add_argument("--run", metavar="RUN_DIR", help=RUN_HELP)
     sk.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the workers' answers (default 5)"
     )
@@ -572,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
     for p in (ls, add, la, rm):
         p.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
         p.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")
+        p.add_argument("--run", metavar="RUN_DIR", help=RUN_HELP)
     sub.add_parser("down", help="stop the cluster started by `rlactors up`")
     se = sub.add_parser("secret", help="create a new cluster secret file")
     se.add_argument("path", help="where to write it (mode 600; an existing file is not overwritten)")
@@ -588,6 +626,9 @@ def main(argv: list[str] | None = None) -> None:
     handler = builtin[args.cmd] if args.cmd in builtin else args.handler
     try:
         sys.exit(handler(args))
+    except NoSuchRun as e:  # bad input: the run named is not there
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)  # one line, however narrow
+        sys.exit(2)
     except (ClusterError, ConfigError, FileExistsError, FileNotFoundError, PermissionError) as e:
         console.print(f"[red]error:[/] {e}")
         sys.exit(1)

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Generator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -49,6 +50,22 @@ class Cluster:
     def secret_file(self) -> str | None:
         """The secret file another process needs to :func:`connect` over TCP (None over ipc)."""
         return self._local.secret_file if self._local is not None else None
+
+    def record_run(self, folder: str | os.PathLike[str]) -> str:
+        """Make this run reachable from ``folder`` (its run folder) and return the ``rlactors``
+        flags that reach it: for an embedded cluster, its address and a credential file (mode 600)
+        are written there and removed at shutdown, and the flags are ``--run FOLDER``; a connected
+        cluster is reached as it was found ('' for the one ``rlactors up`` started)."""
+        if self._local is not None:
+            self._local.record(Path(folder))
+            return f"--run {folder}"
+        if os.environ.get("RLACTORS_ADDRESS") and os.environ["RLACTORS_ADDRESS"] == self.address:
+            return ""
+        from rlactors.config import read_state, state_file
+
+        sf = state_file()
+        up = read_state(sf).get("address") if sf.exists() else None
+        return "" if up == self.address else f"--address {self.address}"
 
     async def spawn(
         self,
@@ -361,7 +378,7 @@ def connect(
         ensure_logging()
         addr, secret, state_mechanism = resolve_connect(address, secret_file)
         mechanism = security or os.environ.get("RLACTORS_SECURITY") or state_mechanism or "curve"
-        sec = Security(load_secret(secret), mechanism) if secret and addr.startswith("tcp://") else None
+        sec = Security(load_secret(secret), mechanism) if secret else None  # tcp, or a recorded run's ipc
         client = RuntimeClient(addr, sec)
         await client.start(timeout=timeout or float(os.environ.get("RLACTORS_CONNECT_TIMEOUT", "30")))
         set_current(client)

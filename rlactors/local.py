@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from typing import Any
 
 from rlactors.agent import NodeAgent
 from rlactors.head import Head
+from rlactors.runs import RunRecord, runs_dir, write_run
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security, load_secret, new_secret, new_secret_file
 from rlactors.service import Service
@@ -74,12 +76,40 @@ class LocalCluster:
     """The head and node agent of an embedded cluster, running on the driver's loop."""
 
     def __init__(
-        self, service: Service, head: Head, agent: NodeAgent, session_dir: Path, secret_file: str | None
+        self,
+        service: Service,
+        head: Head,
+        agent: NodeAgent,
+        session_dir: Path,
+        secret_file: str | None,
+        secret: bytes | None = None,
+        mechanism: str = "curve",
     ) -> None:
         self.service, self.head, self.agent, self.session_dir = service, head, agent, session_dir
         self.secret_file = secret_file
+        self._secret, self.mechanism = secret, mechanism  # the in-memory secret (ipc), if so
+        self.records: list[RunRecord] = []  # where this run is recorded (removed at shutdown)
+
+    def record(self, folder: Path) -> RunRecord:
+        """Record how to reach this cluster in ``folder`` (see :mod:`rlactors.runs`)."""
+        rec = write_run(folder, self.service.address, self.mechanism, self._secret, self.secret_file)
+        if self.records:  # the state folder's record names the run folder too
+            state = self.records[0]
+            self.records[0] = write_run(
+                state.folder,
+                self.service.address,
+                self.mechanism,
+                self._secret,
+                self.secret_file,
+                str(folder),
+            )
+        self.records.append(rec)
+        return rec
 
     async def shutdown(self, client: RuntimeClient) -> None:
+        for rec in self.records:  # no longer reachable: the credential goes first
+            rec.remove()
+        self.records.clear()
         await self.agent.stop(grace=3.0)  # SIGTERM first: on_stop hooks (e.g. stopping a server) run
         await client.close()
         await self.head.stop()
@@ -112,6 +142,7 @@ async def start_local(
     ensure_logging()
     session_dir = new_session_dir("rlx-")
     security = None
+    secret: bytes | None = None
     if address.startswith("tcp://"):
         # Over TCP every peer must authenticate; make a secret for this session if none given.
         secret_file = secret_file or str(new_secret_file(session_dir / "secret"))
@@ -123,7 +154,8 @@ async def start_local(
         # process's memory tells our workers (call credential) from us (control). PLAIN: no encryption.
         bind, transport, host = f"ipc://{session_dir}/head", "ipc", "127.0.0.1"
         secret_file = None
-        security = Security(new_secret(), "plain")
+        secret = new_secret()
+        security = Security(secret, "plain")
     else:
         raise ValueError(f"address must be 'ipc' or 'tcp://HOST:PORT', not {address!r}")
     total = {"cpu": float(os.cpu_count() or 1), "gpu": float(detect_gpus())}
@@ -145,7 +177,9 @@ async def start_local(
         **({"log_sink": log_sink} if log_sink else {}),
     )
     service.add("agent", agent)
-    local = LocalCluster(service, head, agent, session_dir, secret_file)
+    local = LocalCluster(
+        service, head, agent, session_dir, secret_file, secret, "plain" if secret is not None else mechanism
+    )
     client = RuntimeClient(head_address, security)
     try:
         await agent.start(head_address)
@@ -154,4 +188,7 @@ async def start_local(
         await local.shutdown(client)
         raise
     set_current(client)
+    # reachable by `rlactors status|stack|pool` (the only live run, or --run): removed at shutdown
+    with contextlib.suppress(OSError):  # a state folder we cannot write: only --run can find it
+        local.record(runs_dir() / session_dir.name)
     return client, local
