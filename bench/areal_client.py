@@ -1,7 +1,7 @@
 """AReaL 1.0.4's rollout client, driven as its PPO trainer drives it (run with AReaL's own venv).
 
-Started by bench/rollout.py, never imported by it: AReaL lives in a venv of its own (see
-shared/FACTS.md, "AReaL's client on CPU"). ``RemoteSGLangEngine(...).initialize(addr=[...])``,
+Started by bench/rollout.py, never imported by it: AReaL lives in a venv of its own, with its
+requirements (bench/rollout.py's ``--areal`` names that venv's python). ``RemoteSGLangEngine(...).initialize(addr=[...])``,
 then per step ``prepare_batch`` (its WorkflowExecutor, staleness manager and dispatcher) and the
 trainer's weight-update sequence with no weights: ``pause`` -> ``pause_generation`` ->
 ``continue_generation`` -> ``set_version`` -> ``resume`` (areal/trainer/rl_trainer.py).

@@ -29,7 +29,7 @@ __all__ = ["HEALTH_TIMEOUT_S", "PolicySync"]
 log = structlog.get_logger(__name__)
 
 # SGLang 0.5.23's /health runs a one-token generation and gives up itself after 20 s
-# (SGLANG_HEALTH_CHECK_TIMEOUT), answering 503; under load it takes 1-20 s. Wait past that.
+# (SGLANG_HEALTH_CHECK_TIMEOUT), answering 503; under load it can take most of that. Wait past it.
 HEALTH_TIMEOUT_S = 40.0
 
 

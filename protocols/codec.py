@@ -300,6 +300,19 @@ class _Default:
         self.frames.append(obj)
         return msgpack.ExtType(EXT_BUFFER, _pack([_BUFFER_KINDS[cls], len(self.frames) - 1], self))
 
+    def _numpy(self, a: Any) -> msgpack.ExtType:
+        """A one-dimensional contiguous numpy array of a plain dtype (an array_field's) as its
+        extension type: what :func:`_array_header` makes of it, without its general checks."""
+        if a.ndim != 1 or not a.flags.c_contiguous:
+            return msgpack.ExtType(EXT_ARRAY, _pack(_array_header(a, self.frames), self))
+        buf = memoryview(a).cast("B") if a.size else b""
+        if len(buf) <= INLINE_LIMIT:
+            where: Any = bytes(buf)
+        else:
+            self.frames.append(buf)
+            where = len(self.frames) - 1
+        return msgpack.ExtType(EXT_ARRAY, _pack(["numpy", a.dtype.str, [a.size], where], self))
+
     def __call__(self, obj: Any) -> Any:
         cls = type(obj)
         name = _custom_by_type.get(cls)
@@ -313,7 +326,7 @@ class _Default:
                 )
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
             for key, dtype in _array_fields.get(cls, ()):
-                fields[key] = _as_array(fields[key], dtype, name, key)
+                fields[key] = self._numpy(_as_array(fields[key], dtype, name, key))
             return msgpack.ExtType(EXT_DATACLASS, _pack([name, self.lift(fields)], self))
         mod = cls.__module__
         if (mod.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")) or (

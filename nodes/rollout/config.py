@@ -27,15 +27,16 @@ class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
 
     # the HTTP layer under the client (nodes/rollout/pool.py): httptools (our connection pools over
-    # httptools' C parser) costs about half of aiohttp's CPU per /generate call, aiohttp
-    # about a third of httpx's (bench/RESULTS.md, "Rollout client"); httpx is the design's
+    # httptools' C parser) costs the least client CPU per /generate call, then aiohttp, then httpx
+    # (measured side by side: bench/RESULTS.md, "Rollout client"); httpx is the design's
     http: Literal["httptools", "aiohttp", "httpx"] = "httptools"
 
     # one /generate; a hung server is detected by this
     request_timeout_s: float = field(default=3600.0, metadata=above(0))
     # the TCP connect alone; keep it well above the loop's longest turn. It is a timer on the client's loop, so a loop turn longer than it fails
-    # connects that had completed: rollout actors at 10k requests in flight on 2 busy cores had turns
-    # of up to 4.9 s (stats loop_lag_max_s) and retried ~130 connects at 5 s (bench/RESULTS.md).
+    # connects that had completed: a rollout actor with thousands of requests in flight on busy cores
+    # has turns of seconds (its stats' loop_lag_max_s), and a 5 s timeout retried connects
+    # (bench/RESULTS.md, "Rollout").
     connect_timeout_s: float = field(default=30.0, metadata=above(0))
     # retries of a /generate post to one server, on transport errors and 5xx; then the next server
     max_retries: int = field(default=3, metadata=at_least(0))

@@ -2,10 +2,9 @@
 OpenAI-compatible endpoint serves on.
 
 Each chat call the endpoint serves costs its process one HTTP exchange on top of the generation it
-wraps, and that exchange is most of what the endpoint may add (bench/RESULTS.md, "OpenAI-compatible
-endpoint"): at ~440 calls/s on the 2-core machine, an aiohttp web server answering a JSON POST cost
-128-150 µs of CPU per call, uvicorn with a bare ASGI app 100-114 µs, and this 54-82 µs. It does
-what the endpoint needs and no more: keep-alive and pipelined requests (answered in order),
+wraps, and that exchange is most of what the endpoint may add: this layer costs less CPU per call
+than an aiohttp web server or uvicorn with a bare ASGI app (measured side by side in
+bench/RESULTS.md, "OpenAI-compatible endpoint"). It does what the endpoint needs and no more: keep-alive and pipelined requests (answered in order),
 ``Content-Length`` and chunked request bodies up to a size cap, ``Expect: 100-continue``, whole
 responses and chunked streams (server-sent events) with write back-pressure, an idle timeout.
 Malformed HTTP is answered 400 and the connection closed; nothing a client sends stops the server.

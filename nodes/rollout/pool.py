@@ -5,11 +5,11 @@ Three HTTP backends behind one small interface (:class:`HTTPBackend`), chosen by
 keys) is the client's and the same for all:
 
 - ``"httptools"`` (the default): our keep-alive connection pools over asyncio transports and
-  httptools' C parser (nodes/rollout/http1.py). About half of aiohttp's client CPU per
-  ``/generate`` call (bench/RESULTS.md, "Rollout client"). ``https://`` servers go through aiohttp.
-- ``"aiohttp"``: one shared session, keep-alive connections, a C HTTP parser. It costs about a
-  third of httpx's client CPU per ``/generate`` call, and its cost does not grow with the number
-  of connections.
+  httptools' C parser (nodes/rollout/http1.py). The least client CPU per ``/generate`` call of
+  the three (bench/RESULTS.md, "Rollout client"). ``https://`` servers go through aiohttp.
+- ``"aiohttp"``: one shared session, keep-alive connections, a C HTTP parser. It costs less
+  client CPU per ``/generate`` call than httpx, and its cost does not grow with the number of
+  connections.
 - ``"httpx"`` (the design's client): per server, many small ``httpx.AsyncClient`` pools
   ("lanes"), since httpx's pool does work linear in its number of connections on every request.
 
@@ -284,7 +284,7 @@ class HttpxBackend:
         )
         self._max_lanes = max(1, cfg.max_connections_per_server // self.LANE)
         self._lanes: dict[str, list[_Lane]] = {}
-        self._ssl: Any = None  # one context for every lane: building one loads the CA bundle (~20 ms)
+        self._ssl: Any = None  # one context for every lane: building one loads the CA bundle, which is slow
 
     def _take(self, url: str) -> _Lane:
         lanes = self._lanes.setdefault(url, [])
