@@ -91,8 +91,9 @@ class DataConfig:
 
     # "local": your data at data.path; built in: "easy" (single-digit sums a 135M model learns on
     # CPU), "products" (for agents with a Python tool), "hub" (GSM8K from the hub), "offline"
-    # (GSM8K-style problems from reasoning-gym), "auto" (data.path if set, else hub, else offline)
-    source: Literal["auto", "hub", "local", "offline", "easy", "products"] = "easy"
+    # (GSM8K-style problems from reasoning-gym), "auto" (data.path if set, else hub, else offline),
+    # "env": the dataset of the environment the workflow runs (nodes/rollout/environments)
+    source: Literal["auto", "hub", "local", "offline", "easy", "products", "env"] = "easy"
     # your data: a .jsonl/.json/.parquet/.csv file, a folder of train*/test* files, a datasets
     # save_to_disk folder or a hub dataset id; "{split}" in it is replaced by the split's name
     path: str = ""
@@ -505,9 +506,20 @@ def load_eval_items(cfg: DataConfig, path: str, limit: int = 0) -> tuple[list[di
     return items, f"{len(items)} rows of {rows.where} ({_fields_text(cfg)})"
 
 
-def load_data(cfg: DataConfig) -> Data:
-    """The training and held-out items ``cfg`` names. Blocking (file or network I/O): call it before
-    the event loop starts or through ``asyncio.to_thread``. Raises :class:`DataError` (one line)."""
+def load_data(cfg: DataConfig, workflow_args: Any = None) -> Data:
+    """The training and held-out items ``cfg`` names (``source = "env"``: the datasets of the
+    environment ``workflow_args`` names). Blocking (file or network I/O): call it before the event
+    loop starts or through ``asyncio.to_thread``. Raises :class:`DataError` (one line)."""
+    if cfg.source == "env":
+        if not hasattr(workflow_args, "env_data"):
+            raise DataError(
+                "data.source = 'env' trains on an environment's dataset: set rollout.workflow = "
+                "'nodes.rollout.environments:VerifiersWorkflow' and rollout.workflow_args.env"
+            )
+        try:
+            return Data(*workflow_args.env_data(cfg))
+        except ValueError as e:
+            raise DataError(f"data.source = 'env': {e}") from None
     if cfg.source == "local" or (cfg.source == "auto" and cfg.path):
         return _load_yours(cfg)
     train, about = load_gsm8k("train", cfg.source, None, cfg.train_limit or None, cfg.seed, cfg.hub_timeout_s)

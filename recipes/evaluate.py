@@ -64,7 +64,7 @@ def items_of(cfg: RecipeConfig, data: str | None, limit: int) -> tuple[list[dict
     """``--data``'s rows, else the config's held-out items; the first ``limit`` (0 = all)."""
     if data:
         return load_eval_items(cfg.data, data, limit)
-    held = load_data(cfg.data)
+    held = load_data(cfg.data, cfg.rollout.workflow_args)
     items = held.eval[:limit] if limit else held.eval
     return items, f"{len(items)} held-out items of the config's data: {held.eval_about}"
 

@@ -55,7 +55,7 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
     """What is decided before any process starts: where the run resumes (a missing or corrupt
     checkpoint is an error now), the output folder, the model, the training and held-out data.
     Bad data (:class:`~nodes.data.DataError`) is found first, before anything is written."""
-    data = load_data(cfg.data)
+    data = load_data(cfg.data, cfg.rollout.workflow_args)  # source = "env": the environment's datasets
     state = RunState(out, resume)  # the folder is this run's alone from here (out/.lock)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     (out / "config.toml").write_text(render_config(cfg))  # the same, readable: every key with its meaning

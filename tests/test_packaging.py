@@ -67,6 +67,8 @@ def extras_of(path: Path) -> list[str]:
         return ["", "inference"]
     if rel.startswith("nodes/trainer/"):
         return ["", "train"]
+    if rel.startswith(("nodes/rollout/environments/", "recipes/envs/")):
+        return ["", "rl", "envs"]
     if rel.startswith("nodes/"):
         return ["", "rl"]
     return ["", "inference", "train", "rl"]  # recipes

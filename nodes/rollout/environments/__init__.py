@@ -1,0 +1,13 @@
+"""Environments written for other trainers, trained unchanged: ``verifiers`` environments (Prime
+Intellect's Environments Hub) and OpenEnv environment servers.
+
+``[rollout] workflow = "nodes.rollout.environments:VerifiersWorkflow"`` or ``":OpenEnvWorkflow"``;
+docs/tutorials/environments.md shows both. Each episode talks to the rollout actor's
+OpenAI-compatible endpoint, so its turns are token-exact as an agent's are (nodes/rollout/agents.py).
+The packages are the ``envs`` extra, imported only when an environment is used.
+"""
+
+from nodes.rollout.environments.episodes import EnvError, EpisodeSettings
+from nodes.rollout.environments.verifiers_env import VerifiersConfig, VerifiersWorkflow
+
+__all__ = ["EnvError", "EpisodeSettings", "VerifiersConfig", "VerifiersWorkflow"]

@@ -1,0 +1,136 @@
+"""What every environment workflow shares: the per-episode OpenAI-compatible endpoint its rollouts
+talk to, turning an episode's token sequences into trajectories, and how a failing environment is
+counted, logged and dropped.
+
+Each sample of an item runs in its own episode on the rollout actor's endpoint
+(nodes/rollout/openai_endpoint.py), exactly as an agent's run does (nodes/rollout/agents.py): the
+environment's model calls are chat completions against the episode's ``base_url``, and the endpoint
+keeps them as token sequences, a later turn continuing the earlier turn's ids, the model's tokens
+under the loss mask. An environment that raises, returns a reward that is not a finite number, or
+runs past ``episode_timeout_s`` drops the item's group: counted (``rollout/env_errors``,
+``rollout/env_timeouts``), logged once per distinct failure with the environment's name, and the
+run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from nodes.rollout.openai_endpoint import ChatEndpoint, Episode
+from protocols.rl import Trajectory
+from rlactors.tomlconf import above, at_least, check_ranges
+
+__all__ = ["EnvEpisodes", "EnvError", "EpisodeSettings", "finite_reward"]
+
+log = structlog.get_logger(__name__)
+
+
+class EnvError(RuntimeError):
+    """An environment's episode failed (it raised, timed out, or scored no finite number): the
+    item's group is dropped."""
+
+
+@dataclass
+class EpisodeSettings:
+    """How an environment's episodes run: samples per item, their time limit, the completions'
+    defaults when the environment's requests do not say."""
+
+    n_samples: int = field(default=4, metadata=at_least(1))  # episodes per item: one GRPO group
+    episode_timeout_s: float = field(default=300.0, metadata=above(0))  # one episode, scoring included
+    # a completion's token limit when the environment's request does not say
+    max_new_tokens: int = field(default=256, metadata=at_least(1))
+    # a completion's temperature when the environment's request does not say; 0 = greedy
+    temperature: float = field(default=1.0, metadata=at_least(0))
+    model_name: str = "policy"  # the model name the environment's requests carry
+    tool_parser: str = "hermes"  # how tool calls are read from the output: hermes (= qwen25), or module:fn
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+def finite_reward(value: Any, what: str) -> float:
+    """``value`` as a float, or :class:`EnvError` naming ``what`` when it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EnvError(f"{what} is {value!r}, not a finite number")
+    return float(value)
+
+
+class EnvEpisodes:
+    """The endpoint an environment workflow's episodes run on, its counters and its failure log."""
+
+    def __init__(self, tokenizer: Any, settings: EpisodeSettings, env_name: str) -> None:
+        s = settings
+        self.settings, self.env_name = s, env_name
+        # one endpoint for the workflow's episodes, whichever client generates (the rollout actor's,
+        # an evaluation's); started by the first episode, on its loop
+        self.endpoint = ChatEndpoint(None, tokenizer, s.model_name, default_max_tokens=s.max_new_tokens,
+                                     default_temperature=s.temperature, tool_parser=s.tool_parser)  # fmt: skip
+        self._started: asyncio.Future[str] | None = None
+        self.counters = dict.fromkeys(("env_episodes", "env_errors", "env_timeouts", "history_edits"), 0)
+        self._logged: set[str] = set()
+
+    async def _start(self) -> None:
+        if self._started is None:  # the first episode starts it; the others wait for the same start
+            self._started = asyncio.ensure_future(self.endpoint.start())
+        await asyncio.shield(self._started)
+
+    @asynccontextmanager
+    async def episode(self, client: Any) -> AsyncIterator[tuple[Episode, str]]:
+        """A new episode generating through ``client``, and its ``base_url`` (``.../v1``)."""
+        await self._start()
+        ep, url = self.endpoint.open_episode(client=client)
+        self.counters["env_episodes"] += 1
+        try:
+            yield ep, url
+        finally:
+            self.endpoint.close_episode(ep.id)
+
+    async def guard(self, aw: Any, gid: str) -> Any:
+        """Await ``aw`` (one item's episodes and their scoring) within ``n_samples`` episode timeouts
+        run concurrently (one ``episode_timeout_s``); a failure is counted, logged once, and raised
+        as :class:`EnvError` (the rollout actor drops the group and goes on)."""
+        limit = self.settings.episode_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await aw
+        except TimeoutError:
+            self.counters["env_timeouts"] += 1
+            self._log_once(f"ran past episode_timeout_s = {limit}s", gid)
+            raise EnvError(f"environment {self.env_name} ran past {limit}s") from None
+        except Exception as e:
+            self.counters["env_errors"] += 1
+            why = str(e) if isinstance(e, EnvError) else f"raised {type(e).__name__}: {e}"
+            self._log_once(why, gid, e)
+            raise e if isinstance(e, EnvError) else EnvError(f"environment {self.env_name} {why}") from e
+
+    def _log_once(self, why: str, gid: str, exc: BaseException | None = None) -> None:
+        """A warning the first time a failure happens; the counters count the repeats."""
+        key = why.split("\n", 1)[0][:200]
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        log.warning("env.failed", env=self.env_name, group=gid, error=key, exc_info=exc)
+
+    def trajectories(self, ep: Episode, reward: float, gid: str, info: dict[str, float]) -> list[Trajectory]:
+        """The episode's token sequences as trajectories, each with ``reward``; ``info`` reaches the
+        metrics as ``episode/<name>``. An episode whose model edited its history is several."""
+        self.counters["history_edits"] += max(0, ep.counters["new_samples"] - 1)
+        out = []
+        for sample in ep.samples:
+            if not any(sample.mask):
+                continue  # a sample whose request failed: nothing of the model's to train on
+            sample.meta.update(turns=ep.counters["calls"], tool_calls=ep.counters["tool_calls"], info=info)
+            out.append(sample.trajectory(reward, gid, _prompt_len(sample.mask)))
+        return out
+
+
+def _prompt_len(mask: list[int]) -> int:
+    """Tokens before the model's first."""
+    return mask.index(1) if 1 in mask else len(mask)
