@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,6 +131,88 @@ def driver_cpu_s(exclude: list[int]) -> float:
     return cpu_s([os.getpid()]) - cpu_s(exclude)
 
 
+def own_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes alone (not their children)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def daemons(exclude: list[int]) -> dict[str, int]:
+    """This process's children outside ``exclude``'s trees (the embedded cluster's daemons), by name."""
+    skip = set(exclude)
+    for pid in exclude:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            skip.update(q.pid for q in psutil.Process(pid).children(recursive=True))
+    out = {}
+    for q in psutil.Process().children(recursive=True):
+        if q.pid not in skip:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                out[f"daemon-{q.pid}-{q.name()}"] = q.pid
+    return out
+
+
+class Profiler:
+    """py-spy on each named process for the measured window: collapsed stacks in ``out_dir``, and
+    per process the functions that held most samples (own time, and inclusive). Samples only while
+    a thread holds the GIL (``--gil``): Python's CPU, not an event loop waiting in epoll."""
+
+    def __init__(self, out_dir: str | None, seconds: float) -> None:
+        self.out_dir, self.seconds = out_dir, seconds
+        self.procs: dict[str, asyncio.subprocess.Process] = {}
+        self.files: dict[str, Path] = {}
+
+    def start(self, variant: str, pids: dict[str, int], subprocesses: bool = False) -> None:
+        spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+        if spy is None:
+            raise SystemExit("--profile needs py-spy: pip install 'rlactors[bench]'")
+        Path(self.out_dir).mkdir(parents=True, exist_ok=True)
+        for name, pid in pids.items():
+            f = Path(self.out_dir) / f"{variant}-{name}.txt"
+            argv = [spy, "record", "--pid", str(pid), "--duration", str(max(1, int(self.seconds))), "--rate", "200",
+                    "--nonblocking", "--gil", "--format", "raw", "--output", str(f), *(["--subprocesses"] * subprocesses)]  # fmt: skip
+            self.files[name] = f
+            self.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def finish(self) -> dict[str, Any]:
+        out = {}
+        for name, p in self.procs.items():
+            await asyncio.to_thread(p.wait, self.seconds + 60)  # py-spy ends after its --duration
+            if self.files[name].exists():
+                out[name] = top_functions(self.files[name].read_text())
+        return out
+
+
+def top_functions(collapsed: str, n: int = 8) -> dict[str, Any]:
+    """From py-spy's collapsed stacks: samples, and the ``n`` functions with most own and most
+    inclusive samples (each as a percentage of the process's samples)."""
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        k = int(count)
+        total += k
+        frames = [
+            f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].split(":")[0].rstrip(")") for f in stack.split(";")
+        ]
+        own[frames[-1]] = own.get(frames[-1], 0) + k
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + k
+
+    def pct(d: dict[str, int]) -> list[list[Any]]:
+        return [
+            [f, round(100 * v / max(1, total), 1)] for f, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]
+        ]
+
+    return {"samples": total, "own": pct(own), "inclusive": pct(incl)}
+
+
 async def ours(
     urls: list[str], a: argparse.Namespace, n_actors: int, farm_pids: list[int], continue_first: bool = False
 ) -> dict[str, Any]:
@@ -192,14 +277,22 @@ async def ours(
             await step()
         await sampler.start()
         sampler_started = True
-        cpu0, drv0 = [cpu_s([p]) for p in plane], driver_cpu_s([*plane, *farm_pids])
+        # the driver's share: this process and the runtime's daemons, found before the window (a scan
+        # of /proc costs the scanning process a lot on a busy machine), each counted without children
+        driver = {"driver": os.getpid(), **daemons(exclude=[*plane, *farm_pids])}
+        spies = Profiler(a.profile, a.seconds)
+        if a.profile:  # the whole tree: the plane, the driver and the runtime's daemons
+            spies.start(f"ours-{n_actors}", {**{n: actors[n] for n in actors}, **driver})
+        cpu0, drv0 = [cpu_s([p]) for p in plane], own_cpu_s(list(driver.values()))
+        sampling = asyncio.create_task(_sample_every(sampler, 1.0))
         steps = 0
         while time.monotonic() - sampler.t < a.seconds:
             await step()
-            await sampler.sample()
             steps += 1
+        sampling.cancel()
         out = await sampler.stop()
-        cpu1, drv1 = [cpu_s([p]) for p in plane], driver_cpu_s([*plane, *farm_pids])
+        cpu1, drv1 = [cpu_s([p]) for p in plane], own_cpu_s(list(driver.values()))
+        profile = await spies.finish()
         stats = await asyncio.gather(*(r.stats() for r in rollouts))
         bstats = await buf.stats()
         for r in rollouts:
@@ -216,6 +309,7 @@ async def ours(
             "cpu_us_per_call": 1e6 * sum(cpu) / calls, "rollout_us_per_call": 1e6 * sum(cpu[2:]) / calls,
             "buffer_us_per_call": 1e6 * cpu[1] / calls, "governor_us_per_call": 1e6 * cpu[0] / calls,
             "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
+            "tree_us_per_call": 1e6 * (sum(cpu) + drv1 - drv0) / calls, **({"profile": profile} if profile else {}),
             "episodes_inflight_max": in_flight, **({"errors_split": error_split} if errors else {}), "dropped_stale": bstats["dropped_stale"],
             "failures": [s["failure"] for s in stats if s.get("failure")],
             "rollout_loop_lag_max_s": [round(s["loop_lag_max_s"], 2) for s in stats],
@@ -288,12 +382,19 @@ async def areal(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) ->
                 await sampler.start()
                 cpu0 = cpu_s([proc.pid])
                 sampling = asyncio.create_task(_sample_every(sampler, 1.0))
+                spies = Profiler(a.profile, a.seconds)
+                if a.profile:
+                    spies.start("areal", {"areal": proc.pid}, subprocesses=True)
             elif line.startswith("done "):
                 cpu1 = cpu_s([proc.pid])
                 sampling.cancel()
                 out = await sampler.stop()
                 result = {**out, **json.loads(line[5:])}
-                result["cpu_us_per_call"] = 1e6 * (cpu1 - cpu0) / max(1, out["calls"])
+                result["cpu_us_per_call"] = result["tree_us_per_call"] = (
+                    1e6 * (cpu1 - cpu0) / max(1, out["calls"])
+                )
+                if a.profile:
+                    result["profile"] = await spies.finish()
                 break
         await wait_for(proc.wait(), 60)
     finally:
@@ -371,14 +472,17 @@ def row(r: dict[str, Any]) -> str:
     parts = f"{r['rollout_us_per_call']:.0f} / {r['buffer_us_per_call']:.0f} / {r['governor_us_per_call']:.0f}" \
         if "rollout_us_per_call" in r else "-"  # fmt: skip
     drv = f"{r['driver_us_per_call']:.0f}" if "driver_us_per_call" in r else "(in the tree)"
+    tree = f"{r['tree_us_per_call']:.0f}" if "tree_us_per_call" in r else "-"
     return (f"| {r['variant']} | {r['calls_per_s']:.0f} | {r['cpu_us_per_call']:.0f} | {parts} | {drv} | "
+            f"{tree} | {r['calls']} | "
             f"{r['gap_ms_median']:.1f} / {r['gap_ms_max']:.1f} | {100 * r['cached_share']:.1f}% ({r['resumed']}) | "
             f"{r['requests_inflight_max']} | {r['staleness_max']} | {r['errors']} |")  # fmt: skip
 
 
 HEADER = ("| variant | calls/s | client CPU/call, µs | rollout / buffer / governor µs | driver + runtime µs |"
-          " resume gap ms (median / max) | cached share of resumed prefixes (requests) | requests in flight (max)"
-          " | staleness max | errors |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
+          " whole tree µs/call | calls | resume gap ms (median / max) | cached share of resumed prefixes (requests)"
+          " | requests in flight (max) | staleness max | errors |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
 
 
 def main() -> None:
@@ -425,6 +529,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--profile", metavar="DIR", help="py-spy each client process over the measured window (--nonblocking, "
+                    "its own CPU not counted); collapsed stacks in DIR, the top functions per process printed")  # fmt: skip
     ap.add_argument("--batch-timeout", type=float, default=120.0)
     ap.add_argument(
         "--write", metavar="TITLE", help="append the table to bench/RESULTS.md under this heading"
@@ -470,7 +576,12 @@ def main() -> None:
                         ("farm_", "continue_", "resume_", "reposts_", "errors_", "pauses_", "rollout_loop")
                     )
                 }
-                cores = {"client_cores": round(r["cpu_us_per_call"] * r["calls_per_s"] / 1e6, 2)}
+                cores = {
+                    "client_cores": round(r["cpu_us_per_call"] * r["calls_per_s"] / 1e6, 2),
+                    "tree_us_per_call": round(r.get("tree_us_per_call", r["cpu_us_per_call"])),
+                }
+                for proc_name, top in r.get("profile", {}).items():
+                    print(f"    profile {proc_name}: {json.dumps(top)}", flush=True)
                 print("   ", json.dumps({**extra, **cores, "errors": r["errors"]}), flush=True)
     finally:
         farm.close()

@@ -143,6 +143,8 @@ class Trajectory:
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask must hold only 0/1")
         if gen[: self.prompt_len].any():
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask is 1 inside the prompt")
+        if versions.size == 0 or (versions.min() >= -1 and ((versions >= 0) == gen).all()):
+            return  # generated tokens have a version, masked ones -1: the common case, in two passes
         unversioned = np.flatnonzero(gen & (versions < 0))
         if unversioned.size:
             raise TrajectoryError(
