@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from rlactors.tomlconf import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "get-started").glob("*.md")) + sorted(
@@ -99,12 +102,31 @@ def load_recipe_config(config: str | None, overrides: list[str]) -> Any:
     return cfg
 
 
-def check_toml(body: str, where: str, folder: Path) -> None:
+def _flatten(table: dict[str, Any], prefix: str = "") -> list[str]:
+    """A TOML table as the recipe's ``section.key=value`` overrides."""
+    out = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value)}")
+    return out
+
+
+def check_toml(body: str, where: str, page_config: list[str]) -> None:
+    """A block of the recipe's config loads as the recipe loads it, with the page's earlier
+    blocks (``page_config``, extended): a page may build its config a table at a time."""
     tables = tomllib.loads(body)
     if tables and set(tables) <= RECIPE_SECTIONS:
-        path = folder / ".page-block.toml"
-        path.write_text(body)
-        load_recipe_config(str(path), [])
+        page_config += _flatten(tables)
+        try:
+            load_recipe_config(None, page_config)
+        except ConfigError as e:
+            pytest.fail(
+                f"{where}: {e}\n(a TOML block must load as the recipe's config, with the page's "
+                "earlier TOML blocks; or be saved with <!-- file: NAME --> and loaded by a command, "
+                "or marked <!-- illustration: why -->)"
+            )
 
 
 def check_python(body: str, where: str) -> None:
@@ -155,7 +177,7 @@ def test_every_block_of_the_page_runs(page: Path, tmp_path: Path, monkeypatch: p
         (tmp_path / name).symlink_to(ROOT / name)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    ran = 0
+    ran, page_config = 0, []
     for marker, lang, body, line in blocks(page):
         where = f"{page.relative_to(ROOT)}:{line}"
         if marker.startswith("illustration"):
@@ -170,7 +192,7 @@ def test_every_block_of_the_page_runs(page: Path, tmp_path: Path, monkeypatch: p
         if lang == "python":
             check_python(body, where)
         elif lang == "toml":
-            check_toml(body, where, tmp_path)
+            check_toml(body, where, page_config)
         elif lang in ("bash", "sh", "shell"):
             for argv in commands(body):
                 check_command(argv, where, tmp_path)
@@ -188,8 +210,16 @@ def test_an_unknown_command_fails_the_page(tmp_path: Path) -> None:
         check_command([".venv/bin/python", "recipes/gsm8k_grpo.py", "--no-such-flag"], "page.md:2", tmp_path)
 
 
-def test_a_misspelt_config_key_fails_the_page(tmp_path: Path) -> None:
-    from rlactors.config import ConfigError
+def test_a_misspelt_config_key_fails_the_page() -> None:
+    with pytest.raises(pytest.fail.Exception, match=r"unknown key 'trainer\.learning_rate'"):
+        check_toml("[trainer]\nlearning_rate = 1e-5\n", "page.md:1", [])
 
-    with pytest.raises(ConfigError):
-        check_toml("[trainer]\nlearning_rate = 1e-5\n", "page.md:1", tmp_path)
+
+def test_a_page_builds_its_config_block_by_block() -> None:
+    """A later block adds to the earlier ones: the workflow first, more of its settings after."""
+    page: list[str] = []
+    first = '[rollout]\nworkflow = "nodes.rollout.agents:AgentWorkflow"\n[rollout.workflow_args]\nagent = "recipes.agents.python_tool:run"\n'
+    check_toml(first, "page.md:1", page)
+    check_toml("[rollout.workflow_args]\nepisode_timeout_s = 60.0\n", "page.md:5", page)  # an agent's setting
+    with pytest.raises(pytest.fail.Exception, match="n_samples"):
+        check_toml("[rollout.workflow_args]\nn_samples = 0\n", "page.md:9", page)
