@@ -8,6 +8,14 @@ The packages are the ``envs`` extra, imported only when an environment is used.
 """
 
 from nodes.rollout.environments.episodes import EnvError, EpisodeSettings
+from nodes.rollout.environments.openenv_env import OpenEnvConfig, OpenEnvWorkflow
 from nodes.rollout.environments.verifiers_env import VerifiersConfig, VerifiersWorkflow
 
-__all__ = ["EnvError", "EpisodeSettings", "VerifiersConfig", "VerifiersWorkflow"]
+__all__ = [
+    "EnvError",
+    "EpisodeSettings",
+    "OpenEnvConfig",
+    "OpenEnvWorkflow",
+    "VerifiersConfig",
+    "VerifiersWorkflow",
+]
