@@ -103,13 +103,13 @@ class Trajectory:
     def oldest_version(self) -> int:
         """The oldest policy version among generated tokens, or -1 when nothing was generated."""
         gen = self._generated_versions()
-        return int(gen.min()) if gen.size else -1
+        return int(_min(gen)) if gen.size else -1
 
     @property
     def newest_version(self) -> int:
         """The newest policy version among generated tokens, or -1 when nothing was generated."""
         gen = self._generated_versions()
-        return int(gen.max()) if gen.size else -1
+        return int(_max(gen)) if gen.size else -1
 
     def _generated_versions(self) -> np.ndarray:
         mask, versions = _array(self.loss_mask, MASK_DTYPE), _array(self.versions, VERSIONS_DTYPE)
@@ -133,31 +133,40 @@ class Trajectory:
             )
         try:
             mask = np.asarray(self.loss_mask)
+            if mask.dtype == bool:
+                mask = mask.view(np.int8)
             versions = _array(self.versions, VERSIONS_DTYPE)
         except (TypeError, ValueError, OverflowError) as e:
             raise TrajectoryError(
                 f"trajectory {self.group_id!r}: per-token fields must be numbers: {e}"
             ) from e
+        # the common case in a few C-level passes (this runs on every group the buffer takes): each
+        # generated token (mask 1) has a version >= 0, each masked one (mask 0) exactly -1
+        if (
+            _all(np.minimum(versions, 0) == mask - 1)
+            and not _any(mask[: self.prompt_len])
+            and not _any(mask < 0)
+        ):
+            return
         gen = mask == 1
-        if not (gen | (mask == 0)).all():
+        if not _all(gen | (mask == 0)):
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask must hold only 0/1")
-        if gen[: self.prompt_len].any():
+        if _any(gen[: self.prompt_len]):
             raise TrajectoryError(f"trajectory {self.group_id!r}: loss_mask is 1 inside the prompt")
-        if versions.size == 0 or (versions.min() >= -1 and ((versions >= 0) == gen).all()):
-            return  # generated tokens have a version, masked ones -1: the common case, in two passes
         unversioned = np.flatnonzero(gen & (versions < 0))
         if unversioned.size:
             raise TrajectoryError(
                 f"trajectory {self.group_id!r}: generated token {unversioned[0]} has no version"
             )
-        stamped = np.flatnonzero(~gen & (versions != -1))
-        if stamped.size:
-            i = int(stamped[0])
-            raise TrajectoryError(
-                f"trajectory {self.group_id!r}: masked token {i} has version {versions[i]}, want -1"
-            )
+        i = int(np.flatnonzero(~gen & (versions != -1))[0])
+        raise TrajectoryError(
+            f"trajectory {self.group_id!r}: masked token {i} has version {versions[i]}, want -1"
+        )
 
 
+# ndarray.all()/any()/min() go through Python wrappers; the ufuncs' reductions do not
+_all, _any = np.logical_and.reduce, np.logical_or.reduce
+_min, _max = np.minimum.reduce, np.maximum.reduce
 _PER_TOKEN = ("input_ids", "loss_mask", "logprobs", "versions")
 
 

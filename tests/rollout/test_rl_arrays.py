@@ -113,3 +113,13 @@ def test_array_field_converts_any_registered_dataclass_field() -> None:
 class Tokens:
     ids: list[int] = codec.array_field("int16")  # noqa: RUF009
     name: str = ""
+
+
+def test_a_boolean_mask_is_a_mask() -> None:
+    t = traj(prompt=2, n_gen=3)
+    t.loss_mask = [bool(m) for m in t.loss_mask]
+    t.validate()
+    sent(t).validate()
+    t.loss_mask[0] = True
+    with pytest.raises(TrajectoryError, match="inside the prompt"):
+        t.validate()
