@@ -88,7 +88,16 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
             ),
             (
                 "rollout/history_edits",
-                "`AgentWorkflow`: requests that did not continue the episode's earlier completion (a new sample started)",
+                "agents and environments: requests that did not continue the episode's earlier completion (a new sample started)",
+            ),
+            ("rollout/env_episodes", "environments (`nodes.rollout.environments`): episodes started"),
+            (
+                "rollout/env_errors",
+                "environments: episodes whose environment or rubric raised, or scored a non-number; the item's group was dropped",
+            ),
+            (
+                "rollout/env_timeouts",
+                "environments: episodes past `episode_timeout_s`; the item's group was dropped",
             ),
             ("servers/live", "inference servers in routing after this step's publish"),
             ("servers/joined", "servers that joined routing since the previous step"),
@@ -105,7 +114,7 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
         [
             (
                 "episode/<name>",
-                'the mean over the batch of a number a workflow put in a trajectory\'s `meta["info"]`: an agent\'s extra return values (`{"reward": r, "turns": 2}` gives `episode/turns`)',
+                'the mean over the batch of a number a workflow put in a trajectory\'s `meta["info"]`: an agent\'s extra return values (`{"reward": r, "turns": 2}` gives `episode/turns`); each function of an environment rubric',
             ),
         ],
     ),

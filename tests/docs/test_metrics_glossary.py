@@ -120,18 +120,19 @@ def push_stats() -> set[str]:
 
 
 def workflow_counters() -> set[str]:
-    """``self.counters`` of every shipped workflow class (``rollout/<counter>``)."""
+    """The shipped workflows' ``self.counters`` (``rollout/<counter>``): the workflows' modules and
+    the environments' episodes. Not the rollout actor's, the client's, an endpoint episode's or the
+    reward runner's own counters, which reach metrics under other names or not at all."""
+    rollout = ROOT / "nodes" / "rollout"
+    files = [rollout / "workflows.py", rollout / "agents.py", *(rollout / "environments").rglob("*.py")]
     out = set()
-    for path in (ROOT / "nodes" / "rollout").glob("*.py"):
-        for cls in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(cls, ast.ClassDef) and cls.name.endswith("Workflow")):
-                continue
-            for node in ast.walk(cls):
-                if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "self.counters":
-                    value = node.value
-                    if isinstance(value, ast.Call) and ast.unparse(value.func) == "dict.fromkeys":
-                        out |= {t for e in getattr(value.args[0], "elts", []) if (t := _text(e))}
-                    out |= _dict_keys(value)
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "self.counters":
+                value = node.value
+                if isinstance(value, ast.Call) and ast.unparse(value.func) == "dict.fromkeys":
+                    out |= {t for e in getattr(value.args[0], "elts", []) if (t := _text(e))}
+                out |= _dict_keys(value)
     return out
 
 
@@ -172,6 +173,6 @@ def test_the_sources_are_found() -> None:
     assert {"grad_norm", "lr", "loss", "staleness_mean"} <= engine_stats()
     assert {"clip_frac", "tis_truncated_frac", "seq_ratio_max", "geo_ratio_min", "ref_kl"} <= loss_stats()
     assert {"push_time_s", "gather_s"} <= push_stats()
-    assert {"agent_errors"} <= workflow_counters()
+    assert {"agent_errors", "env_errors"} <= workflow_counters()
     assert loop_phases() == {"wait", "train", "push"}
     assert {"reward/mean", "eval/accuracy", "train/{}", "episode/{}"} <= emitted_names()
