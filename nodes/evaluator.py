@@ -34,6 +34,7 @@ async def evaluate(
     keys: ServerKeys | None = None,
     records: list[dict[str, Any]] | None = None,
     progress: Callable[[], None] | None = None,
+    lora: str = "",
 ) -> dict[str, float]:
     """Accuracy over ``items``: the mean over items of the mean reward of each item's samples (one
     sample each unless the workflow's ``n_samples`` says more), with its 95% Wilson interval over the
@@ -42,11 +43,12 @@ async def evaluate(
 
     ``keys``: the servers' keys. ``records``: when given, one dict per item is appended (its id,
     question, answer, the mean reward, and each sample's reward and completion text), in ``items``'
-    order. ``progress``: called as each item finishes.
+    order. ``progress``: called as each item finishes. ``lora``: the servers' adapter name under
+    adapter pushes (:class:`~nodes.rollout.config.ClientConfig`'s ``lora``).
     """
     from nodes.rollout.client import ClientConfig, SGLangClient
 
-    client = SGLangClient(urls, ClientConfig(keys=keys or ServerKeys()), version=version)
+    client = SGLangClient(urls, ClientConfig(keys=keys or ServerKeys(), lora=lora), version=version)
     started = time.time()
 
     async def one(i: int, item: dict[str, Any]) -> Any:
@@ -117,10 +119,11 @@ class Evaluator:
     """Evaluations of ``items`` with the workflow ``spec`` names, one at a time, in the background."""
 
     def __init__(
-        self, spec: WorkflowSpec, items: list[dict[str, Any]], keys: ServerKeys | None = None
+        self, spec: WorkflowSpec, items: list[dict[str, Any]], keys: ServerKeys | None = None, lora: str = ""
     ) -> None:
-        """``keys``: the servers' keys (:class:`protocols.auth.ServerKeys`), if they take any."""
-        self.spec, self.items, self.keys = spec, items, keys
+        """``keys``: the servers' keys (:class:`protocols.auth.ServerKeys`), if they take any;
+        ``lora``: the adapter name the policy is served under (adapter pushes), if any."""
+        self.spec, self.items, self.keys, self.lora = spec, items, keys, lora
         self.workflow: Any = None
         self.results: list[dict[str, float]] = []
         self._task: asyncio.Task | None = None
@@ -132,7 +135,7 @@ class Evaluator:
         if self.workflow is None:  # may load a tokenizer
             self.workflow = await asyncio.to_thread(build_workflow, self.spec)
         self._task = asyncio.create_task(
-            evaluate(self.workflow, urls, self.items, version, self.keys), name="eval"
+            evaluate(self.workflow, urls, self.items, version, self.keys, lora=self.lora), name="eval"
         )
 
     def poll(self) -> dict[str, float] | None:

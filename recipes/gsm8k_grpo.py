@@ -48,7 +48,7 @@ from nodes.run_state import RunLockedError, RunState, Terminated, Termination
 from nodes.trainer.manifest import CheckpointError
 from nodes.watchdog import StallWatchdog
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config, render_config
-from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane
+from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane, with_lora
 
 
 def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path, list[Any], list[Any]]:
@@ -79,7 +79,8 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
     )
     try:
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
-        evaluator = Evaluator(eval_spec(cfg, model), eval_items, plane.sync.keys)
+        lora = with_lora(cfg).rollout.client.lora  # the adapter's name under adapter pushes
+        evaluator = Evaluator(eval_spec(cfg, model), eval_items, plane.sync.keys, lora)
         await evaluator.start(plane.sync.live, state.version)
         stall = StallWatchdog(plane, out, cfg.run.stall_after_s, command=f"rlactors stack {reach}".strip())
         try:

@@ -29,7 +29,7 @@ from nodes.trainer.rank import TrainerRank
 from protocols.auth import ServerKeys
 from recipes.gsm8k_config import ModelConfig, RecipeConfig
 
-__all__ = ["Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "with_keys"]
+__all__ = ["Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "with_keys", "with_lora"]
 
 # A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
 # buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
@@ -113,6 +113,24 @@ def with_keys(cfg: RecipeConfig, keys: ServerKeys) -> RecipeConfig:
         trainer=dataclasses.replace(t, push=dataclasses.replace(t.push, keys=keys)),
         rollout=dataclasses.replace(r, client=dataclasses.replace(r.client, keys=keys)),
     )
+
+
+def with_lora(cfg: RecipeConfig) -> RecipeConfig:
+    """``cfg`` ready for LoRA adapter pushes (``[trainer.lora] push = "adapter"``): the servers
+    launched with LoRA enabled for adapters of its rank and modules, the rollout client naming the
+    adapter; otherwise ``cfg`` unchanged."""
+    lora, s, r = cfg.trainer.lora, cfg.servers, cfg.rollout
+    if not (lora.enabled and lora.push == "adapter"):
+        return cfg
+    modules = ["all"] if lora.target_modules == "all-linear" else list(lora.target_modules)
+    flags = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules]
+    servers = dataclasses.replace(
+        s,
+        reference=dataclasses.replace(s.reference, enable_lora=True, max_lora_rank=lora.rank),
+        sglang=dataclasses.replace(s.sglang, extra_args=[*s.sglang.extra_args, *flags]),
+    )
+    client = dataclasses.replace(r.client, lora=lora.name)
+    return dataclasses.replace(cfg, servers=servers, rollout=dataclasses.replace(r, client=client))
 
 
 @dataclass
@@ -233,7 +251,7 @@ async def start_plane(
     # The cluster's key pair, made before any server starts: every server that takes keys (beyond
     # loopback, or with servers.<kind>.auth = "on") takes it, every client of the servers holds it.
     keys = await cluster_keys(cluster)
-    cfg = with_keys(cfg, keys)
+    cfg = with_lora(with_keys(cfg, keys))
     tcfg = train_config(cfg, model, state.out)
     gpu = 1 if tcfg.device == "cuda" else 0
     ranks = await cluster.spawn_group(

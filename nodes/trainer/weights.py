@@ -501,8 +501,14 @@ class WeightPusher:
             return None, 0
         if not self.cfg.disk_dir:
             raise ValueError("adapter pushes write a folder: PushConfig.disk_dir must be set")
-        folder = Path(self.cfg.disk_dir) / f"adapter-v{version}"
+        root = Path(self.cfg.disk_dir)
+        folder = root / f"adapter-v{version}"
         nbytes = write_adapter(folder, self.model, tensors, self.model_config_dir)
+        assert self.lora is not None
+        for old in root.glob("adapter-v*"):  # those no server keeps loaded after this push
+            v = old.name.removeprefix("adapter-v")
+            if v.isdigit() and int(v) <= version - self.lora.keep:
+                shutil.rmtree(old, ignore_errors=True)
         return folder, nbytes
 
     def _load_adapter(self, version: int, folder: Path | None) -> None:
@@ -536,13 +542,10 @@ class WeightPusher:
                 log.info("lora_unload_skipped", adapter=name, error=str(e)[:200])
 
     def _unload_old_adapters(self) -> None:
-        """Make room for this push's adapter: unload (and delete) versions past ``keep - 1``."""
+        """Make room for this push's adapter: unload versions past the newest ``keep - 1``."""
         assert self.lora is not None
         while len(self._adapters) >= self.lora.keep:
-            name = self._adapters.pop(0)
-            self._unload(name)
-            version = name.rpartition("-v")[2]
-            shutil.rmtree(Path(self.cfg.disk_dir) / f"adapter-v{version}", ignore_errors=True)
+            self._unload(self._adapters.pop(0))
 
     def _push_disk(self, version: int) -> int:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
