@@ -1,10 +1,12 @@
-"""OpenAI's chat-completions protocol, as the OpenAI-compatible endpoint reads it: the request body
-and the error shape.
+"""OpenAI's chat-completions and Responses protocols, as the OpenAI-compatible endpoint reads them:
+the request bodies (:class:`ChatCompletionRequest`, :class:`ResponsesRequest`) and the error shape.
 
 Pure data and validation (pydantic models), no I/O. :meth:`ChatCompletionRequest.from_json` parses
 a decoded JSON body; the first violation raises :class:`OpenAIError` with the message and the
-``param`` OpenAI's error body names. Keys the endpoint does not use (``model``, ``user``, ...) are
-ignored, as OpenAI-compatible servers do; a JSON ``null`` means "not given".
+``param`` OpenAI's error body names. Keys a chat request does not use (``model``, ``user``, ...) are
+ignored, as OpenAI-compatible servers do; a Responses request refuses any key it does not know (the
+API has many features the endpoint does not serve: refused by name, never silently dropped). A JSON
+``null`` means "not given".
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from agents import (
     Agent,
     MaxTurnsExceeded,
     Model,
+    ModelBehaviorError,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     RunConfig,
@@ -47,12 +48,14 @@ def calculator(model: Model) -> Agent:
 
 
 async def episode(model: Model, item: dict[str, Any]) -> dict[str, float]:
-    """One run of the agent; the reward of its final answer (0 when it runs out of turns)."""
+    """One run of the agent; the reward of its final answer. An answer cut at the token limit (the
+    Responses model raises ModelBehaviorError on an ``incomplete`` response) or a run out of turns
+    scores 0: the episode is still trained on, as a bad answer."""
     try:
         result = await Runner.run(calculator(model), item["question"], max_turns=MAX_TURNS,
                                   run_config=RunConfig(tracing_disabled=True))  # fmt: skip
-    except MaxTurnsExceeded:
-        return {"reward": 0.0, "tool_calls": MAX_TURNS - 1}
+    except (MaxTurnsExceeded, ModelBehaviorError):
+        return {"reward": 0.0, "tool_calls": 0}
     calls = sum(i.type == "tool_call_item" for i in result.new_items)
     return {"reward": final_number_reward(str(result.final_output), item), "tool_calls": calls}
 
