@@ -50,6 +50,12 @@ from nodes.watchdog import StallWatchdog
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config, render_config
 from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane, with_lora
 
+# `python recipes/gsm8k_grpo.py` puts recipes/ first on sys.path, where its folders would shadow installed
+# packages of the same names (openai-agents' package is `agents`, as recipes/agents is), here and in every
+# actor (they inherit sys.path); the recipe's own modules are imported as recipes.*
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
+    del sys.path[0]
+
 
 def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path, list[Any], list[Any]]:
     """What is decided before any process starts: where the run resumes (a missing or corrupt
