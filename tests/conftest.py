@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +19,12 @@ if str(ROOT) not in sys.path:
 # Keep torch (when a test imports it) to one thread per process on this small machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Each test process (each pytest-xdist worker) records clusters and embedded runs in its own state
+# folder, never the user's ~/.rlactors: `rlactors status` with no flag finds "the only live run",
+# which a run of a test beside it would otherwise make ambiguous. Tests that need their own set it.
+_STATE_DIR = tempfile.mkdtemp(prefix="rlactors-test-state-")
+os.environ["RLACTORS_STATE_DIR"] = _STATE_DIR
+
 # pytest-timeout (and pytest's faulthandler_timeout) disarm their timers once a test has failed,
 # so a teardown that then hangs (a task that will not cancel) would hold the whole run until CI's
 # limit. Past this, every thread's stack goes to the real stderr and the run ends.
@@ -26,6 +34,10 @@ _STDERR_FD: list[int] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     _STDERR_FD.append(os.dup(2))  # capture is suspended here: fd 2 is the terminal / CI log
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_STATE_DIR, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)
