@@ -397,7 +397,7 @@ class StacksReport:
         if self.edges:
             out += ["", "WHO WAITS ON WHOM", *(str(e) for e in self.edges)]
         out += ["", "ACTORS"]
-        ends = {w.name for w in self.waited_on}
+        ends = {w.name for w in self.waited_on if w.kind != "backpressure"}
         order = sorted(self.actors, key=lambda a: (a.state == "DRIVER", a.state == "DEAD", a.name))
         busy = [a for a in order if a.incoming or a.outgoing or not a.responsive or a.state != "ALIVE"]
         for a in busy:
@@ -415,7 +415,7 @@ def _where(m: ActorStacks | None, name: str) -> str:
     if m.state in ("DEAD", "UNKNOWN", "PENDING", "RESTARTING"):
         return f"{name} is {m.summary()}"
     if not m.responsive:
-        return f"{name} is {m.summary().split(':', 1)[0]}"
+        return f"{name} is unresponsive" + (f" for {_age(m.unresponsive_s)}" if m.unresponsive_s else "")
     return f"{name} is elsewhere: {m.summary()}"
 
 
@@ -466,9 +466,9 @@ def _kind(end: str, a: ActorStacks | None, into: list[WaitEdge], in_cycle: bool)
     if failed:
         why.append(f"its {failed[0].method} failed ({failed[0].note}) and {failed[0].waiter} still waits")
     if missed:
-        why.append(
-            f"{', '.join(sorted({e.waiter for e in missed}))} wait for it in {missed[0].method.split(' ')[0]}"
-        )
+        peers = sorted({e.waiter for e in missed})
+        verb = "waits" if len(peers) == 1 else "wait"
+        why.append(f"{', '.join(peers)} {verb} for it in {missed[0].method.split(' ')[0]}")
     if a is None or a.state in ("DEAD", "UNKNOWN"):
         kind = "dead"
     elif not a.responsive:

@@ -272,7 +272,7 @@ def test_a_stopped_rank_heads_the_report_over_back_pressure_and_its_peer_names_i
     assert report.waited_on[0] is culprit and report.waited_on[-1].name == "governor"
     assert report.waited_on[-1].kind == "backpressure"
     assert culprit.chain == ["driver-1", "trainer-0", "trainer-1"]
-    assert "trainer-0 wait for it in all_reduce" in culprit.summary
+    assert "trainer-0 waits for it in all_reduce" in culprit.summary
     rank0 = report["trainer-0"].summary()
     assert (
         "blocked in all_reduce (distributed_c10d.py:2501), a collective of group 'default' (gloo, rank 0 of 2)"
