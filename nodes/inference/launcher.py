@@ -96,7 +96,7 @@ class SGLangServerConfig:
     On GPUs SGLang is usually installed beside rlactors (``python`` empty: this interpreter). On
     CPU (``device="cpu"``) it runs from its own venv (``scripts/sglang-setup.sh`` installs one
     and prints its python) with SGLang's CPU engine, our pure-torch stand-in for the two
-    sgl-kernel ops it needs, and the flags measured to work here (../shared/FACTS.md).
+    sgl-kernel ops it needs, and the flags found to work on CPU (``env()`` and ``command()``).
     """
 
     model_path: str  # --model-path (the recipe sets it from [model])

