@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
+
 def test_readme_is_short() -> None:
     assert len(README.splitlines()) <= 200
 
