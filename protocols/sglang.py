@@ -517,10 +517,12 @@ def lora_name(prefix: str, version: int) -> str | None:
     return f"{prefix}-v{version}" if version else None
 
 
-def lora_update_body(success: bool, loaded: dict[str, str], error: str | None = None) -> dict[str, Any]:
+def lora_update_body(
+    success: bool, loaded: dict[str, str] | None, error: str | None = None
+) -> dict[str, Any]:
     """The answer of ``/load_lora_adapter`` and ``/unload_lora_adapter`` (SGLang's
     ``LoRAUpdateOutput``): ``success``, ``error_message``, and the adapters loaded now by name
-    (their paths); HTTP 200 on success, else 400."""
+    (their paths; None after a failure); HTTP 200 on success, else 400."""
     return {"success": success, "error_message": error, "loaded_adapters": loaded}
 
 

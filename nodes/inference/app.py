@@ -371,9 +371,9 @@ class Routes:
 
 
 def _lora_answer(ok: bool, error: str | None, loaded: dict[str, str]) -> render.OrjsonResponse:
-    # SGLang: LoRAUpdateOutput, 200 on success else 400 (loaded_adapters only with success)
+    # SGLang: LoRAUpdateOutput, 200 on success else 400 (loaded_adapters None after a failure)
     return render.OrjsonResponse(
-        lora_update_body(ok, loaded if ok else {}, error), status_code=200 if ok else 400
+        lora_update_body(ok, loaded if ok else None, error), status_code=200 if ok else 400
     )
 
 

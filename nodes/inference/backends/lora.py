@@ -46,7 +46,8 @@ def read_adapter(
     targets: list[str] | None = None,
 ) -> Adapter:
     """The PEFT adapter folder ``path`` as an :class:`Adapter` for ``model``; ``ValueError`` naming
-    what does not fit (no such folder, a rank over ``max_rank``, a module outside ``targets``, a
+    what does not fit (no such folder, a rank over ``max_rank``, a module outside ``targets`` (unless
+    it holds SGLang's ``all``), a
     tensor that is not a linear layer's adapter of the right shape)."""
     from safetensors.torch import load_file
 
@@ -79,7 +80,7 @@ def read_adapter(
         layer = modules.get(module)
         if not isinstance(layer, torch.nn.Linear) or set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name}: {module} is not a linear layer of the served model")
-        if targets and module.rpartition(".")[2] not in targets:
+        if targets and "all" not in targets and module.rpartition(".")[2] not in targets:
             raise ValueError(f"LoRA adapter {name} targets {module}, outside --lora-target-modules {targets}")
         a, b = ab["A"], ab["B"]
         if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
