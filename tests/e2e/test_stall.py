@@ -60,6 +60,14 @@ def test_a_workflow_that_never_returns_is_named(tmp_path: Path) -> None:
         assert "waiting on rollout-0 (its episode gsm8k/e" in line and "has been in flight" in line
         report = (out / "stalls" / "step-1.txt").read_text()
         assert "waiting on: rollout-0" in report and '"oldest_in_flight"' in report and '"servers"' in report
+        # the line ends with the command that reaches this embedded run, and it does
+        command = line.rstrip().split("; stacks now: ", 1)[1]
+        assert command.startswith("rlactors stack --run ") and Path(command.split()[-1]) == out
+        stack = subprocess.run(
+            [sys.executable, "-m", "rlactors.cli", *command.split()[1:], "rollout-0"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert stack.returncode == 0 and stack.stdout.startswith("stacks of 1 actor"), stack.stderr
         assert proc.poll() is None  # it kills nothing and keeps watching
     finally:
         stop(proc)
