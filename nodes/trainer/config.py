@@ -167,9 +167,9 @@ class LoraConfig:
     # servers need LoRA enabled, which the recipe does; requests name "<name>-v<version>")
     push: Literal["merged", "adapter"] = "merged"
     name: str = "policy"  # adapter pushes: the adapters' name on the servers, before "-v<version>"
-    # adapter pushes: versions each server keeps loaded (and on disk); a request still naming an
-    # older one gets an error (the rollout client names the newest at every post)
-    keep: int = field(default=2, metadata=at_least(1))
+    # adapter pushes: versions each server keeps loaded (and on disk). Rollout names the newest at
+    # every post; an evaluation names the version it started at, so it fails if it outlasts this many pushes
+    keep: int = field(default=4, metadata=at_least(2))
 
     def __post_init__(self) -> None:
         check_ranges(self)
