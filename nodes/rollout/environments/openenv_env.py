@@ -135,7 +135,9 @@ class EnvServers:
     def __init__(self, config: OpenEnvConfig) -> None:
         self.config = config
         self.urls = list(config.env_urls)
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * (0 if config.env_urls else config.n_envs)
+        self.procs: list[asyncio.subprocess.Process | None] = [None] * (
+            0 if config.env_urls else config.n_envs
+        )
         self._next = itertools.count()
         self._lock = asyncio.Lock()
         self.replaced = 0
@@ -144,7 +146,7 @@ class EnvServers:
         """A server's URL for a new episode (round robin), starting or replacing servers first."""
         if self.config.env_app:
             async with self._lock:
-                dead = [i for i, p in enumerate(self.procs) if p is None or p.poll() is not None]
+                dead = [i for i, p in enumerate(self.procs) if p is None or p.returncode is not None]
                 if dead:
                     await asyncio.gather(*(self._start(i) for i in dead))
         return self.urls[next(self._next) % len(self.urls)]
@@ -159,18 +161,19 @@ class EnvServers:
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "uvicorn", self.config.env_app, "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning"]  # fmt: skip
-        proc = await asyncio.to_thread(  # a fork of a large process: not on the loop
-            subprocess.Popen, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # forked by the loop's thread: the death signal is tied to the thread that forks
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + self.config.start_timeout_s
         while (why := await asyncio.to_thread(_health, url)) is not None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise EnvError(
-                    f"OpenEnv server {self.config.env_app} did not start ({why}; exit {proc.poll()})"
-                )
+            if proc.returncode is not None or time.monotonic() > deadline:
+                if proc.returncode is None:
+                    proc.kill()
+                code = await proc.wait()
+                raise EnvError(f"OpenEnv server {self.config.env_app} did not start ({why}; exit {code})")
             await asyncio.sleep(0.2)  # polling a starting process: nothing to wait on but its port
         if i < len(self.urls):
             self.urls[i] = url
@@ -178,12 +181,12 @@ class EnvServers:
             self.urls.append(url)
         self.procs[i] = proc
 
-    def close(self) -> None:
-        """Stop the servers this object started."""
+    async def aclose(self) -> None:
+        """Stop the servers this object started (they die with the process that started them too)."""
         for p in self.procs:
-            if p is not None and p.poll() is None:
+            if p is not None and p.returncode is None:
                 p.kill()
-                p.wait()
+                await p.wait()
 
 
 class OpenEnvWorkflow:

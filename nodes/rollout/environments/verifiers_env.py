@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ def load_verifiers_env(env: str, env_args: dict[str, Any]) -> Any:
     except ImportError as e:
         raise ValueError(f"'env' = {env!r}: verifiers is not installed ({e}); {INSTALL}") from None
     datasets.disable_progress_bars()  # environments map their datasets: one bar per process and split
+    quiet = logging.getLogger("verifiers.legacy.utils.env_utils")  # its failure is our one line
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         loaded = load(env, **env_args)
     except Exception as e:
@@ -95,6 +99,8 @@ def load_verifiers_env(env: str, env_args: dict[str, Any]) -> Any:
         raise ValueError(
             f"'env' = {env!r}: load_environment failed: {type(cause).__name__}: {_line(cause)}"
         ) from None
+    finally:
+        quiet.setLevel(level)
     if not isinstance(loaded, vf.Environment):
         raise ValueError(
             f"'env' = {env!r}: load_environment returned {type(loaded).__name__}, not a vf.Environment"

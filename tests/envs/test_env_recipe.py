@@ -1,0 +1,128 @@
+"""Environments trained through the real recipe (tiny model, reference servers, FSDP2 ranks, weight
+pushes), 2 steps each, one run per scenario shared by its tests: a verifiers ``SingleTurnEnv`` whose
+environment raises in half its rollouts (the run goes on; its rubric's rewards), a verifiers
+``ToolEnv`` (the tool runs in every episode; the second turn continues the first), an OpenEnv
+environment started by the run as a real server process that dies once (replaced; the run goes on).
+A module that does not import or an unreachable server: exit 2 before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_recipe import recipe, rows
+
+pytest.importorskip("verifiers")
+pytest.importorskip("openenv.core")
+
+BATCH, SAMPLES = 2, 2
+COMMON = [
+    "model.tiny=true",
+    "data.eval_size=4",
+    f"async.batch_size={BATCH}",
+    "async.max_staleness=1",
+    f"rollout.workflow_args.n_samples={SAMPLES}",
+    "rollout.workflow_args.max_new_tokens=8",
+    "servers.reference.max_running_requests=16",
+    "run.steps=2",
+    "run.eval_every=0",
+    "run.checkpoint_every=0",
+]
+VERIFIERS = "rollout.workflow=nodes.rollout.environments:VerifiersWorkflow"
+
+
+def run(tmp: Path, args: list[str]) -> list[dict[str, Any]]:
+    out = tmp / "run"
+    done = recipe([*COMMON, *args, f"run.out_dir={out}"], timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    m = rows(out)
+    assert [r["step"] for r in m] == [1, 2]
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 2 * BATCH and len(set(groups)) == len(groups)  # every group trained once
+    for r in m:
+        assert r["train/n_seqs"] == BATCH * SAMPLES  # one trajectory per episode
+        assert r["rollout/history_edits"] == 0  # every later turn continued the earlier one's ids
+    return m
+
+
+@pytest.fixture(scope="module")
+def single_turn(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run(tmp_path_factory.mktemp("single"), [
+        VERIFIERS, "rollout.workflow_args.env=tests.envs.sample_env",
+        'rollout.workflow_args.env_args={kind = "flaky"}', "data.source=env",
+    ])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_env(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run(tmp_path_factory.mktemp("tool"), [
+        VERIFIERS, "rollout.workflow_args.env=recipes.envs.calculator",
+        "rollout.workflow_args.env_args={max_turns = 2, limit = 16}", "data.source=env",
+        "rollout.workflow_args.tool_parser=tests.envs.always_multiply:parse",
+    ])  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def openenv(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("openenv")
+    with pytest.MonkeyPatch.context() as mp:  # the recipe's processes inherit it, the servers too
+        mp.setenv("RLACTORS_TEST_DIE_ONCE", str(tmp / "died"))
+        m = run(tmp, [
+            "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
+            "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app", "data.source=easy",
+        ])  # fmt: skip
+    assert (tmp / "died").exists()  # a server process did die during the run
+    return m
+
+
+@pytest.mark.slow
+def test_a_single_turn_env_trains_on_its_rubric_and_survives_its_errors(single_turn: list[dict]) -> None:
+    for r in single_turn:
+        # the rubric's score is the reward: its one function scores every answer 1 (weight 1)
+        assert r["reward/mean"] == 1.0 and r["episode/one"] == 1.0 and r["episode/one/weight"] == 1.0
+        assert r["episode/length/weight"] == 0.0 and "episode/length" in r  # a metric, weight 0
+    # the environment raised in half its rollouts: those groups were dropped, counted, the run went on
+    assert single_turn[-1]["rollout/env_errors"] >= 1 and single_turn[-1]["rollout/env_timeouts"] == 0
+
+
+@pytest.mark.slow
+def test_a_tool_env_runs_its_tool_in_every_episode(tool_env: list[dict]) -> None:
+    for r in tool_env:
+        assert r["episode/total_tool_calls"] == 2.0 and r["episode/multiply_calls"] == 2.0
+        assert r["episode/num_turns"] == 2.0
+        # the rubric scored the answers (never the product here): correct_answer, weight 1
+        assert r["reward/mean"] == r["episode/correct_answer"] and r["episode/correct_answer/weight"] == 1.0
+        assert r["rollout/env_errors"] == 0
+        # two model turns with the tool's answer between: more tokens than the loss mask covers
+        assert r["train/n_tokens"] > r["train/n_loss_tokens"] + r["train/n_seqs"] * 10
+
+
+@pytest.mark.slow
+def test_an_openenv_server_process_trains_and_its_death_does_not_stop_the_run(openenv: list[dict]) -> None:
+    for r in openenv:
+        assert r["episode/turns"] == 2.0 and r["episode/env_reward_steps"] == 2.0  # done after 2 steps
+        assert 0.0 <= r["reward/mean"] <= 2.0  # the environment's step rewards (<= 1 each), summed
+    assert openenv[-1]["rollout/env_errors"] >= 1  # the group on the dying server was dropped
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([VERIFIERS, "rollout.workflow_args.env=no_such_env_module"], "'rollout.workflow_args.env' = 'no_such_env_module'"),
+        ([VERIFIERS, "rollout.workflow_args.env=tests.envs.sample_env",
+          'rollout.workflow_args.env_args={kind = "load_fails"}'], "load_environment failed: RuntimeError"),
+        (["rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
+          'rollout.workflow_args.env_urls=["http://127.0.0.1:9"]'], "'http://127.0.0.1:9' does not answer"),
+    ],
+)  # fmt: skip
+def test_an_environment_that_cannot_start_is_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    out = tmp_path / "run"
+    done = recipe([*COMMON, *args, f"run.out_dir={out}"], timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and not (out / "config.json").exists()  # nothing started
