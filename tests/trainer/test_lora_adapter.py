@@ -5,6 +5,7 @@ exactly what the merged model generates; requests without it, in the same batch,
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import shutil
 from collections.abc import Iterator
@@ -139,3 +140,71 @@ def test_adapter_state_has_peft_names_and_matches_the_model() -> None:
     for k, t in state.items():
         own = k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
         assert torch.equal(t, params[own])
+
+
+def test_push_and_keep_come_from_the_config_and_are_checked() -> None:
+    from recipes.gsm8k_config import load_config
+    from rlactors.tomlconf import ConfigError
+
+    cfg = load_config(None, ["trainer.lora.enabled=true", "trainer.lora.push=adapter", "trainer.lora.keep=3"])
+    assert (cfg.trainer.lora.push, cfg.trainer.lora.keep) == ("adapter", 3)
+    assert LoraConfig().push == "merged"  # full weights unless asked
+    for bad, key in (("push=tensors", "push"), ("keep=1", "keep")):
+        with pytest.raises(ConfigError, match=f"trainer.lora.{key}"):
+            load_config(None, [f"trainer.lora.{bad}"])
+
+
+def test_the_recipe_launches_servers_with_lora_and_clients_name_the_adapter() -> None:
+    from recipes.gsm8k_config import load_config
+    from recipes.gsm8k_plane import with_lora
+
+    merged = load_config(None, ["trainer.lora.enabled=true"])
+    assert with_lora(merged) is merged  # nothing changes for merged pushes
+    cfg = with_lora(
+        load_config(
+            None,
+            [
+                "trainer.lora.enabled=true",
+                "trainer.lora.push=adapter",
+                "trainer.lora.rank=8",
+                "trainer.lora.name=p",
+            ],
+        )
+    )
+    assert cfg.servers.reference.enable_lora and cfg.servers.reference.max_lora_rank == 8
+    flags = cfg.servers.sglang.extra_args
+    assert flags[:5] == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all"]
+    assert cfg.rollout.client.lora == "p"
+
+
+async def test_the_client_names_the_adapter_of_its_version_and_labels_tokens_with_it() -> None:
+    from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
+    from rlactors.aio import wait_for
+    from tests.rollout.test_client_mock import A, Script, reply
+
+    aborted = asyncio.Event()
+
+    def first(body: dict) -> httpx.Response:
+        client.pause()  # a push: the abort comes back while the client is paused
+        aborted.set()
+        return reply([5, 6], "abort", message="paused", versions=["9", "9"])
+
+    script = Script(a=[first, lambda b: reply([7, 8], "length", versions=["9", "9"])])
+    client = SGLangClient(
+        [A], ClientConfig(lora="policy", http="httpx"), version=1, transport=script.transport()
+    )
+    task = asyncio.ensure_future(client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4})))
+    await wait_for(aborted.wait(), 30)
+    client.set_version(2)  # the push loaded policy-v2 on every server
+    client.resume()
+    res = await task
+    assert [b.get("lora_path") for _, b in script.posts] == ["policy-v1", "policy-v2"]
+    # each post's tokens carry the version of the adapter it named, whatever the server's spans say
+    assert res.output_versions == [1, 1, 2, 2]
+    await client.aclose()
+    base = SGLangClient(
+        [A], ClientConfig(lora="policy", http="httpx"), version=0, transport=script.transport()
+    )
+    await base.agenerate(GenRequest([1], {"max_new_tokens": 2}))
+    assert "lora_path" not in script.posts[-1][1]  # version 0 is the base model: no adapter named
+    await base.aclose()
