@@ -14,13 +14,24 @@ loops posting one request after another for ``--seconds`` after ``--warmup``:
 - ``chat-episode``: two-turn episodes, as an agent sends them: a new question, then that
   conversation with the answer and a follow-up (which continues the first completion's ids);
 - ``chat-sdk``: the same through ``openai.AsyncOpenAI`` (the agent's SDK cost shows in this process);
-- ``models``: aiohttp GETs of the endpoint's ``/v1/models`` (its HTTP serving alone, no generation).
+- ``models``: aiohttp GETs of the endpoint's ``/v1/models`` (its HTTP serving alone, no generation);
+- ``responses``: aiohttp posts of the same conversation to ``/v1/responses`` (``instructions`` and
+  ``input``), as ``chat`` (target: the endpoint's CPU per call within 10% of ``chat``'s);
+- ``responses-episode``: two-turn episodes as ``chat-episode``, the second request sending the first
+  response's output items back with a follow-up.
+
+``--runners`` measures instead where an agent's code runs (``agent_runner``, nodes/rollout/agents.py):
+an :class:`AgentWorkflow` in this process with a generator that answers at once, groups of 4 runs
+of an agent that makes one chat call (``awaits``), or one chat call then a tool that blocks 20 ms in
+``time.sleep`` (``blocks``), ``--concurrency`` groups at a time; episodes/s and CPU per episode
+(this process's, and the worker processes' for ``process``).
 
 The endpoint's cost per chat call is its process's CPU over the calls; what it adds is that minus
 the bare ``/generate`` call's CPU (target: ≤ 300 µs). Its own work (HTTP serving, rendering,
 reading the answer) is that cost minus its ``SGLangClient`` call's (the ``client`` row).
 
     python bench/agent_endpoint.py --servers 2 --concurrency 16 --seconds 5 --repeats 3
+    python bench/agent_endpoint.py --runners --concurrency 16 --seconds 5 --repeats 3
 """
 
 from __future__ import annotations
@@ -169,6 +180,42 @@ async def chat_sdk(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
     return post, client.close
 
 
+async def responses_aiohttp(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    body = {"model": "m", "instructions": MESSAGES[0]["content"], "input": MESSAGES[1]["content"],
+            "max_output_tokens": NEW_TOKENS, "temperature": 0}  # fmt: skip
+
+    async def post(i: int, n: int) -> None:
+        async with session.post(base_url + "/responses", json=body) as r:
+            r.raise_for_status()
+            assert (await r.json())["usage"]["output_tokens"] == NEW_TOKENS
+
+    return post, session.close
+
+
+async def responses_episodes(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    """As :func:`chat_episodes`: the odd calls send the first response's output items back."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    items: dict[int, list[dict[str, Any]]] = {}
+
+    async def post(i: int, n: int) -> None:
+        if n % 2 == 0:
+            items[i] = [{"role": "user", "content": f"What is {i} + {n}? Think step by step."}]
+        body = {"model": "m", "instructions": MESSAGES[0]["content"], "input": items[i],
+                "max_output_tokens": NEW_TOKENS, "temperature": 0, "store": False}  # fmt: skip
+        async with session.post(base_url + "/responses", json=body) as r:
+            r.raise_for_status()
+            answer = await r.json()
+        assert answer["usage"]["output_tokens"] == NEW_TOKENS
+        items[i] = [*items[i], *answer["output"], {"role": "user", "content": "Go on."}]
+
+    return post, session.close
+
+
 async def measure(
     make: Callable[[], Awaitable[tuple[Post, Callable[[], Awaitable[None]]]]],
     endpoint: Any,
@@ -219,9 +266,13 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["generate", "client", "chat", "chat-distinct", "chat-episode", "chat-sdk", "models"],
-    )
+        default=["generate", "client", "chat", "chat-distinct", "chat-episode", "chat-sdk", "models",
+                 "responses", "responses-episode"],
+    )  # fmt: skip
+    ap.add_argument("--runners", action="store_true", help="measure agent_runner loop | thread | process")
     args = ap.parse_args()
+    if args.runners:
+        return runners(args)
 
     import psutil
     import uvloop
@@ -246,6 +297,8 @@ def main() -> None:
         "chat-episode": lambda: chat_episodes(base_url),
         "chat-sdk": lambda: chat_sdk(base_url),
         "models": lambda: models(base_url),
+        "responses": lambda: responses_aiohttp(base_url),
+        "responses-episode": lambda: responses_episodes(base_url),
     }
     results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
     try:
@@ -268,12 +321,130 @@ def main() -> None:
 
     base, client = median("generate", "agent_us"), median("client", "agent_us")
     print(f"baseline: bare /generate (aiohttp) {base:.0f} us/call; SGLangClient {client:.0f}")
-    for name in ("chat", "chat-distinct", "chat-episode", "chat-sdk"):
+    for name in ("chat", "chat-distinct", "chat-episode", "chat-sdk", "responses", "responses-episode"):
         if name in results:
             ep, agent = median(name, "endpoint_us"), median(name, "agent_us")
             print(f"{name:13s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
                   f" target <= {TARGET_US:.0f}: {'met' if ep - base <= TARGET_US else 'MISSED'});"
                   f" its own work (minus its SGLangClient call) {ep - client:.0f} us; agent side {agent:.0f} us/call")  # fmt: skip
+
+    for name, like in (("responses", "chat"), ("responses-episode", "chat-episode")):
+        if name in results and like in results:
+            r, c = median(name, "endpoint_us"), median(like, "endpoint_us")
+            print(f"{name} endpoint {r:.0f} us/call against {like} {c:.0f}: {100 * (r / c - 1):+.1f}%"
+                  f" (target within 10%: {'met' if r <= 1.1 * c else 'MISSED'})")  # fmt: skip
+
+
+# -- agent runners -------------------------------------------------------------------------------
+
+BLOCK_S = 0.02
+
+
+async def awaits(client: Any, item: Any) -> float:
+    """An agent whose every wait is awaited: one chat call."""
+    await client.chat.completions.create(model="m", messages=MESSAGES)
+    return 1.0
+
+
+async def blocks(client: Any, item: Any) -> float:
+    """One chat call, then a sync tool that blocks :data:`BLOCK_S` in ``time.sleep``."""
+    await client.chat.completions.create(model="m", messages=MESSAGES)
+    blocking_tool()
+    return 1.0
+
+
+def blocking_tool() -> None:
+    time.sleep(BLOCK_S)
+
+
+class Instant:
+    """A generator that answers every request at once with the same 16 tokens."""
+
+    async def agenerate(self, request: Any) -> Any:
+        from nodes.rollout.client import GenResult
+
+        ids = list(range(1000, 1000 + NEW_TOKENS))
+        return GenResult(request.rid or "", ids, [-0.5] * len(ids), [0] * len(ids), "length", "",
+                         len(request.input_ids), [0], "instant")  # fmt: skip
+
+
+async def run_groups(
+    wf: Any, concurrency: int, warmup: float, seconds: float, workers: Any
+) -> dict[str, float]:
+    """Groups back to back, ``concurrency`` at a time; episodes/s and CPU per episode."""
+    gen, episodes, counting = Instant(), 0, False
+    stop = time.monotonic() + warmup + seconds
+
+    def worker_cpu() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in workers.children(recursive=True))
+
+    async def loop(i: int) -> None:
+        nonlocal episodes
+        n = 0
+        while time.monotonic() < stop:
+            group = await wf.arun_episode(gen, {"question": "q"}, f"g{i}-{n}")
+            n += 1
+            episodes += counting * len(group.trajectories)
+
+    tasks = [asyncio.ensure_future(loop(i)) for i in range(concurrency)]
+    await asyncio.sleep(warmup)  # not a synchronisation: the warm-up time not counted
+    counting = True
+    t0, cpu0, w0 = time.monotonic(), time.process_time(), worker_cpu()
+    await asyncio.gather(*tasks)
+    wall, cpu, w = time.monotonic() - t0, time.process_time() - cpu0, worker_cpu() - w0
+    n = max(episodes, 1)
+    return {
+        "episodes": episodes,
+        "per_s": episodes / wall,
+        "actor_us": 1e6 * cpu / n,
+        "workers_us": 1e6 * w / n,
+    }
+
+
+def runners(args: argparse.Namespace) -> None:
+    """Each agent runner with each agent, interleaved and repeated, one workflow each (its worker
+    processes started in the first repeat's warm-up); medians."""
+    import psutil
+    import uvloop
+    from transformers import AutoTokenizer
+
+    from nodes.inference.models import ensure_tiny_checkpoint
+    from nodes.rollout.agents import AgentConfig, AgentWorkflow
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_checkpoint()), local_files_only=True)
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    me = psutil.Process()
+    cases = [(agent, runner) for agent in ("awaits", "blocks") for runner in ("loop", "thread", "process")]
+    workflows = {
+        (agent, runner): AgentWorkflow(tok, None, AgentConfig(  # type: ignore[arg-type]
+            agent=f"bench.agent_endpoint:{agent}", n_samples=4, agent_runner=runner,  # type: ignore[arg-type]
+            agent_processes=4 * args.concurrency, max_new_tokens=NEW_TOKENS))
+        for agent, runner in cases
+    }  # fmt: skip
+    results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in cases}
+
+    async def main() -> None:
+        try:
+            for rep in range(args.repeats):
+                for agent, runner in cases:
+                    wf = workflows[agent, runner]
+                    warmup = args.warmup * (3 if rep == 0 and runner == "process" else 1)  # workers start
+                    r = await run_groups(wf, args.concurrency, warmup, args.seconds, me)
+                    results[agent, runner].append(r)
+                    print(f"rep={rep} {agent:6s} {runner:7s} {r['per_s']:7.0f} episodes/s  actor {r['actor_us']:6.0f}"
+                          f" us/episode  workers {r['workers_us']:6.0f} us/episode  load={os.getloadavg()[0]:.1f}",
+                          flush=True)  # fmt: skip
+        finally:
+            for wf in workflows.values():
+                await wf.endpoint.aclose()
+                wf.processes.close()
+
+    uvloop.run(main())
+    for (agent, runner), rs in results.items():
+        mid = sorted(rs, key=lambda r: r["per_s"])[len(rs) // 2]
+        print(f"median {agent:6s} {runner:7s} {mid['per_s']:7.0f} episodes/s  actor {mid['actor_us']:6.0f}"
+              f" us/episode  workers {mid['workers_us']:6.0f} us/episode")  # fmt: skip
 
 
 if __name__ == "__main__":

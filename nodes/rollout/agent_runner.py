@@ -1,6 +1,6 @@
 """Where an agent's code runs (``[rollout.workflow_args] agent_runner``, nodes/rollout/agents.py).
 
-- ``"thread"``: each run in a thread of its own with its own event loop, so a tool that blocks
+- ``"thread"``: each run in a thread of its own (from a pool; each keeps an event loop), so a tool that blocks
   (``time.sleep``, a sync HTTP call, a subprocess wait) holds up only its own episode;
 - ``"loop"``: on the rollout actor's event loop, the cheapest, for agents whose every wait is
   awaited (a blocking call there stalls every episode of the actor);
@@ -43,36 +43,59 @@ async def run_agent(agent: Callable[..., Any], url: str, item: Any, timeout: flo
         await sdk.close()
 
 
+# Threads that run agents, each with an event loop of its own that it keeps from run to run (a loop
+# per run, as asyncio.run makes, cost a new default executor and its threads each time: the DNS
+# lookup of the episode's URL runs there). Runs beyond MAX_THREADS at once wait for a thread.
+MAX_THREADS = 512
+_threads: concurrent.futures.ThreadPoolExecutor | None = None
+_local = threading.local()
+
+
+def _thread_loop() -> asyncio.AbstractEventLoop:
+    loop = getattr(_local, "loop", None)
+    if loop is None:
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        _local.loop = loop
+    return loop
+
+
 async def in_thread(agent: Callable[..., Any], url: str, item: Any, timeout: float) -> Any:
-    """:func:`run_agent` in a thread of its own with its own event loop: its blocking calls block
-    only it. Cancelled or out of time, the run is cancelled in its loop; a call that blocks past
-    that ends when it returns (a thread cannot be stopped), its result dropped."""
-    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    """:func:`run_agent` in a thread of its own (from a pool) on that thread's event loop: its
+    blocking calls block only it. Cancelled or out of time, the run is cancelled in its loop; a call
+    that blocks past that ends when it returns (a thread cannot be stopped), its result dropped."""
+    global _threads
+    if _threads is None:
+        _threads = concurrent.futures.ThreadPoolExecutor(MAX_THREADS, thread_name_prefix="agent-run")
     started: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
     stop = threading.Event()
 
-    async def main() -> Any:
-        task = asyncio.current_task()
-        assert task is not None
-        started.append((asyncio.get_running_loop(), task))
+    def body() -> Any:
+        loop = _thread_loop()
+        task = loop.create_task(run_agent(agent, url, item, timeout))
+        started.append((loop, task))
         if stop.is_set():
-            raise asyncio.CancelledError
-        return await run_agent(agent, url, item, timeout)
-
-    def body() -> None:
-        if not done.set_running_or_notify_cancel():
-            return
+            task.cancel()
         try:
-            done.set_result(asyncio.run(main()))
-        except BaseException as e:
-            done.set_exception(e)
+            return loop.run_until_complete(task)
+        finally:  # what the run left behind (a framework's background tasks) ends with it
+            rest = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in rest:
+                t.cancel()
+            if rest:
+                loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
 
-    threading.Thread(target=body, name="agent-run", daemon=True).start()
+    done = _threads.submit(body)
     try:
         async with asyncio.timeout(timeout):
             return await asyncio.wrap_future(done)
     finally:
         stop.set()
+        done.cancel()  # not started yet: never starts
         for loop, task in started:
             with contextlib.suppress(RuntimeError):  # its loop closed: the run had ended
                 loop.call_soon_threadsafe(task.cancel)
