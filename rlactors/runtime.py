@@ -268,7 +268,7 @@ class RuntimeClient:
         """This process's calls to actors still waiting for a reply, each with the target actor's
         id and name (for ``cluster.stacks()``); and, of an ``ActorGroup`` call still gathering,
         each member whose call failed (``failed``: the error), which the call still waits on."""
-        out = []
+        out: list[dict[str, Any]] = []
         for conn in list(self._conns.values()):
             if conn.peer is not None and len(conn):
                 actor_id, name = conn.peer
