@@ -17,6 +17,20 @@ pytest.importorskip("verifiers")
 CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 656, "b": 31}}\n</tool_call>'
 
 
+class ByTurn(Scripted):
+    """Answers a request without a tool result with the tool call, one with a tool result with the
+    next final answer: each episode calls the tool once, whatever order the episodes run in."""
+
+    def __init__(self, tok: Any, call: str, finals: list[str]) -> None:
+        super().__init__(tok, [])
+        self.call, self.finals = call, list(finals)
+
+    async def agenerate(self, request: Any) -> Any:
+        seen = self.tok.decode(request.input_ids)
+        self.script = [self.finals.pop(0) if "<tool_response>" in seen else self.call]
+        return await super().agenerate(request)
+
+
 def workflow(tok: Any, env: str, **kw: Any) -> VerifiersWorkflow:
     return VerifiersWorkflow(tok, RewardRunner(lambda c, i: 0.0), VerifiersConfig(env=env, **kw))
 
@@ -49,7 +63,7 @@ async def test_a_tool_env_runs_its_tool_and_each_episode_is_one_token_sequence(t
     wf = workflow(tokenizer, "recipes.envs.calculator", n_samples=2, env_args={"limit": 4})
     item = first_item(wf)
     assert item["question"] == "What is 656 * 31?"
-    gen = Scripted(tokenizer, [CALL, CALL, "\\boxed{20336}", "\\boxed{20000}"])
+    gen = ByTurn(tokenizer, CALL, ["\\boxed{20336}", "\\boxed{20000}"])
     try:
         group = await wf.arun_episode(gen, item, "g/1")
     finally:
@@ -64,7 +78,9 @@ async def test_a_tool_env_runs_its_tool_and_each_episode_is_one_token_sequence(t
         context = tokenizer.decode([i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if not m])
         assert "20336" in context
     # each episode's second request extends its first request's ids (token-exact continuation)
-    firsts, seconds = gen.requests[:2], gen.requests[2:]
+    firsts = [r for r in gen.requests if "<tool_response>" not in tokenizer.decode(r.input_ids)]
+    seconds = [r for r in gen.requests if r not in firsts]
+    assert len(firsts) == len(seconds) == 2
     assert all(any(s.input_ids[: len(f.input_ids)] == f.input_ids for f in firsts) for s in seconds)
     assert all(len(s.input_ids) > max(len(f.input_ids) for f in firsts) for s in seconds)
     assert wf.counters["history_edits"] == 0 and wf.counters["env_episodes"] == 2

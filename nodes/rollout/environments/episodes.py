@@ -27,7 +27,7 @@ from nodes.rollout.openai_endpoint import ChatEndpoint, Episode
 from protocols.rl import Trajectory
 from rlactors.tomlconf import above, at_least, check_ranges
 
-__all__ = ["EnvEpisodes", "EnvError", "EpisodeSettings", "finite_reward"]
+__all__ = ["EnvEpisodes", "EnvError", "EpisodeSettings", "finite_reward", "sdk_client"]
 
 log = structlog.get_logger(__name__)
 
@@ -60,6 +60,16 @@ def finite_reward(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise EnvError(f"{what} is {value!r}, not a finite number")
     return float(value)
+
+
+def sdk_client(url: str) -> Any:
+    """An ``openai.AsyncOpenAI`` on an episode's base_url, as an agent's (nodes/rollout/agent_runner.py):
+    no TLS to the endpoint, so an SSL context without certificates (loading them is most of an
+    episode's CPU otherwise)."""
+    import openai
+
+    http = openai.DefaultAsyncHttpxClient(verify=False)
+    return openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0, http_client=http)
 
 
 class EnvEpisodes:

@@ -34,7 +34,13 @@ from typing import Any, ClassVar, Literal
 import structlog
 
 from nodes.plugins import resolve
-from nodes.rollout.environments.episodes import EnvEpisodes, EnvError, EpisodeSettings, finite_reward
+from nodes.rollout.environments.episodes import (
+    EnvEpisodes,
+    EnvError,
+    EpisodeSettings,
+    finite_reward,
+    sdk_client,
+)
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
 from protocols.codec import register
@@ -216,13 +222,12 @@ class OpenEnvWorkflow:
         return TrajectoryGroup(gid, trajs)
 
     async def _episode(self, client: Any, item: Any, gid: str) -> list[Any]:
-        import openai
         from openenv.core import GenericEnvClient
 
         c = self.config
         env = GenericEnvClient(base_url=await self.servers.pick(), message_timeout_s=c.episode_timeout_s)
         async with self.episodes.episode(client) as (ep, url):
-            sdk = openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0)
+            sdk = sdk_client(url)
             try:
                 rewards = []
                 reset = {**c.reset_args, **((item.get("reset") or {}) if isinstance(item, dict) else {})}

@@ -32,7 +32,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from nodes.rollout.environments.episodes import EnvEpisodes, EnvError, EpisodeSettings, finite_reward
+from nodes.rollout.environments.episodes import (
+    EnvEpisodes,
+    EnvError,
+    EpisodeSettings,
+    finite_reward,
+    sdk_client,
+)
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
 from protocols.codec import register
@@ -203,10 +209,9 @@ class VerifiersWorkflow:
         return TrajectoryGroup(gid, trajs)
 
     async def _rollout(self, url: str, item: dict[str, Any]) -> Any:
-        import openai
         import verifiers as vf
 
-        sdk = openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0)
+        sdk = sdk_client(url)
         try:
             sampling = {
                 **{k: v for k, v in self.env.sampling_args.items() if k != "n"},
