@@ -50,10 +50,10 @@ from nodes.rollout.chat import ChatError, ToolCall, continuation_ids, prompt_ids
 from nodes.rollout.chunks import TokensCallback
 from nodes.rollout.client import GenerationError, GenRequest, GenResult
 from nodes.rollout.http1 import HTTPServer, Request, Response, Stream
-from nodes.rollout.responses import respond
+from nodes.rollout.responses import ResponseEvents, ResponseShape, chat_args, new_id, output_items
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
-from protocols.openai import ChatCompletionRequest, OpenAIError, error_body
+from protocols.openai import ChatCompletionRequest, OpenAIError, ResponsesRequest, error_body
 
 __all__ = ["ChatEndpoint", "EndpointError", "Episode", "Turn"]
 
@@ -308,7 +308,7 @@ class ChatEndpoint:
                 })  # fmt: skip
             assert ep is not None
             if route == "/v1/responses":
-                return await respond(self, request, ep)
+                return await self._responses(request, ep)
             return await self._chat(request, ep)
         except EndpointError as e:
             return e.response()
@@ -344,6 +344,42 @@ class ChatEndpoint:
             ],
             "usage": self.usage(choices),
         })  # fmt: skip
+
+    async def _responses(self, request: Request, ep: Episode) -> Response | None:
+        """``/v1/responses``: the request read as the chat turn it means (nodes/rollout/responses.py),
+        generated as chat turns are, answered as output items or the SDK's stream events."""
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError as e:
+            raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
+        try:
+            req = ResponsesRequest.from_json(body)
+            history: list[dict[str, Any]] = []
+            if req.previous_response_id is not None:
+                kept = ep.responses.get(req.previous_response_id)
+                if kept is None:
+                    raise EndpointError(400, f"previous_response_id {req.previous_response_id!r}: no stored "
+                                        "response of this episode", "previous_response_id",
+                                        "previous_response_not_found")  # fmt: skip
+                history = kept
+            messages, conversation, sampling = chat_args(req, history, self.defaults)
+        except OpenAIError as e:
+            raise EndpointError(400, str(e), e.param) from None
+        creq = ChatRequest(messages, req.chat_tools(), req.chat_tool_choice(), 1, req.stream, False, False, 0,
+                           sampling)  # fmt: skip
+        ep.counters["calls"] += 1
+        turn = await self.begin_turn(ep, creq)
+        shape = ResponseShape(req, new_id("resp"), self.model)
+        if req.stream:
+            return await stream_responses(self, request, ep, creq, turn, shape, conversation)
+        try:
+            ((msg, res, finish),) = await self.generate_turn(ep, creq, turn)
+        except GenerationError as e:
+            ep.counters["errors"] += 1
+            raise EndpointError(503, f"generation failed: {e}") from None
+        if req.store:
+            ep.keep_response(shape.id, [*conversation, msg])
+        return Response(200, orjson.dumps(shape.response(output_items(msg), res, finish)))
 
     @staticmethod
     def usage(choices: list[tuple[dict[str, Any], GenResult, str]]) -> dict[str, int]:
@@ -685,6 +721,46 @@ async def stream_chat(
             c.task.cancel()
         await asyncio.gather(*(c.task for c in choices), return_exceptions=True)
     await out.raw(b"[DONE]")
+    with contextlib.suppress(ConnectionError):
+        await resp.end()
+
+
+async def stream_responses(
+    endpoint: ChatEndpoint,
+    request: Request,
+    ep: Episode,
+    creq: ChatRequest,
+    turn: Turn,
+    shape: ResponseShape,
+    conversation: list[dict[str, Any]],
+) -> None:
+    """Answer a ``/v1/responses`` request as the SDK's events while the model generates: the chat
+    choice's chunks (:class:`_Choice`) translated by :class:`ResponseEvents`."""
+    resp = await request.stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    out = ResponseEvents(resp)
+    await out.event("response.created", response=shape.response([], None, None, "in_progress"))
+    await out.event("response.in_progress", response=shape.response([], None, None, "in_progress"))
+    choice = _Choice(0, endpoint, creq, turn.forced, turn.tools, out)  # type: ignore[arg-type]
+    try:
+        ((msg, res, finish),) = await endpoint.generate_turn(ep, creq, turn, [choice.feed])
+        out.msg = msg
+        await choice.finish(msg, res, finish)
+        # the final items are the answer as read (ids as streamed): what a reply must send back
+        items = output_items(msg, [i["id"] for i in out.items])
+        if shape.req.store:
+            ep.keep_response(shape.id, [*conversation, msg])
+        final = shape.response(items, res, finish)
+        await out.event(f"response.{final['status']}", response=final)
+    except GenerationError as e:
+        ep.counters["errors"] += 1
+        message = f"generation failed: {e}"
+        await out.event("error", code="server_error", message=message, param=None)
+        failed = shape.response(out.items, None, None, "failed")
+        failed["error"] = {"code": "server_error", "message": message}
+        await out.event("response.failed", response=failed)
+    finally:  # a failure leaves the pump waiting for tokens that will not come
+        choice.task.cancel()
+        await asyncio.gather(choice.task, return_exceptions=True)
     with contextlib.suppress(ConnectionError):
         await resp.end()
 

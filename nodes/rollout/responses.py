@@ -18,77 +18,43 @@ output) is refused with OpenAI's 400 naming it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
-import structlog
 
-from nodes.rollout.client import GenerationError, GenResult
-from nodes.rollout.http1 import Request, Response, Stream
-from protocols.openai import OpenAIError, ResponsesRequest
+from nodes.rollout.client import GenResult
+from nodes.rollout.http1 import Stream
+from protocols.openai import ResponsesRequest
 
-if TYPE_CHECKING:
-    from nodes.rollout.openai_endpoint import ChatEndpoint, ChatRequest, Episode
-
-__all__ = ["respond"]
-
-log = structlog.get_logger(__name__)
+__all__ = ["ResponseEvents", "ResponseShape", "chat_args", "new_id", "output_items"]
 
 
-def _id(prefix: str) -> str:
+def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-async def respond(endpoint: ChatEndpoint, request: Request, ep: Episode) -> Response | None:
-    """Answer a ``POST .../v1/responses`` in episode ``ep``."""
-    from nodes.rollout.openai_endpoint import ChatRequest, EndpointError
+Messages = list[dict[str, Any]]
 
-    try:
-        body = orjson.loads(request.body)
-    except orjson.JSONDecodeError as e:
-        raise EndpointError(400, f"the request body is not valid JSON: {e}") from None
-    try:
-        req = ResponsesRequest.from_json(body)
-        new = req.messages()
-    except OpenAIError as e:
-        raise EndpointError(400, str(e), e.param) from None
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        kept = ep.responses.get(req.previous_response_id)
-        if kept is None:
-            raise EndpointError(
-                400, f"previous_response_id {req.previous_response_id!r}: no stored response of this episode",
-                "previous_response_id", "previous_response_not_found",
-            )  # fmt: skip
-        history = kept
-    conversation = [*history, *new]
+
+def chat_args(
+    req: ResponsesRequest, history: Messages, defaults: dict[str, Any]
+) -> tuple[Messages, Messages, dict[str, Any]]:
+    """What a Responses request means for the chat turn machinery: its messages (``instructions``
+    as the system message, then ``history``, a stored response's conversation, then ``input``),
+    its conversation (what a later request naming this response continues: without the
+    instructions, which OpenAI does not carry over) and its sampling parameters (``defaults``
+    where it does not say). :class:`OpenAIError` for items that are not served."""
+    conversation = [*history, *req.messages()]
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    d = endpoint.defaults
     sampling: dict[str, Any] = {
-        "max_new_tokens": d["max_new_tokens"] if req.max_output_tokens is None else req.max_output_tokens,
-        "temperature": d["temperature"] if req.temperature is None else float(req.temperature),
+        "max_new_tokens": req.max_output_tokens or defaults["max_new_tokens"],  # at least 1 when given
+        "temperature": defaults["temperature"] if req.temperature is None else float(req.temperature),
     }
     if req.top_p is not None:
         sampling["top_p"] = float(req.top_p)
-    creq = ChatRequest([*system, *conversation], req.chat_tools(), req.chat_tool_choice(), 1, req.stream,
-                       False, False, 0, sampling)  # fmt: skip
-    ep.counters["calls"] += 1
-    turn = await endpoint.begin_turn(ep, creq)
-    shape = _Shape(req, _id("resp"), endpoint.model)
-    if req.stream:
-        return await _stream(endpoint, request, ep, creq, turn, shape, conversation)
-    try:
-        ((msg, res, finish),) = await endpoint.generate_turn(ep, creq, turn)
-    except GenerationError as e:
-        ep.counters["errors"] += 1
-        raise EndpointError(503, f"generation failed: {e}") from None
-    items = output_items(msg)
-    _store(ep, req, shape.id, conversation, msg)
-    return Response(200, orjson.dumps(shape.response(items, res, finish)))
+    return [*system, *conversation], conversation, sampling
 
 
 def output_items(msg: dict[str, Any], ids: list[str] | None = None) -> list[dict[str, Any]]:
@@ -103,7 +69,7 @@ def output_items(msg: dict[str, Any], ids: list[str] | None = None) -> list[dict
         _call_item("", c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls
     ]
     for k, item in enumerate(items):
-        item["id"] = ids[k] if ids and k < len(ids) else _id("msg" if item["type"] == "message" else "fc")
+        item["id"] = ids[k] if ids and k < len(ids) else new_id("msg" if item["type"] == "message" else "fc")
     return items
 
 
@@ -121,13 +87,7 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}  # fmt: skip
 
 
-def _store(ep: Episode, req: ResponsesRequest, rid: str, conversation: list[dict[str, Any]],
-           msg: dict[str, Any]) -> None:  # fmt: skip
-    if req.store:
-        ep.keep_response(rid, [*conversation, msg])
-
-
-class _Shape:
+class ResponseShape:
     """The response object around a request's output: its id, echoed settings and usage."""
 
     def __init__(self, req: ResponsesRequest, rid: str, model: str) -> None:
@@ -160,7 +120,7 @@ class _Shape:
 # -- streamed responses --------------------------------------------------------------------------
 
 
-class _Events:
+class ResponseEvents:
     """Writes the SDK's Responses events, translated from the chat-completion chunks the endpoint's
     streamed choice (:class:`nodes.rollout.openai_endpoint._Choice`) produces as tokens arrive: a
     content delta opens (once) the message item and is an ``output_text`` delta, a tool call's
@@ -190,7 +150,7 @@ class _Events:
         delta = (choice or {}).get("delta") or {}
         if delta.get("content"):
             if self.open is None or self.open["type"] != "message":
-                await self._open(_message_item(_id("msg"), "", "in_progress"))
+                await self._open(_message_item(new_id("msg"), "", "in_progress"))
                 await self.event("response.content_part.added", item_id=self.open["id"], output_index=len(self.items) - 1,
                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
             self.open["text"] = self.open.get("text", "") + delta["content"]
@@ -198,14 +158,16 @@ class _Events:
                              content_index=0, delta=delta["content"], logprobs=[])  # fmt: skip
         for tc in delta.get("tool_calls") or ():
             if "id" in tc:
-                await self._open(_call_item(_id("fc"), tc["id"], tc["function"]["name"], "", "in_progress"))
+                await self._open(
+                    _call_item(new_id("fc"), tc["id"], tc["function"]["name"], "", "in_progress")
+                )
             elif self.open is not None and (piece := tc["function"]["arguments"]):
                 self.open["arguments"] += piece
                 await self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                                  output_index=len(self.items) - 1, delta=piece)  # fmt: skip
         if (choice or {}).get("finish_reason") is not None:
             if not self.items:  # no text, no calls: an empty message, as OpenAI answers
-                await self._open(_message_item(_id("msg"), "", "in_progress"))
+                await self._open(_message_item(new_id("msg"), "", "in_progress"))
             await self._close()
 
     async def _open(self, item: dict[str, Any]) -> None:
@@ -235,36 +197,3 @@ class _Events:
                              name=item["name"], arguments=item["arguments"])  # fmt: skip
         self.items[k] = done
         await self.event("response.output_item.done", output_index=k, item=done)
-
-
-async def _stream(endpoint: ChatEndpoint, request: Request, ep: Episode, creq: ChatRequest, turn: Any,
-                  shape: _Shape, conversation: list[dict[str, Any]]) -> None:  # fmt: skip
-    """Answer as the SDK's events while the model generates."""
-    from nodes.rollout.openai_endpoint import _Choice
-
-    resp = await request.stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    out = _Events(resp)
-    await out.event("response.created", response=shape.response([], None, None, "in_progress"))
-    await out.event("response.in_progress", response=shape.response([], None, None, "in_progress"))
-    choice = _Choice(0, endpoint, creq, turn.forced, turn.tools, out)  # type: ignore[arg-type]
-    try:
-        ((msg, res, finish),) = await endpoint.generate_turn(ep, creq, turn, [choice.feed])
-        out.msg = msg
-        await choice.finish(msg, res, finish)
-        # the final items are the answer as read (ids as streamed): what a reply must send back
-        items = output_items(msg, [i["id"] for i in out.items])
-        _store(ep, shape.req, shape.id, conversation, msg)
-        final = shape.response(items, res, finish)
-        await out.event(f"response.{final['status']}", response=final)
-    except GenerationError as e:
-        ep.counters["errors"] += 1
-        message = f"generation failed: {e}"
-        await out.event("error", code="server_error", message=message, param=None)
-        failed = shape.response(out.items, None, None, "failed")
-        failed["error"] = {"code": "server_error", "message": message}
-        await out.event("response.failed", response=failed)
-    finally:  # a failure leaves the pump waiting for tokens that will not come
-        choice.task.cancel()
-        await asyncio.gather(choice.task, return_exceptions=True)
-    with contextlib.suppress(ConnectionError):
-        await resp.end()

@@ -198,3 +198,18 @@ async def test_store_false_keeps_nothing_and_episodes_do_not_share_responses(
     for url, rid in ((url_b, r.id), (url_a, unstored.id)):
         with pytest.raises(openai.BadRequestError, match="no stored response"):
             await sdk(url).responses.create(input="more", model="tiny", previous_response_id=rid)
+
+
+async def test_the_standalone_v1_serves_responses_and_continues_them(
+    endpoint: tuple[ChatEndpoint, Scripted],
+) -> None:
+    ep, gen = endpoint
+    gen.script = ["Hello.", "Again."]
+    client = sdk(ep.url + "/v1")  # the standalone server's one episode
+    r1 = await client.responses.create(model="tiny", input="Hi")
+    r2 = await client.responses.create(model="tiny", input="More", previous_response_id=r1.id)
+    assert (r1.output_text, r2.output_text) == ("Hello.", "Again.")
+    first, second = gen.requests
+    assert (
+        second.input_ids[: len(first.input_ids)] == first.input_ids and ep.default.counters["continued"] == 1
+    )
