@@ -163,19 +163,20 @@ class Cluster:
         or queued behind ``max_concurrency``) with their await chains or thread stacks, its
         outgoing calls, its threads and its loop's lag. A worker whose loop is stuck is reported
         unresponsive, with the Python stacks it dumps on a signal; a dead actor as dead. This
-        process's own pending calls are included as a driver; other drivers' are not (the head
-        cannot reach them), so a call from one shows with an unknown caller. Returns within about
+        process's own pending calls are included as a driver, and other drivers' as of their last
+        heartbeat (a few seconds old at most), so ``rlactors stack`` holds a run's roots too. Returns within about
         ``timeout_s``. ``str(report)`` is readable text; ``report.cycles`` and ``report.waited_on``
         name the wait-for cycles and the actors at the ends of the longest wait chains.
         """
         t0 = time.monotonic()
         call = self._client.head_call("stacks", list(names) if names is not None else None, timeout_s)
         answers = await wait_for(call, timeout_s + 2.0)
-        actors = [ActorStacks.from_answer(a) for a in answers]
+        me = self._client.client_id  # our own calls, fresh, rather than as of our last heartbeat
+        actors = [ActorStacks.from_answer(a) for a in answers if a.get("actor_id") != me]
         if "RLACTORS_ACTOR_ID" not in os.environ:  # a driver: its pending calls are the chains' roots
             outgoing = self._client.outgoing_calls()
             if outgoing:
-                actors.append(ActorStacks.driver(self._client.client_id, outgoing))
+                actors.append(ActorStacks.driver(me, outgoing))
         return build_report(actors, time.monotonic() - t0)
 
     async def kv_put(self, key: str, value: Any) -> None:

@@ -70,6 +70,8 @@ class Head:
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
         self.sessions = Sessions(self.client_timeout)
         self.clients: dict[str, dict[str, Any]] = {}  # client id -> pid, host, cmd, run (while connected)
+        # a driver's pending calls as of its last heartbeat: (when received, calls), for stacks()
+        self.driver_calls: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._client_left = asyncio.Event()
         # placement group id -> bundles: {node_id, resources, gpus, actor}
         self.bundles = BundleTable()
@@ -102,12 +104,17 @@ class Head:
         self.clients[client_id] = dict(about or {})
         return {"ok": True, "nodes": len(self.nodes), "client_heartbeat": self.client_timeout / 5}
 
-    async def client_alive(self, client_id: str) -> bool:
+    async def client_alive(self, client_id: str, calls: list[dict[str, Any]] | None = None) -> bool:
         """Heartbeat of a connected client; its non-detached actors outlive it only while it beats.
+        ``calls``: a driver's pending calls, for ``stacks()`` asked by another process.
 
         False: the client had been given up (silent past ``client_timeout``) and must follow the
         actor events again; from now on it counts as connected again.
         """
+        if calls:
+            self.driver_calls[client_id] = (time.monotonic(), calls)
+        else:
+            self.driver_calls.pop(client_id, None)
         return self.sessions.beat(client_id)
 
     async def client_closed(self, client_id: str) -> int:
@@ -121,6 +128,7 @@ class Head:
 
     def _forget_client(self, client_id: str) -> None:
         self.clients.pop(client_id, None)
+        self.driver_calls.pop(client_id, None)
         self._client_left.set()
         self._client_left = asyncio.Event()
 
@@ -571,6 +579,14 @@ class Head:
         out.extend(
             {"name": n, "actor_id": "", "state": "UNKNOWN", "reason": "no such actor"} for n in unknown
         )
+        if names is None:  # the drivers' pending calls, as of their last heartbeat (aged since)
+            now = time.monotonic()
+            for client_id, (at, calls) in self.driver_calls.items():
+                if client_id in self.clients:
+                    aged = [dict(c, age_s=round(c["age_s"] + now - at, 3)) for c in calls]
+                    out.append(
+                        {"name": client_id, "actor_id": client_id, "state": "DRIVER", "outgoing": aged}
+                    )
         return out
 
     async def kv_put(self, key: str, value: Any) -> None:

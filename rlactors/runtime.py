@@ -141,6 +141,15 @@ class RuntimeClient:
 
     # --- head -----------------------------------------------------------------------------------
 
+    def _beat(self) -> dict[str, Any]:
+        """What a heartbeat carries: a driver's pending calls (the roots of the wait-for graph), so
+        that ``cluster.stacks()`` asked from another process (``rlactors stack``) holds them too.
+        A worker's are asked from its own loop."""
+        if "RLACTORS_ACTOR_ID" in os.environ:
+            return {}
+        calls = sorted(self.outgoing_calls(), key=lambda c: -c["age_s"])
+        return {"calls": calls[:MAX_BEAT_CALLS]} if calls else {}
+
     async def _heartbeat(self, interval: float) -> None:
         """Tell the head we are alive; if it stops answering, fail calls to it instead of hanging."""
         missed = 0
@@ -149,7 +158,8 @@ class RuntimeClient:
             sent = clock.now()
             try:
                 known = await wait_for(
-                    self.head.call("client_alive", (self.client_id,), {}, target="head"), 5 * interval
+                    self.head.call("client_alive", (self.client_id,), self._beat(), target="head"),
+                    5 * interval,
                 )
                 missed = 0
                 if known is False and self._events is not None:
@@ -431,6 +441,9 @@ class RuntimeClient:
             )
             return s
         return self._actor_connection(st).stream(method, args, kwargs)
+
+
+MAX_BEAT_CALLS = 200  # a driver's pending calls a heartbeat carries, the oldest first
 
 
 @dataclass(eq=False)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -97,6 +99,21 @@ async def stall_line(cluster: rlactors.Cluster, out: Path) -> str:
     return line
 
 
+async def stack_from_outside(run_dir: Path, waits: str, within: float = 60.0) -> str:
+    """``rlactors stack --run RUN_DIR`` from another process, once a line starts with ``waits``
+    (the driver's calls reach the head with its heartbeats)."""
+    deadline = time.monotonic() + within
+    while True:
+        r = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "rlactors.cli", "stack", "--run", str(run_dir)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        if any(line.startswith(waits) for line in r.stdout.splitlines()) or time.monotonic() > deadline:
+            return r.stdout
+
+
 async def test_a_rank_stopped_mid_step_is_named_first(tmp_path: Path) -> None:
     async with rlactors.init() as cluster:
         ranks, held = await start(cluster)
@@ -113,6 +130,14 @@ async def test_a_rank_stopped_mid_step_is_named_first(tmp_path: Path) -> None:
             line = await stall_line(cluster, tmp_path)
             assert line.startswith("stall: step 5 has run for 13 s, waiting on trainer-1 (unresponsive"), line
             assert line.endswith(f"stacks now: rlactors stack --run {tmp_path}"), line
+            # the operator's command, from another process: the driver's calls are there too (as
+            # of its last heartbeat), and the culprit heads it
+            assert cluster.record_run(tmp_path) == f"--run {tmp_path}"
+            text = await stack_from_outside(tmp_path, "driver-")
+            assert text.split("\n")[2].startswith(
+                "CULPRIT (unresponsive): trainer-1 at the end of driver-"
+            ), text
+            assert "waits on trainer-1.step" in text, text
         finally:
             os.kill(pid, signal.SIGCONT)
         # woken, the rank joins the collective and the step completes (unless its call was failed
