@@ -130,3 +130,23 @@ def test_an_environment_that_cannot_load_is_a_config_error() -> None:
                            'rollout.workflow_args.env_args={kind = "load_fails"}'])  # fmt: skip
     cfg = load_config(None, [*base, "rollout.workflow_args.env=recipes.envs.easy_sums"])
     assert isinstance(cfg.rollout.workflow_args, VerifiersConfig)
+
+
+def test_a_hub_id_loads_the_installed_package_as_a_module_path_does(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``owner/my-env`` is the module ``my_env`` (what ``pip install`` of a Hub environment gives)."""
+    (tmp_path / "my_hub_env.py").write_text("from tests.envs.sample_env import load_environment\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    by_id = VerifiersConfig(env="someone/my-hub-env", env_args={"kind": "ok"})
+    by_path = VerifiersConfig(env="tests.envs.sample_env", env_args={"kind": "ok"})
+    from nodes.data import DataConfig
+
+    cfg = DataConfig(source="env", eval_size=4)
+    train, held, about, held_about = by_id.env_data(cfg)
+    same = by_path.env_data(cfg)
+    assert [t["question"] for t in train] == [t["question"] for t in same[0]]  # same rows, same split
+    assert [t["question"] for t in held] == [t["question"] for t in same[1]]
+    # no eval dataset: a held-out slice, never trained on, and the line says so
+    assert len(held) == 3 and not {t["question"] for t in held} & {t["question"] for t in train}
+    assert "someone/my-hub-env" in about and "held out, never trained on" in held_about
