@@ -8,13 +8,22 @@ fresh processes, so each rank's peak RSS is that mode's alone. Also measured: th
 parameters, a checkpoint's size, and the push's gather of all buckets onto rank 0 (under LoRA it
 merges the adapters on the way; no server).
 
+With ``--pushes N`` (> 0) a reference server (hf backend, the same model, ``--enable-lora``) is
+started and each mode pushes to it N times after training, as the recipe pushes: full fine-tuning
+its weights (``trainer.push.method = "distributed"``, the default), LoRA both ways (``[trainer.lora]
+push = "merged"``: merged full weights over the same group; ``"adapter"``: the adapter as a PEFT
+folder, ``/load_lora_adapter``). Reported: the bytes each push sends and its time (rank 0's
+``push_time_s``: pause, send, load, continue), median over the N pushes.
+
     nice -n 10 python bench/lora.py            # both modes, 3 timed steps each (~5-10 min on 2 cores)
+    nice -n 10 python bench/lora.py --steps 1 --pushes 5   # push bytes and time: adapter vs merged
     python bench/lora.py --steps 1 --model tiny  # a quick check of the script
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -34,7 +43,35 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def rank_main(mode: str, model: str, out: str, steps: int) -> None:
+def measure_pushes(trainer: object, url: str, pushes: int, disk: str) -> dict[str, dict[str, float]]:
+    """Push to the server at ``url`` ``pushes`` times each way the trainer's mode allows; per way,
+    the median push time and the bytes (collective: every rank calls it)."""
+    from nodes.trainer.config import LoraConfig, PushConfig
+    from nodes.trainer.weights import WeightPusher
+
+    lora = trainer.cfg.lora  # type: ignore[attr-defined]
+    ways = {"merged": None}
+    if lora.enabled:
+        ways["adapter"] = LoraConfig(**{**lora.__dict__, "push": "adapter"})
+    out = {}
+    for way, cfg in ways.items():
+        pusher = WeightPusher(trainer.model, PushConfig(disk_dir=disk), str(trainer.cfg.model_path), lora=cfg)  # type: ignore[attr-defined]
+        pusher.connect([url])
+        stats = [pusher.push(version) for version in range(1, pushes + 1)]
+        pusher.close()
+        out[way] = {
+            "push_s_median": median(s["push_time_s"] for s in stats),
+            "push_s_all": [s["push_time_s"] for s in stats],
+            "push_bytes": stats[-1]["push_bytes"],
+            # rank 0's phases (WeightPusher.push): until paused (an adapter push gathers and writes
+            # the folder meanwhile), then sending and loading (the adapter: /load_lora_adapter)
+            "pause_s_median": median(s["pause_s"] for s in stats),
+            "transfer_s_median": median(s["transfer_s"] for s in stats),
+        }
+    return out
+
+
+def rank_main(mode: str, model: str, out: str, steps: int, url: str = "", pushes: int = 0) -> None:
     import dataclasses
 
     import torch
@@ -72,6 +109,7 @@ def rank_main(mode: str, model: str, out: str, steps: int) -> None:
     for k in range(len(g.buckets)):
         g.gather(k)
     gather_s = time.perf_counter() - t0
+    pushed = measure_pushes(trainer, url, pushes, f"{out}.weights") if pushes else {}
     ckpt = Path(out).with_suffix(".ckpt")
     checkpoint.save(trainer, ckpt)
     ckpt_mib = sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20
@@ -86,6 +124,7 @@ def rank_main(mode: str, model: str, out: str, steps: int) -> None:
         "trained_params": trained,
         "gather_s": gather_s,
         "checkpoint_mib": ckpt_mib,
+        "pushes": pushed,
     }
     Path(f"{out}.rank{rank}").write_text(json.dumps(row))
     dist.barrier()
@@ -94,11 +133,12 @@ def rank_main(mode: str, model: str, out: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def run_mode(mode: str, model: str, steps: int, tmp: Path) -> list[dict]:
+def run_mode(mode: str, model: str, steps: int, tmp: Path, url: str = "", pushes: int = 0) -> list[dict]:
     from tests.trainer.launch import run_ranks
 
     out = tmp / mode
-    run_ranks(Path(__file__), ["_rank", mode, model, str(out), str(steps)], world=2, timeout=1800)
+    argv = ["_rank", mode, model, str(out), str(steps), url, str(pushes)]
+    run_ranks(Path(__file__), argv, world=2, timeout=1800)
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 
 
@@ -113,37 +153,53 @@ def summary(rows: list[dict]) -> dict:
         "trained_params": rows[0]["trained_params"],
         "gather_s": max(r["gather_s"] for r in rows),
         "checkpoint_mib": rows[0]["checkpoint_mib"],
+        "pushes": rows[0]["pushes"],  # rank 0's: it talks to the server
     }
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_rank":
-        rank_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        rank_main(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6], int(sys.argv[7]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per mode (after one warm-up)")
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--pushes", type=int, default=0, help="pushes to a reference server per way (0: none)")
+    ap.add_argument("--modes", default="full,lora", help="which modes to run, comma-separated")
     args = ap.parse_args()
     from nodes.inference.models import ensure_smollm2_checkpoint, ensure_tiny_checkpoint
 
     model = str(ensure_smollm2_checkpoint() if args.model == "smollm2" else ensure_tiny_checkpoint())
     results = {"model": args.model, "load_avg_before": os.getloadavg()[0]}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("full", "lora"):
-            results[mode] = summary(run_mode(mode, model, args.steps, Path(tmp)))
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        url = ""
+        if args.pushes:
+            from tests.helpers.servers import reference_server
+
+            flags = ["--model-path", model, "--device", "cpu", "--dtype", "float32", "--num-threads", "1"]
+            url = stack.enter_context(reference_server([*flags, "--enable-lora"], timeout_s=600))
+        for mode in args.modes.split(","):
+            results[mode] = summary(run_mode(mode, model, args.steps, Path(tmp), url, args.pushes))
             print(mode, json.dumps(results[mode]), flush=True)
     results["load_avg_after"] = os.getloadavg()[0]
-    full, lora = results["full"], results["lora"]
-    print(
-        f"step time: full {full['step_s_median']:.1f} s, LoRA {lora['step_s_median']:.1f} s "
-        f"({lora['step_s_median'] / full['step_s_median']:.2f}x); peak RSS per rank: full "
-        f"{full['rss_peak_mib_per_rank']} MiB, LoRA {lora['rss_peak_mib_per_rank']} MiB; trained params: "
-        f"full {full['trained_params']:,}, LoRA {lora['trained_params']:,}; checkpoint: full "
-        f"{full['checkpoint_mib']:.1f} MiB, LoRA {lora['checkpoint_mib']:.1f} MiB; push gather: full "
-        f"{full['gather_s']:.2f} s, LoRA {lora['gather_s']:.2f} s; load average "
-        f"{results['load_avg_before']:.1f} -> {results['load_avg_after']:.1f}"
-    )
+    for mode in args.modes.split(","):
+        for way, p in results[mode]["pushes"].items():
+            print(
+                f"push, {mode} model, {way}: {p['push_bytes'] / 2**20:.1f} MiB in {p['push_s_median']:.2f} s "
+                f"(median; paused after {p['pause_s_median']:.2f} s, sent and loaded in {p['transfer_s_median']:.2f} s)"
+            )
+    if "full" in results and "lora" in results:
+        full, lora = results["full"], results["lora"]
+        print(
+            f"step time: full {full['step_s_median']:.1f} s, LoRA {lora['step_s_median']:.1f} s "
+            f"({lora['step_s_median'] / full['step_s_median']:.2f}x); peak RSS per rank: full "
+            f"{full['rss_peak_mib_per_rank']} MiB, LoRA {lora['rss_peak_mib_per_rank']} MiB; trained params: "
+            f"full {full['trained_params']:,}, LoRA {lora['trained_params']:,}; checkpoint: full "
+            f"{full['checkpoint_mib']:.1f} MiB, LoRA {lora['checkpoint_mib']:.1f} MiB; push gather: full "
+            f"{full['gather_s']:.2f} s, LoRA {lora['gather_s']:.2f} s; load average "
+            f"{results['load_avg_before']:.1f} -> {results['load_avg_after']:.1f}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
