@@ -22,6 +22,7 @@ from protocols.sglang import lora_name
 from tests.helpers.servers import serving, start_reference_server
 from tests.trainer.test_lora import adapted
 
+HERE = Path(__file__).parent
 PROMPTS = [[1, 5, 9, 30, 4], [7, 7, 2], [100, 200, 300, 400, 500, 600]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 SERVER = ["--backend", "hf", "--device", "cpu", "--dtype", "float32", "--num-threads", "1"]
@@ -208,3 +209,17 @@ async def test_the_client_names_the_adapter_of_its_version_and_labels_tokens_wit
     await base.agenerate(GenRequest([1], {"max_new_tokens": 2}))
     assert "lora_path" not in script.posts[-1][1]  # version 0 is the base model: no adapter named
     await base.aclose()
+
+
+def test_two_ranks_gather_the_adapter_as_its_full_tensors(tmp_path: Path) -> None:
+    import json
+
+    from tests.trainer.launch import run_ranks
+
+    out = tmp_path / "gathered.json"
+    run_ranks(
+        HERE / "lora_adapter_worker.py", [str(out), str(ensure_tiny_checkpoint())], world=2, timeout=300
+    )
+    result = json.loads(out.read_text())
+    assert result["rows_differ_by_rank"]  # sharded for real: each rank holds part of the rows
+    assert result["names_in_order"] and result["equal"]
