@@ -71,7 +71,8 @@ class RuntimeClient:
         self.client_id = f"{name}-{uuid.uuid4().hex[:8]}"
         # The run this process belongs to: a driver's is its own client id; a worker's is its actor's
         # run. The actors of a run are stopped when its driver leaves or is given up (rlactors.head).
-        self.run = run or self.client_id
+        # "" (a detached actor's worker): no run; what it spawns is its own, stopped when it goes.
+        self.run = self.client_id if run is None else run
         self.leaving = False  # the head ends our event stream because we asked to leave
         self.closed = False
         self._conns: dict[str, Connection] = {}

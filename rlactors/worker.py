@@ -110,7 +110,10 @@ async def main(security: Security | None) -> int:
     service = Service(
         name=name or actor_id, max_concurrency=int(spec.get("max_concurrency", 1000)), security=security
     )
-    client = RuntimeClient(spec["head_address"], security, name=name or actor_id, run=spec.get("run"))
+    # A detached actor outlives the run that spawned it, and so do the actors it spawns (a pool's
+    # servers launched by `rlactors pool launch`): they are its own, not that run's.
+    run = "" if spec.get("detached") else spec.get("run")
+    client = RuntimeClient(spec["head_address"], security, name=name or actor_id, run=run)
     # Forensics: the agent reads this worker's stacks by signal when its loop cannot answer, and
     # its loop's last tick (see rlactors.forensics).
     files = os.environ.get("RLACTORS_FORENSICS")

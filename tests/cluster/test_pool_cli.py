@@ -40,7 +40,9 @@ def test_pool_ls_launch_add_rm_on_an_up_cluster(tmp_path: Path, cli_env: dict[st
                     detached=True, control=True,
                 )  # fmt: skip
                 await pool.start(1)
-                await cluster._client.close()
+                # this driver's run ends here: the detached pool and the server it launched live on
+                # (a detached actor's spawns are its own, not the run's that spawned it)
+                await cluster.close()
             finally:
                 del os.environ["RLACTORS_STATE_DIR"]
 
