@@ -104,14 +104,14 @@ class PushConfig:
     # distributed: a weight-update group (NCCL between GPUs; gloo where a server shares rank 0's
     # GPU, or on CPU). tensor: /update_weights_from_tensor, buckets handed over by reference (CUDA
     # IPC; shared memory on CPU): for servers on rank 0's host, fastest on rank 0's own GPU
-    # (2.8 GB in 36 ms a push, against 0.83 s through gloo, on an H200: bench/gpu_push.py). disk: safetensors.
+    # (bench/gpu_push.py, measured in bench/RESULTS.md). disk: safetensors.
     method: Literal["distributed", "tensor", "disk"] = "distributed"
     # bytes per bucket, one broadcast each (distributed); AReaL's default. Rank 0 keeps up to two
     # buckets between pushes. Smaller buckets let the next gather overlap a broadcast, which needs idle
-    # cores or copy engines: on 2 CPU cores 256 MiB buckets were 1.44x a raw broadcast, one bucket 1.36x.
+    # cores or copy engines: on 2 CPU cores smaller buckets were slower than one (bench/RESULTS.md).
     bucket_bytes: int = field(default=1 << 30, metadata=at_least(1))
-    # one flat tensor per bucket: one collective per bucket instead of one per tensor (gloo: 0.2 s
-    # vs 0.13 s for SmolLM2's 272 tensors). SGLang before flattened-bucket support: set False.
+    # one flat tensor per bucket: one collective per bucket instead of one per tensor, which is
+    # faster over gloo (bench/RESULTS.md). SGLang before flattened-bucket support: set False.
     flattened_bucket: bool = True
     dtype: str | None = None  # cast the weights to this before sending, e.g. "bfloat16" (None: as trained)
     shared_memory: bool = True  # ranks on rank 0's host hand it their shards through /dev/shm
