@@ -31,9 +31,9 @@ __all__ = [
 
 
 class OrjsonResponse(_StarletteJSON):
-    """JSON rendered by orjson, as SGLang renders its responses (``SGLangORJSONResponse``): 1 µs for a
-    16-token ``/generate`` answer with logprobs, ``json.dumps`` 16 µs; a NaN or infinite float is
-    ``null``, as there."""
+    """JSON rendered by orjson, as SGLang renders its responses (``SGLangORJSONResponse``): much
+    cheaper than ``json.dumps`` for a ``/generate`` answer with logprobs (bench/RESULTS.md); a NaN
+    or infinite float is ``null``, as there."""
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)

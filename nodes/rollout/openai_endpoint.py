@@ -61,13 +61,13 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_MAX_TOKENS = 1024
 KEPT_COMPLETIONS = 4096  # per episode (the standalone server's one episode keeps the newest)
-# Rendering and tokenising up to this many characters of messages runs on the event loop (about
-# 0.1-1 ms here); longer ones go to a thread, so the loop keeps serving. The thread hop itself
-# cost 200-300 µs of CPU per call on the 2-core machine (bench/RESULTS.md, "OpenAI-compatible").
+# Rendering and tokenising up to this many characters of messages runs on the event loop (short
+# enough not to hold it up); longer ones go to a thread, so the loop keeps serving. The thread hop
+# costs CPU of its own, more than a short render (measured in bench/RESULTS.md, "OpenAI-compatible").
 INLINE_RENDER_CHARS = 1024
 # First prompts rendered and tokenised, kept by their messages and tools: a GRPO group's episodes
 # all open with the same messages, so all but the first of them skip the template and tokenizer
-# (about 150-200 µs of a 2-message chat's CPU here, bench/RESULTS.md)
+# (measured in bench/RESULTS.md, "OpenAI-compatible")
 FIRST_PROMPTS_KEPT = 1024
 
 
