@@ -9,12 +9,14 @@ Each key's meaning is the ``#`` comment on its field (rlactors.tomlconf.field_do
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # generated_page, beside this file
 sys.path.insert(0, str(ROOT))
+
+from generated_page import write_or_check  # noqa: E402
 
 from nodes.rollout.config import workflow_settings  # noqa: E402
 from recipes.gsm8k_config import RENAMES, load_config  # noqa: E402
@@ -57,22 +59,7 @@ def reference() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--check", action="store_true", help="exit 1 if the file differs from what would be written"
-    )
-    ap.add_argument("--path", type=Path, default=OUT, help=f"the file (default: {OUT.relative_to(ROOT)})")
-    args = ap.parse_args(argv)
-    text = reference()
-    if args.check:
-        if not args.path.exists() or args.path.read_text() != text:
-            print(f"{args.path} is stale: run python scripts/gen-config-reference.py", file=sys.stderr)
-            return 1
-        return 0
-    args.path.parent.mkdir(parents=True, exist_ok=True)
-    args.path.write_text(text)
-    print(f"wrote {args.path}")
-    return 0
+    return write_or_check(argv, __doc__, OUT, reference, "gen-config-reference.py")
 
 
 if __name__ == "__main__":

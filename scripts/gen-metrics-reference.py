@@ -10,11 +10,13 @@ statistics, the workflows' counters) and fails when one is missing here: add it,
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # generated_page, beside this file
+from generated_page import write_or_check  # noqa: E402
+
 OUT = ROOT / "docs" / "reference" / "metrics.md"
 
 # (section, what it says about its metrics, [(name, meaning)]). A name with <...> is a family: the
@@ -243,22 +245,7 @@ def names() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--check", action="store_true", help="exit 1 if the file differs from what would be written"
-    )
-    ap.add_argument("--path", type=Path, default=OUT, help=f"the file (default: {OUT.relative_to(ROOT)})")
-    args = ap.parse_args(argv)
-    text = reference()
-    if args.check:
-        if not args.path.exists() or args.path.read_text() != text:
-            print(f"{args.path} is stale: run python scripts/gen-metrics-reference.py", file=sys.stderr)
-            return 1
-        return 0
-    args.path.parent.mkdir(parents=True, exist_ok=True)
-    args.path.write_text(text)
-    print(f"wrote {args.path}")
-    return 0
+    return write_or_check(argv, __doc__, OUT, reference, "gen-metrics-reference.py")
 
 
 if __name__ == "__main__":
