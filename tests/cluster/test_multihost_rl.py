@@ -48,8 +48,8 @@ async def test_push_and_generation_across_hosts(three_hosts) -> None:
     cluster, c = three_hosts
     model = str(ensure_tiny_checkpoint())
     keys = await cluster_keys(cluster)  # a server beyond loopback takes the cluster's keys
-    server = await cluster.spawn(
-        InferenceServerActor, ReferenceServerConfig(model_path=model, backend="sim"), node_id="h1"
+    server = await cluster.spawn(  # the keys from the driver: a worker may not read secret keys
+        InferenceServerActor, ReferenceServerConfig(model_path=model, backend="sim"), keys=keys, node_id="h1"
     )
     url = await wait_for(server.url(), 120)
     assert url.startswith(f"http://{c.hosts.ip(1)}:")  # the node's address, not loopback

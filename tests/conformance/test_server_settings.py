@@ -29,6 +29,10 @@ def flags_of(cls: type, prefix: str = "") -> dict[str, tuple[type, str]]:
 def changed(value: Any, tp: Any) -> Any:
     """A value of type ``tp`` different from ``value``."""
     choices = [c for c in get_args(tp) if isinstance(c, str)]
+    if value is None:  # an optional number (None: unset): a number
+        number = next((a for a in get_args(tp) if a in (int, float)), None)
+        if number is not None:
+            return number(7)
     if choices:
         return next(c for c in choices if c != value)
     if isinstance(value, bool):
@@ -37,6 +41,8 @@ def changed(value: Any, tp: Any) -> Any:
         return value + 7
     if isinstance(value, float):
         return value + 0.25
+    if isinstance(value, list):  # a repeatable flag
+        return [*value, "x-changed"]
     return f"{value or 'x'}-changed"
 
 
