@@ -219,7 +219,18 @@ def _tools_as_sent(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- the request -------------------------------------------------------------------------
 
 
-class ChatCompletionRequest(BaseModel):
+class _Body(BaseModel):
+    """A request body: a JSON object, its null fields counted as absent (as OpenAI's API does)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _fail("the request body must be a JSON object", None)
+        return {k: v for k, v in data.items() if v is not None}
+
+
+class ChatCompletionRequest(_Body):
     """The ``/v1/chat/completions`` body (the fields the endpoint honours)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -255,13 +266,6 @@ class ChatCompletionRequest(BaseModel):
     ) = None
     stream: Any = False  # any true value streams
     stream_options: Annotated[dict[str, Any] | None, BeforeValidator(lambda v: v or None)] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise _fail("the request body must be a JSON object", None)
-        return {k: v for k, v in data.items() if v is not None}
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -384,7 +388,7 @@ def _tool_types(tools: list[_ResponsesTool]) -> list[_ResponsesTool]:
     return tools
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_Body):
     """The ``/v1/responses`` body: the fields the endpoint serves, those it may ignore (``model``,
     ``metadata``, ...), and none else: any other field is refused by name (OpenAI's 400)."""
 
@@ -415,13 +419,6 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise _fail("the request body must be a JSON object", None)
-        return {k: v for k, v in data.items() if v is not None}
 
     @model_validator(mode="after")
     def _served(self) -> Self:
