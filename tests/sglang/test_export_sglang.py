@@ -11,7 +11,7 @@ import pytest
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.export import export_checkpoint
 from tests.helpers.servers import start_sglang_server, stop_server
-from tests.sglang.test_sglang_code import SGLANG_PYTHON
+from tests.sglang.test_sglang_code import NEEDS_SGLANG, SGLANG_PYTHON
 from tests.trainer.export_worker import PROMPTS
 from tests.trainer.launch import run_ranks
 from tests.trainer.test_export import greedy_hf, greedy_served
@@ -22,11 +22,7 @@ pytestmark = [
     pytest.mark.sglang,
     pytest.mark.slow,
     pytest.mark.timeout(900),  # one SGLang start-up on CPU (1-2 min, more on a loaded machine)
-    pytest.mark.skipif(
-        not Path(SGLANG_PYTHON).exists(),
-        reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` "
-        "(CI does) or set RLACTORS_SGLANG_PYTHON",
-    ),
+    NEEDS_SGLANG,
 ]
 
 

@@ -17,7 +17,7 @@ from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.config import LoraConfig
 from nodes.trainer.lora import adapter_state, write_adapter
 from tests.helpers.servers import start_sglang_server, stop_server
-from tests.sglang.test_sglang_code import SGLANG_PYTHON
+from tests.sglang.test_sglang_code import NEEDS_SGLANG, SGLANG_PYTHON
 from tests.trainer.export_worker import PROMPTS
 from tests.trainer.test_export import greedy_hf, greedy_served
 from tests.trainer.test_lora import adapted
@@ -35,11 +35,7 @@ pytestmark = [
     pytest.mark.sglang,
     pytest.mark.slow,
     pytest.mark.timeout(900),  # one SGLang start-up on CPU (1-2 min, more on a loaded machine)
-    pytest.mark.skipif(
-        not Path(SGLANG_PYTHON).exists(),
-        reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` "
-        "(CI does) or set RLACTORS_SGLANG_PYTHON",
-    ),
+    NEEDS_SGLANG,
     pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CPU_LORA),
 ]
 

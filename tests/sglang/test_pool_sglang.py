@@ -27,16 +27,13 @@ from tests.e2e.test_pool import (
     up_cluster,
 )
 from tests.e2e.test_recipe import ROOT, rows
-from tests.sglang.test_sglang_code import SGLANG_PYTHON
+from tests.sglang.test_sglang_code import NEEDS_SGLANG, SGLANG_PYTHON
 
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.slow,
     pytest.mark.timeout(1500),  # two SGLang start-ups on CPU (2-4 min each on a loaded 2-core machine)
-    pytest.mark.skipif(
-        not Path(SGLANG_PYTHON).exists(),
-        reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` (CI does)",
-    ),
+    NEEDS_SGLANG,
 ]
 
 

@@ -9,15 +9,12 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_recipe import SMALL, recipe, rows
-from tests.sglang.test_sglang_code import SGLANG_PYTHON
+from tests.sglang.test_sglang_code import NEEDS_SGLANG, SGLANG_PYTHON
 
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not Path(SGLANG_PYTHON).exists(),
-        reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` (CI does)",
-    ),
+    NEEDS_SGLANG,
 ]
 
 

@@ -38,13 +38,16 @@ SGLANG_PYTHON = os.environ.get("RLACTORS_SGLANG_PYTHON") or str(
     Path.home() / ".cache/rlactors/sglang-0.5.23/bin/python"
 )
 
+# the skip every test of tests/sglang carries: SGLang's own venv (scripts/sglang-setup.sh) is needed
+NEEDS_SGLANG = pytest.mark.skipif(
+    not Path(SGLANG_PYTHON).exists(),
+    reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` "
+    "(CI does) or set RLACTORS_SGLANG_PYTHON",
+)
+
 pytestmark = [
     pytest.mark.sglang,
-    pytest.mark.skipif(
-        not Path(SGLANG_PYTHON).exists(),
-        reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}: run `bash scripts/sglang-setup.sh` "
-        "(CI does) or set RLACTORS_SGLANG_PYTHON",
-    ),
+    NEEDS_SGLANG,
 ]
 
 
