@@ -92,8 +92,9 @@ class DataConfig:
     # "local": your data at data.path; built in: "easy" (single-digit sums a 135M model learns on
     # CPU), "products" (for agents with a Python tool), "hub" (GSM8K from the hub), "offline"
     # (GSM8K-style problems from reasoning-gym), "auto" (data.path if set, else hub, else offline),
-    # "env": the dataset of the environment the workflow runs (nodes/rollout/environments)
-    source: Literal["auto", "hub", "local", "offline", "easy", "products", "env"] = "easy"
+    # "env": the dataset of the environment the workflow runs (nodes/rollout/environments); "online":
+    # episodes from external clients' sessions (nodes.rollout.sessions:OnlineWorkflow)
+    source: Literal["auto", "hub", "local", "offline", "easy", "products", "env", "online"] = "easy"
     # your data: a .jsonl/.json/.parquet/.csv file, a folder of train*/test* files, a datasets
     # save_to_disk folder or a hub dataset id; "{split}" in it is replaced by the split's name
     path: str = ""
@@ -520,6 +521,11 @@ def load_data(cfg: DataConfig, workflow_args: Any = None) -> Data:
             return Data(*workflow_args.env_data(cfg))
         except ValueError as e:
             raise DataError(f"data.source = 'env': {e}") from None
+    if cfg.source == "online":
+        if not hasattr(workflow_args, "online_data"):
+            raise DataError("data.source = 'online' takes episodes from sessions: set rollout.workflow = "
+                            "'nodes.rollout.sessions:OnlineWorkflow'")  # fmt: skip
+        return Data(*workflow_args.online_data(cfg))
     if cfg.source == "local" or (cfg.source == "auto" and cfg.path):
         return _load_yours(cfg)
     train, about = load_gsm8k("train", cfg.source, None, cfg.train_limit or None, cfg.seed, cfg.hub_timeout_s)

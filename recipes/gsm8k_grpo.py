@@ -85,6 +85,8 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
     )
     try:
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
+        if cfg.data.source == "online":  # episodes come from the session API's clients
+            await term.wait(announce_sessions(c, cfg, plane, out))
         lora = with_lora(cfg).rollout.client.lora  # the adapter's name under adapter pushes
         evaluator = Evaluator(eval_spec(cfg, model), eval_items, plane.sync.keys, lora)
         await evaluator.start(plane.sync.live, state.version)
@@ -146,6 +148,22 @@ async def loop(
         term.check()
     if line := evaluator.summary():
         print(line, flush=True)
+
+
+async def announce_sessions(c: rlactors.Cluster, cfg: RecipeConfig, plane: Plane, out: Path) -> None:
+    """Online mode: where the session APIs listen and their key, in ``<out>/sessions.json`` (mode 600)."""
+    from nodes.rollout.sessions import session_urls
+
+    urls = await session_urls(
+        c, [f"rollout-{i}" for i in range(cfg.rollout.n_actors)], cfg.run.batch_timeout_s
+    )
+    path = out / "sessions.json"
+    fd = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600
+    )  # the key: readable by the run's user only
+    with os.fdopen(fd, "w") as f:
+        json.dump({"urls": urls, "api_key": plane.sync.keys.api_key}, f)
+    print(f"online: sessions at {' '.join(urls)} (the key: {path})", flush=True)
 
 
 def cluster_address(target: str | None) -> tuple[str, str | None] | None:

@@ -35,10 +35,11 @@ import contextlib
 import itertools
 import json
 import os
+import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,9 +83,12 @@ class EndpointError(Exception):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
         self.type = "invalid_request_error" if status < 500 else "server_error"
+        self.headers: dict[str, str] = {}  # e.g. Retry-After on a 429
 
     def response(self) -> Response:
-        return _json(error_body(str(self), self.type, self.param, self.code), self.status)
+        out = _json(error_body(str(self), self.type, self.param, self.code), self.status)
+        out.headers.update(self.headers)
+        return out
 
 
 # -- requests ------------------------------------------------------------------------------------
@@ -248,9 +252,14 @@ class ChatEndpoint:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         default_temperature: float = 1.0,
         tool_parser: str = "hermes",
+        api_key: str = "",
     ) -> None:
         """``default_*``: what a request that does not say gets (OpenAI's temperature is 1);
-        ``tool_parser``: how tool calls are read from the output (nodes/rollout/chat.py)."""
+        ``tool_parser``: how tool calls are read from the output (nodes/rollout/chat.py);
+        ``api_key``: when set, every request must carry ``Authorization: Bearer <api_key>`` (else 401),
+        as the session API of online mode needs (nodes/rollout/sessions.py)."""
+        self.api_key = api_key
+        self.mounts: dict[str, Callable[[Request], Awaitable[Response | None]]] = {}
         self.client, self.tokenizer, self.model = client, tokenizer, model
         self.parse_tool_calls = chat.tool_parser(tool_parser)
         # Hermes output is content until "<tool_call>": it streams as generated (a custom parser's waits)
@@ -272,6 +281,11 @@ class ChatEndpoint:
     async def aclose(self) -> None:
         await self._server.aclose()
 
+    def mount(self, prefix: str, handler: Callable[[Request], Awaitable[Response | None]]) -> None:
+        """Serve the paths under ``prefix`` with ``handler`` (behind the same key), e.g. the session
+        API's ``/rl/v1/``."""
+        self.mounts[prefix] = handler
+
     def open_episode(self, episode_id: str | None = None, client: Any = None) -> tuple[Episode, str]:
         """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``); its
         completions generate through ``client`` (default: the endpoint's)."""
@@ -289,6 +303,12 @@ class ChatEndpoint:
         """Route ``request``: ``[/episodes/<id>]/v1/chat/completions`` and ``.../v1/responses``
         (POST, nodes/rollout/responses.py), ``.../v1/models`` (GET). Every failure is OpenAI's error body; none stops the endpoint."""
         try:
+            if self.api_key and not _bearer_is(request.headers.get("authorization"), self.api_key):
+                raise EndpointError(401, "a missing or wrong API key: send Authorization: Bearer <the run's key>",
+                                    code="invalid_api_key")  # fmt: skip
+            for prefix, handler in self.mounts.items():
+                if request.path.startswith(prefix):
+                    return await handler(request)
             ep: Episode | None = self.default
             route = request.path
             if route.startswith("/episodes/"):
@@ -536,6 +556,12 @@ def _trim_stop(text: str, res: GenResult, req: ChatRequest) -> str:
     if res.finish_reason == "stop" and isinstance(res.matched_stop, str) and text.endswith(res.matched_stop):
         return text[: -len(res.matched_stop)]
     return text
+
+
+def _bearer_is(header: str | None, key: str) -> bool:
+    """``Authorization: Bearer <key>``, compared in constant time (as SGLang's servers compare theirs)."""
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
 
 
 def _json(obj: Any, status: int = 200) -> Response:
