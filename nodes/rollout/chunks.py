@@ -1,12 +1,19 @@
 """One ``/generate`` answer, read: its tokens and log-probs, the policy version of each token,
 and the sampling parameters that resume it after an abort (nodes/rollout/client.py drives the
-loop)."""
+loop).
+
+An answer's per-token data comes out as numpy arrays, each made in one C-level pass over the lists
+the JSON parser built (int32 ids, float64 log-probs as the server sent them, int32 versions), so
+nothing between the answer and the codec loops over tokens in Python.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
+import numpy as np
 import orjson
 
 from protocols.sglang import WEIGHT_VERSIONS
@@ -38,16 +45,23 @@ def resume_params(sp: dict[str, Any], budget: int, done: int) -> dict[str, Any]:
     return out
 
 
-def parse_chunk(data: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
-    """Output ids and logprobs from an SGLang 0.5.x (``output_ids``) or older response."""
+def parse_chunk(data: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Output ids (int32) and log-probs (float64; 0.0 where the server sent null) as arrays, from an
+    SGLang 0.5.x (``output_ids``) or older response, and its ``meta_info``."""
     meta = data.get("meta_info") or {}
-    entries = meta.get("output_token_logprobs") or []
-    ids = list(data["output_ids"]) if "output_ids" in data else [int(e[1]) for e in entries]
-    lps = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
-    if len(lps) != len(ids):
+    entries = meta.get("output_token_logprobs") or []  # [[logprob, token id, text], ...]
+    n = len(entries)
+    if "output_ids" in data:
+        ids = np.array(data["output_ids"], dtype=np.int32)
+    else:
+        ids = np.fromiter(map(itemgetter(1), entries), np.int32, n)
+    if len(ids) != n:
         raise GenerationError(
-            f"response has {len(ids)} output ids but {len(lps)} logprobs; was return_logprob honoured?"
+            f"response has {len(ids)} output ids but {n} logprobs; was return_logprob honoured?"
         )
+    lps = np.fromiter(map(itemgetter(0), entries), np.float64, n)  # a null reads as NaN: JSON has none
+    if np.isnan(lps).any():
+        lps[np.isnan(lps)] = 0.0
     return ids, lps, meta
 
 
@@ -106,7 +120,8 @@ class StreamedChunk:
                     event["output_ids"] = event["output_ids"][have:]
         else:
             self.text += event.get("text") or ""
-        ids, lps, part = parse_chunk(event)
+        ids_array, lps_array, part = parse_chunk(event)
+        ids = ids_array.tolist()  # the callback's tokens, as lists: a stream is read token by token
         entries = part.get("output_token_logprobs") or []
         tops = part.get("output_top_logprobs") or []
         self.ids += ids
@@ -114,7 +129,8 @@ class StreamedChunk:
         self.tops += tops
         self.meta = meta
         if ids:
-            self.on_tokens(ids, lps, [[(float(t[0]), int(t[1])) for t in row or ()] for row in tops])
+            top = [[(float(t[0]), int(t[1])) for t in row or ()] for row in tops]
+            self.on_tokens(ids, lps_array.tolist(), top)
 
     def result(self) -> dict[str, Any]:
         """The answer as a non-streamed ``/generate`` would have sent it; a stream cut short reads
@@ -127,24 +143,48 @@ class StreamedChunk:
         return {"output_ids": self.ids, "text": self.text, "meta_info": meta}
 
 
-def versions_from_spans(spans: Any, n: int) -> list[Any] | None:
-    """One label per output token from SGLang's ``weight_versions`` spans, or None when they are
+def _spans(spans: Any, n: int) -> list[tuple[int, Any]] | None:
+    """SGLang's ``weight_versions`` spans as ``(length, label)`` in order, or None when they are
     absent or do not cover exactly ``n`` tokens (then nothing is labelled)."""
     if not isinstance(spans, list) or not spans:
         return None
-    labels: list[Any] = []
+    out: list[tuple[int, Any]] = []
+    covered = 0
     try:
         for s in spans:
             start, end = int(s["start"]), int(s["end"])
-            if start != len(labels) or end < start:
+            if start != covered or end < start:
                 return None
-            labels += [s["version"]] * (end - start)
+            out.append((end - start, s["version"]))
+            covered = end
     except (KeyError, TypeError, ValueError):
         return None
-    return labels if len(labels) == n else None
+    return out if covered == n else None
 
 
-def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[int], int]:
+def versions_from_spans(spans: Any, n: int) -> list[Any] | None:
+    """One label per output token from SGLang's ``weight_versions`` spans, or None when they are
+    absent or do not cover exactly ``n`` tokens (then nothing is labelled)."""
+    runs = _spans(spans, n)
+    if runs is None:
+        return None
+    labels: list[Any] = []
+    for length, label in runs:
+        labels += [label] * length
+    return labels
+
+
+def _version(label: Any) -> int | None:
+    """A span's label as a version number, or None when it is not one (SGLang's "default")."""
+    if not isinstance(label, (str, int)) or isinstance(label, bool):
+        return None
+    try:
+        return int(label)
+    except ValueError:
+        return None
+
+
+def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[np.ndarray, int]:
     """The policy version of each of a chunk's ``n`` tokens, and how many the server labelled.
 
     Two rules bound these stamps. (1) Never newer than the weights that sampled the token:
@@ -168,8 +208,8 @@ def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[i
       the old weights. An aborted chunk never spans an update (the pause aborts it first), so for
       ``abort`` pauses the post-time version is exact.
     """
-    labels = versions_from_spans(meta.get(WEIGHT_VERSIONS), n)
-    if labels is None:
+    runs = _spans(meta.get(WEIGHT_VERSIONS), n)
+    if runs is None:
         # the request's own weight_version (at its end) is newer than some tokens after an
         # update mid-chunk, but when it is *older* than posted_at the server missed a push
         # (restarted with old weights): then it is the truth, as a label would be
@@ -177,23 +217,9 @@ def token_versions(meta: dict[str, Any], n: int, posted_at: int) -> tuple[list[i
             behind = int(meta.get("weight_version"))  # type: ignore[arg-type]
         except (TypeError, ValueError):  # SGLang's "default", or absent
             behind = posted_at
-        return [min(posted_at, behind)] * n, 0
-    out: list[int] = []
-    labelled = 0
-    parsed: dict[str | int, int | None] = {}  # labels repeat: parse each distinct one once
-    for label in labels:
-        if not isinstance(label, (str, int)) or isinstance(label, bool):
-            v = None
-        elif label in parsed:
-            v = parsed[label]
-        else:
-            try:
-                v = parsed[label] = int(label)
-            except ValueError:
-                v = parsed[label] = None
-        if v is None:
-            out.append(posted_at)
-        else:
-            out.append(v)
-            labelled += 1
+        return np.full(n, min(posted_at, behind), dtype=np.int32), 0
+    versions = [_version(label) for _, label in runs]  # one per span: spans are few, tokens many
+    lengths = [length for length, _ in runs]
+    labelled = sum(length for length, v in zip(lengths, versions, strict=True) if v is not None)
+    out = np.repeat(np.array([posted_at if v is None else v for v in versions], np.int32), lengths)
     return out, labelled

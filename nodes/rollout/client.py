@@ -3,7 +3,9 @@
 ``agenerate`` posts ``/generate`` and, while the answer is an abort (the trainer paused the
 servers to push weights) and token budget remains, appends what came back to the input,
 lowers ``max_new_tokens`` and re-posts to the *same* server, so the prefix is served from
-that server's radix cache. Every output token is stamped with a policy version (see
+that server's radix cache. The answer's tokens, log-probs and versions come out as numpy arrays, each
+made in one pass over what the JSON parser read (nodes/rollout/chunks.py), and a resumed request's
+chunks are concatenated. Every output token is stamped with a policy version (see
 :func:`nodes.rollout.chunks.token_versions`): the server's own per-token label when it sends one (the reference
 server does; it is exact when a request was held across a weight update by a ``retract`` or
 ``in_place`` pause), else the version the client knew when it posted the chunk.
@@ -26,9 +28,12 @@ import random
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 import structlog
 
@@ -68,12 +73,13 @@ class NoServerAvailableError(GenerationError):
 
 @dataclass
 class GenRequest:
-    """One generation: prompt ids, SGLang sampling params, and an optional request id.
+    """One generation: prompt ids (a list or a numpy array), SGLang sampling params, and an optional
+    request id.
 
     Reusing ``rid`` across the turns of an episode keeps the episode on one server.
     """
 
-    input_ids: list[int]
+    input_ids: Sequence[int]
     sampling_params: dict[str, Any] = field(default_factory=dict)
     rid: str | None = None
     top_logprobs_num: int = 0  # > 0: also the most likely tokens at each output position
@@ -85,12 +91,21 @@ class GenRequest:
 
 @dataclass
 class GenResult:
-    """The output of one request, assembled over every abort/resume and failover."""
+    """The output of one request, assembled over every abort/resume and failover.
+
+    The output tokens are numpy arrays, made once from the server's answers: ``ids`` (int32),
+    ``logprobs`` (float64, as the server sent them) and ``versions`` (int32, the policy version of
+    each token), so a workflow concatenates them into its trajectory with no step per token.
+    ``output_ids``, ``output_logprobs`` and ``output_versions`` are the same as lists, made on first
+    use, for code that reads lists (a result is complete when the client returns it: do not replace
+    its arrays after reading a list). Built by hand (a test's scripted client), the three arrays may
+    be given as lists.
+    """
 
     rid: str
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
+    ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
     finish_reason: str  # "stop" | "length" | "abort" (abort only when the budget ran out mid-abort)
     text: str
     prompt_tokens: int
@@ -103,6 +118,26 @@ class GenResult:
     matched_stop: Any = None
     # with GenRequest.top_logprobs_num: per output token, [(logprob, token id), ...] most likely first
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ids = np.asarray(self.ids, dtype=np.int32)
+        self.logprobs = np.asarray(self.logprobs, dtype=np.float64)
+        self.versions = np.asarray(self.versions, dtype=np.int32)
+
+    @cached_property
+    def output_ids(self) -> list[int]:
+        """``ids`` as a list."""
+        return self.ids.tolist()
+
+    @cached_property
+    def output_logprobs(self) -> list[float]:
+        """``logprobs`` as a list."""
+        return self.logprobs.tolist()
+
+    @cached_property
+    def output_versions(self) -> list[int]:
+        """``versions`` as a list."""
+        return self.versions.tolist()
 
 
 class SGLangClient:
@@ -247,7 +282,7 @@ class SGLangClient:
             self._since.pop(rid, None)
         TRACE.async_span("generate", f"{rid}#{started}", started, time.time(), f"server {res.server}",
                          rid=rid, trace_id=request.trace_id, prompt_tokens=res.prompt_tokens,
-                         output_tokens=len(res.output_ids), aborts=res.aborts, posts=res.posts)  # fmt: skip
+                         output_tokens=len(res.ids), aborts=res.aborts, posts=res.posts)  # fmt: skip
         return res
 
     async def _generate_loop(
@@ -260,7 +295,7 @@ class SGLangClient:
         res: GenResult,
     ) -> GenResult:
         cfg = self.config
-        ids, lps, vers, cached = res.output_ids, res.output_logprobs, res.output_versions, res.cached_tokens
+        cached = res.cached_tokens
         texts: list[str] = []
         idle_aborts = 0
         while True:
@@ -282,9 +317,10 @@ class SGLangClient:
                     if lap_end:
                         r[4] = r[2]
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
+            done = len(res.ids)
             body: GenerateBody = {  # a literal, not a GenerateBody(...) call: built per post
-                "input_ids": [*request.input_ids, *ids],
-                "sampling_params": resume_params(sp, budget, len(ids)),
+                "input_ids": np.concatenate((request.input_ids, res.ids)) if done else request.input_ids,
+                "sampling_params": resume_params(sp, budget, done),
                 "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
                 "return_logprob": True,
             }
@@ -300,15 +336,15 @@ class SGLangClient:
             chunk_ids, chunk_lps, meta = parse_chunk(data)
             chunk_vers, labelled = token_versions(meta, len(chunk_ids), posted_at)
             if cfg.lora:  # the adapter named is fixed for the whole post: its version is exact
-                chunk_vers, labelled = [posted_at] * len(chunk_ids), 0
-            if chunk_vers and min(chunk_vers) < posted_at:
+                chunk_vers, labelled = np.full(len(chunk_ids), posted_at, np.int32), 0
+            if chunk_vers.size and (oldest := int(chunk_vers.min())) < posted_at:
                 log.warning("rollout.server_behind_client_version", rid=rid, server=server.url,
-                            server_version=min(chunk_vers), client_version=posted_at)  # fmt: skip
-            ids += chunk_ids
-            lps += chunk_lps
-            vers += chunk_vers
+                            server_version=oldest, client_version=posted_at)  # fmt: skip
+            res.ids = _extend(res.ids, chunk_ids)
+            res.logprobs = _extend(res.logprobs, chunk_lps)
+            res.versions = _extend(res.versions, chunk_vers)
             if request.top_logprobs_num:
-                tops = meta.get("output_top_logprobs") or [[] for _ in chunk_ids]
+                tops = meta.get("output_top_logprobs") or [[] for _ in range(len(chunk_ids))]
                 res.output_top_logprobs += [[(float(e[0]), int(e[1])) for e in row or ()] for row in tops]
             self.counters["labelled_tokens"] += labelled
             texts.append(data.get("text") or "")
@@ -330,10 +366,10 @@ class SGLangClient:
                 )
             res.aborts += 1
             self.counters["aborts"] += 1
-            if len(ids) >= budget:
+            if len(res.ids) >= budget:
                 res.finish_reason = "length"
                 break
-            idle_aborts = 0 if chunk_ids else idle_aborts + 1
+            idle_aborts = 0 if len(chunk_ids) else idle_aborts + 1
             if idle_aborts > cfg.max_idle_aborts:
                 raise GenerationError(
                     f"{server.url} aborted request {rid} {idle_aborts} times without progress"
@@ -407,7 +443,7 @@ class SGLangClient:
                 server.down_until = time.monotonic() + self.config.down_cooldown_s
                 tried.add(server.url)
                 nxt = self._least_loaded(time.monotonic(), exclude=tried)  # raises when none left
-                log.warning("rollout.failover", rid=res.rid, frm=server.url, to=nxt.url, tokens=len(res.output_ids),
+                log.warning("rollout.failover", rid=res.rid, frm=server.url, to=nxt.url, tokens=len(res.ids),
                             error=str(e))  # fmt: skip
                 self.counters["failovers"] += 1
                 res.failovers += 1
@@ -431,9 +467,9 @@ class SGLangClient:
             streamed = None if on_tokens is None else StreamedChunk(on_tokens)
             try:
                 if streamed is None:
-                    status, content = await server.post("/generate", orjson.dumps(body))
+                    status, content = await server.post("/generate", _json(body))
                 else:
-                    status, content = await server.post_stream("/generate", orjson.dumps(body), streamed.line)
+                    status, content = await server.post_stream("/generate", _json(body), streamed.line)
             except WireError as e:
                 last = str(e)
                 if e.timed_out:
@@ -493,6 +529,16 @@ class SGLangClient:
 
 class ServerPoolDown(Exception):
     pass
+
+
+def _extend(have: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """``have`` followed by ``more`` (a resumed request's next chunk)."""
+    return np.concatenate((have, more)) if have.size else more
+
+
+def _json(body: GenerateBody) -> bytes:
+    """A request body as JSON; its ``input_ids`` may be a numpy array (a workflow's sample)."""
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _text(content: bytes, limit: int) -> str:

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import structlog
 
 from nodes.plugins import resolve
@@ -33,7 +35,7 @@ from nodes.rollout.chat import ChatError, continuation_ids
 from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.reward import RewardConfig, RewardFn, RewardRunner
 from protocols.codec import register
-from protocols.rl import Trajectory, TrajectoryGroup
+from protocols.rl import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE, VERSIONS_DTYPE, Trajectory, TrajectoryGroup
 from rlactors.tomlconf import at_least, check_ranges, within
 
 __all__ = [
@@ -138,44 +140,60 @@ class RLVRConfig:
 
 class Sample:
     """One growing sequence: ids with per-token mask, logprob and version, kept aligned; the model's
-    outputs (mask 1) and the context between them (mask 0), sampled at ``temperature``."""
+    outputs (mask 1) and the context between them (mask 0), sampled at ``temperature``.
 
-    def __init__(self, prompt_ids: list[int], temperature: float) -> None:
+    Started from a numpy array of prompt ids (as the built-in workflows start theirs), its four
+    fields are numpy arrays of the trajectory's dtypes, grown by concatenation: the client's arrays
+    go into the trajectory, and out through the codec, with no step per token. Started from a list
+    (the OpenAI endpoint's samples), they are lists, for code that reads them as lists.
+    """
+
+    def __init__(self, prompt_ids: Sequence[int], temperature: float) -> None:
         self.temperature = temperature
-        self.ids = list(prompt_ids)
-        self.mask = [0] * len(prompt_ids)
-        self.logprobs = [0.0] * len(prompt_ids)
-        self.versions = [-1] * len(prompt_ids)
+        n = len(prompt_ids)
+        if isinstance(prompt_ids, np.ndarray):
+            self.ids: Any = np.array(prompt_ids, dtype=IDS_DTYPE)
+            self.mask, self.logprobs, self.versions = _context(n)
+        else:
+            self.ids, self.mask, self.logprobs, self.versions = list(prompt_ids), [0] * n, [0.0] * n, [-1] * n
         self.meta: dict[str, Any] = {"cached_tokens": 0, "aborts": 0, "failovers": 0, "finish_reasons": []}
 
     def fork(self) -> Sample:
         """A copy to grow apart (another sample of the same prompt)."""
         twin = Sample([], self.temperature)
         twin.ids, twin.mask, twin.logprobs, twin.versions = (
-            [*self.ids],
-            [*self.mask],
-            [*self.logprobs],
-            [*self.versions],
+            self.ids.copy(),
+            self.mask.copy(),
+            self.logprobs.copy(),
+            self.versions.copy(),
         )
         twin.meta = {**self.meta, "finish_reasons": [*self.meta["finish_reasons"]]}
         twin.meta.pop("trace_id", None)  # its own, set when it generates
         return twin
 
     def add_output(self, res: GenResult) -> None:
-        self.ids += res.output_ids
-        self.mask += [1] * len(res.output_ids)
-        self.logprobs += res.output_logprobs
-        self.versions += res.output_versions
+        """Append the model's output (mask 1) from ``res``, with its log-probs and versions."""
+        self._extend(res.ids, np.ones(len(res.ids), MASK_DTYPE), res.logprobs, res.versions)
         self.meta["cached_tokens"] += sum(res.cached_tokens)
         self.meta["aborts"] += res.aborts
         self.meta["failovers"] += res.failovers
         self.meta["finish_reasons"].append(res.finish_reason)
 
-    def add_context(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
+    def add_context(self, ids: Sequence[int]) -> None:
+        """Append tokens the model did not generate (mask 0): a template's turn, a tool's result."""
+        self._extend(ids, *_context(len(ids)))
+
+    def _extend(self, ids: Sequence[int], mask: np.ndarray, logprobs: Any, versions: Any) -> None:
+        if isinstance(self.ids, list):
+            self.ids += _as_list(ids)
+            self.mask += mask.tolist()
+            self.logprobs += _as_list(logprobs)
+            self.versions += _as_list(versions)
+        else:
+            self.ids = np.concatenate((self.ids, ids), dtype=IDS_DTYPE)
+            self.mask = np.concatenate((self.mask, mask), dtype=MASK_DTYPE)
+            self.logprobs = np.concatenate((self.logprobs, logprobs), dtype=LOGPROBS_DTYPE)
+            self.versions = np.concatenate((self.versions, versions), dtype=VERSIONS_DTYPE)
 
     def trajectory(self, reward: float, group_id: str, prompt_len: int) -> Trajectory:
         t = Trajectory(
@@ -191,6 +209,15 @@ class Sample:
         )
         t.validate()
         return t
+
+
+def _context(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mask, log-probs and versions of ``n`` context tokens: 0, 0.0 and -1."""
+    return np.zeros(n, MASK_DTYPE), np.zeros(n, LOGPROBS_DTYPE), np.full(n, -1, VERSIONS_DTYPE)
+
+
+def _as_list(values: Sequence[Any]) -> list[Any]:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 class RLVRWorkflow:
@@ -237,8 +264,9 @@ class RLVRWorkflow:
         texts = [self.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in results]
         rewards = await asyncio.gather(*(self.reward(t, item) for t in texts))
         trajs = []
+        prompt_ids = np.array(prompt, IDS_DTYPE)
         for i, (res, reward) in enumerate(zip(results, rewards, strict=True)):
-            s = Sample(prompt, self.config.temperature)
+            s = Sample(prompt_ids, self.config.temperature)
             s.add_output(res)
             s.meta.update(turns=1, trace_id=f"{gid}/s{i}")
             trajs.append(s.trajectory(reward, gid, len(prompt)))
@@ -285,7 +313,7 @@ class MultiTurnWorkflow(RLVRWorkflow):
         c = self.config
         messages = self.prompt_messages(item)
         prompt = chat_ids(self.tokenizer, messages)
-        s = Sample(prompt, c.temperature)
+        s = Sample(np.array(prompt, IDS_DTYPE), c.temperature)
         s.meta["trace_id"] = f"{gid}/s{i}"
         reward = 0.0
         for turn in range(c.max_turns):

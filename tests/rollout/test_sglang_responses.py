@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from nodes.rollout.chunks import parse_chunk, token_versions
 from nodes.rollout.client import GenRequest, SGLangClient
@@ -20,8 +21,10 @@ ANSWERS = json.loads((Path(__file__).parent / "fixtures" / "sglang-0.5.23-respon
 def test_every_recorded_answer_parses() -> None:
     for name in ("generate_logprob", "generate_aborted", "generate_across_update"):
         ids, lps, meta = parse_chunk(ANSWERS[name])
+        assert (ids.dtype, lps.dtype) == (np.int32, np.float64), name  # arrays, made once per answer
         assert len(ids) == len(lps) == meta["completion_tokens"] > 0, name
-        assert all(lp <= 0 for lp in lps), name
+        assert ids.tolist() == ANSWERS[name]["output_ids"] and (lps <= 0).all(), name
+        assert lps.tolist() == [e[0] for e in meta["output_token_logprobs"]], name
     assert ANSWERS["generate_aborted"]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
@@ -32,7 +35,7 @@ def test_versions_across_a_real_update_come_from_sglang_spans() -> None:
     n, before = meta["completion_tokens"], spans[0]["end"]
     vers, labelled = token_versions(meta, n, posted_at=6)
     # "default" (the server's label before any push) cannot be read: the post-time version stands in
-    assert vers == [6] * before + [7] * (n - before)
+    assert vers.dtype == np.int32 and vers.tolist() == [6] * before + [7] * (n - before)
     assert labelled == n - before
 
 

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 
 from nodes.rollout.client import GenRequest, GenResult
@@ -47,13 +48,20 @@ async def test_rlvr_group_of_n_samples(tok) -> None:
     group.validate()
     assert group.group_id == "g1" and sorted(group.rewards) == [0.0, 0.0, 1.0]
     prompt = chat_ids(tok, [{"role": "user", "content": ITEM["question"] + " Box it."}])
-    assert [r.input_ids for r in client.requests] == [prompt] * 3
+    assert [list(r.input_ids) for r in client.requests] == [prompt] * 3
     assert len({r.rid for r in client.requests}) == 3
     for t in group.trajectories:
-        assert t.input_ids[: len(prompt)] == prompt and t.prompt_len == len(prompt)
-        assert t.loss_mask == [0] * len(prompt) + [1] * (t.num_tokens - len(prompt))
+        # the workflow's own trajectories hold arrays of the wire dtypes: the codec sends them as they are
+        assert [(type(a), a.dtype) for a in (t.input_ids, t.loss_mask, t.logprobs, t.versions)] == [
+            (np.ndarray, np.int32), (np.ndarray, np.int8), (np.ndarray, np.float32), (np.ndarray, np.int32)
+        ]  # fmt: skip
+        assert t.input_ids[: len(prompt)].tolist() == prompt and t.prompt_len == len(prompt)
+        assert t.loss_mask.tolist() == [0] * len(prompt) + [1] * (t.num_tokens - len(prompt))
+        assert t.logprobs.tolist() == [0.0] * len(prompt) + [-0.5] * (t.num_tokens - len(prompt))
         assert (
-            set(t.versions[len(prompt) :]) == {3} and t.meta["cached_tokens"] == 7 and t.meta["aborts"] == 1
+            set(t.versions[len(prompt) :].tolist()) == {3}
+            and t.meta["cached_tokens"] == 7
+            and t.meta["aborts"] == 1
         )
 
 
@@ -66,12 +74,12 @@ async def test_multi_turn_retry_until_correct(tok) -> None:
     assert t.reward == 0.5 and t.meta["turns"] == 2
     first, second = client.requests
     assert first.rid == second.rid  # sticky: the second turn returns to the server holding the prefix
-    assert second.input_ids[: len(first.input_ids)] == first.input_ids
+    assert list(second.input_ids[: len(first.input_ids)]) == list(first.input_ids)
     # the sequence decodes to exactly what the chat template renders for the whole conversation
     convo = [{"role": "user", "content": ITEM["question"]}, {"role": "assistant", "content": "\\boxed{70}"},
              {"role": "user", "content": cfg.feedback}, {"role": "assistant", "content": "\\boxed{72}"}]  # fmt: skip
     rendered = tok.apply_chat_template(convo, tokenize=False)
-    assert tok.decode(t.input_ids, skip_special_tokens=False) == rendered.rstrip("\n")
+    assert tok.decode(t.input_ids.tolist(), skip_special_tokens=False) == rendered.rstrip("\n")
     # loss only on the two answers; the feedback turn is context
     answer_ids = [
         [*tok.encode(a, add_special_tokens=False), tok.eos_token_id] for a in ("\\boxed{70}", "\\boxed{72}")
