@@ -101,6 +101,21 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
                 "rollout/env_timeouts",
                 "environments: episodes past `episode_timeout_s`; the item's group was dropped",
             ),
+            ("rollout/sessions_opened", "online mode (`nodes.rollout.sessions`): sessions opened by clients"),
+            ("rollout/sessions_rewarded", "online mode: sessions ended by their reward"),
+            (
+                "rollout/sessions_timed_out",
+                "online mode: sessions not rewarded within `session_timeout_s`, dropped (their group went on without them)",
+            ),
+            (
+                "rollout/sessions_refused",
+                "online mode: session opens answered 429 (nothing admitted, or the servers paused for a weight push)",
+            ),
+            (
+                "rollout/groups_partial",
+                "online mode: groups not filled within `group_timeout_s` (trained as they were, or dropped)",
+            ),
+            ("rollout/groups_dropped", 'online mode: partial groups dropped (`partial_groups = "drop"`)'),
             ("servers/live", "inference servers in routing after this step's publish"),
             ("servers/joined", "servers that joined routing since the previous step"),
             ("servers/left", "servers that left routing since the previous step (removed or dead)"),

@@ -68,15 +68,17 @@ class OnlineConfig:
     n_samples: int = field(default=4, metadata=at_least(1))  # sessions per task_id: one GRPO group
     # a group that has not filled this long after its first session: train it as it is, or drop it
     group_timeout_s: float = field(default=300.0, metadata=above(0))
-    partial_groups: Literal["train", "drop"] = "train"
-    session_timeout_s: float = field(default=600.0, metadata=above(0))  # never rewarded by then: dropped
+    partial_groups: Literal["train", "drop"] = "train"  # what a group that timed out unfilled becomes
+    # a session not rewarded this long after it opened is dropped (its group goes on without it)
+    session_timeout_s: float = field(default=600.0, metadata=above(0))
     host: str = "127.0.0.1"  # the session API's bind address (loopback: only this host's clients)
-    port: int = field(
-        default=0, metadata=at_least(0)
-    )  # 0: a free one; a fixed one needs rollout.n_actors = 1
+    # the session API's port; 0: a free one (<run.out_dir>/sessions.json names it); a fixed one
+    # needs rollout.n_actors = 1
+    port: int = field(default=0, metadata=at_least(0))
     # the address clients are given ("": http://host:port); e.g. a TLS reverse proxy's https://...
     public_url: str = ""
-    retry_after_s: int = field(default=1, metadata=at_least(1))  # the Retry-After of a 429
+    # the Retry-After (seconds) of a 429: while nothing is admitted or the servers are paused
+    retry_after_s: int = field(default=1, metadata=at_least(1))
     # a completion's token limit when the client's request does not say
     max_new_tokens: int = field(default=256, metadata=at_least(1))
     # a completion's temperature when the client's request does not say; 0 = greedy
