@@ -108,6 +108,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         head_cmd += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
     if cfg.cluster.send_backlog_bytes:
         head_cmd += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
+    retain = cfg.head.retain_finished if args.retain_finished is None else args.retain_finished
+    if retain:
+        head_cmd += ["--retain-finished", str(retain)]
     head_log = log_dir / "head.log"
     head = _launch(head_cmd, head_log)
     state: dict[str, Any] = {
@@ -193,6 +196,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"connect with: rlactors.connect()  (or RLACTORS_ADDRESS={cfg.address} RLACTORS_SECRET_FILE={secret})"
     )
     return 0
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds from the command line, >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
 
 
 RUN_HELP = (
@@ -293,6 +307,11 @@ def _tables(status: dict[str, Any], width: int = 200) -> Group:
             "doing": _doing(a),
         }
         actors.add_row(*(cells[c] for c in columns))
+    if status.get("retain_finished_s"):
+        actors.caption = (
+            f"a finished run's stopped actors are dropped {_age(status['retain_finished_s'])} after they stop"
+        )
+        actors.caption_justify = "left"
     return Group(nodes, actors)
 
 
@@ -565,6 +584,13 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.add_parser("up", help="start a cluster from a cluster.toml")
     up.add_argument("config", help="the cluster.toml: head, nodes and how to launch their agents")
     up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    up.add_argument(
+        "--retain-finished",
+        type=_seconds,
+        metavar="SECONDS",
+        help="how long `rlactors status` lists a finished run's stopped actors after they stopped "
+        "(default: [head] retain_finished; 0: no time bound, the head keeps the last 100 ended actors)",
+    )
     st = sub.add_parser(
         "status", help="nodes and actors: state, when last heard from, what each actor is doing"
     )

@@ -56,6 +56,9 @@ class HeadConfig:
     node_timeout: float = 5.0  # a node silent this long is declared dead
     # a worker with restarts left silent this long is killed by its agent and restarted (0: node_timeout + 6)
     fence_after: float = 0.0
+    # seconds `rlactors status` goes on listing a finished run's STOPPED actors after they stopped
+    # (0: no time bound; the head keeps the last 100 ended actors either way)
+    retain_finished: float = 0.0
     python: str = ""  # interpreter for the head; defaults to cluster.python
 
     def __post_init__(self) -> None:
@@ -65,6 +68,10 @@ class HeadConfig:
             raise ValueError(f"'node_timeout' must be > 0 seconds, got {self.node_timeout:g}")
         if self.fence_after < 0:
             raise ValueError(f"'fence_after' must be >= 0 seconds (0: the default), got {self.fence_after:g}")
+        if self.retain_finished < 0:
+            raise ValueError(
+                f"'retain_finished' must be >= 0 seconds (0: no bound), got {self.retain_finished:g}"
+            )
         if not self.host:
             raise ValueError("'host' must be an address every node can reach")
 

@@ -37,7 +37,12 @@ async def run_head(args: argparse.Namespace) -> int:
     rlog.configure(role="head")
     security = Security(load_secret(args.secret_file), args.security)
     service = Service(name="head", max_concurrency=None, security=security)
-    head = Head(security, node_timeout=args.node_timeout, fence_after=args.fence_after or None)
+    head = Head(
+        security,
+        node_timeout=args.node_timeout,
+        fence_after=args.fence_after or None,
+        retain_finished=args.retain_finished,
+    )
     address = service.bind(args.bind)
     service.add("head", head)
     head.start()
@@ -154,6 +159,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="seconds a silent worker with restarts left is given before its agent kills and restarts it "
         "(0: node timeout + 6)",
+    )
+    h.add_argument(
+        "--retain-finished",
+        type=float,
+        default=0.0,
+        help="seconds a finished run's stopped actors stay listed by `rlactors status` (0: no time bound)",
     )
     h.add_argument(
         "--security",

@@ -48,7 +48,10 @@ class Head:
         node_timeout: float = 5.0,
         client_timeout: float | None = None,
         fence_after: float | None = None,
+        retain_finished: float = 0.0,
     ) -> None:
+        """``retain_finished``: seconds ``status`` lists a finished run's STOPPED actors after they
+        stopped (0: no time bound; :data:`MAX_DEAD_ACTORS` bounds the ended ones either way)."""
         if node_timeout <= 0 or (client_timeout is not None and client_timeout <= 0):
             raise ValueError(
                 f"node_timeout and client_timeout must be > 0 seconds, got {node_timeout} and {client_timeout}"
@@ -68,6 +71,7 @@ class Head:
         self.names: dict[str, str] = {}
         self.kv = KVStore()
         self.client_timeout = client_timeout or max(10.0, 3 * node_timeout)
+        self.retain_finished = retain_finished
         self.sessions = Sessions(self.client_timeout)
         self.clients: dict[str, dict[str, Any]] = {}  # client id -> pid, host, cmd, run (while connected)
         # a driver's pending calls as of its last heartbeat: (when received, calls), for stacks()
@@ -507,7 +511,9 @@ class Head:
 
     async def status(self) -> dict[str, Any]:
         """For operators (`rlactors status`): nodes and actors, live ones first, each with the
-        seconds since it was last heard from and, for actors, what they are doing."""
+        seconds since it was last heard from and, for actors, what they are doing. A finished run's
+        STOPPED actors are dropped ``retain_finished`` seconds after they stopped."""
+        self._drop_finished()
         alive = [n for n in self.nodes.values() if n.alive]
         reports = await asyncio.gather(
             *(
@@ -539,7 +545,19 @@ class Head:
         nodes.sort(key=lambda n: (not n["alive"], n["node_id"]))
         actors.sort(key=lambda a: (order.get(a["state"], 1), a["run"]))  # the ended: by run
         runs = {d: self.who(d, cmd=True) for d in self.drivers()}  # whose the live actors are
-        return {"nodes": nodes, "actors": actors, "runs": runs}
+        return {"nodes": nodes, "actors": actors, "runs": runs, "retain_finished_s": self.retain_finished}
+
+    def _drop_finished(self) -> None:
+        """Forget the STOPPED actors of runs whose driver has left, ``retain_finished`` seconds
+        after they stopped. DEAD ones (deaths nobody asked for) stay, as ever, with their cause."""
+        if self.retain_finished <= 0:
+            return
+        now = time.monotonic()
+        for rec in list(self.actors.values()):
+            stopped = rec.state == "DEAD" and rec.stopped_by
+            if stopped and rec.run not in self.clients and now - rec.since >= self.retain_finished:
+                del self.actors[rec.actor_id]
+        self._dead = collections.deque(i for i in self._dead if i in self.actors)
 
     async def stacks(self, names: list[str] | None = None, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """For ``cluster.stacks()``: each actor (these names or ids; None: all) as its node agent

@@ -1,5 +1,6 @@
 """`rlactors status` for operators: when each node and actor was last heard from, what each actor
-is doing, live ones before dead ones; `--json` for scripts and `--watch`."""
+is doing, live ones before dead ones; `--json` for scripts and `--watch`; a finished run's stopped
+actors dropped after the head's retention window (`rlactors up --retain-finished`)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import pytest
 
 import rlactors
 from rlactors.config import load_cluster_config
+from rlactors.head import Head
+from rlactors.registry import ActorRecord
 from tests.cluster.actors import Blob
 from tests.cluster.test_cli import one_node_config, run_cli, write_config
 from tests.runtime.actors import Counter
@@ -137,3 +140,65 @@ def test_status_watch_prints_a_json_line_per_refresh_until_interrupted(up: dict[
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+async def test_a_finished_runs_stopped_actors_are_dropped_after_the_retention_window() -> None:
+    now = time.monotonic()
+
+    def record(head: Head, name: str, run: str, ago: float, state: str = "DEAD", by: str = "its run") -> None:
+        rec = ActorRecord(name, name, "C", {}, {}, run, False, run, 0, state=state, stopped_by=by)
+        rec.since = now - ago  # when it stopped (its state last changed)
+        head.actors[name] = rec
+
+    def fill(head: Head) -> Head:
+        record(head, "old", "driver-a", 61)  # its run finished, stopped past the window: dropped
+        record(head, "recent", "driver-a", 10)  # within the window: listed
+        record(head, "died", "driver-a", 600, by="")  # DEAD, nobody asked: kept with its cause
+        record(head, "of-a-live-run", "driver-b", 600)  # stopped, but its run goes on: listed
+        record(head, "alive", "driver-a", 600, state="ALIVE", by="")
+        head.clients["driver-b"] = {"run": "driver-b"}
+        return head
+
+    status = await fill(Head(retain_finished=60.0)).status()
+    assert {a["name"]: a["state"] for a in status["actors"]} == {
+        "alive": "ALIVE",
+        "died": "DEAD",
+        "recent": "STOPPED",
+        "of-a-live-run": "STOPPED",
+    }
+    assert status["retain_finished_s"] == 60.0
+    status = await fill(Head()).status()  # the default: no time bound, as before
+    assert "old" in {a["name"] for a in status["actors"]} and status["retain_finished_s"] == 0.0
+
+
+def test_rlactors_up_retain_finished_reaches_the_head(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """The window set on `rlactors up` is the head's: `status` says it, and drops a finished run's
+    stopped actor once it has passed."""
+    cfg = one_node_config(tmp_path, "n1", cpu=2)
+    started = run_cli(["up", str(cfg), "--retain-finished", "1"], cli_env)
+    try:
+        assert started.returncode == 0, started.stderr
+
+        async def a_run_that_ends() -> None:
+            os.environ["RLACTORS_STATE_DIR"] = cli_env["RLACTORS_STATE_DIR"]
+            try:
+                cluster = await rlactors.connect()
+                await cluster.spawn(Counter, name="of-an-ended-run")
+                await cluster.close()  # the run ends: the head stops its actors
+            finally:
+                del os.environ["RLACTORS_STATE_DIR"]
+
+        asyncio.run(a_run_that_ends())
+        status = _status(cli_env)
+        assert status["retain_finished_s"] == 1.0
+        table = run_cli(["status"], cli_env)
+        assert "a finished run's stopped actors are dropped 1.0s after they stop" in table.stdout, (
+            table.stdout
+        )
+        deadline = time.monotonic() + 60
+        while any(a["name"] == "of-an-ended-run" for a in status["actors"]):
+            assert time.monotonic() < deadline, status
+            status = _status(cli_env)
+    finally:
+        down = run_cli(["down"], cli_env)
+        assert down.returncode == 0, down.stderr
