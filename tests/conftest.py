@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import shutil
 import sys
@@ -38,6 +39,40 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_STATE_DIR, ignore_errors=True)
+
+
+# Test files run longest first. pytest-xdist's `--dist loadfile` otherwise starts the files with the
+# most tests first, which leaves the long end-to-end files (one or two tests each, minutes each) for
+# the end, on one worker while the other idles (.ci/run passes --no-loadscope-reorder so this order
+# holds). tests/durations.json holds each file's seconds as a whole CI run measured them; a run with
+# RLACTORS_TEST_DURATIONS=PATH writes its own there (.ci/run: runs/test-durations.json), to refresh it.
+DURATIONS = ROOT / "tests" / "durations.json"
+_SECONDS: dict[str, float] = {}
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(_file(item.nodeid), i)
+    rank = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-measured.get(_file(it.nodeid), 0.0), first[_file(it.nodeid)], rank[id(it)]))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SECONDS[_file(report.nodeid)] = _SECONDS.get(_file(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("RLACTORS_TEST_DURATIONS")
+    if path and not hasattr(session.config, "workerinput"):  # the controller sees every worker's reports
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        ordered = sorted(_SECONDS.items(), key=lambda kv: -kv[1])
+        Path(path).write_text(json.dumps({f: round(s) for f, s in ordered}, indent=1) + "\n")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -50,6 +50,7 @@ from nodes.rollout.pool import ServerPool, WireError, open_backend
 from nodes.trace import TRACE
 from protocols.sglang import AbortRequest, GenerateBody, lora_name, request_body
 from rlactors.aio import wait_for
+from rlactors.forensics import waiting
 from rlactors.logging import Throttle
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+# a request held over a pause, as cluster.stacks() labels it (rlactors.forensics.waiting)
+PAUSED_BY_DESIGN = "requests held while the trainer pushes weights"
 
 
 class NoServerAvailableError(GenerationError):
@@ -303,7 +306,8 @@ class SGLangClient:
                 held = asyncio.get_running_loop().create_future()
                 self._held.setdefault(server.url, deque()).append(held)
                 try:
-                    await wait_for(held, cfg.pause_timeout_s)
+                    with waiting("dispatch paused", on="the weight push", backpressure=PAUSED_BY_DESIGN):
+                        await wait_for(held, cfg.pause_timeout_s)
                 finally:  # (also when cancelled: reposted() must not wait for this one)
                     lap_end = held is self._lap_end
                     if lap_end:
