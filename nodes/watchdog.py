@@ -9,7 +9,9 @@ a server that does not answer; an actor somebody waits on that is dead, unrespon
 it still owes (a rank missing from its peers' collective) or in a wait cycle (the forensics
 report's culprit); a server holding a request far past the others; the rollout actor holding the
 oldest episode in flight; or what the forensics report ends at. Waits that are back-pressure by
-design (the governor's staleness bound, the buffer waiting for groups) never head it. The line ends
+design (the governor's staleness bound, the buffer waiting for groups, a rollout actor's dispatch
+paused while the trainer pushes weights) never head it; a paused dispatch is said so, after what
+the push waits on. The line ends
 with the command that shows the cluster's stacks now. It keeps watching (one report per bound of
 stall) and kills nothing.
 """
@@ -155,10 +157,20 @@ class StallWatchdog:
             # "X at the end of a → b → X: what it is doing": the line names X, then what
             what = culprit["summary"].split(": ", 1)[-1]
             return culprit["name"], what
+        rollouts = facts.get("rollouts", {})
+        paused = sorted(n for n, r in rollouts.items() if isinstance(r, dict) and r.get("paused"))
+        if paused:  # a weight push is on: its requests are held by design, the push is what runs
+            held = (
+                f"{', '.join(paused)} {'holds its' if len(paused) == 1 else 'hold their'} requests while"
+                " the trainer pushes weights: back-pressure by design"
+            )
+            if isinstance(culprit, dict) and culprit.get("kind") != "backpressure":
+                return culprit["name"], culprit["summary"].split(": ", 1)[-1] + f"; {held}"
+            return "the weight push", held
         oldest = facts.get("oldest_in_flight")
         if isinstance(oldest, dict):
             holder = names.get(oldest["actor_id"], oldest["actor_id"])
-            waiting = (facts.get("rollouts", {}).get(holder) or {}).get("waiting") or {}
+            waiting = (rollouts.get(holder) or {}).get("waiting") or {}
             if waiting:
                 url, w = max(waiting.items(), key=lambda kv: kv[1]["oldest_s"])
                 if w["oldest_s"] >= min(60.0, running_s / 2):

@@ -8,6 +8,10 @@ coroutine, a blocking call) still dumps its Python stacks: every worker register
 the signal (:func:`collect_dump`). The loop's probe also stamps a tick file, so the agent can
 say for how long the loop has been stuck.
 
+A wait that is no actor call (a rollout client holding its requests while the trainer pushes
+weights) is noted by the code that waits, with :func:`waiting`; ``stacks()`` lists it
+(:func:`noted_waits`), labelled back-pressure by design when it is.
+
 The cluster-wide report built from these answers is :mod:`rlactors.stacks`.
 """
 
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import contextvars
 import faulthandler
+import itertools
 import os
 import signal
 import struct
@@ -24,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import CoroutineType, FrameType
 from typing import Any, BinaryIO
@@ -34,9 +40,11 @@ __all__ = [
     "LoopProbe",
     "collect_dump",
     "coroutine_stack",
+    "noted_waits",
     "read_tick",
     "register_dump",
     "thread_stacks",
+    "waiting",
 ]
 
 DUMP_SIGNAL = signal.SIGUSR2
@@ -46,6 +54,45 @@ MAX_FRAMES = 64
 # The incoming method the current task (or sync call) serves: outgoing calls made there are
 # attributed to it, so a wait-for edge reads "a.f waits on b.g".
 CURRENT_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlactors_call", default=None)
+
+# The waits this process's code noted (waiting()): token -> (what, on, backpressure, origin, since)
+_WAITS: dict[int, tuple[str, str, str, str | None, float]] = {}
+_WAIT_TOKENS = itertools.count()
+
+
+@contextlib.contextmanager
+def waiting(what: str, on: str, backpressure: str = "") -> Iterator[None]:
+    """Note, while the block runs, a wait that is no actor call, so ``cluster.stacks()`` lists it:
+    ``what`` waits (``"dispatch paused"``) on ``on`` (``"the weight push"``, a server's URL: no
+    actor). ``backpressure``: why the wait is by design, if it is; such a wait is labelled so and
+    never names a culprit. Cheap (a dict entry): fine around every wait of its kind."""
+    token = next(_WAIT_TOKENS)
+    _WAITS[token] = (what, on, backpressure, CURRENT_CALL.get(), time.monotonic())
+    try:
+        yield
+    finally:
+        del _WAITS[token]
+
+
+def noted_waits() -> list[dict[str, Any]]:
+    """This process's waits noted by :func:`waiting`, alike ones together (what, on, the call they
+    are made from): how many, and the oldest's age, oldest first."""
+    now = time.monotonic()
+    groups: dict[tuple[str, str, str, str | None], list[float]] = {}
+    for what, on, bp, origin, since in list(_WAITS.values()):
+        groups.setdefault((what, on, bp, origin), []).append(since)
+    out = [
+        {
+            "what": what,
+            "on": on,
+            "backpressure": bp,
+            "from": origin,
+            "count": len(s),
+            "age_s": round(now - min(s), 3),
+        }
+        for (what, on, bp, origin), s in groups.items()
+    ]
+    return sorted(out, key=lambda w: -w["age_s"])
 
 
 def _format(frames: list[FrameType]) -> list[str]:

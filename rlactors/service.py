@@ -40,7 +40,7 @@ from protocols import codec, wire
 from protocols.wire import Flags, Kind
 from rlactors.aio import wait_for
 from rlactors.errors import MessageTooLargeError, exception_payload
-from rlactors.forensics import CURRENT_CALL, LoopProbe, coroutine_stack, thread_stacks
+from rlactors.forensics import CURRENT_CALL, LoopProbe, coroutine_stack, noted_waits, thread_stacks
 from rlactors.logging import Throttle
 from rlactors.methods import ASYNC, ASYNCGEN, SYNC, backpressure_of, method_table, runs_on_loop
 from rlactors.security import Security, control_plane_act, is_control_plane
@@ -288,7 +288,8 @@ class Service:
     def stacks(self) -> dict[str, Any]:
         """What this process is doing, for ``cluster.stacks()``: each incoming call (method, age,
         its await chain or its thread's stack; queued behind max_concurrency or the sync thread, or
-        running), its outgoing calls, every thread's stack and the loop's lag."""
+        running), its outgoing calls, the waits its code noted (:func:`rlactors.forensics.waiting`),
+        every thread's stack and the loop's lag."""
         now = time.monotonic()
         threads = thread_stacks()
         by_ident = {t["ident"]: t["stack"] for t in threads}
@@ -314,6 +315,7 @@ class Service:
             "max_concurrency": self.max_concurrency,
             "incoming": incoming,
             "outgoing": self.outgoing() if self.outgoing is not None else [],
+            "waits": noted_waits(),
             "threads": [{"name": t["name"], "stack": t["stack"]} for t in threads],
             "loop": self.probe.report() if self.probe is not None else None,
             "loop_thread": threading.get_ident(),

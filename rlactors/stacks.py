@@ -16,6 +16,11 @@ in one (unresponsive, dead, or elsewhere). The ends are ranked, the culprit firs
 unresponsive, then a member whose call failed, then a wait cycle, then an actor busy in a call;
 an actor waited on only through methods marked :func:`rlactors.backpressure` (a staleness bound,
 a buffer waiting for data) comes last, labelled as back-pressure by design.
+
+A wait that is no actor call, noted by the code that waits (:func:`rlactors.forensics.waiting`: a
+rollout client's dispatch paused while the trainer pushes weights), is an edge to what it names
+(``the weight push``, no actor); an end reached only by such waits is back-pressure when they are
+(never the culprit), else busy.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 __all__ = [
     "ActorStacks",
     "IncomingCall",
+    "NotedWait",
     "OutgoingCall",
     "StacksReport",
     "WaitCycle",
@@ -111,12 +117,31 @@ class OutgoingCall:
 
 
 @dataclass
+class NotedWait:
+    """Waits that are no actor call, noted by the code that waits (:func:`rlactors.forensics.waiting`),
+    alike ones together: ``count`` of them wait (``what``) on ``on``, the oldest for ``age_s``."""
+
+    what: str  # "dispatch paused"
+    on: str  # what they wait on: "the weight push", a server's URL
+    age_s: float
+    count: int = 1
+    origin: str | None = None  # the incoming method they wait in
+    backpressure: str = ""  # why the wait is by design, if it is
+
+    def __str__(self) -> str:
+        n = f" ({self.count} waits)" if self.count > 1 else ""
+        src = f" (from {self.origin})" if self.origin else ""
+        bp = f", back-pressure by design: {self.backpressure}" if self.backpressure else ""
+        return f"{self.what}{n} on {self.on}{src} for {_age(self.age_s)}{bp}"
+
+
+@dataclass
 class ActorStacks:
     """One actor's (or the driver's) part of the report."""
 
     name: str  # the actor's name, its id when unnamed; "driver …" for a driver
     actor_id: str
-    state: str  # ALIVE, DEAD, RESTARTING, PENDING, UNKNOWN (no such actor), DRIVER
+    state: str  # ALIVE, DEAD, RESTARTING, PENDING, UNKNOWN (no such actor), DRIVER, NOT_AN_ACTOR
     class_name: str = ""
     node_id: str = ""
     pid: int | None = None
@@ -126,6 +151,7 @@ class ActorStacks:
     max_concurrency: int | None = None
     incoming: list[IncomingCall] = field(default_factory=list)
     outgoing: list[OutgoingCall] = field(default_factory=list)
+    waits: list[NotedWait] = field(default_factory=list)  # waits that are no actor call
     threads: dict[str, list[str]] = field(default_factory=dict)  # name -> stack, outermost first
     loop_lag_s: float | None = None
     max_loop_lag_s: float | None = None  # since the last report
@@ -159,7 +185,7 @@ class ActorStacks:
         """What it is doing, in one line."""
         if self.state == "DEAD":
             return f"dead: {self.reason or 'process exited'}"
-        if self.state == "UNKNOWN":
+        if self.state in ("UNKNOWN", "NOT_AN_ACTOR"):
             return self.reason or "no such actor"
         if self.state in ("PENDING", "RESTARTING"):
             return self.state.lower() + (f": {self.reason}" if self.reason else "")
@@ -180,6 +206,7 @@ class ActorStacks:
         if self.outgoing:
             o = max(self.outgoing, key=lambda o: o.age_s)
             parts.append(f"waiting on {o.target}.{o.method} for {_age(o.age_s)}")
+        parts.extend(str(w) for w in self.waits[:1])
         return "; ".join(parts) or "idle"
 
     def text(self, *, threads: bool = False) -> str:
@@ -213,6 +240,7 @@ class ActorStacks:
             src = f" (from {o.origin})" if o.origin else ""
             failed = f"; its call failed ({o.failed}) and the group call still waits" if o.failed else ""
             lines.append(f"  waits on {o.target}.{o.method}{src} for {_age(o.age_s)}{failed}")
+        lines.extend(f"  {w}" for w in self.waits)
         if self.dump:
             lines.append("  stacks dumped by signal (most recent call first):")
             lines.extend("    " + s for s in self.dump.rstrip().splitlines())
@@ -250,6 +278,17 @@ class ActorStacks:
                 for c in a.get("incoming", [])
             ],
             outgoing=[_outgoing(o) for o in a.get("outgoing", [])],
+            waits=[
+                NotedWait(
+                    w["what"],
+                    w["on"],
+                    w["age_s"],
+                    w.get("count", 1),
+                    w.get("from"),
+                    w.get("backpressure", ""),
+                )
+                for w in a.get("waits", [])
+            ],
             threads={t["name"]: t["stack"] for t in a.get("threads", [])},
             loop_lag_s=loop.get("lag_s"),
             max_loop_lag_s=loop.get("max_lag_s"),
@@ -292,7 +331,8 @@ class WaitEdge:
     age_s: float
     origin: str | None  # the waiter's incoming method that made the call
     # "running" or "queued" there; "unseen" when the target did not report it; "failed" for a
-    # group member whose call failed while the group call waits; "collective"
+    # group member whose call failed while the group call waits; "collective"; "noted": a wait
+    # that is no actor call (rlactors.forensics.waiting), ``method`` saying what waits
     state: str
     behind: str = ""  # what a queued call waits behind ("max_concurrency=1", "the sync thread")
     backpressure: str = ""  # why this wait is by design (the target's method is marked so)
@@ -302,6 +342,12 @@ class WaitEdge:
         waiter = f"{self.waiter}.{self.origin}" if self.origin else self.waiter
         if self.state == "collective":
             return f"{waiter} waits on {self.target} in {self.method} ({self.note}, {_age(self.age_s)})"
+        if self.state == "noted":
+            bp = f", back-pressure by design: {self.backpressure}" if self.backpressure else ""
+            n = f"{self.note}, " if self.note else ""
+            return (
+                f"{waiter} waits on {self.target}: {self.method} ({n}no actor call{bp}, {_age(self.age_s)})"
+            )
         there = {
             "running": "running there",
             "queued": "queued there",
@@ -462,14 +508,17 @@ def _kind(end: str, a: ActorStacks | None, into: list[WaitEdge], in_cycle: bool)
     """How bad an end is (see KINDS), and what its waiters' edges add."""
     failed = [e for e in into if e.state == "failed"]
     missed = [e for e in into if e.state == "collective"]
-    why = []
+    noted = [e for e in into if e.state == "noted"]
+    why = [f"{e.waiter}: {e.method}" + (f" ({e.note})" if e.note else "") for e in noted]
     if failed:
         why.append(f"its {failed[0].method} failed ({failed[0].note}) and {failed[0].waiter} still waits")
     if missed:
         peers = sorted({e.waiter for e in missed})
         verb = "waits" if len(peers) == 1 else "wait"
         why.append(f"{', '.join(peers)} {verb} for it in {missed[0].method.split(' ')[0]}")
-    if a is None or a.state in ("DEAD", "UNKNOWN"):
+    if a is not None and a.state == "NOT_AN_ACTOR":  # reached only by noted waits
+        kind = "backpressure" if all(e.backpressure for e in into) else "busy"
+    elif a is None or a.state in ("DEAD", "UNKNOWN"):
         kind = "dead"
     elif not a.responsive:
         kind = "unresponsive"
@@ -503,6 +552,9 @@ def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksRepor
             state = "failed" if o.failed else (c.state if c else "unseen")
             bp = c.backpressure if c is not None else ""
             edges.append(WaitEdge(a.name, target, o.method, o.age_s, o.origin, state, behind, bp, o.failed))
+        for w in a.waits:
+            n = f"{w.count} waits" if w.count > 1 else ""
+            edges.append(WaitEdge(a.name, w.on, w.what, w.age_s, w.origin, "noted", "", w.backpressure, n))
     edges += _collective_edges(actors, by_id)
     graph: dict[str, list[str]] = {}
     for e in edges:
@@ -514,6 +566,9 @@ def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksRepor
     targets = {e.target for e in edges}
     ends = [t for t in targets if t not in waiters or t in in_cycle]
     stub = {a.name: a for a in actors}
+    for e in edges:  # what noted waits name and no actor is
+        if e.state == "noted" and e.target not in stub:
+            stub[e.target] = ActorStacks(e.target, "", "NOT_AN_ACTOR", reason="no actor")
     waited_on = []
     for t in ends:
         kind, why = _kind(t, stub.get(t), [e for e in edges if e.target == t], t in in_cycle)

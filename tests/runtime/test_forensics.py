@@ -3,6 +3,7 @@ frame; a stuck loop reported unresponsive with its dumped stacks; a dead actor r
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -12,10 +13,12 @@ from typing import Any
 import pytest
 
 import rlactors
+from rlactors import forensics
 from rlactors.aio import wait_for
 from rlactors.stacks import (
     ActorStacks,
     IncomingCall,
+    NotedWait,
     OutgoingCall,
     StacksReport,
     WaitEdge,
@@ -302,3 +305,82 @@ def test_back_pressure_alone_names_no_culprit() -> None:
     report = build_report(_rollout_held_back())
     assert report.culprit is None and [w.kind for w in report.waited_on] == ["backpressure"]
     assert "(back-pressure by design)" in report.waited_on[0].summary
+
+
+def _push_in_progress() -> list[ActorStacks]:
+    """The driver pushes weights through trainer-0 while rollout-0 holds its requests."""
+    rollout = ActorStacks(
+        "rollout-0", "r", "ALIVE",
+        waits=[NotedWait("dispatch paused", "the weight push", 12.0, 3, None, "requests held while the trainer pushes weights")],
+    )  # fmt: skip
+    trainer = ActorStacks(
+        "trainer-0", "t0", "ALIVE", incoming=[IncomingCall("push_weights", 12.0, "running", [], 0)]
+    )
+    return [rollout, trainer, _driver(("t0", "trainer-0", "push_weights", 12.0))]
+
+
+def test_a_paused_dispatch_during_a_push_is_back_pressure_never_the_culprit() -> None:
+    report = build_report(_push_in_progress())
+    culprit = report.culprit
+    assert culprit is not None and (culprit.name, culprit.kind) == ("trainer-0", "busy")
+    push = report.waited_on[-1]
+    assert (push.name, push.kind, push.chain) == (
+        "the weight push",
+        "backpressure",
+        ["rollout-0", "the weight push"],
+    )
+    assert (
+        "rollout-0: dispatch paused (3 waits)" in push.summary and "(back-pressure by design)" in push.summary
+    )
+    text = str(report)
+    assert text.split("\n")[2].startswith("CULPRIT (busy): trainer-0"), text
+    assert (
+        "rollout-0 waits on the weight push: dispatch paused (3 waits, no actor call, back-pressure by design:"
+        " requests held while the trainer pushes weights, 12.0 s)" in text
+    ), text
+    assert (
+        "dispatch paused (3 waits) on the weight push for 12.0 s, back-pressure by design"
+        in report["rollout-0"].summary()
+    )
+    alone = build_report(_push_in_progress()[:1])  # nothing else waits: no culprit at all
+    assert alone.culprit is None and [w.kind for w in alone.waited_on] == ["backpressure"]
+
+
+def test_a_noted_wait_that_is_not_by_design_is_busy_not_dead() -> None:
+    waiter = ActorStacks("env-0", "e", "ALIVE", waits=[NotedWait("reset", "http://127.0.0.1:9/reset", 5.0)])
+    culprit = build_report([waiter]).culprit
+    assert culprit is not None and (culprit.name, culprit.kind) == ("http://127.0.0.1:9/reset", "busy")
+
+
+class Holder(rlactors.Actor):
+    """Its ``hold`` notes a wait that is no actor call, as a paused rollout client does."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def hold(self) -> None:
+        with forensics.waiting("dispatch paused", on="the weight push", backpressure="by design"):
+            await self.go.wait()
+
+    def release(self) -> None:
+        self.go.set()
+
+
+async def test_a_noted_wait_is_in_the_workers_stacks_labelled(cluster: rlactors.Cluster) -> None:
+    holder = await cluster.spawn(Holder, name="holder")
+    calls = [asyncio.ensure_future(holder.hold()) for _ in range(2)]
+    report = await report_when(
+        cluster, lambda r: bool(r["holder"].waits) and r["holder"].waits[0].count == 2, 30
+    )
+    (w,) = report["holder"].waits
+    assert (w.what, w.on, w.origin, w.backpressure) == (
+        "dispatch paused",
+        "the weight push",
+        "hold",
+        "by design",
+    )
+    assert report.culprit is None  # the driver waits on holder, holder on the push: by design
+    assert [(e.name, e.kind) for e in report.waited_on] == [("the weight push", "backpressure")]
+    await holder.release()
+    await wait_for(asyncio.gather(*calls), 30)
+    assert not (await cluster.stacks())["holder"].waits
