@@ -300,18 +300,16 @@ class _Default:
         self.frames.append(obj)
         return msgpack.ExtType(EXT_BUFFER, _pack([_BUFFER_KINDS[cls], len(self.frames) - 1], self))
 
-    def _numpy(self, a: Any) -> msgpack.ExtType:
-        """A one-dimensional contiguous numpy array of a plain dtype (an array_field's) as its
-        extension type: what :func:`_array_header` makes of it, without its general checks."""
+    def _numpy(self, a: Any) -> list[Any]:
+        """The header of an array_field's numpy array: what :func:`_array_header` makes of it,
+        without its general checks when it is one-dimensional and contiguous (the common case)."""
         if a.ndim != 1 or not a.flags.c_contiguous:
-            return msgpack.ExtType(EXT_ARRAY, _pack(_array_header(a, self.frames), self))
+            return _array_header(a, self.frames)
         buf = memoryview(a).cast("B") if a.size else b""
         if len(buf) <= INLINE_LIMIT:
-            where: Any = bytes(buf)
-        else:
-            self.frames.append(buf)
-            where = len(self.frames) - 1
-        return msgpack.ExtType(EXT_ARRAY, _pack(["numpy", a.dtype.str, [a.size], where], self))
+            return ["numpy", a.dtype.str, [a.size], bytes(buf)]
+        self.frames.append(buf)
+        return ["numpy", a.dtype.str, [a.size], len(self.frames) - 1]
 
     def __call__(self, obj: Any) -> Any:
         cls = type(obj)
@@ -325,9 +323,13 @@ class _Default:
                     f"dataclass {name} is not registered; decorate it with @protocols.codec.register"
                 )
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            for key, dtype in _array_fields.get(cls, ()):
-                fields[key] = self._numpy(_as_array(fields[key], dtype, name, key))
-            return msgpack.ExtType(EXT_DATACLASS, _pack([name, self.lift(fields)], self))
+            array_fields = _array_fields.get(cls)
+            if array_fields is None:
+                return msgpack.ExtType(EXT_DATACLASS, _pack([name, self.lift(fields)], self))
+            # array fields' headers ride in the dataclass's own body: an extension type each would cost
+            # a packer here and an unpacker at the receiver per array, most of a small group's codec
+            arrays = {k: self._numpy(_as_array(fields.pop(k), dtype, name, k)) for k, dtype in array_fields}
+            return msgpack.ExtType(EXT_DATACLASS, _pack([name, self.lift(fields), arrays], self))
         mod = cls.__module__
         if (mod.startswith("torch") and cls.__name__ in ("Tensor", "Parameter")) or (
             mod == "numpy" and cls.__name__ == "ndarray"
@@ -385,8 +387,10 @@ class _ExtHook:
         if code == EXT_BUFFER:
             return _buffer_from(inner, self.frames)
         if code == EXT_DATACLASS:
-            name, fields = inner
+            name, fields, *arrays = inner
             cls = _lookup_dataclass(name)
+            for key, header in arrays[0].items() if arrays else ():
+                fields[key] = _array_from(header, self.frames)
             try:
                 return cls(**fields)
             except TypeError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -57,6 +58,29 @@ def test_per_token_fields_travel_as_raw_frames_not_msgpack_lists() -> None:
     assert len(frames) == 5  # the body, then one frame per per-token field
     assert len(frames[0]) < 500  # no per-token element in the msgpack body
     assert sum(memoryview(f).nbytes for f in frames[1:]) == 20_003 * (4 + 1 + 4 + 4)
+
+
+def test_a_trajectorys_array_headers_ride_in_its_own_extension_type() -> None:
+    frames = codec.encode(TrajectoryGroup("g", [traj(), traj(n_gen=20)]))  # frames and inline arrays
+    codes: list[int] = []
+
+    def hook(code: int, data: bytes) -> None:
+        codes.append(code)
+        msgpack.unpackb(data, ext_hook=hook, raw=False)
+
+    msgpack.unpackb(frames[0], ext_hook=hook, raw=False)
+    assert codes == [codec.EXT_DATACLASS] * 3  # the group, two trajectories: no extension type per array
+    assert sent(TrajectoryGroup("g", [traj(), traj(n_gen=20)])) == TrajectoryGroup(
+        "g", [traj(), traj(n_gen=20)]
+    )
+
+
+def test_an_array_header_pointing_outside_the_message_is_refused() -> None:
+    fields = {"reward": 1.0, "group_id": "g", "prompt_len": 0}
+    arrays = {f: ["numpy", "<i4", [3], 7] for f in ("input_ids", "loss_mask", "logprobs", "versions")}
+    inner = msgpack.packb(["protocols.rl:Trajectory", fields, arrays])
+    with pytest.raises(codec.CodecError, match="frame 7"):
+        codec.decode([msgpack.packb(msgpack.ExtType(codec.EXT_DATACLASS, inner))])
 
 
 def test_a_value_that_does_not_fit_its_dtype_is_an_error_naming_the_field() -> None:
