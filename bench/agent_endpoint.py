@@ -26,18 +26,29 @@ of an agent that makes one chat call (``awaits``), or one chat call then a tool 
 ``time.sleep`` (``blocks``), ``--concurrency`` groups at a time; episodes/s and CPU per episode
 (this process's, and the worker processes' for ``process``).
 
+``--sessions`` measures online mode's session API (nodes/rollout/sessions.py): a process of its own
+serves an :class:`OnlineWorkflow` in front of the sim servers, ``2 * --concurrency`` slots (groups of
+one session) offered again as each ends, as a rollout actor would; the client's loops run two-turn
+episodes, either as sessions (open, two turns at the session's base_url, the reward) or, the
+baseline, the same two turns at the same process's ``/v1`` (no session). The session API's overhead
+per session is the serving process's CPU per session minus its CPU per baseline episode.
+
 The endpoint's cost per chat call is its process's CPU over the calls; what it adds is that minus
 the bare ``/generate`` call's CPU (target: ≤ 300 µs). Its own work (HTTP serving, rendering,
 reading the answer) is that cost minus its ``SGLangClient`` call's (the ``client`` row).
 
     python bench/agent_endpoint.py --servers 2 --concurrency 16 --seconds 5 --repeats 3
     python bench/agent_endpoint.py --runners --concurrency 16 --seconds 5 --repeats 3
+    python bench/agent_endpoint.py --sessions --servers 2 --concurrency 16 --seconds 5 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
+import itertools
 import os
 import platform
 import select
@@ -270,9 +281,17 @@ def main() -> None:
                  "responses", "responses-episode"],
     )  # fmt: skip
     ap.add_argument("--runners", action="store_true", help="measure agent_runner loop | thread | process")
+    ap.add_argument("--sessions", action="store_true", help="measure the session API's overhead per session")
+    ap.add_argument(
+        "--serve-sessions", nargs="+", metavar="URL", help=argparse.SUPPRESS
+    )  # --sessions' server
     args = ap.parse_args()
     if args.runners:
         return runners(args)
+    if args.serve_sessions:
+        return serve_sessions(args.serve_sessions, 2 * args.concurrency)
+    if args.sessions:
+        return sessions(args)
 
     import psutil
     import uvloop
@@ -445,6 +464,112 @@ def runners(args: argparse.Namespace) -> None:
         mid = sorted(rs, key=lambda r: r["per_s"])[len(rs) // 2]
         print(f"median {agent:6s} {runner:7s} {mid['per_s']:7.0f} episodes/s  actor {mid['actor_us']:6.0f}"
               f" us/episode  workers {mid['workers_us']:6.0f} us/episode")  # fmt: skip
+
+
+# -- the session API ---------------------------------------------------------------------------------
+
+KEY = "sk-bench"
+
+
+def serve_sessions(urls: list[str], slots: int) -> None:
+    """The process under measurement: an OnlineWorkflow's session API in front of ``urls``, ``slots``
+    slots offered again as each group (one session) ends."""
+    import uvloop
+    from transformers import AutoTokenizer
+
+    from nodes.inference.models import ensure_tiny_checkpoint
+    from nodes.rollout.client import SGLangClient
+    from nodes.rollout.sessions import OnlineConfig, OnlineError, OnlineWorkflow
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_checkpoint()), local_files_only=True)
+
+    async def serve() -> None:
+        client = SGLangClient(urls)
+        wf = OnlineWorkflow(tok, None, OnlineConfig(n_samples=1, max_new_tokens=NEW_TOKENS, temperature=0))  # type: ignore[arg-type]
+        api = await wf.start(client, api_key=KEY)
+        api.endpoint.client = (
+            client  # its /v1 too: the baseline's episodes (online mode serves sessions only)
+        )
+        print(f"base_url: {api.base}", flush=True)
+
+        async def slot(i: int) -> None:
+            for n in itertools.count():
+                with contextlib.suppress(OnlineError):
+                    await wf.arun_episode(client, {}, f"slot{i}/{n}")
+
+        await asyncio.gather(*(slot(i) for i in range(slots)))
+
+    uvloop.run(serve())
+
+
+async def session_episodes(root: str, as_session: bool) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    """Two-turn episodes: as sessions (open, turns at its base_url, reward) or at ``/v1`` (baseline)."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), headers={"Authorization": f"Bearer {KEY}"}
+    )
+
+    async def call(url: str, body: dict[str, Any]) -> Any:
+        async with session.post(url, json=body) as r:
+            r.raise_for_status()
+            return await r.json()
+
+    async def post(i: int, n: int) -> None:
+        base, opened = root + "/v1", None
+        if as_session:
+            opened = await call(root + "/rl/v1/sessions", {"group": 1})
+            base = opened["base_url"]
+        history = [MESSAGES[0], {"role": "user", "content": f"What is {i} + {n}? Think step by step."}]
+        for _ in range(2):
+            body = {"model": "m", "messages": history, "max_tokens": NEW_TOKENS, "temperature": 0}
+            answer = await call(base + "/chat/completions", body)
+            assert answer["usage"]["completion_tokens"] == NEW_TOKENS
+            history = [*history, answer["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+        if opened is not None:
+            assert (await call(f"{root}/rl/v1/sessions/{opened['id']}/reward", {"reward": 1.0}))[
+                "trajectories"
+            ] == 1
+
+    return post, session.close
+
+
+def sessions(args: argparse.Namespace) -> None:
+    """Sessions against the baseline's plain two-turn episodes, interleaved and repeated; medians."""
+    import psutil
+    import uvloop
+
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    started = [start_reference_server(SERVER_ARGS) for _ in range(args.servers)]
+    urls = [u for _, u in started]
+    cmd = [sys.executable, __file__, "--serve-sessions", *urls, "--concurrency", str(args.concurrency)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    results: dict[str, list[dict[str, float]]] = {"episode": [], "session": []}
+    try:
+        line = ""
+        while not line.startswith("base_url: "):  # after its log lines
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:  # it ended
+                raise RuntimeError("the session server printed no base_url")
+        root, server = line.removeprefix("base_url: ").strip(), psutil.Process(proc.pid)
+        for rep in range(args.repeats):
+            for name in results:
+                make = functools.partial(session_episodes, root, name == "session")
+                r = uvloop.run(measure(make, server, args.concurrency, args.warmup, args.seconds))
+                results[name].append(r)
+                print(f"rep={rep} {name:8s} server {r['endpoint_us']:6.0f} us/episode  client {r['agent_us']:6.0f}"
+                      f" us/episode  {r['calls_per_s']:6.0f} episodes/s  load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+        for p, _ in started:
+            stop_server(p)
+    base, ses = (
+        sorted(r["endpoint_us"] for r in results[k])[args.repeats // 2] for k in ("episode", "session")
+    )
+    print(f"median: two-turn episode {base:.0f} us of serving CPU; as a session {ses:.0f} us: the session API adds"
+          f" {ses - base:+.0f} us per session ({100 * (ses / base - 1):+.1f}%)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -327,6 +327,9 @@ class ChatEndpoint:
                     "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
                 })  # fmt: skip
             assert ep is not None
+            if ep is self.default and self.client is None:  # e.g. online mode's: sessions only
+                raise EndpointError(404, "this endpoint serves episodes only: use an episode's (a session's) base_url",
+                                    code="episode_not_found")  # fmt: skip
             if route == "/v1/responses":
                 return await self._responses(request, ep)
             return await self._chat(request, ep)

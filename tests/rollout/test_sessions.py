@@ -111,6 +111,9 @@ async def test_a_wrong_or_missing_key_gets_401_and_creates_nothing(
                 r = await http.post(url, json={"task_id": "t"})
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
                 assert (await http.get(url.replace("/rl/v1/sessions", "/v1/models"))).status_code == 401
+            async with authed() as http:  # the bare /v1 is no episode of online mode's
+                r = await http.post(url.replace("/rl/v1/sessions", "/v1/chat/completions"), json={"model": "m", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+                assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
         assert wf.api is not None and len(wf.api.slots) == 1 and not wf.api.sessions and not wf.api.open
         assert wf.counters["sessions_opened"] == 0 and not wf.api.endpoint.episodes
     finally:
