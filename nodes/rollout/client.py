@@ -30,7 +30,6 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +91,31 @@ class GenRequest:
     on_tokens: TokensCallback | None = None
 
 
+class _AsList:
+    """One of :class:`GenResult`'s arrays read as a list: made on first read and kept while the array
+    is the same object; assigning a sequence (``res.output_ids = ...``, or ``+=``) sets the array."""
+
+    def __init__(self, array: str, dtype: type) -> None:
+        self.array, self.dtype = array, dtype
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.kept = f"_{name}"  # where an instance keeps (its array, the list made of it)
+
+    def __get__(self, res: Any, owner: type | None = None) -> Any:
+        if res is None:
+            return self
+        array = getattr(res, self.array)
+        kept = res.__dict__.get(self.kept)
+        if kept is None or kept[0] is not array:
+            kept = res.__dict__[self.kept] = (array, array.tolist())
+        return kept[1]
+
+    def __set__(self, res: Any, values: Sequence[Any]) -> None:
+        array = np.asarray(values, dtype=self.dtype)
+        setattr(res, self.array, array)
+        res.__dict__[self.kept] = (array, values if isinstance(values, list) else array.tolist())
+
+
 @dataclass
 class GenResult:
     """The output of one request, assembled over every abort/resume and failover.
@@ -100,9 +124,8 @@ class GenResult:
     ``logprobs`` (float64, as the server sent them) and ``versions`` (int32, the policy version of
     each token), so a workflow concatenates them into its trajectory with no step per token.
     ``output_ids``, ``output_logprobs`` and ``output_versions`` are the same as lists, made on first
-    use, for code that reads lists (a result is complete when the client returns it: do not replace
-    its arrays after reading a list). Built by hand (a test's scripted client), the three arrays may
-    be given as lists.
+    read, for code that reads lists; assigning one (``=`` or ``+=``) sets its array. Built by hand (a
+    test's scripted client), the three arrays may be given as lists.
     """
 
     rid: str
@@ -127,20 +150,9 @@ class GenResult:
         self.logprobs = np.asarray(self.logprobs, dtype=np.float64)
         self.versions = np.asarray(self.versions, dtype=np.int32)
 
-    @cached_property
-    def output_ids(self) -> list[int]:
-        """``ids`` as a list."""
-        return self.ids.tolist()
-
-    @cached_property
-    def output_logprobs(self) -> list[float]:
-        """``logprobs`` as a list."""
-        return self.logprobs.tolist()
-
-    @cached_property
-    def output_versions(self) -> list[int]:
-        """``versions`` as a list."""
-        return self.versions.tolist()
+    output_ids = _AsList("ids", np.int32)
+    output_logprobs = _AsList("logprobs", np.float64)
+    output_versions = _AsList("versions", np.int32)
 
 
 class SGLangClient:

@@ -149,3 +149,18 @@ def test_a_sample_started_from_a_list_keeps_lists() -> None:
     assert (s.ids, s.mask, s.logprobs, s.versions) == ([1, 2, 5, 6, 7], [0, 0, 1, 1, 0], [0.0, 0.0, -0.5, -0.5, 0.0],
                                                          [-1, -1, 1, 1, -1])  # fmt: skip
     s.trajectory(1.0, "g", 2).validate()
+
+
+def test_a_result_assembled_through_its_lists_sets_its_arrays() -> None:
+    # a wrapper that assembles a result chunk by chunk through the list names (as a test's recorder does)
+    res = GenResult("r", [], [], [], "length", "", 0, [], "")
+    for chunk in ([5, 6], [7]):
+        res.output_ids += chunk
+        res.output_logprobs += [-0.5] * len(chunk)
+        res.output_versions += [2] * len(chunk)
+    assert arrays_of(res) == ARRAYS and res.ids.tolist() == [5, 6, 7] and res.output_ids == [5, 6, 7]
+    s = Sample(PROMPT[:2], 1.0)
+    s.add_output(res)
+    assert s.ids.tolist() == [*PROMPT[:2].tolist(), 5, 6, 7] and s.versions.tolist() == [-1, -1, 2, 2, 2]
+    res.ids = np.array([9], np.int32)  # a new array: the list is made again
+    assert res.output_ids == [9]
