@@ -124,7 +124,8 @@ def workflow_counters() -> set[str]:
     the environments' episodes. Not the rollout actor's, the client's, an endpoint episode's or the
     reward runner's own counters, which reach metrics under other names or not at all."""
     rollout = ROOT / "nodes" / "rollout"
-    files = [rollout / "workflows.py", rollout / "agents.py", *(rollout / "environments").rglob("*.py")]
+    files = [rollout / "workflows.py", rollout / "agents.py", rollout / "sessions.py",
+             *(rollout / "environments").rglob("*.py")]  # fmt: skip
     out = set()
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
