@@ -3,7 +3,8 @@
 :class:`ServerSupervisor` is a plain asyncio class (usable without the actor runtime): it starts
 the server on a free loopback port (or the given host/port) with the environment placement gave
 it (e.g. ``CUDA_VISIBLE_DEVICES``), waits for ``/health_generate``, restarts it if it dies, and
-stops it (whole process group) cleanly. :class:`InferenceServerActor` is the thin actor around it.
+stops it (whole process group) cleanly. A scheduler's SIGTERM to the job is left to the
+server's owner (:func:`_child_setup`). :class:`InferenceServerActor` is the thin actor around it.
 
 Keys (SGLang's ``--api-key`` and ``--admin-api-key``, :class:`~protocols.auth.ServerKeys`): a server
 that listens beyond loopback is always started with keys (``auth = "auto"``, the default), one on
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import json
 import os
@@ -177,14 +179,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _child_setup() -> None:
-    """In the child: own process group (so stop() reaches its children) and die with the parent."""
+# How the owner stops a server: SIGINT (uvicorn, ours and SGLang's, shuts down on it as on SIGTERM),
+# SIGKILL past a grace period. SIGTERM is a scheduler's, held back from the server (see _child_setup).
+STOP_SIGNAL = signal.SIGINT
+
+# Runs the server's command with SIGTERM blocked. A blocked signal stays blocked across exec and in
+# the processes the server starts (SGLang's scheduler and detokenizer); neither Python nor uvicorn
+# unblocks it. Blocked here, in the exec'd process, not in a preexec_fn: uvloop's spawn (libuv)
+# empties the child's signal mask after the preexec_fn, just before it executes.
+HOLD_SIGTERM = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}); "
+    "os.execvp(sys.argv[1], sys.argv[1:])",
+]
+
+
+def _child_setup(owner: int) -> None:
+    """In the server's process, before it executes: make it its owner's to stop.
+
+    A scheduler's SIGTERM reaches every process of a job: a process group's (``timeout``,
+    systemd, a launcher), or each process of every Slurm step (its cgroup). The owner's answer
+    (finish the step, checkpoint, push, then stop its actors) needs the server alive, so:
+
+    - its own session: a signal to the job's process group (or a terminal's Ctrl-C) does not
+      reach it, and the owner's :data:`STOP_SIGNAL` to its group reaches every process it starts;
+    - SIGTERM blocked (:data:`HOLD_SIGTERM`): one sent to its pid (Slurm's way) stays pending,
+      never acted on; a scheduler's SIGKILL still ends it;
+    - the kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG)``, Linux): SIGKILL when its
+      owning worker dies (SGLang's own processes follow their parent the same way), so it never
+      outlives its owner, however the owner ends.
+    """
     os.setsid()
     if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != owner:  # the owner died before the death signal was armed
+        os._exit(1)
 
 
 class ServerStartError(RuntimeError):
@@ -256,12 +289,13 @@ class ServerSupervisor:
         out = self._open_log()
         try:
             self.proc = await asyncio.create_subprocess_exec(
+                *HOLD_SIGTERM,
                 *cmd,
                 env=env,
                 cwd=str(REPO_ROOT),
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=_child_setup,
+                preexec_fn=functools.partial(_child_setup, os.getpid()),
             )
         finally:
             if self.log_path:
@@ -353,17 +387,21 @@ class ServerSupervisor:
             self._secrets = None
 
     async def _kill(self, timeout_s: float = 10.0) -> None:
+        """:data:`STOP_SIGNAL` to the server's process group, SIGKILL past ``timeout_s``; then
+        SIGKILL to what is left of the group (a process of the server's that outlived it)."""
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, STOP_SIGNAL)
         try:
             await wait_for(proc.wait(), timeout_s)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await wait_for(proc.wait(), timeout_s)
+        with contextlib.suppress(ProcessLookupError):  # the group outlives its leader while a member lives
+            os.killpg(proc.pid, signal.SIGKILL)
         log.info("server_stopped", url=self.url, code=proc.returncode)
 
 
