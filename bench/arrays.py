@@ -1,6 +1,15 @@
 """Per-token data on its way from a rollout actor to a trainer rank: what it costs in CPU (issue 40).
 
-Three measurements, each on trajectories built from Python lists as a workflow builds them:
+Four measurements:
+
+- ``answer``: the first hop, from the server's answers to the encoded group: the bytes of 4
+  ``/generate`` answers as SGLang 0.5.23 sends them, at 328, 2,048 and 32,048 tokens per trajectory
+  (128 of prompt), read as the client reads them (orjson, ``parse_chunk``, ``token_versions``, a
+  ``GenResult``), grown into trajectories as ``RLVRWorkflow`` grows them (``Sample``, which
+  validates) and encoded as the rollout actor sends the group; beside it the JSON parse alone.
+  It runs on both sides of the change that made the client read arrays, for before and after.
+
+The rest on trajectories built from Python lists as a workflow built them before that change:
 
 - ``group``: a group of 4 trajectories at 328, 2,048 and 32,048 tokens each: the codec's round
   trip and ``validate()`` on the first hop (as built, the rollout actor's put) and on the next
@@ -12,7 +21,7 @@ Three measurements, each on trajectories built from Python lists as a workflow b
   decode the batch, shape rewards, advantages, encode it for the trainer ranks; and beside it what a
   rank then spends before its first forward: decode and build every micro-batch's tensors.
 
-    .venv/bin/python bench/arrays.py [--groups 256] [--tokens 8192] [--repeats 5]
+    .venv/bin/python bench/arrays.py [--groups 256] [--tokens 8192] [--repeats 5] [--only answer|group|batch]
 
 Prints one JSON line per measurement (milliseconds of process CPU, median of the repeats).
 """
@@ -20,6 +29,7 @@ Prints one JSON line per measurement (milliseconds of process CPU, median of the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -27,7 +37,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 
+from nodes.rollout.chunks import parse_chunk, token_versions
+from nodes.rollout.client import GenResult
+from nodes.rollout.workflows import Sample
 from protocols import codec
 from protocols.rl import Batch, Trajectory, TrajectoryGroup
 
@@ -63,6 +77,53 @@ def cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         out.append((time.process_time() - t0) * 1e3)
     return statistics.median(out)
+
+
+def make_answer(tokens: int, rng: np.random.Generator) -> bytes:
+    """The body of one ``/generate`` answer of ``tokens - PROMPT`` output tokens, with log-probs
+    (``[logprob, token id, null]`` per token), as SGLang 0.5.23 sends it."""
+    n = tokens - PROMPT
+    ids, lps = rng.integers(0, 150_000, n).tolist(), (-rng.random(n)).tolist()
+    meta = {
+        "id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": PROMPT,
+        "completion_tokens": n, "cached_tokens": 0, "weight_version": "3",
+        "weight_versions": [{"start": 0, "end": n, "version": "3"}],
+        "output_token_logprobs": [[lp, i, None] for lp, i in zip(lps, ids, strict=True)],
+    }  # fmt: skip
+    return orjson.dumps({"text": "abcd" * n, "output_ids": ids, "meta_info": meta})
+
+
+# RLVRWorkflow starts its samples from an int32 array since the client reads answers into arrays,
+# from a list before: so this bench runs at an older commit too, for the "before" figures
+ARRAY_SAMPLES = "ids" in {f.name for f in dataclasses.fields(GenResult)}
+
+
+def first_hop(answers: list[bytes], prompt: list[int]) -> list[Any]:
+    """The rollout actor's CPU from ``answers`` (one per sample) to the group's frames."""
+    results = []
+    for body in answers:
+        ids, lps, meta = parse_chunk(orjson.loads(body))
+        versions, _ = token_versions(meta, len(ids), 3)
+        results.append(GenResult("r", ids, lps, versions, "length", "", len(prompt), [0], "u"))
+    start = np.array(prompt, np.int32) if ARRAY_SAMPLES else prompt
+    trajectories = []
+    for res in results:
+        s = Sample(start, 1.0)
+        s.add_output(res)
+        trajectories.append(s.trajectory(0.0, "g", len(prompt)))
+    return codec.encode(TrajectoryGroup("g", trajectories))
+
+
+def bench_answer(tokens: int, repeats: int) -> dict[str, Any]:
+    """The first hop of a group of K trajectories of ``tokens`` each, from the answers' bytes."""
+    rng = np.random.default_rng(2)
+    answers = [make_answer(tokens, rng) for _ in range(K)]
+    prompt = rng.integers(0, 150_000, PROMPT).tolist()
+    hop = cpu_ms(lambda: first_hop(answers, prompt), repeats)
+    parse = cpu_ms(lambda: [orjson.loads(a) for a in answers], repeats)
+    return {"bench": "answer", "tokens_per_trajectory": tokens, "arrays_from_the_answer": ARRAY_SAMPLES,
+            "answers_to_frames_ms": hop, "json_parse_ms": parse, "beyond_the_json_parse_ms": hop - parse,
+            "answer_bytes": sum(map(len, answers))}  # fmt: skip
 
 
 def bench_group(tokens: int, repeats: int) -> list[dict[str, Any]]:
@@ -162,13 +223,16 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=256, help="groups per batch (buffer, driver)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per trajectory (buffer, driver)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--only", choices=("group", "batch"), default=None)
+    ap.add_argument("--only", choices=("answer", "group", "batch"), default=None)
     args = ap.parse_args()
-    if args.only != "batch":
+    if args.only in (None, "answer"):
+        for tokens in (328, 2048, 32_048):
+            print(json.dumps(bench_answer(tokens, args.repeats * 4)), flush=True)
+    if args.only in (None, "group"):
         for tokens in (328, 2048, 32_048):
             for row in bench_group(tokens, args.repeats * 4):
                 print(json.dumps(row), flush=True)
-    if args.only != "group":
+    if args.only in (None, "batch"):
         for row in bench_buffer_and_driver(args.groups, args.tokens, args.repeats):
             print(json.dumps(row), flush=True)
 
