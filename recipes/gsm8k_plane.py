@@ -246,6 +246,7 @@ async def start_plane(
     weight-update group, governor, buffer and rollout actors; on resume, from the checkpoint
     ``state`` names (its weights pushed to the servers, its trained prompts refused by the buffer)."""
     from nodes.inference.launcher import cluster_keys
+    from nodes.plugins import resolve
 
     t0 = time.monotonic()
     # The cluster's key pair, made before any server starts: every server that takes keys (beyond
@@ -284,6 +285,9 @@ async def start_plane(
         seed=cfg.data.seed, name="gsm8k",
     )  # fmt: skip
     workflow = WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, cfg.rollout.workflow_args)
+    # a workflow's own actors, e.g. OpenEnvWorkflow's environment servers (env-0, ...)
+    if start_actors := getattr(resolve(cfg.rollout.workflow, "rollout.workflow"), "start_actors", None):
+        await start_actors(cluster, cfg.rollout.workflow_args)
     n = cfg.rollout.n_actors
     rollouts = [
         RolloutHandle(  # its calls survive a restart: they wait for the new incarnation

@@ -7,11 +7,15 @@ reward is the environment's own, so a run's rewards are these numbers.
 
 ``dying_app`` exits its process at its first step when ``$RLACTORS_TEST_DIE_ONCE`` names a file that
 does not exist yet (it creates it first): the first server the run starts dies once, its replacement
-lives. An episode reset with ``kind="hang"`` never gets an answer to its steps.
+lives. Each of its server processes notes, at its first session, its pid and the command line of the
+process that started it in ``$RLACTORS_TEST_DIE_ONCE.servers`` (one JSON line), so that a test knows
+which actor owned it and can check the process table for it. An episode reset with ``kind="hang"``
+never gets an answer to its steps.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -60,6 +64,17 @@ class SayEnv(Environment[SayAction, SayObservation, State]):
 
 
 class DyingEnv(SayEnv):
+    noted = False  # this process has noted itself in $RLACTORS_TEST_DIE_ONCE.servers
+
+    def __init__(self) -> None:
+        super().__init__()
+        marker = os.environ.get("RLACTORS_TEST_DIE_ONCE")
+        if marker and not DyingEnv.noted:
+            DyingEnv.noted = True
+            parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            with open(f"{marker}.servers", "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "parent_pid": os.getppid(), "parent": parent}) + "\n")
+
     def step(self, action: SayAction, timeout_s: float | None = None, **kwargs: Any) -> SayObservation:
         marker = os.environ.get("RLACTORS_TEST_DIE_ONCE")
         if marker and not Path(marker).exists():

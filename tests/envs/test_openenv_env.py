@@ -1,11 +1,14 @@
 """OpenEnvWorkflow against real OpenEnv servers (tests/envs/openenv_app.py, built with openenv-core,
 served by uvicorn in their own processes): an episode is reset, then model turns and steps until
-done, its reward the environment's, each episode one token sequence; a server that dies is replaced
-and its group dropped, one that hangs times out; unreachable servers and apps that do not import
-are config errors."""
+done, its reward the environment's, each episode one token sequence; a server the run starts is an
+actor (env-<i>) that the runtime replaces when its server dies, only the group on it dropped; one that
+hangs times out; unreachable servers and apps that do not import are config errors."""
 
 from __future__ import annotations
 
+import json
+import os
+import select
 import socket
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+import rlactors
 from nodes.rollout.environments import EnvError, OpenEnvConfig, OpenEnvWorkflow
 from nodes.rollout.reward import RewardRunner
 from tests.rollout.test_openai_endpoint import Scripted, tokenizer  # noqa: F401 - the fixture
@@ -80,26 +84,70 @@ async def test_an_episode_steps_until_done_and_is_rewarded_by_the_environment(
     assert wf.counters["history_edits"] == 0 and wf.counters["env_errors"] == 0
 
 
-async def test_a_server_that_dies_is_replaced_and_only_its_group_dropped(
+def servers_noted(marker: Path) -> list[dict[str, Any]]:
+    """The dying app's server processes, as each noted itself (tests/envs/openenv_app.py)."""
+    path = Path(f"{marker}.servers")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def all_gone(pids: list[int], timeout: float = 60.0) -> bool:
+    """Whether every process in ``pids`` has ended (waited on, up to ``timeout`` s in all)."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)  # readable once the process has ended
+        except ProcessLookupError:
+            continue
+        try:
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return False
+        finally:
+            os.close(fd)
+    return True
+
+
+@pytest.mark.timeout(600)  # a cluster and two server starts: seconds idle, minutes on a loaded machine
+async def test_a_started_server_is_an_actor_replaced_when_it_dies_and_only_its_group_dropped(
     tokenizer: Any,  # noqa: F811
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("RLACTORS_TEST_DIE_ONCE", str(tmp_path / "died"))
-    wf = workflow(tokenizer, env_app=f"{APP}:dying_app", n_samples=1)
-    try:
-        with pytest.raises(EnvError, match="raised"):
-            await wf.arun_episode(Scripted(tokenizer, []), {"question": "-"}, "g/1")
-        first = wf.servers.procs[0]
-        assert first is not None and await first.wait() == 1  # the server process died
-        group = await wf.arun_episode(Scripted(tokenizer, ["ok", "ok"]), {"question": "-"}, "g/2")
-        assert len(group.trajectories) == 1 and group.trajectories[0].reward == pytest.approx(4 / 40)
-        assert wf.servers.replaced == 1 and wf.servers.procs[0] is not first
-    finally:
-        await wf.servers.aclose()
-        await wf.episodes.endpoint.aclose()
+    marker = tmp_path / "died"
+    monkeypatch.setenv("RLACTORS_TEST_DIE_ONCE", str(marker))  # the cluster's workers inherit it
+    config = OpenEnvConfig(env_app=f"{APP}:dying_app", n_samples=1, max_replacements=1)
+    wf = OpenEnvWorkflow(tokenizer, RewardRunner(lambda c, i: 0.0), config)
+    async with rlactors.init() as cluster:
+        try:
+            await OpenEnvWorkflow.start_actors(cluster, config)  # as the run does, before its rollout actors
+            first = await cluster.get_actor("env-0")
+            with pytest.raises(EnvError, match="raised"):
+                await wf.arun_episode(Scripted(tokenizer, []), {"question": "-"}, "g/1")
+            # the next episode asks the actor again: the runtime has replaced it, with a new server
+            group = await wf.arun_episode(Scripted(tokenizer, ["ok", "ok"]), {"question": "-"}, "g/2")
+            assert len(group.trajectories) == 1 and group.trajectories[0].reward == pytest.approx(4 / 40)
+            env0 = next(a for a in await cluster.actors() if a["name"] == "env-0")
+            assert env0["class_name"].endswith("EnvServerActor") and env0["state"] == "ALIVE"
+            assert env0["restarts"] == 1 and env0["actor_id"] == first.actor_id
+        finally:
+            await wf.episodes.endpoint.aclose()
+        servers = servers_noted(marker)
+        # two server processes, each started by a worker of the actor env-0: the first and its replacement
+        assert len(servers) == 2 and servers[0]["pid"] == int(marker.read_text())
+        assert all("rlactors.worker env-0" in s["parent"] for s in servers)
+        assert servers[0]["parent_pid"] != servers[1]["parent_pid"]
     assert wf.counters["env_errors"] == 1
-    assert all(p is not None and p.returncode is not None for p in wf.servers.procs)  # nothing left behind
+    assert all_gone([s["pid"] for s in servers])  # the cluster's end stopped the server with its actor
+
+
+async def test_started_servers_are_asked_of_their_actors_outside_a_run_it_is_an_env_error(
+    tokenizer: Any,  # noqa: F811
+) -> None:
+    wf = workflow(tokenizer, env_app=f"{APP}:app", n_samples=1)
+    with pytest.raises(
+        EnvError, match="started by a run; outside one, start the server and name it in env_urls"
+    ):
+        await wf.arun_episode(Scripted(tokenizer, []), {"question": "-"}, "g/5")
+    assert wf.counters["env_errors"] == 1
 
 
 async def test_a_server_that_hangs_times_out_and_the_group_is_dropped(

@@ -4,8 +4,8 @@ over a WebSocket session, as TRL and torchforge train them.
 ``[rollout] workflow = "nodes.rollout.environments:OpenEnvWorkflow"``, and in ``[rollout.workflow_args]``
 either ``env_urls = ["http://host:8000", ...]`` (servers already running: a local process, a Docker
 container's published port, a Hugging Face Space's URL) or ``env_app = "module:app"`` with ``n_envs``
-(the run starts that many ``uvicorn module:app`` processes beside each rollout actor, health-checks them
-and replaces one that dies). An episode opens its own session on one server, calls ``reset`` (with
+(the run starts that many servers, each an actor ``env-<i>`` placed like any other that owns one
+``uvicorn module:app`` process, health-checks it and is replaced when it dies: env_servers.py). An episode opens its own session on one server, calls ``reset`` (with
 ``reset_args`` and the item's ``reset`` table, e.g. a seed), then until ``done`` or ``max_turns``: the
 observation becomes chat messages (``render``), the model answers through the episode's base_url (a
 chat completion on the rollout actor's endpoint: token-exact turns), the answer becomes an action
@@ -18,22 +18,16 @@ is a config error (exit 2) before any process starts.
 
 from __future__ import annotations
 
-import asyncio
-import ctypes
-import itertools
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import structlog
 
+import rlactors
 from nodes.plugins import resolve
+from nodes.rollout.environments.env_servers import EnvServers, start_env_servers
 from nodes.rollout.environments.episodes import (
     EnvEpisodes,
     EnvError,
@@ -81,7 +75,8 @@ class OpenEnvConfig(EpisodeSettings):
 
     env_urls: list[str] = field(default_factory=list)  # servers already running (http://host:port)
     env_app: str = ""  # or servers the run starts: an ASGI app by import path, e.g. "my_env.server:app"
-    n_envs: int = field(default=1, metadata=at_least(1))  # servers started from env_app per rollout actor
+    n_envs: int = field(default=1, metadata=at_least(1))  # servers the run starts from env_app: env-<i>
+    max_replacements: int = field(default=3, metadata=at_least(0))  # a started server's, when it dies
     max_turns: int = field(default=8, metadata=at_least(1))  # steps per episode when it is not done before
     reward: Literal["sum", "last"] = "sum"  # the episode's reward: its step rewards summed, or the last
     reset_args: dict[str, Any] = field(default_factory=dict)  # passed to reset (an item's "reset" adds)
@@ -129,76 +124,16 @@ def _health(url: str) -> str | None:
     return None if r.status_code == 200 else f"/health answered {r.status_code}"
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """The server dies with the process that started it (Linux), so a killed actor leaves none."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class EnvServers:
-    """The OpenEnv servers this workflow's episodes use: given URLs, or ``uvicorn`` processes of
-    ``env_app`` it starts on free ports, health-checked, each replaced when it has died."""
-
-    def __init__(self, config: OpenEnvConfig) -> None:
-        self.config = config
-        self.urls = list(config.env_urls)
-        self.procs: list[asyncio.subprocess.Process | None] = [None] * (
-            0 if config.env_urls else config.n_envs
-        )
-        self._next = itertools.count()
-        self._lock = asyncio.Lock()
-        self.replaced = 0
-
-    async def pick(self) -> str:
-        """A server's URL for a new episode (round robin), starting or replacing servers first."""
-        if self.config.env_app:
-            async with self._lock:
-                dead = [i for i, p in enumerate(self.procs) if p is None or p.returncode is not None]
-                if dead:
-                    await asyncio.gather(*(self._start(i) for i in dead))
-        return self.urls[next(self._next) % len(self.urls)]
-
-    async def _start(self, i: int) -> None:
-        if self.procs[i] is not None:
-            self.replaced += 1
-            log.warning("openenv.server_died", app=self.config.env_app, url=self.urls[i],
-                        exit_code=self.procs[i].returncode)  # fmt: skip
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "uvicorn", self.config.env_app, "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning"]  # fmt: skip
-        # forked by the loop's thread: the death signal is tied to the thread that forks
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + self.config.start_timeout_s
-        while (why := await asyncio.to_thread(_health, url)) is not None:
-            if proc.returncode is not None or time.monotonic() > deadline:
-                if proc.returncode is None:
-                    proc.kill()
-                code = await proc.wait()
-                raise EnvError(f"OpenEnv server {self.config.env_app} did not start ({why}; exit {code})")
-            await asyncio.sleep(0.2)  # polling a starting process: nothing to wait on but its port
-        if i < len(self.urls):
-            self.urls[i] = url
-        else:
-            self.urls.append(url)
-        self.procs[i] = proc
-
-    async def aclose(self) -> None:
-        """Stop the servers this object started (they die with the process that started them too)."""
-        for p in self.procs:
-            if p is not None and p.returncode is None:
-                p.kill()
-                await p.wait()
-
-
 class OpenEnvWorkflow:
     """Runs ``n_samples`` episodes per item against OpenEnv servers; the environment's rewards."""
 
     config_class: ClassVar[type] = OpenEnvConfig
+
+    @staticmethod
+    async def start_actors(cluster: rlactors.Cluster, config: OpenEnvConfig) -> None:
+        """Before the rollout actors: the run's servers of ``env_app`` (none for ``env_urls``)."""
+        if config.env_app:
+            await start_env_servers(cluster, config)
 
     def __init__(self, tokenizer: Any, reward: RewardRunner, config: OpenEnvConfig | None = None) -> None:
         self.config = c = config or OpenEnvConfig()
@@ -225,7 +160,16 @@ class OpenEnvWorkflow:
         from openenv.core import GenericEnvClient
 
         c = self.config
-        env = GenericEnvClient(base_url=await self.servers.pick(), message_timeout_s=c.episode_timeout_s)
+        server = await self.servers.pick()
+        env = GenericEnvClient(base_url=server, message_timeout_s=c.episode_timeout_s)
+        try:
+            return await self._steps(client, item, gid, env)
+        except BaseException:
+            self.servers.failed(server)  # replaced, perhaps: ask its actor again for the next episode
+            raise
+
+    async def _steps(self, client: Any, item: Any, gid: str, env: Any) -> list[Any]:
+        c = self.config
         async with self.episodes.episode(client) as (ep, url):
             sdk = sdk_client(url)
             try:
