@@ -151,8 +151,11 @@ class GenResult:
         self.versions = np.asarray(self.versions, dtype=np.int32)
 
     output_ids = _AsList("ids", np.int32)
+    """``ids`` as a list of ints."""
     output_logprobs = _AsList("logprobs", np.float64)
+    """``logprobs`` as a list of floats."""
     output_versions = _AsList("versions", np.int32)
+    """``versions`` as a list of ints."""
 
 
 class SGLangClient:

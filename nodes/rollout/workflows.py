@@ -196,6 +196,7 @@ class Sample:
             self.versions = np.concatenate((self.versions, versions), dtype=VERSIONS_DTYPE)
 
     def trajectory(self, reward: float, group_id: str, prompt_len: int) -> Trajectory:
+        """The sequence as a validated trajectory, holding these fields as they are (no copy)."""
         t = Trajectory(
             self.ids,
             self.mask,
