@@ -2,7 +2,8 @@
 pushes), 2 steps each, one run per scenario shared by its tests: a verifiers ``SingleTurnEnv`` whose
 environment raises in half its rollouts (the run goes on; its rubric's rewards), a verifiers
 ``ToolEnv`` (the tool runs in every episode; the second turn continues the first), an OpenEnv
-environment started by the run as a real server process that dies once (replaced; the run goes on).
+environment's server started by the run as an actor (env-0) owning a real server process that dies
+once (the runtime replaces the actor; the run goes on; nothing is left running after it).
 A module that does not import or an unreachable server: exit 2 before anything starts."""
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from typing import Any
 import pytest
 
 from tests.e2e.test_recipe import recipe, rows
+from tests.envs.test_openenv_env import all_gone, servers_noted
 
 pytest.importorskip("verifiers")
 pytest.importorskip("openenv.core")
+# a recipe run (its fixture's) is ~1 min idle, several minutes on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(900)
 
 BATCH, SAMPLES = 2, 2
 COMMON = [
@@ -65,7 +69,8 @@ def tool_env(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def openenv(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def openenv(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's metrics, and its server processes as each noted itself (tests/envs/openenv_app.py)."""
     tmp = tmp_path_factory.mktemp("openenv")
     with pytest.MonkeyPatch.context() as mp:  # the recipe's processes inherit it, the servers too
         mp.setenv("RLACTORS_TEST_DIE_ONCE", str(tmp / "died"))
@@ -74,7 +79,7 @@ def openenv(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
             "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app", "data.source=easy",
         ])  # fmt: skip
     assert (tmp / "died").exists()  # a server process did die during the run
-    return m
+    return m, servers_noted(tmp / "died")
 
 
 @pytest.mark.slow
@@ -100,11 +105,17 @@ def test_a_tool_env_runs_its_tool_in_every_episode(tool_env: list[dict]) -> None
 
 
 @pytest.mark.slow
-def test_an_openenv_server_process_trains_and_its_death_does_not_stop_the_run(openenv: list[dict]) -> None:
-    for r in openenv:
+def test_an_openenv_server_process_trains_and_its_death_does_not_stop_the_run(openenv: tuple) -> None:
+    metrics, servers = openenv
+    for r in metrics:
         assert r["episode/turns"] == 2.0 and r["episode/env_reward_steps"] == 2.0  # done after 2 steps
         assert 0.0 <= r["reward/mean"] <= 2.0  # the environment's step rewards (<= 1 each), summed
-    assert openenv[-1]["rollout/env_errors"] >= 1  # the group on the dying server was dropped
+    assert metrics[-1]["rollout/env_errors"] >= 1  # the group on the dying server was dropped
+    # the server is the actor env-0's (its worker started it); the runtime replaced the actor when its
+    # server died (a new worker started the next server); the run's end left no server running
+    assert len(servers) == 2 and all("rlactors.worker env-0" in s["parent"] for s in servers)
+    assert servers[0]["parent_pid"] != servers[1]["parent_pid"]
+    assert all_gone([s["pid"] for s in servers])
 
 
 @pytest.mark.parametrize(
