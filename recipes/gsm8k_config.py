@@ -157,6 +157,20 @@ def _check_algorithm(cfg: RecipeConfig, source: str) -> None:
         raise ConfigError(f"{source}: {e}") from None
 
 
+def _check_online(cfg: RecipeConfig, source: str) -> None:
+    """Online mode (nodes/rollout/sessions.py): its workflow with its data source, and a fixed port
+    only for one rollout actor (each serves a session API of its own)."""
+    online_workflow = hasattr(cfg.rollout.workflow_args, "online_data")
+    if online_workflow != (cfg.data.source == "online"):
+        raise ConfigError(f"{source}: data.source = 'online' goes with rollout.workflow = "
+                          f"'nodes.rollout.sessions:OnlineWorkflow' (now {cfg.data.source!r} with {cfg.rollout.workflow!r})")  # fmt: skip
+    port, n = getattr(cfg.rollout.workflow_args, "port", 0), cfg.rollout.n_actors
+    if online_workflow and port and n > 1:
+        raise ConfigError(f"{source}: rollout.workflow_args.port = {port} with rollout.n_actors = {n}: each rollout "
+                          "actor serves a session API of its own; set port = 0 (free ports, listed in sessions.json) "
+                          "or rollout.n_actors = 1")  # fmt: skip
+
+
 # TOML tables whose Python field is spelt otherwise: ``async`` is a keyword
 RENAMES = {"async": "async_"}
 
@@ -169,6 +183,7 @@ def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:
     cfg = load_toml(RecipeConfig, path, overrides, renames=RENAMES)
     file = str(Path(path).expanduser()) if path else "defaults"
     _check_algorithm(cfg, f"{file} (with overrides)" if overrides else file)
+    _check_online(cfg, f"{file} (with overrides)" if overrides else file)
     return cfg
 
 

@@ -177,6 +177,9 @@ class Episode:
     _by_reply: dict[tuple[int, Any], list[int]] = field(default_factory=dict)
     _next: int = 0
     _sample_count: int = 0
+    inflight: int = (
+        0  # requests being answered (a session's reward waits for them: nodes/rollout/sessions.py)
+    )
     # stored /v1/responses answers (nodes/rollout/responses.py): response id -> its conversation
     responses: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
 
@@ -330,9 +333,13 @@ class ChatEndpoint:
             if ep is self.default and self.client is None:  # e.g. online mode's: sessions only
                 raise EndpointError(404, "this endpoint serves episodes only: use an episode's (a session's) base_url",
                                     code="episode_not_found")  # fmt: skip
-            if route == "/v1/responses":
-                return await self._responses(request, ep)
-            return await self._chat(request, ep)
+            ep.inflight += 1
+            try:
+                if route == "/v1/responses":
+                    return await self._responses(request, ep)
+                return await self._chat(request, ep)
+            finally:
+                ep.inflight -= 1
         except EndpointError as e:
             return e.response()
         except Exception as e:

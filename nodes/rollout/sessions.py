@@ -179,13 +179,14 @@ class SessionAPI:
                 400, "group: the number of sessions in this task's group (an integer >= 1)", "group"
             )
         group = self.open.get(task_id) if task_id else None
-        if group is None or group.client.paused:
-            if not self.slots or self.slots[0].client.paused:  # nothing admitted, or a weight push
-                self.counters["sessions_refused"] += 1
-                err = EndpointError(429, "the run is not admitting sessions now: retry after Retry-After seconds",
-                                    code="not_admitting")  # fmt: skip
-                err.headers["Retry-After"] = str(self.config.retry_after_s)
-                raise err
+        admitting = group or (self.slots[0] if self.slots else None)
+        if admitting is None or admitting.client.paused:  # nothing admitted, or a weight push
+            self.counters["sessions_refused"] += 1
+            err = EndpointError(429, "the run is not admitting sessions now: retry after Retry-After seconds",
+                                code="not_admitting")  # fmt: skip
+            err.headers["Retry-After"] = str(self.config.retry_after_s)
+            raise err
+        if group is None:  # the oldest slot: consumption follows admission order
             group = self.slots.popleft()
             group.task_id = task_id or uuid.uuid4().hex
             group.size = size or self.config.n_samples
@@ -214,6 +215,9 @@ class SessionAPI:
         if session is None:
             raise EndpointError(404, f"no session {sid!r} is open here (ended, timed out, or never opened)",
                                 code="session_not_found")  # fmt: skip
+        if session.episode.inflight:  # its sequence is still growing: reward what it will be
+            raise EndpointError(409, "a completion of this session is still running: post the reward after its answer",
+                                code="session_busy")  # fmt: skip
         session.reward = float(reward)
         self.counters["sessions_rewarded"] += 1
         self._end(session)

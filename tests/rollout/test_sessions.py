@@ -268,3 +268,58 @@ async def test_the_curl_client_of_the_docs(online: tuple[OnlineWorkflow, Backend
     assert all(
         t.meta["turns"] == 2 and sum(t.loss_mask) > 2 for t in group.trajectories
     )  # both turns, one sequence
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        (["data.source=online"], "goes with rollout.workflow"),
+        (["rollout.workflow=nodes.rollout.sessions:OnlineWorkflow"], "goes with rollout.workflow"),
+        (
+            [
+                "data.source=online",
+                "rollout.workflow=nodes.rollout.sessions:OnlineWorkflow",
+                "rollout.workflow_args.port=8100",
+                "rollout.n_actors=2",
+            ],
+            "set port = 0",
+        ),
+    ],
+)
+def test_the_recipe_config_refuses_online_mode_half_set(overrides: list[str], error: str) -> None:
+    from recipes.gsm8k_config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, overrides)
+    ok = [
+        "data.source=online",
+        "rollout.workflow=nodes.rollout.sessions:OnlineWorkflow",
+        "rollout.workflow_args.port=8100",
+    ]
+    assert load_config(None, ok).rollout.workflow_args.port == 8100
+
+
+async def test_a_reward_while_a_completion_runs_is_409(online: tuple[OnlineWorkflow, Backend, str]) -> None:
+    """The session's token sequence is still growing: its reward waits for the answer."""
+    wf, backend, url = online
+    gate, reached = asyncio.Event(), asyncio.Event()
+    answer = backend.agenerate
+
+    async def held(request: GenRequest) -> GenResult:
+        reached.set()
+        await gate.wait()
+        return await answer(request)
+
+    backend.agenerate = held  # type: ignore[method-assign]
+    episode = asyncio.ensure_future(wf.arun_episode(backend, {}, "g"))
+    await asyncio.sleep(0)
+    async with authed() as http:
+        s = (await http.post(url, json={"group": 1})).json()
+        running = asyncio.ensure_future(turn(http, s["base_url"], "Hi"))
+        await wait_for(reached.wait(), 30)  # the completion is generating
+        r = await http.post(f"{url}/{s['id']}/reward", json={"reward": 1})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+        gate.set()
+        await running
+        assert (await http.post(f"{url}/{s['id']}/reward", json={"reward": 1})).status_code == 200
+    assert [t.reward for t in (await wait_for(episode, 30)).trajectories] == [1.0]
