@@ -337,8 +337,11 @@ class SGLangClient:
                         r[4] = r[2]
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             done = len(res.ids)
+            prefix = request.input_ids  # a resume posts the prompt and the tokens so far
+            if done:
+                prefix = np.concatenate((np.asarray(prefix, np.int64), res.ids))
             body: GenerateBody = {  # a literal, not a GenerateBody(...) call: built per post
-                "input_ids": np.concatenate((request.input_ids, res.ids)) if done else request.input_ids,
+                "input_ids": prefix,
                 "sampling_params": resume_params(sp, budget, done),
                 "rid": rid if res.posts == 0 else f"{rid}-r{res.posts}",
                 "return_logprob": True,
