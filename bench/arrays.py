@@ -9,7 +9,7 @@ Four measurements:
   validates) and encoded as the rollout actor sends the group; beside it the JSON parse alone.
   It runs on both sides of the change that made the client read arrays, for before and after.
 
-The rest on trajectories built from Python lists as a workflow built them before that change:
+The rest run on trajectories built from Python lists, as workflows built them before that change:
 
 - ``group``: a group of 4 trajectories at 328, 2,048 and 32,048 tokens each: the codec's round
   trip and ``validate()`` on the first hop (as built, the rollout actor's put) and on the next
