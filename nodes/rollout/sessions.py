@@ -139,11 +139,13 @@ class SessionAPI:
 
     @property
     def base(self) -> str:
+        """The root URL clients are given: ``public_url`` (a reverse proxy), else where it listens."""
         return self.config.public_url.rstrip("/") or self.endpoint.url
 
     # -- slots (the workflow's side) -----------------------------------------------------------
 
     def offer(self, group: Group) -> None:
+        """An admitted episode waits for a task: the newest slot, taken after the older ones."""
         self.slots.append(group)
 
     def withdraw(self, group: Group) -> None:
@@ -160,6 +162,7 @@ class SessionAPI:
     # -- routes --------------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response:
+        """``POST /rl/v1/sessions`` and ``POST /rl/v1/sessions/{id}/reward`` (the endpoint checked the key)."""
         path = request.path.rstrip("/")
         if path == PREFIX:
             _method(request, "POST")
