@@ -183,10 +183,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 # SIGKILL past a grace period. SIGTERM is a scheduler's, held back from the server (see _child_setup).
 STOP_SIGNAL = signal.SIGINT
 
-# Runs the server's command with SIGTERM blocked. A blocked signal stays blocked across exec and in
-# the processes the server starts (SGLang's scheduler and detokenizer); neither Python nor uvicorn
-# unblocks it. Blocked here, in the exec'd process, not in a preexec_fn: uvloop's spawn (libuv)
-# empties the child's signal mask after the preexec_fn, just before it executes.
+# Runs the server's command with SIGTERM blocked. A blocked signal stays blocked across exec, and
+# our server never unblocks it. SGLang does, in its main thread: Python's multiprocessing unblocks
+# SIGTERM and SIGINT once it has started its resource tracker, so real SGLang is out of reach of a
+# signal to the job's process group (its own session), not of one sent to each of its processes.
+# Blocked here, in the exec'd process, not in a preexec_fn: uvloop's spawn (libuv) empties the
+# child's signal mask after the preexec_fn, just before it executes.
 HOLD_SIGTERM = [
     sys.executable,
     "-c",
@@ -205,7 +207,7 @@ def _child_setup(owner: int) -> None:
     - its own session: a signal to the job's process group (or a terminal's Ctrl-C) does not
       reach it, and the owner's :data:`STOP_SIGNAL` to its group reaches every process it starts;
     - SIGTERM blocked (:data:`HOLD_SIGTERM`): one sent to its pid (Slurm's way) stays pending,
-      never acted on; a scheduler's SIGKILL still ends it;
+      never acted on (our server; SGLang unblocks it, see there); a scheduler's SIGKILL still ends it;
     - the kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG)``, Linux): SIGKILL when its
       owning worker dies (SGLang's own processes follow their parent the same way), so it never
       outlives its owner, however the owner ends.
