@@ -1,9 +1,10 @@
 """An OpenAI-SDK agent is trained: through the real recipe with ``AgentWorkflow`` (its episodes on
-the rollout actor's OpenAI-compatible endpoint, a reference server with a real tiny model, an FSDP2
-rank, weight pushes, staleness 1), the synthetic reward of tests/e2e/learning_agent.py rises over a
-few steps. Each episode is two turns, the second continuing the first, and must reach the trainer
-as one trajectory whose loss mask covers exactly the tokens the model generated in both turns
-(not the follow-up user message, not the template's tokens between them).
+the rollout actor's OpenAI-compatible endpoint, a reference server with a tiny model, an FSDP2 rank,
+weight pushes, staleness 1), the synthetic reward of tests/e2e/learning_agent.py rises over a few
+steps (the tiny model carries a feature the reward can use: learning_reward.featured_checkpoint).
+Each episode is two turns, the second continuing the first, and must reach the trainer as one
+trajectory whose loss mask covers exactly the tokens the model generated in both turns (not the
+follow-up user message, not the template's tokens between them).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.learning_reward import featured_checkpoint
 from tests.e2e.test_recipe import recipe, rows
 
-STEPS = 16
+STEPS = 12
 BATCH, SAMPLES = 8, 4
 
 
@@ -31,16 +33,13 @@ def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path)
     args = [
         "--config",
         "recipes/configs/agent_cpu.toml",
-        "model.tiny=true",
+        f"model.path={featured_checkpoint(tmp_path / 'model')}",  # learns from the first steps on
         "data.source=local",
         f"data.path={data}",
         "data.eval_size=8",
         "servers.n=1",
         "trainer.n_ranks=1",
-        # large steps: a random-weight model learns this objective only so. At 0.08 (test_learning's) its
-        # entropy fell and sprang back to uniform around step 3-5 in 3 runs of 4 here, and 2 of those
-        # had not recovered by step 12; at 0.05 it fell steadily and the reward reached 1.0 by step 11
-        "trainer.lr=0.05",
+        "trainer.lr=0.05",  # large steps: at 0.08 (test_learning's) the policy sprang back to uniform here
         f"async.batch_size={BATCH}",
         "async.max_staleness=1",
         "rollout.workflow_args.agent=tests.e2e.learning_agent:run",
