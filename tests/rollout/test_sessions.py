@@ -1,7 +1,8 @@
 """Online mode's session API (nodes/rollout/sessions.py) driven by a raw httpx client and by curl, with
 a scripted generation backend: groups of sessions by task_id, the key (401 creates nothing), 429 with
 Retry-After when no slot is admitted or the servers are paused, the timeouts, and 200 concurrent
-sessions on one endpoint."""
+sessions on one endpoint; then through the rollout client in front of a sim server, a completion
+paused (aborted) mid-way for a weight push and resumed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,11 @@ import httpx
 import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.rollout.client import GenRequest, GenResult
+from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.sessions import OnlineConfig, OnlineError, OnlineWorkflow
 from protocols.auth import ServerKeys
 from rlactors.aio import wait_for
+from tests.helpers.servers import reference_server, wait_decoding
 
 KEY = "sk-test-key"
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,3 +325,60 @@ async def test_a_reward_while_a_completion_runs_is_409(online: tuple[OnlineWorkf
         await running
         assert (await http.post(f"{url}/{s['id']}/reward", json={"reward": 1})).status_code == 200
     assert [t.reward for t in (await wait_for(episode, 30)).trajectories] == [1.0]
+
+
+@pytest.fixture(scope="module")
+def slow_sim() -> Iterator[str]:
+    """A sim server slow enough (20 ms a step, no EOS) to be paused in the middle of a completion."""
+    args = [
+        "--backend",
+        "sim",
+        "--sim-decode-s-base",
+        "0.02",
+        "--sim-eos-prob",
+        "0",
+        "--sim-vocab-size",
+        "49152",
+    ]
+    with reference_server(args) as url:
+        yield url
+
+
+async def test_a_completion_across_a_weight_push_is_aborted_resumed_and_trained_whole(
+    slow_sim: str, tokenizer: Any
+) -> None:
+    """Through the rollout client, as in a run: the servers pause (abort) mid-completion; meanwhile
+    opening a session is 429; after the resume the completion ends whole, one sequence, trained."""
+    client = SGLangClient([slow_sim])
+    wf = OnlineWorkflow(tokenizer, None, OnlineConfig(n_samples=1))  # type: ignore[arg-type]
+    api = await wf.start(client, api_key=KEY)
+    url = f"{api.base}/rl/v1/sessions"
+    episodes = [asyncio.ensure_future(wf.arun_episode(client, {}, f"g{i}")) for i in range(2)]
+    await asyncio.sleep(0)
+    try:
+        async with authed() as http, httpx.AsyncClient(base_url=slow_sim) as server:
+            s = (await http.post(url, json={})).json()
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40}
+            running = asyncio.ensure_future(http.post(f"{s['base_url']}/chat/completions", json=body))
+            await wait_decoding(server)  # a few tokens in
+            client.pause()  # the weight push, as PolicySync makes it
+            assert (await server.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+            r = await http.post(url, json={})
+            assert (
+                r.status_code == 429 and r.headers["retry-after"] == "1"
+            )  # a slot is free: the pause refuses
+            client.resume()
+            await server.post("/continue_generation", json={})
+            answer = (await running).json()
+            assert answer["usage"]["completion_tokens"] == 40, answer
+            assert (await http.post(f"{url}/{s['id']}/reward", json={"reward": 1})).json()[
+                "trajectories"
+            ] == 1
+        (traj,) = (await wait_for(episodes[0], 60)).trajectories
+        assert sum(traj.loss_mask) == 40 and traj.meta["aborts"] >= 1  # cut off, resumed, whole
+    finally:
+        for e in episodes:
+            e.cancel()
+        await asyncio.gather(*episodes, return_exceptions=True)
+        await wf.aclose()
+        await client.aclose()
