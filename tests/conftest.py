@@ -54,13 +54,41 @@ def _file(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _group(file: str) -> str:
+    """A test file is one unit of work for `--dist loadfile` (.ci/run), so its module-scoped runs are
+    shared; the real-SGLang files are one unit together: two SGLang start-ups at once on a 2-core
+    machine have ended a server (SGLang killing itself) before its first step."""
+    return "tests/sglang" if file.startswith("tests/sglang/") else file
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    first = {}
+    group_seconds: dict[str, float] = {}
+    for file, seconds in measured.items():
+        group_seconds[_group(file)] = group_seconds.get(_group(file), 0.0) + seconds
+    first: dict[str, int] = {}
     for i, item in enumerate(items):
-        first.setdefault(_file(item.nodeid), i)
+        first.setdefault(_group(_file(item.nodeid)), i)
     rank = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-measured.get(_file(it.nodeid), 0.0), first[_file(it.nodeid)], rank[id(it)]))
+
+    def key(item: pytest.Item) -> tuple[float, int, int]:
+        group = _group(_file(item.nodeid))
+        return (-group_seconds.get(group, 0.0), first[group], rank[id(item)])
+
+    items.sort(key=key)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` with the real-SGLang files as one unit (see :func:`_group`)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(_file(nodeid))
+
+    return Scheduling(config, log)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
