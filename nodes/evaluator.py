@@ -116,7 +116,8 @@ def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:
 
 
 class Evaluator:
-    """Evaluations of ``items`` with the workflow ``spec`` names, one at a time, in the background."""
+    """Evaluations of ``items`` with the workflow ``spec`` names, one at a time, in the background.
+    With no items (online mode holds nothing out) it evaluates nothing and reports nothing."""
 
     def __init__(
         self, spec: WorkflowSpec, items: list[dict[str, Any]], keys: ServerKeys | None = None, lora: str = ""
@@ -130,7 +131,7 @@ class Evaluator:
 
     async def start(self, urls: list[str], version: int) -> None:
         """Begin evaluating ``version`` on ``urls``, unless an evaluation is still running."""
-        if self._task is not None:
+        if self._task is not None or not self.items:
             return
         if self.workflow is None:  # may load a tokenizer
             self.workflow = await asyncio.to_thread(build_workflow, self.spec)
@@ -147,7 +148,9 @@ class Evaluator:
         return result
 
     async def finish(self, urls: list[str], version: int) -> dict[str, float]:
-        """Wait for a running evaluation, then evaluate ``version``; the final result."""
+        """Wait for a running evaluation, then evaluate ``version``; the final result ({} with no items)."""
+        if not self.items:
+            return {}
         if self._task is not None:
             await asyncio.wait([self._task])
             self.poll()

@@ -139,6 +139,7 @@ def test_the_run_trains_two_steps_on_sessions(run: Run) -> None:
     m = rows(run.out)
     assert [r["step"] for r in m if "step" in r and "train/n_seqs" in r] == [1, 2]
     assert all(r["train/n_seqs"] == 4 for r in m if "train/n_seqs" in r)  # 2 groups x 2 sessions
+    assert not any(k.startswith("eval/") for r in m for k in r)  # nothing held out: no evaluation
     assert (run.out / "sessions.json").stat().st_mode & 0o777 == 0o600  # the key: the run's user only
 
 

@@ -273,7 +273,7 @@ def run_recipe(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
         [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), *args, f"run.out_dir={tmp_path}"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,  # exits at the config check; minutes only on a machine loaded past 40
         cwd=ROOT,
         env=env,
     )
