@@ -16,3 +16,20 @@ def sim_server() -> Iterator[str]:
         ["--backend", "sim", "--sim-decode-s-base", "0.002", "--sim-eos-prob", "0.05"]
     ) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def slow_sim() -> Iterator[str]:
+    """A sim server slow enough (20 ms a step, no EOS) to be paused in the middle of a completion."""
+    args = [
+        "--backend",
+        "sim",
+        "--sim-decode-s-base",
+        "0.02",
+        "--sim-eos-prob",
+        "0",
+        "--sim-vocab-size",
+        "49152",
+    ]
+    with reference_server(args) as url:
+        yield url

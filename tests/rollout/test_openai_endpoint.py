@@ -19,7 +19,7 @@ from nodes.rollout import openai_endpoint as oe
 from nodes.rollout.chat import continuation_ids, prompt_ids
 from nodes.rollout.client import GenerationError, GenRequest, GenResult, SGLangClient
 from nodes.rollout.openai_endpoint import ChatEndpoint
-from tests.helpers.servers import reference_server, wait_decoding
+from tests.helpers.servers import wait_decoding
 
 TOOLS = [
     {
@@ -390,23 +390,6 @@ async def test_64_concurrent_episodes(endpoint: tuple[ChatEndpoint, Scripted]) -
 
 
 # -- in front of a real reference server, through the rollout client --------------------------
-
-
-@pytest.fixture(scope="module")
-def slow_sim() -> Any:
-    """A sim server slow enough (20 ms per step, no EOS) to be paused in the middle of a request."""
-    args = [
-        "--backend",
-        "sim",
-        "--sim-decode-s-base",
-        "0.02",
-        "--sim-eos-prob",
-        "0",
-        "--sim-vocab-size",
-        "49152",
-    ]
-    with reference_server(args) as url:
-        yield url
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,7 @@ import asyncio
 import os
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.sessions import OnlineConfig, OnlineError, OnlineWorkflow
 from protocols.auth import ServerKeys
 from rlactors.aio import wait_for
-from tests.helpers.servers import reference_server, wait_decoding
+from tests.helpers.servers import wait_decoding
 
 KEY = "sk-test-key"
 ROOT = Path(__file__).resolve().parents[2]
@@ -325,23 +325,6 @@ async def test_a_reward_while_a_completion_runs_is_409(online: tuple[OnlineWorkf
         await running
         assert (await http.post(f"{url}/{s['id']}/reward", json={"reward": 1})).status_code == 200
     assert [t.reward for t in (await wait_for(episode, 30)).trajectories] == [1.0]
-
-
-@pytest.fixture(scope="module")
-def slow_sim() -> Iterator[str]:
-    """A sim server slow enough (20 ms a step, no EOS) to be paused in the middle of a completion."""
-    args = [
-        "--backend",
-        "sim",
-        "--sim-decode-s-base",
-        "0.02",
-        "--sim-eos-prob",
-        "0",
-        "--sim-vocab-size",
-        "49152",
-    ]
-    with reference_server(args) as url:
-        yield url
 
 
 async def test_a_completion_across_a_weight_push_is_aborted_resumed_and_trained_whole(
