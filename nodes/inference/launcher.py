@@ -4,7 +4,7 @@
 the server on a free loopback port (or the given host/port) with the environment placement gave
 it (e.g. ``CUDA_VISIBLE_DEVICES``), waits for ``/health_generate``, restarts it if it dies, and
 stops it (whole process group) cleanly. A scheduler's SIGTERM to the job is left to the
-server's owner (:func:`_child_setup`). :class:`InferenceServerActor` is the thin actor around it.
+server's owner (:func:`child_setup`). :class:`InferenceServerActor` is the thin actor around it.
 
 Keys (SGLang's ``--api-key`` and ``--admin-api-key``, :class:`~protocols.auth.ServerKeys`): a server
 that listens beyond loopback is always started with keys (``auth = "auto"``, the default), one on
@@ -180,7 +180,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # How the owner stops a server: SIGINT (uvicorn, ours and SGLang's, shuts down on it as on SIGTERM),
-# SIGKILL past a grace period. SIGTERM is a scheduler's, held back from the server (see _child_setup).
+# SIGKILL past a grace period. SIGTERM is a scheduler's, held back from the server (see child_setup).
 STOP_SIGNAL = signal.SIGINT
 
 # Runs the server's command with SIGTERM blocked. A blocked signal stays blocked across exec, and
@@ -197,7 +197,7 @@ HOLD_SIGTERM = [
 ]
 
 
-def _child_setup(owner: int) -> None:
+def child_setup(owner: int) -> None:
     """In the server's process, before it executes: make it its owner's to stop.
 
     A scheduler's SIGTERM reaches every process of a job: a process group's (``timeout``,
@@ -224,6 +224,22 @@ def _child_setup(owner: int) -> None:
 
 class ServerStartError(RuntimeError):
     """The server process exited or did not become healthy in time."""
+
+
+async def stop_process_group(proc: asyncio.subprocess.Process, timeout_s: float = 10.0) -> None:
+    """Stop a server started with :func:`child_setup`: :data:`STOP_SIGNAL` to its process group,
+    SIGKILL past ``timeout_s``; then SIGKILL to what is left of the group (a process of the
+    server's that outlived it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, STOP_SIGNAL)
+    try:
+        await wait_for(proc.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await wait_for(proc.wait(), timeout_s)
+    with contextlib.suppress(ProcessLookupError):  # the group outlives its leader while a member lives
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 class ServerSupervisor:
@@ -297,7 +313,7 @@ class ServerSupervisor:
                 cwd=str(REPO_ROOT),
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=functools.partial(_child_setup, os.getpid()),
+                preexec_fn=functools.partial(child_setup, os.getpid()),
             )
         finally:
             if self.log_path:
@@ -389,21 +405,11 @@ class ServerSupervisor:
             self._secrets = None
 
     async def _kill(self, timeout_s: float = 10.0) -> None:
-        """:data:`STOP_SIGNAL` to the server's process group, SIGKILL past ``timeout_s``; then
-        SIGKILL to what is left of the group (a process of the server's that outlived it)."""
+        """:func:`stop_process_group` of the server."""
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, STOP_SIGNAL)
-        try:
-            await wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await wait_for(proc.wait(), timeout_s)
-        with contextlib.suppress(ProcessLookupError):  # the group outlives its leader while a member lives
-            os.killpg(proc.pid, signal.SIGKILL)
+        await stop_process_group(proc, timeout_s)
         log.info("server_stopped", url=self.url, code=proc.returncode)
 
 

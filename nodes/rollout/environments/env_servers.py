@@ -21,7 +21,6 @@ import contextlib
 import functools
 import itertools
 import os
-import signal
 import sys
 import time
 from typing import Protocol
@@ -30,7 +29,7 @@ import httpx
 import structlog
 
 import rlactors
-from nodes.inference.launcher import HOLD_SIGTERM, STOP_SIGNAL, _child_setup, free_port
+from nodes.inference.launcher import HOLD_SIGTERM, child_setup, free_port, stop_process_group
 from nodes.rollout.environments.episodes import EnvError
 from rlactors.aio import wait_for
 from rlactors.runtime import current_client
@@ -110,7 +109,7 @@ class EnvServerActor(rlactors.Actor):
         # its own session, SIGTERM held, killed when this worker dies: as an inference server
         self.proc = await asyncio.create_subprocess_exec(
             *HOLD_SIGTERM, *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            preexec_fn=functools.partial(_child_setup, os.getpid()),
+            preexec_fn=functools.partial(child_setup, os.getpid()),
         )  # fmt: skip
         url = f"http://{host}:{port}"
         deadline = time.monotonic() + self.start_timeout_s
@@ -148,18 +147,10 @@ class EnvServerActor(rlactors.Actor):
         os._exit(1)  # the runtime replaces this actor: a fresh incarnation, a fresh server
 
     async def _kill(self) -> None:
-        """:data:`STOP_SIGNAL` to the server's process group, SIGKILL past a grace period."""
+        """:func:`~nodes.inference.launcher.stop_process_group` of the server."""
         proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, STOP_SIGNAL)
-        try:
-            await wait_for(proc.wait(), 5.0)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        if proc is not None and proc.returncode is None:
+            await stop_process_group(proc, 5.0)
 
 
 async def _node_host() -> str:
