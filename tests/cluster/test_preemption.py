@@ -9,22 +9,10 @@ import contextlib
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 from tests.cluster.test_run_end import _actors, _driver, _ready, up  # noqa: F401 (the fixture)
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except OSError:
-            return True
-        time.sleep(0.2)  # polling a pid: there is no event for another process's exit
-    return False
+from tests.helpers.processes import gone
 
 
 def _descendants(pid: int) -> list[int]:
@@ -64,7 +52,7 @@ def test_sigterm_to_every_process_of_the_job_is_left_to_the_driver_then_the_clus
             "victim": "ALIVE",
         }
         assert {n: a["pid"] for n, a in actors.items()} == victim_pids
-        assert all(not _gone(p, 0) for p in (head, *agents, *workers))
+        assert all(not gone(p, 0) for p in (head, *agents, *workers))
         # The driver ends its run and leaves: then the head stops, and the agents after it.
         assert driver.stdin is not None
         driver.stdin.write("end\n")
@@ -72,7 +60,7 @@ def test_sigterm_to_every_process_of_the_job_is_left_to_the_driver_then_the_clus
         _, err = driver.communicate(timeout=60)
         assert driver.returncode == 0, err[-3000:]
         for pid in (head, *agents, *workers):
-            assert _gone(pid, 60), f"{pid} still running"
+            assert gone(pid, 60), f"{pid} still running"
     finally:
         if driver.poll() is None:
             driver.kill()

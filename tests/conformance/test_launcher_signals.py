@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.helpers.processes import gone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,18 +48,6 @@ def held(pid: int, sig: signal.Signals) -> bool:
     bit = 1 << (sig - 1)
     pending = (int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)) & bit
     return bool(pending and int(fields["SigBlk"], 16) & bit)
-
-
-def gone(pid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except OSError:
-            return True
-        time.sleep(0.1)  # polling a pid: there is no event for another process's exit
-    return False
 
 
 def _owner() -> tuple[subprocess.Popen[str], int, str]:

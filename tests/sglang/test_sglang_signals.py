@@ -16,8 +16,8 @@ import pytest
 
 from nodes.inference.launcher import ServerSupervisor, SGLangServerConfig
 from nodes.inference.models import ensure_tiny_checkpoint
-from tests.conformance.test_launcher_signals import gone
 from tests.e2e.test_recipe import _descendants
+from tests.helpers.processes import gone
 from tests.sglang.test_sglang_code import NEEDS_SGLANG, SGLANG_PYTHON
 
 pytestmark = [
