@@ -11,10 +11,15 @@ moves CUDA tensors through host memory (nodes/trainer/weights.py). This measures
 2. raw gloo: a gloo broadcast of the same bytes between two processes on that device, nothing else.
 3. CUDA IPC (cuda only): the receiver opens the sender's buffer through a CUDA IPC handle
    (torch.multiprocessing) and copies it into its own: the floor of what 1b can reach.
+4. with ``--lora``: the same model with LoRA adapters (``[trainer.lora]`` defaults: rank 16, all
+   linear layers) pushed to a server started with ``--enable-lora``, both ways: ``merged`` (the
+   merged full weights over the weight-update group) and ``adapter`` (the adapter alone as a PEFT
+   folder, ``/load_lora_adapter``).
 
     python bench/gpu_push.py --device cuda --size 1.4b   # a GPU machine (see scripts/gpu-check.sh
                                                          # for installing the packages there)
     python bench/gpu_push.py --device cpu --size tiny    # the same steps on CPU (a smoke run)
+    python bench/gpu_push.py --device cuda --size 1.4b --lora   # also LoRA: adapter against merged
 
 Prints one JSON object: each row's seconds per push (median and all) and GB/s.
 """
@@ -71,23 +76,34 @@ def build(size: str, device: str, dst: Path) -> Any:
     return model
 
 
-def bench_push(model: Any, path: Path, device: str, reps: int, method: str) -> dict[str, Any]:
-
+def bench_push(
+    model: Any, path: Path, device: str, reps: int, method: str, lora_push: str | None = None
+) -> dict[str, Any]:
+    """``reps`` pushes of ``model`` (after one warm-up) into a fresh reference server; ``lora_push``
+    ("merged" or "adapter") for a LoRA model, whose server is started with ``--enable-lora``."""
     from nodes.inference.launcher import ReferenceServerConfig, ServerSupervisor
-    from nodes.trainer.config import PushConfig
+    from nodes.trainer.config import LoraConfig, PushConfig
     from nodes.trainer.weights import WeightPusher
 
     async def run() -> dict[str, Any]:
-        cfg = ReferenceServerConfig(model_path=str(path), backend="hf", device=device, dtype="bfloat16")
+        cfg = ReferenceServerConfig(
+            model_path=str(path),
+            backend="hf",
+            device=device,
+            dtype="bfloat16",
+            enable_lora=lora_push is not None,
+        )
         sup = ServerSupervisor(cfg, host="127.0.0.1", startup_timeout_s=600)
         await sup.start()
         try:
-            cfg = PushConfig(method=method, keys=sup.keys)
-            pusher = WeightPusher(model, cfg, model_config_dir=str(path))
+            cfg = PushConfig(method=method, keys=sup.keys, disk_dir=str(path / "pushes"))
+            lora = LoraConfig(enabled=True, push=lora_push) if lora_push else None
+            pusher = WeightPusher(model, cfg, model_config_dir=str(path), lora=lora)
             await asyncio.to_thread(pusher.connect, [sup.url])
             runs = [await asyncio.to_thread(pusher.push, v) for v in range(1, reps + 2)][1:]  # 1st warms
             await asyncio.to_thread(pusher.close)
-            return {"backend": pusher.backend if method == "distributed" else None, "runs": runs}
+            group = method == "distributed" and lora_push != "adapter"  # an adapter push forms no group
+            return {"backend": pusher.backend if group else None, "runs": runs}
         finally:
             await sup.stop()
 
@@ -179,6 +195,7 @@ def main() -> int:
     ap.add_argument("--size", choices=sorted(SIZES), default="1.4b")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--lora", action="store_true", help="also push a LoRA model: adapter against merged")
     args = ap.parse_args()
     import torch
 
@@ -203,6 +220,21 @@ def main() -> int:
         for row, method in (("push", "distributed"), ("push_tensor", "tensor")):
             report[row] = bench_push(model, Path(tmp), args.device, args.reps, method)
             print(f"[gpu_push] {row}: {report[row]['median_s']:.3f} s", file=sys.stderr)
+        if args.lora:
+            from nodes.trainer.config import LoraConfig
+            from nodes.trainer.lora import apply_lora
+
+            lora_model = apply_lora(model, LoraConfig(enabled=True))
+            torch.manual_seed(1)
+            with torch.no_grad():  # B starts at zero (the adapter a no-op): give it weights to push
+                for name, p in lora_model.named_parameters():
+                    if ".lora_B." in name:
+                        p.normal_(std=1e-3)
+            for way in ("merged", "adapter"):
+                row = f"lora_{way}"
+                report[row] = bench_push(lora_model, Path(tmp), args.device, args.reps, "distributed", way)
+                print(f"[gpu_push] {row}: {report[row]['median_s']:.3f} s", file=sys.stderr)
+            model = lora_model.unload()  # the base model again, adapters dropped
         torch.distributed.destroy_process_group()
         del model
         if args.device == "cuda":
