@@ -4,8 +4,7 @@
 The sender pickles ``[(name, tensor), ...]`` with torch's ``ForkingPickler`` and base64-encodes it
 for JSON, as SGLang's ``MultiprocessingSerializer`` does. A CUDA tensor travels as a CUDA IPC
 handle: the receiver maps the sender's memory and copies out of it on the GPU, and nothing passes
-through host memory (a 2.8 GB model: 2.4 ms to copy, 36 ms for a whole push, against 0.83 s through
-a gloo group on an H200; bench/gpu_push.py).
+through host memory, as a gloo group's broadcast does (bench/gpu_push.py measures both).
 A CPU tensor travels as the name of a shared-memory file (torch's ``file_system`` strategy; a
 file descriptor could not cross an HTTP call). The sender must keep its tensors alive until the
 receiver has answered.

@@ -7,8 +7,8 @@ is what makes a resumed (aborted, then re-posted) request cheap. The request id 
 as in SGLang. Matches copy KV out of the tree, so eviction never races a running request.
 
 Eviction walks the tree, so it runs rarely: past the budget it frees down to ``1 - SLACK`` of it
-(a full cache of 65,536 tokens cost 245 µs per insert when every insert walked and sorted the
-tree, 12 µs before it filled).
+(walking and sorting the tree on every insert of a full cache made each insert many times slower:
+bench/RESULTS.md, "Radix cache eviction").
 """
 
 from __future__ import annotations

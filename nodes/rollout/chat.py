@@ -149,7 +149,8 @@ _PROBES = [
 def _direct_template(tokenizer: Any) -> Any:
     """``render(messages, tools, generation)`` through the tokenizer's compiled Jinja template, as
     ``apply_chat_template`` renders it without its wrapper (which copies and checks every message:
-    half of a short chat's rendering CPU, 29 against 14 µs here). Only for a single string template,
+    about half of a short chat's rendering CPU; bench/RESULTS.md, "OpenAI-compatible endpoint").
+    Only for a single string template,
     and only once it renders probe conversations exactly as ``apply_chat_template`` does (else
     None: that is used). Messages reach it already plain (dicts of strings)."""
     template = getattr(tokenizer, "chat_template", None)
@@ -198,8 +199,8 @@ def prompt_ids(
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     """``tokenizer.encode(text, add_special_tokens=False)``, through the Rust tokenizer directly
-    when there is one: the same ids at about half the CPU (65-80 against 105-140 µs for a 40-token
-    prompt on this machine; transformers' wrapper builds a batch encoding around it)."""
+    when there is one: the same ids at a fraction of the CPU (transformers' wrapper builds a batch
+    encoding around it; bench/RESULTS.md, "OpenAI-compatible endpoint")."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return list(tokenizer.encode(text, add_special_tokens=False))

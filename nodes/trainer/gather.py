@@ -1,8 +1,8 @@
 """Full parameters of an FSDP2 model, assembled on rank 0 bucket by bucket for the weight push.
 
-Measured on the CPU machine (gloo, 2 ranks, 513 MiB): ``all_gather`` of the shards ≈ 0.8 s and
-FSDP's ``unshard`` ≈ 1-2 s, while point-to-point sends ≈ 0.13-0.16 s and a broadcast of the whole
-model ≈ 0.13-0.2 s. And only rank 0 needs the full tensors. So each rank puts its dim-0 shard rows
+Only rank 0 needs the full tensors, and an ``all_gather`` of the shards or FSDP's ``unshard``
+moves every rank's rows to every rank: several times the time of sending them to rank 0 alone
+(bench/RESULTS.md, "Numbers that were in code comments"). So each rank puts its dim-0 shard rows
 of every parameter straight into their place in rank 0's bucket buffer (FSDP2 shards dim 0 in
 ``torch.chunk`` pieces; rows are contiguous in memory). Rank 0 copies only its own rows; the
 bucket buffer is then broadcast as is (flattened bucket) or as per-tensor views.

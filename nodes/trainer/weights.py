@@ -13,8 +13,8 @@ Two paths:
 - **tensor**: the same buckets, handed over by reference with ``/update_weights_from_tensor``
   (nodes/tensor_ipc.py): on a GPU a CUDA IPC handle to rank 0's bucket buffer, which the server
   copies from on the GPU; on CPU a shared-memory copy of it. For servers on rank 0's host; on
-  rank 0's own GPU, where a group has to use gloo (NCCL refuses two ranks on one GPU), it pushes
-  2.8 GB in 36 ms against 0.83 s (an H200; bench/gpu_push.py).
+  rank 0's own GPU, where a group has to use gloo (NCCL refuses two ranks on one GPU), it is the
+  fast way: no copy through host memory (bench/gpu_push.py; bench/RESULTS.md, "GPU check").
 - **disk**: the full state dict is saved as safetensors and every server is asked to
   ``/update_weights_from_disk``.
 
@@ -246,8 +246,8 @@ class WeightPusher:
             servers=shared,
             backend="gloo",
             reason="NCCL: one rank per GPU",
-            hint="trainer.push.method = 'tensor' hands the buckets over by CUDA IPC instead (on an H200, "
-            "2.8 GB in 0.04 s against 0.8 s through gloo)",
+            hint="trainer.push.method = 'tensor' hands the buckets over by CUDA IPC instead, without the "
+            "copies through host memory that gloo makes",
         )
         return "gloo"
 
