@@ -33,7 +33,7 @@ from nodes.data import DataError, load_data, load_eval_items
 from nodes.evaluator import evaluate
 from protocols.auth import ServerKeys
 from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config
-from recipes.gsm8k_plane import eval_spec, start_pool, with_keys
+from recipes.gsm8k_plane import eval_spec, start_pool, start_workflow_actors, with_keys, workflow_actors
 
 __all__ = ["main", "run_evaluation"]
 
@@ -100,13 +100,17 @@ async def run_evaluation(args: argparse.Namespace, cfg: RecipeConfig, out: Path)
     started = time.monotonic()
     cluster = None
     try:
+        if not args.server_url or workflow_actors(cfg):  # servers to start, or the workflow's actors
+            import rlactors
+
+            cluster = await rlactors.init()
+            await start_workflow_actors(cluster, cfg)  # e.g. an OpenEnv env_app's servers (env-0, ...)
         if args.server_url:
             urls, keys = list(args.server_url), ServerKeys(args.api_key or "")
         else:
-            import rlactors
             from nodes.inference.launcher import cluster_keys
 
-            cluster = await rlactors.init()
+            assert cluster is not None
             keys = await cluster_keys(cluster)
             say(f"starting {cfg.servers.n} {cfg.servers.kind} server(s) (logs in {out / 'servers'})")
             _, urls = await start_pool(cluster, with_keys(cfg, keys), model, out)

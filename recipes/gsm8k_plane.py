@@ -29,7 +29,10 @@ from nodes.trainer.rank import TrainerRank
 from protocols.auth import ServerKeys
 from recipes.gsm8k_config import ModelConfig, RecipeConfig
 
-__all__ = ["Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "with_keys", "with_lora"]
+__all__ = [
+    "Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "start_workflow_actors", "with_keys",
+    "with_lora", "workflow_actors",
+]  # fmt: skip
 
 # A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
 # buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
@@ -102,6 +105,21 @@ async def start_pool(
         control=True,  # the pool spawns its servers' actors: it needs the control credential
     )
     return pool, await pool.start(s.n)
+
+
+def workflow_actors(cfg: RecipeConfig) -> Any:
+    """The workflow's ``start_actors(cluster, workflow_args)``, if it has actors of its own (e.g.
+    OpenEnvWorkflow's environment servers ``env-0``, ...), else None."""
+    from nodes.plugins import resolve
+
+    return getattr(resolve(cfg.rollout.workflow, "rollout.workflow"), "start_actors", None)
+
+
+async def start_workflow_actors(cluster: rlactors.Cluster, cfg: RecipeConfig) -> None:
+    """Start the workflow's own actors, before anything that runs its episodes (the rollout
+    actors, an evaluation)."""
+    if start_actors := workflow_actors(cfg):
+        await start_actors(cluster, cfg.rollout.workflow_args)
 
 
 def with_keys(cfg: RecipeConfig, keys: ServerKeys) -> RecipeConfig:
@@ -246,7 +264,6 @@ async def start_plane(
     weight-update group, governor, buffer and rollout actors; on resume, from the checkpoint
     ``state`` names (its weights pushed to the servers, its trained prompts refused by the buffer)."""
     from nodes.inference.launcher import cluster_keys
-    from nodes.plugins import resolve
 
     t0 = time.monotonic()
     # The cluster's key pair, made before any server starts: every server that takes keys (beyond
@@ -285,9 +302,7 @@ async def start_plane(
         seed=cfg.data.seed, name="gsm8k",
     )  # fmt: skip
     workflow = WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, cfg.rollout.workflow_args)
-    # a workflow's own actors, e.g. OpenEnvWorkflow's environment servers (env-0, ...)
-    if start_actors := getattr(resolve(cfg.rollout.workflow, "rollout.workflow"), "start_actors", None):
-        await start_actors(cluster, cfg.rollout.workflow_args)
+    await start_workflow_actors(cluster, cfg)
     n = cfg.rollout.n_actors
     rollouts = [
         RolloutHandle(  # its calls survive a restart: they wait for the new incarnation

@@ -8,6 +8,7 @@ A module that does not import or an unreachable server: exit 2 before anything s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,31 @@ def test_an_environment_that_cannot_start_is_one_line_and_exit_2(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
     assert "Traceback" not in done.stderr and not (out / "config.json").exists()  # nothing started
+
+
+@pytest.mark.slow
+def test_evaluate_starts_the_workflows_environment_servers(tmp_path: Path) -> None:
+    """``python -m recipes.evaluate`` with an OpenEnv ``env_app`` starts the environment's servers as
+    the run does (the actor env-0 owning a server process), evaluates through them, and leaves none."""
+    from nodes.inference.models import ensure_tiny_checkpoint
+    from tests.e2e.test_evaluate import evaluate
+
+    marker = tmp_path / "died"
+    marker.write_text("")  # the server is to note itself, not to die
+    out = tmp_path / "eval"
+    with pytest.MonkeyPatch.context() as mp:  # inherited by the evaluation's processes
+        mp.setenv("RLACTORS_TEST_DIE_ONCE", str(marker))
+        done = evaluate([
+            "--model", str(ensure_tiny_checkpoint()), "--limit", "2", "--out", str(out),
+            "model.tiny=true", "data.source=easy", "rollout.workflow_args.max_new_tokens=8",
+            "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
+            "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app",
+        ], timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["items"] == 2
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    servers = servers_noted(marker)  # the episodes ran on a server started by env-0's worker
+    assert len(servers) == 1 and "rlactors.worker env-0" in servers[0]["parent"]
+    assert all_gone([s["pid"] for s in servers])
