@@ -1,6 +1,6 @@
-"""Client CPU per ``/generate`` call: SGLangClient (this tree over httptools, aiohttp and httpx, and
-optionally an older commit's) against bare httpx and aiohttp loops, on the same sim servers,
-interleaved and repeated.
+"""Client CPU per ``/generate`` call: SGLangClient (this tree's, and optionally an older commit's)
+against bare httpx and aiohttp loops (the libraries its wire was chosen over), on the same sim
+servers, interleaved and repeated.
 
 Each variant runs ``--concurrency`` loops that post one 1-sample request after another for
 ``--seconds`` (after ``--warmup`` seconds not counted) on a fresh uvloop, as a rollout actor's
@@ -9,7 +9,6 @@ calls completed; retries and errors are counted too.
 
     python bench/httpclient.py --servers 16 64 --concurrency 64 --repeats 3 --old HEAD~1
     python bench/httpclient.py --servers 64 --concurrency 4096 --variants client   # the retry storm
-    python bench/httpclient.py --servers 16 --variants client client-aiohttp client-httpx   # [rollout.client] http
 """
 
 from __future__ import annotations
@@ -63,15 +62,8 @@ def body(i: int, n: int) -> dict[str, Any]:
             "sampling_params": {"max_new_tokens": NEW_TOKENS}}  # fmt: skip
 
 
-async def sglang_client(
-    module: Any, urls: list[str], concurrency: int, http: str | None = None
-) -> tuple[Post, Callable, Callable]:
-    """``http``: the client's HTTP library (``ClientConfig.http``); None: the module's default."""
-    client = (
-        module.SGLangClient(urls)
-        if http is None
-        else module.SGLangClient(urls, module.ClientConfig(http=http))
-    )
+async def sglang_client(module: Any, urls: list[str], concurrency: int) -> tuple[Post, Callable, Callable]:
+    client = module.SGLangClient(urls)
     sp = {"max_new_tokens": NEW_TOKENS}
 
     async def post(i: int, n: int) -> None:
@@ -187,8 +179,6 @@ def main() -> None:
         nargs="+",
         default=[
             "client",
-            "client-aiohttp",
-            "client-httpx",
             "old",
             "httpx",
             "aiohttp-areal",
@@ -204,8 +194,6 @@ def main() -> None:
     old = load_old_client(args.old) if args.old else None
     variants: dict[str, Callable[[list[str]], Any]] = {
         "client": lambda u: lambda: sglang_client(new_client, u, args.concurrency),
-        "client-aiohttp": lambda u: lambda: sglang_client(new_client, u, args.concurrency, "aiohttp"),
-        "client-httpx": lambda u: lambda: sglang_client(new_client, u, args.concurrency, "httpx"),
         "old": lambda u: lambda: sglang_client(old, u, args.concurrency),
         "httpx": lambda u: lambda: bare_httpx(u, args.concurrency),
         "aiohttp-areal": lambda u: lambda: bare_aiohttp(u, args.concurrency, areal=True),

@@ -187,6 +187,9 @@ def from_dict(
 ) -> T:
     """Build dataclass ``cls`` from ``data``, refusing unknown keys, wrong types and missing fields.
 
+    A class may name keys it once had in a ``REMOVED_KEYS`` class attribute (key -> what to do
+    instead): such a key is refused with that line rather than as unknown.
+
     Keys ``data`` leaves out take ``base``'s values when it is given (an instance of ``cls``), else
     the fields' defaults; a nested table starts from its field's value in ``base`` or its default.
     A field whose metadata has ``settings_of = (sibling, resolve)`` holds the settings object of the
@@ -198,6 +201,8 @@ def from_dict(
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else key
         if key not in fields:
+            if gone := getattr(cls, "REMOVED_KEYS", {}).get(key):  # a setting that existed once
+                raise ConfigError(f"{source}: '{path}' was removed: {gone}")
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = (
                 f" (did you mean '{close[0]}'?)"

@@ -51,7 +51,7 @@ def closure(roots):
 wanted = ["pyzmq", "msgpack", "uvloop", "structlog", "rich", "numpy",  # the runtime
           "pydantic", "httpx", "starlette", "orjson", "uvicorn", "httptools", "transformers",
           "safetensors", "gguf", "accelerate",  # [inference], [train]
-          "aiohttp", "sniffio", "math-verify", "tqdm"]  # [rl]'s client and reward (not openai: agents)
+          "sniffio", "math-verify", "tqdm"]  # [rl]'s client and reward (not openai: agents)
 torch_own = closure(["torch"])
 skip = {"hf-xet"}  # huggingface-hub's download accelerator: nothing is downloaded there
 pins = sorted(f"{n}=={v}" for n, v in closure(wanted).items() if n not in torch_own and n not in skip)

@@ -88,6 +88,8 @@ class ReferenceServerConfig(ServerSettings):
 
 # the two sgl-kernel ops SGLang's CPU engine needs (a folder for PYTHONPATH; package data)
 SGLANG_CPU_SHIM = Path(__file__).resolve().parent / "sglang_cpu"
+# a sitecustomize that keeps SIGTERM ignored in every Python process of SGLang's (see child_setup)
+HOLD_SIGTERM_BOOT = Path(__file__).resolve().parent / "hold_sigterm"
 
 
 @register
@@ -184,11 +186,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 STOP_SIGNAL = signal.SIGINT
 
 # Runs the server's command with SIGTERM blocked. A blocked signal stays blocked across exec, and
-# our server never unblocks it. SGLang does, in its main thread: Python's multiprocessing unblocks
-# SIGTERM and SIGINT once it has started its resource tracker, so real SGLang is out of reach of a
-# signal to the job's process group (its own session), not of one sent to each of its processes.
-# Blocked here, in the exec'd process, not in a preexec_fn: uvloop's spawn (libuv) empties the
-# child's signal mask after the preexec_fn, just before it executes.
+# our server never unblocks it. SGLang does, in its main thread (Python's multiprocessing unblocks
+# SIGTERM and SIGINT once it has started its resource tracker), and it installs handlers of its own,
+# so SGLang is also started with HOLD_SIGTERM_BOOT, which keeps SIGTERM ignored in each of its
+# processes. Blocked here, in the exec'd process, not in a preexec_fn: uvloop's spawn (libuv)
+# empties the child's signal mask after the preexec_fn, just before it executes.
 HOLD_SIGTERM = [
     sys.executable,
     "-c",
@@ -206,8 +208,9 @@ def child_setup(owner: int) -> None:
 
     - its own session: a signal to the job's process group (or a terminal's Ctrl-C) does not
       reach it, and the owner's :data:`STOP_SIGNAL` to its group reaches every process it starts;
-    - SIGTERM blocked (:data:`HOLD_SIGTERM`): one sent to its pid (Slurm's way) stays pending,
-      never acted on (our server; SGLang unblocks it, see there); a scheduler's SIGKILL still ends it;
+    - SIGTERM held: one sent to each of its processes (Slurm's way) is never acted on. Our server
+      keeps it blocked (:data:`HOLD_SIGTERM`: pending); SGLang keeps it ignored in every process it
+      starts (:data:`HOLD_SIGTERM_BOOT`: its own handlers are not installed). A SIGKILL still ends it;
     - the kernel's parent-death signal (``prctl(PR_SET_PDEATHSIG)``, Linux): SIGKILL when its
       owning worker dies (SGLang's own processes follow their parent the same way), so it never
       outlives its owner, however the owner ends.
@@ -291,19 +294,9 @@ class ServerSupervisor:
 
     async def _spawn(self) -> None:
         cmd = self.config.command(self.host, self.port)
-        env = {**os.environ, **self.env}
         if self.keys and isinstance(self.config, SGLangServerConfig):
             cmd += ["--config", str(self._key_file())]
-        elif isinstance(self.config, ReferenceServerConfig):  # also when empty: none inherited
-            env["RLACTORS_SERVER_API_KEY"] = self.keys.api_key
-            env["RLACTORS_SERVER_ADMIN_API_KEY"] = self.keys.admin_api_key
-        if isinstance(self.config, SGLangServerConfig):
-            extra = self.config.env()
-            env.update({k: v for k, v in extra.items() if k != "PYTHONPATH"})
-            paths = (extra.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
-        else:
-            paths = (str(REPO_ROOT), env.get("PYTHONPATH", ""))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        env = self.spawn_env()
         out = self._open_log()
         try:
             self.proc = await asyncio.create_subprocess_exec(
@@ -320,6 +313,22 @@ class ServerSupervisor:
                 out.close()  # type: ignore[union-attr]
         log.info("server_spawned", pid=self.proc.pid, url=self.url, cmd=" ".join(cmd))
         await self._wait_healthy()
+
+    def spawn_env(self) -> dict[str, str]:
+        """The server's environment: the worker's with ``env`` on top, our server's keys, and what
+        SGLang needs (:meth:`SGLangServerConfig.env`, and :data:`HOLD_SIGTERM_BOOT` first on its path)."""
+        env = {**os.environ, **self.env}
+        if isinstance(self.config, SGLangServerConfig):
+            extra = self.config.env()
+            env.update({k: v for k, v in extra.items() if k != "PYTHONPATH"})
+            env["RLACTORS_HOLD_SIGTERM"] = "1"  # HOLD_SIGTERM_BOOT acts only with it
+            paths = (str(HOLD_SIGTERM_BOOT), extra.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
+        else:
+            env["RLACTORS_SERVER_API_KEY"] = self.keys.api_key  # also when empty: none inherited
+            env["RLACTORS_SERVER_ADMIN_API_KEY"] = self.keys.admin_api_key
+            paths = (str(REPO_ROOT), env.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        return env
 
     def _key_file(self) -> Path:
         """SGLang's ``--config`` YAML holding the keys, readable by this user only (removed at stop)."""

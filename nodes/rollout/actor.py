@@ -123,7 +123,7 @@ class Rollout:
         out: dict[str, Any] = {**self.counters, **{f"client_{k}": v for k, v in self.client.counters.items()}}
         out.update({f"workflow_{k}": v for k, v in getattr(self.workflow, "counters", {}).items()})
         out.update(inflight=len(self._tasks), paused=not self._dispatch.is_set(), version=self.client.version,
-                   client_http=self.client.http, exhausted=self._exhausted, elapsed_s=elapsed,
+                   exhausted=self._exhausted, elapsed_s=elapsed,
                    episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
                    tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0,
                    resume_reposts=[list(r) for r in self.client.reposts], waiting=self.client.waiting(),

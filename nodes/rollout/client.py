@@ -10,9 +10,8 @@ chunks are concatenated. Every output token is stamped with a policy version (se
 server does; it is exact when a request was held across a weight update by a ``retract`` or
 ``in_place`` pause), else the version the client knew when it posted the chunk.
 
-Compared with AReaL's client: keep-alive connections to each server (our httptools pools by
-default, or aiohttp or httpx: ``[rollout.client] http``; bodies encoded and decoded with orjson;
-nodes/rollout/pool.py); a resumed request waits on a future that :meth:`SGLangClient.resume`
+Compared with AReaL's client: keep-alive connections to each server (our pools over httptools'
+parser, nodes/rollout/pool.py; bodies encoded and decoded with orjson); a resumed request waits on a future that :meth:`SGLangClient.resume`
 completes instead of polling a flag, woken one server at a time in turn so that every server gets
 its first re-post within the first lap; a request id is sent (and a rid reused across an
 episode's turns keeps the episode on one server); new requests go to the least-loaded healthy
@@ -30,7 +29,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
@@ -45,15 +44,12 @@ from nodes.rollout.chunks import (
     token_versions,
 )
 from nodes.rollout.config import ClientConfig
-from nodes.rollout.pool import ServerPool, WireError, open_backend
+from nodes.rollout.pool import ServerPool, Wire, WireError
 from nodes.trace import TRACE
 from protocols.sglang import AbortRequest, GenerateBody, lora_name, request_body
 from rlactors.aio import wait_for
 from rlactors.forensics import waiting
 from rlactors.logging import Throttle
-
-if TYPE_CHECKING:
-    import httpx  # a test transport's type
 
 __all__ = [
     "ClientConfig",
@@ -166,14 +162,12 @@ class SGLangClient:
         urls: list[str],
         config: ClientConfig | None = None,
         version: int = 0,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        """Posts go over the HTTP library ``config.http`` names. ``transport`` (an httpx transport)
-        replaces the network, over httpx: tests use httpx.MockTransport."""
+        """``urls``: ``http://`` or ``https://`` servers; ``version``: the policy version they hold."""
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         self.config = config or ClientConfig()
-        self._wire = open_backend(self.config, transport)  # every server's connections
+        self._wire = Wire(self.config)  # every server's connections
         self._servers = {u.rstrip("/"): ServerPool(u, self.config, self._wire) for u in urls}
         self._sticky: OrderedDict[str, str] = OrderedDict()
         self._active: dict[str, str] = {}  # rid -> server, while its request runs
@@ -241,11 +235,6 @@ class SGLangClient:
     def paused(self) -> bool:
         """True between :meth:`pause` and :meth:`resume`."""
         return self._paused
-
-    @property
-    def http(self) -> str:
-        """The HTTP library posts go over: "httptools", "aiohttp" or "httpx" (``ClientConfig.http``)."""
-        return self._wire.name
 
     @property
     def urls(self) -> list[str]:

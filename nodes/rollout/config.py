@@ -1,8 +1,7 @@
 """The rollout plane's configuration: how many rollout actors, how many episodes each runs at once,
 what an episode is (the workflow, by import path, with its own settings: ``[rollout.workflow_args]``
 is the workflow's ``config_class``, samples per prompt and sampling temperature included), and how
-the actors' SGLang client times out, retries, pools connections and over which HTTP library
-(``[rollout.client]``).
+the actors' SGLang client times out, retries and pools connections (``[rollout.client]``).
 
 Torch-free and registered with the codec: the recipe's ``[rollout]`` table is this class, and the
 same object travels to every rollout actor.
@@ -11,7 +10,7 @@ same object travels to every rollout actor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from nodes.plugins import resolve
 from protocols.auth import ServerKeys
@@ -26,10 +25,9 @@ __all__ = ["ClientConfig", "RolloutConfig", "workflow_settings"]
 class ClientConfig:
     """Timeouts, retry and pool settings of :class:`~nodes.rollout.client.SGLangClient` (``[rollout.client]``)."""
 
-    # the HTTP layer under the client (nodes/rollout/pool.py): httptools (our connection pools over
-    # httptools' C parser) costs the least client CPU per /generate call, then aiohttp, then httpx
-    # (measured side by side: bench/RESULTS.md, "Rollout client"); httpx is the design's
-    http: Literal["httptools", "aiohttp", "httpx"] = "httptools"
+    REMOVED_KEYS: ClassVar[dict[str, str]] = {
+        "http": "the client has one HTTP layer (nodes/rollout/pool.py); delete the line",
+    }
 
     # one /generate; a hung server is detected by this
     request_timeout_s: float = field(default=3600.0, metadata=above(0))
@@ -104,7 +102,7 @@ class RolloutConfig:
     workflow_args: Any = field(
         default_factory=_default_settings, metadata={"settings_of": ("workflow", workflow_settings)}
     )
-    # the rollout actors' SGLang client: timeouts, retries, connection pools, HTTP library
+    # the rollout actors' SGLang client: timeouts, retries, connection pools
     client: ClientConfig = field(default_factory=ClientConfig)
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from ssl import SSLContext
 from typing import Any
 
 import httptools
@@ -409,14 +410,15 @@ async def _wait(fut: asyncio.Future[Any], timeout: float | None) -> Any:
 
 
 class ClientPool:
-    """Keep-alive connections to one server (``host:port``), at most ``max_connections`` (more
-    requests wait for one). A connection idle for ``keepalive_s`` is closed, not reused: the server
+    """Keep-alive connections to one server (``host:port``; over TLS with ``ssl``), at most
+    ``max_connections`` (more requests wait for one). A connection idle for ``keepalive_s`` is closed, not reused: the server
     may be closing it (SGLang's uvicorn closes one idle for 5 s)."""
 
     def __init__(
-        self, host: str, port: int, *, max_connections: int, keepalive_s: float, connect_timeout_s: float
-    ) -> None:
-        self.host, self.port = host, port
+        self, host: str, port: int, *, max_connections: int, keepalive_s: float, connect_timeout_s: float,
+        ssl: SSLContext | None = None,
+    ) -> None:  # fmt: skip
+        self.host, self.port, self.ssl = host, port, ssl
         self.max_connections, self.keepalive_s = max_connections, keepalive_s
         self.connect_timeout_s = connect_timeout_s
         netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -477,7 +479,8 @@ class ClientPool:
         self._opening += 1
         try:
             _, conn = await wait_for(
-                loop.create_connection(_ClientConnection, self.host, self.port), self.connect_timeout_s
+                loop.create_connection(_ClientConnection, self.host, self.port, ssl=self.ssl),
+                self.connect_timeout_s,
             )
         except (OSError, TimeoutError) as e:
             raise ClientError(

@@ -1,6 +1,8 @@
 """A server started by the launcher is its owner's to stop (issue 39): a scheduler's SIGTERM to the
 job's process group does not reach it, one sent to its pid stays pending (blocked), its owner stops
-it with SIGINT, and the kernel kills it when its owner dies, however the owner ends."""
+it with SIGINT, and the kernel kills it when its owner dies, however the owner ends. Real SGLang is
+started with a bootstrap that keeps SIGTERM ignored in each of its processes, whatever handlers it
+installs (here in miniature; on real SGLang: tests/sglang/test_sglang_signals.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from nodes.inference.launcher import HOLD_SIGTERM_BOOT, SGLANG_CPU_SHIM, ServerSupervisor, SGLangServerConfig
 from tests.helpers.processes import gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,3 +110,84 @@ def test_a_server_dies_with_its_owner() -> None:
         assert gone(server), f"server {server} outlived its owner"
     finally:
         _end(proc)
+
+
+# What SGLang does with SIGTERM, in miniature: a handler of its own (signal.signal), one on its event
+# loop (loop.add_signal_handler, as its tokenizer manager and HTTP server add theirs), and a process
+# spawned by multiprocessing (its scheduler and detokenizer) with a handler of its own. Each sends
+# itself a SIGTERM and says whether it went on.
+SGLANG_LIKE = """
+import asyncio, multiprocessing, os, signal, sys
+
+def checkpoint():  # a call: Python runs a pending signal's handler before it
+    pass
+
+def child(q):
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(3))
+    os.kill(os.getpid(), signal.SIGTERM)
+    checkpoint()
+    q.put("child held")
+
+async def main():
+    loop, usr1 = asyncio.get_running_loop(), asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, lambda: os._exit(4))
+    loop.add_signal_handler(signal.SIGUSR1, usr1.set)  # handled after SIGTERM's, in arrival order
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    await asyncio.wait_for(usr1.wait(), 60)
+    print("loop held", flush=True)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(5))
+    os.kill(os.getpid(), signal.SIGTERM)
+    checkpoint()
+    print("handler held", flush=True)
+    asyncio.run(main())
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(q.get(timeout=60), flush=True)
+    p.join(60)
+    sys.exit(p.exitcode)
+"""
+
+
+def _sglang_like(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "sglang_like.py"
+    script.write_text(SGLANG_LIKE)
+    return subprocess.run(
+        [sys.executable, str(script)], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_sglang_is_started_with_the_bootstrap_that_holds_sigterm() -> None:
+    sup = ServerSupervisor(SGLangServerConfig(model_path="m", device="cpu"))
+    env = sup.spawn_env()
+    assert env["RLACTORS_HOLD_SIGTERM"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(HOLD_SIGTERM_BOOT)
+    assert str(SGLANG_CPU_SHIM) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_the_bootstrap_keeps_sigterm_from_every_handler_and_spawned_process(tmp_path: Path) -> None:
+    held = _sglang_like(tmp_path, {"PYTHONPATH": str(HOLD_SIGTERM_BOOT), "RLACTORS_HOLD_SIGTERM": "1"})
+    assert held.returncode == 0, held.stdout + held.stderr
+    assert held.stdout.split("\n")[:3] == ["handler held", "loop held", "child held"], held.stderr
+    # without its variable it does nothing: the script's own handler acts
+    plain = _sglang_like(tmp_path, {"PYTHONPATH": str(HOLD_SIGTERM_BOOT), "RLACTORS_HOLD_SIGTERM": ""})
+    assert plain.returncode == 5 and plain.stdout == "", plain.stdout + plain.stderr
+
+
+def test_the_bootstrap_runs_the_sitecustomize_it_shadows(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import sys; sys.theirs_ran = True\n")
+    path = os.pathsep.join([str(HOLD_SIGTERM_BOOT), str(theirs)])
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys; print(getattr(sys, 'theirs_ran', False))"],
+        env={**os.environ, "PYTHONPATH": path, "RLACTORS_HOLD_SIGTERM": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "True", out.stderr

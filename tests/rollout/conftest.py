@@ -1,4 +1,5 @@
-"""Fixtures for rollout tests: a reference server (sim backend) shared per module."""
+"""Fixtures for rollout tests: a reference server (sim backend) shared per module, and scripted
+servers on loopback sockets (``serve``, tests/rollout/scripted.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.helpers.servers import reference_server
+from tests.rollout.scripted import serve  # noqa: F401 - the fixture
 
 
 @pytest.fixture(scope="module")

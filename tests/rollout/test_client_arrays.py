@@ -11,9 +11,9 @@ from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.workflows import Sample
 from protocols import codec
 from protocols.sglang import weight_version_spans
-from tests.rollout.test_client_mock import FAST, Script, reply
+from tests.rollout.scripted import Answer, Script, Serve, reply
+from tests.rollout.test_client_mock import FAST
 
-A = "http://a:1"
 PROMPT = np.arange(100, 400, dtype=np.int32)  # over the codec's inline limit: its own frame
 
 
@@ -41,9 +41,10 @@ def test_an_answer_parses_into_arrays_in_one_pass() -> None:
     )
 
 
-async def test_the_answer_is_read_into_arrays_and_lists_are_a_view_of_them() -> None:
+async def test_the_answer_is_read_into_arrays_and_lists_are_a_view_of_them(serve: Serve) -> None:
     script = Script(a=[lambda b: reply([5, 6, 7], "stop")])
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     try:
         res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 8}))
     finally:
@@ -60,7 +61,9 @@ async def test_the_answer_is_read_into_arrays_and_lists_are_a_view_of_them() -> 
     assert res.output_ids is res.output_ids
 
 
-async def test_a_resumed_requests_chunks_are_concatenated_and_its_prefix_posted_from_arrays() -> None:
+async def test_a_resumed_requests_chunks_are_concatenated_and_its_prefix_posted_from_arrays(
+    serve: Serve,
+) -> None:
     def aborted(body: dict) -> object:
         client.set_version(1)  # a push between the chunks: the second is stamped with the new version
         return reply([5, 6, 7], "abort", message="paused")
@@ -68,7 +71,8 @@ async def test_a_resumed_requests_chunks_are_concatenated_and_its_prefix_posted_
     script = Script(
         a=[aborted, lambda b: reply([8, 9], "abort", message="paused"), lambda b: reply([10], "stop")]
     )
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     try:
         # a workflow's sample posts its ids as an int32 array
         res = await client.agenerate(GenRequest(PROMPT, {"max_new_tokens": 10}, rid="r"))
@@ -89,20 +93,19 @@ async def test_a_resumed_requests_chunks_are_concatenated_and_its_prefix_posted_
     )
 
 
-async def test_a_streamed_answer_ends_as_arrays_and_its_callback_gets_lists() -> None:
+async def test_a_streamed_answer_ends_as_arrays_and_its_callback_gets_lists(serve: Serve) -> None:
     got: list[tuple[list, list]] = []
 
     def streamed(body: dict) -> object:
-        import httpx
         import orjson
 
         meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 2, "output_token_logprobs": [[-0.5, 3, None], [-0.75, 4, None]]}  # fmt: skip
         event = orjson.dumps({"output_ids": [3, 4], "text": "de", "meta_info": meta})
-        return httpx.Response(200, content=b"data: " + event + b"\n\ndata: [DONE]\n\n",
-                              headers={"content-type": "text/event-stream"})  # fmt: skip
+        return Answer(200, b"data: " + event + b"\n\ndata: [DONE]\n\n", {"Content-Type": "text/event-stream"})
 
     script = Script(a=[streamed])
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     try:
         on_tokens = lambda ids, lps, tops: got.append((ids, lps))  # noqa: E731
         res = await client.agenerate(GenRequest([1], {"max_new_tokens": 4}, on_tokens=on_tokens))

@@ -1,11 +1,11 @@
 """Streamed generation (``GenRequest.on_tokens``): every token handed over once, in order, as it
 arrives, across SGLang's two stream shapes, aborts and resumes, a stream cut short, error events;
-first against scripted answers, then against a reference server with both HTTP libraries."""
+first against scripted answers, then against a reference server."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,9 +15,8 @@ import pytest
 from nodes.rollout.client import ClientConfig, GenerationError, GenRequest, SGLangClient
 from rlactors.aio import wait_for
 from tests.helpers.servers import reference_server, wait_decoding
-from tests.rollout.test_client_mock import FAST, Script, reply
-
-A = "http://a:1"
+from tests.rollout.scripted import Script, Serve, reply, sse
+from tests.rollout.test_client_mock import FAST
 
 
 def events(chunks: list[list[int]], finish: str | None = "length", incremental: bool = False) -> list[bytes]:
@@ -36,23 +35,6 @@ def events(chunks: list[list[int]], finish: str | None = "length", incremental: 
         text = "".join(chr(97 + t % 26) for t in shown)
         out.append(b"data: " + orjson.dumps({"output_ids": shown, "text": text, "meta_info": meta}) + b"\n\n")
     return [*out, b"data: [DONE]\n\n"] if finish else out
-
-
-class Cut(httpx.AsyncByteStream):
-    """An event stream that sends ``parts`` and then breaks the connection (or ends, ``cut=False``)."""
-
-    def __init__(self, parts: list[bytes], cut: bool = True) -> None:
-        self.parts, self.cut = parts, cut
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for p in self.parts:
-            yield p
-        if self.cut:
-            raise httpx.ReadError("connection reset mid-stream")
-
-
-def sse(parts: list[bytes], cut: bool = False) -> httpx.Response:
-    return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Cut(parts, cut))
 
 
 class Tokens:
@@ -74,9 +56,10 @@ class Tokens:
 
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["whole-output-events", "incremental-events"])
-async def test_each_token_is_handed_over_once_as_it_arrives(incremental: bool) -> None:
+async def test_each_token_is_handed_over_once_as_it_arrives(serve: Serve, incremental: bool) -> None:
     script = Script(a=[lambda b: sse(events([[5], [6, 7], [8]], incremental=incremental))])
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     got = Tokens()
     res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4}, "r", on_tokens=got))
     assert got.calls == [[5], [6, 7], [8]] and res.output_ids == [5, 6, 7, 8]
@@ -86,11 +69,12 @@ async def test_each_token_is_handed_over_once_as_it_arrives(incremental: bool) -
     await client.aclose()
 
 
-async def test_a_stream_cut_short_resumes_from_the_tokens_that_came() -> None:
+async def test_a_stream_cut_short_resumes_from_the_tokens_that_came(serve: Serve) -> None:
     script = Script(
         a=[lambda b: sse(events([[5], [6, 7]], finish=None), cut=True), lambda b: sse(events([[8]]))]
     )
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     got = Tokens()
     res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4}, "r", on_tokens=got))
     assert got.ids == res.output_ids == [5, 6, 7, 8]
@@ -100,36 +84,40 @@ async def test_a_stream_cut_short_resumes_from_the_tokens_that_came() -> None:
     await client.aclose()
 
 
-async def test_a_stream_that_ends_without_a_finish_is_resumed_too() -> None:
+async def test_a_stream_that_ends_without_a_finish_is_resumed_too(serve: Serve) -> None:
     script = Script(a=[lambda b: sse(events([[5, 6]], finish=None)), lambda b: sse(events([[7]]))])
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     got = Tokens()
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": 3}, "r", on_tokens=got))
     assert got.ids == res.output_ids == [5, 6, 7] and res.aborts == 1 and len(script.posts) == 2
     await client.aclose()
 
 
-async def test_error_events_before_any_token_read_as_statuses() -> None:
+async def test_error_events_before_any_token_read_as_statuses(serve: Serve) -> None:
     def error(code: int) -> Any:
         err = {"error": {"message": "bad", "code": code}}
         return lambda b: sse([b"data: " + orjson.dumps(err) + b"\n\n", b"data: [DONE]\n\n"])
 
     bad = Script(a=[error(400)])
-    client = SGLangClient([A], FAST, transport=bad.transport())
+    [A] = (await serve(bad)).urls
+    client = SGLangClient([A], FAST)
     with pytest.raises(GenerationError, match="failed the stream: bad"):
         await client.agenerate(GenRequest([1], {"max_new_tokens": 2}, on_tokens=Tokens()))
     await client.aclose()
     flaky = Script(a=[error(500), lambda b: sse(events([[4, 5]]))])
-    client = SGLangClient([A], FAST, transport=flaky.transport())
+    [A] = (await serve(flaky)).urls
+    client = SGLangClient([A], FAST)
     got = Tokens()
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": 2}, on_tokens=got))
     assert got.ids == res.output_ids == [4, 5] and client.counters["retries"] == 1
     await client.aclose()
 
 
-async def test_a_server_that_answers_whole_hands_the_tokens_over_at_once() -> None:
+async def test_a_server_that_answers_whole_hands_the_tokens_over_at_once(serve: Serve) -> None:
     script = Script(a=[lambda b: reply([3, 4, 5])])
-    client = SGLangClient([A], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     got = Tokens()
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": 3}, on_tokens=got))
     assert got.calls == [[3, 4, 5]] and res.output_ids == [3, 4, 5]
@@ -147,9 +135,8 @@ def slow_server(request: pytest.FixtureRequest) -> Iterator[str]:
         yield url
 
 
-@pytest.mark.parametrize("http", ["httptools", "aiohttp", "httpx"])
-async def test_streamed_across_an_abort_and_resume_every_token_once(slow_server: str, http: str) -> None:
-    client = SGLangClient([slow_server], ClientConfig(http=http))
+async def test_streamed_across_an_abort_and_resume_every_token_once(slow_server: str) -> None:
+    client = SGLangClient([slow_server], ClientConfig())
     got = Tokens()
     task = asyncio.ensure_future(
         client.agenerate(

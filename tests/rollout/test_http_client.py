@@ -1,12 +1,13 @@
-"""The rollout client over each HTTP library (``[rollout.client] http``: aiohttp or httpx), end to
-end against a real reference server process (sim backend) started with API keys: a weight-update
-pause with abort and resume, a wrong key, hung and dead servers, and the rollout plane on the
-runtime. Everything above the wire is shared, so each test must pass the same way on both."""
+"""The rollout client's wire end to end against a real reference server process (sim backend)
+started with API keys: a weight-update pause with abort and resume, a wrong key, hung and dead
+servers, and the rollout plane on the runtime; and the ``[rollout.client] http`` setting, removed
+(the client has one HTTP layer), refused with a line that says so."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +24,6 @@ from rlactors.aio import wait_for
 from rlactors.tomlconf import ConfigError, load_toml
 from tests.helpers.servers import hung_server, reference_server, wait_until
 
-HTTP = ["httptools", "aiohttp", "httpx"]
 KEYS = ServerKeys("plain-key-1", "admin-key-2")
 PROMPT = [(11 * i + 5) % 30000 + 10 for i in range(200)]
 N_NEW = 80
@@ -50,18 +50,14 @@ async def generated_tokens(admin: httpx.AsyncClient) -> int:
     return sum(e["num_used_tokens"] for e in r.json()["loads"])
 
 
-@pytest.mark.parametrize("http", HTTP)
-async def test_generation_resumes_across_an_abort_pause(
-    server_url: str, admin: httpx.AsyncClient, http: str
-) -> None:
+async def test_generation_resumes_across_an_abort_pause(server_url: str, admin: httpx.AsyncClient) -> None:
     """The trainer's side of a weight update (pause in abort mode, bump the version, continue)
     mid-generation: the request comes back aborted, is re-posted with its tokens so far, and
     ends token for token as an uninterrupted one."""
-    prompt = [len(http), *PROMPT]  # a prefix of its own: no cache hit from the other library's run
+    prompt = [1, *PROMPT]
     assert (await admin.post("/update_weight_version", json={"new_version": "0"})).json()["success"]
-    client = SGLangClient([server_url], ClientConfig(http=http, keys=KEYS))
-    assert client.http == http
-    task = asyncio.create_task(client.agenerate(GenRequest(prompt, SP, rid=f"pause-{http}")))
+    client = SGLangClient([server_url], ClientConfig(keys=KEYS))
+    task = asyncio.create_task(client.agenerate(GenRequest(prompt, SP, rid="pause")))
 
     async def mid_generation() -> bool:
         return await generated_tokens(admin) >= len(prompt) + 20
@@ -86,11 +82,8 @@ async def test_generation_resumes_across_an_abort_pause(
     assert client.counters["retries"] == 0 and client.counters["errors"] == 0
 
 
-@pytest.mark.parametrize("http", HTTP)
-async def test_each_route_gets_the_key_it_needs_and_a_wrong_key_is_refused_at_once(
-    server_url: str, http: str
-) -> None:
-    good = SGLangClient([server_url], ClientConfig(http=http, keys=KEYS))
+async def test_each_route_gets_the_key_it_needs_and_a_wrong_key_is_refused_at_once(server_url: str) -> None:
+    good = SGLangClient([server_url], ClientConfig(keys=KEYS))
     res = await good.agenerate(GenRequest([3, *PROMPT], {**SP, "max_new_tokens": 4}))
     assert len(res.output_ids) == 4
     pool = good._servers[server_url]
@@ -98,23 +91,22 @@ async def test_each_route_gets_the_key_it_needs_and_a_wrong_key_is_refused_at_on
     await good.aclose()
 
     # with an admin key set, the plain key no longer opens admin routes (SGLang 0.5.23)
-    plain = SGLangClient([server_url], ClientConfig(http=http, keys=ServerKeys(KEYS.api_key)))
+    plain = SGLangClient([server_url], ClientConfig(keys=ServerKeys(KEYS.api_key)))
     status, body = await plain._servers[server_url].post("/abort_request", b'{"rid": "none"}')
     assert status == 401, body
     await plain.aclose()
 
-    wrong = SGLangClient([server_url], ClientConfig(http=http, keys=ServerKeys("wrong")))
+    wrong = SGLangClient([server_url], ClientConfig(keys=ServerKeys("wrong")))
     with pytest.raises(GenerationError, match="answered 401"):
         await wrong.agenerate(GenRequest([3, *PROMPT], {**SP, "max_new_tokens": 4}))
     assert wrong.counters["posts"] == 1 and wrong.counters["retries"] == 0  # a 4xx is not retried
     await wrong.aclose()
 
 
-@pytest.mark.parametrize("http", HTTP)
-async def test_hung_and_dead_servers_fail_over_to_a_live_one(server_url: str, http: str) -> None:
+async def test_hung_and_dead_servers_fail_over_to_a_live_one(server_url: str) -> None:
     """A timed-out read and a refused connect are both a WireError: retried, then failed over."""
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = ClientConfig(http=http, keys=KEYS, request_timeout_s=0.5, max_retries=1, backoff_base_s=0.01)
+    cfg = ClientConfig(keys=KEYS, request_timeout_s=0.5, max_retries=1, backoff_base_s=0.01)
     async with hung_server() as hung:
         for bad in (hung, dead):
             client = SGLangClient([bad, server_url], cfg)
@@ -125,18 +117,17 @@ async def test_hung_and_dead_servers_fail_over_to_a_live_one(server_url: str, ht
             await client.aclose()
 
 
-@pytest.mark.parametrize("http", HTTP)
-async def test_the_rollout_plane_runs_over_the_configured_library(
-    cluster, server_url: str, admin: httpx.AsyncClient, http: str
+async def test_the_rollout_plane_runs_over_the_client(
+    cluster, server_url: str, admin: httpx.AsyncClient
 ) -> None:
-    """Rollout actors built from a RolloutConfig whose [rollout.client] names the library: every
-    prompt is trained on once, over that library, with no retry."""
+    """Rollout actors built from a RolloutConfig with its [rollout.client] (keys): every prompt is
+    trained on once, with no retry."""
     b, eta, n = 2, 1, 8
     # the server labels tokens with its weight version: it follows the trainer's, as a push would
     assert (await admin.post("/update_weight_version", json={"new_version": "0"})).json()["success"]
     gov = await cluster.spawn(GovernorActor, GovernorConfig(b, eta, 8), name="gov")
     buf = await cluster.spawn(BufferActor, "gov", name="buf")
-    cfg = RolloutConfig(max_inflight=4, acquire_batch=2, client=ClientConfig(http=http, keys=KEYS))
+    cfg = RolloutConfig(max_inflight=4, acquire_batch=2, client=ClientConfig(keys=KEYS))
     workflow = WorkflowSpec(config=RLVRConfig(n_samples=2, max_new_tokens=16))
     r = await cluster.spawn(
         RolloutActor, [server_url], "gov", "buf", {"kind": "arithmetic", "n": n}, workflow, cfg, name="r"
@@ -151,18 +142,18 @@ async def test_the_rollout_plane_runs_over_the_configured_library(
         await gov.set_version(v + 1)
     assert sorted(seen) == sorted(f"arithmetic/e0/{i}" for i in range(n))
     s = await r.stats()
-    assert s["client_http"] == http
     assert s["client_requests"] >= 2 * n and s["client_retries"] == 0 and s["client_errors"] == 0
     await r.stop()
 
 
-@pytest.mark.parametrize("http", ["requests", "AIOHTTP"])
-def test_an_unknown_library_is_refused_naming_the_key_and_the_choices(http: str) -> None:
-    with pytest.raises(ConfigError) as e:
-        load_toml(RolloutConfig, None, [f"client.http={http}"])
-    assert (
-        str(e.value)
-        == f"command line: 'client.http' must be 'httptools' or 'aiohttp' or 'httpx', got '{http}'"
-    )
-    with pytest.raises(ValueError, match="'http' must be 'httptools' or 'aiohttp' or 'httpx'"):
-        ClientConfig(http=http)
+def test_the_removed_http_setting_is_refused_with_a_line_that_says_so(tmp_path: Path) -> None:
+    toml = tmp_path / "old.toml"
+    toml.write_text('[client]\nhttp = "httptools"\n')
+    for source, overrides in ((None, ["client.http=aiohttp"]), (toml, [])):
+        with pytest.raises(ConfigError) as e:
+            load_toml(RolloutConfig, source, overrides)
+        where = "command line" if source is None else str(toml)
+        assert str(e.value) == (
+            f"{where}: 'client.http' was removed: the client has one HTTP layer (nodes/rollout/pool.py);"
+            " delete the line"
+        )

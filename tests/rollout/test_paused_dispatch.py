@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import httpx
-
 from nodes.rollout.client import PAUSED_BY_DESIGN, ClientConfig, GenRequest, SGLangClient
 from nodes.watchdog import StallWatchdog
 from rlactors.aio import wait_for
 from rlactors.forensics import noted_waits
-from tests.rollout.test_client_mock import reply
+from tests.rollout.scripted import Answer, Posted, Serve, reply
 
 
 async def _until(ok: Callable[[], bool], turns: int = 100) -> None:
@@ -25,14 +23,14 @@ async def _until(ok: Callable[[], bool], turns: int = 100) -> None:
     assert ok()
 
 
-async def test_requests_held_over_a_pause_are_a_noted_back_pressure_wait() -> None:
-    posts: list[httpx.Request] = []
+async def test_requests_held_over_a_pause_are_a_noted_back_pressure_wait(serve: Serve) -> None:
+    posts: list[Posted] = []
 
-    def server(request: httpx.Request) -> httpx.Response:
+    def server(request: Posted) -> Answer:
         posts.append(request)
         return reply([7])
 
-    client = SGLangClient(["http://a"], ClientConfig(), transport=httpx.MockTransport(server))
+    client = SGLangClient((await serve(server, "a")).urls, ClientConfig())
     client.pause()
     tasks = [
         asyncio.ensure_future(client.agenerate(GenRequest([1], {"max_new_tokens": 1}))) for _ in range(3)

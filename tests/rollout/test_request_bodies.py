@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import typing
 
-import httpx
 import pydantic
 import pytest
 
@@ -16,20 +15,24 @@ from protocols.sglang import (
     UpdateWeightsFromDistributedRequest,
     request_body,
 )
-from tests.rollout.test_client_mock import FAST, Script, reply
+from tests.rollout.scripted import Script, Serve, answer, reply
+from tests.rollout.test_client_mock import FAST
 
 
-async def test_every_generate_body_the_client_posts_is_a_generate_body_the_server_accepts() -> None:
+async def test_every_generate_body_the_client_posts_is_a_generate_body_the_server_accepts(
+    serve: Serve,
+) -> None:
     # first post, a resume after an abort, and a retry after a 5xx
     script = Script(
         a=[
             lambda b: reply([5, 6], "abort", message="paused"),
-            lambda b: httpx.Response(503),
+            lambda b: answer(503),
             lambda b: reply([7], "length"),
             lambda b: reply([8], "length"),
         ]
     )
-    client = SGLangClient(["http://a:1"], FAST, transport=script.transport())
+    [A] = (await serve(script)).urls
+    client = SGLangClient([A], FAST)
     await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 3, "min_new_tokens": 1}, rid="r"))
     await client.agenerate(GenRequest([1, 2, 3], {"max_new_tokens": 1}, rid="t", top_logprobs_num=2))
     await client.aclose()

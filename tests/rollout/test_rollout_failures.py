@@ -9,7 +9,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 from structlog.testing import capture_logs
 
@@ -30,9 +29,7 @@ from nodes.rollout.workflows import (
 )
 from protocols.rl import Trajectory, TrajectoryGroup
 from rlactors.aio import wait_for
-from tests.rollout.test_client_mock import reply
-
-A, B = "http://a:1", "http://b:1"
+from tests.rollout.scripted import Answer, Posted, Serve, answer, reply
 
 
 class Watched:
@@ -159,17 +156,18 @@ def test_requeued_episodes_are_begun_in_the_same_call() -> None:
     assert buf.put("h0", TrajectoryGroup("g/a", [t]))  # accepted from the new holder
 
 
-async def test_a_failing_sample_cancels_its_siblings() -> None:
+async def test_a_failing_sample_cancels_its_siblings(serve: Serve) -> None:
     done_after_failure = []
 
-    async def handler(req: httpx.Request) -> httpx.Response:
-        if json.loads(req.content)["rid"].endswith("/s0/"):
-            return httpx.Response(400, json={"error": "bad request"})
+    async def handler(req: Posted) -> Answer:
+        if req.json()["rid"].endswith("/s0/"):
+            return answer(400, json={"error": "bad request"})
         await asyncio.sleep(0.3)
         done_after_failure.append(1)
         return reply([1, 2], "length")
 
-    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    [A] = (await serve(handler, "a")).urls
+    client = SGLangClient([A], ClientConfig())
     wf = RLVRWorkflow(ByteChatTokenizer(), lambda c, i: 0.0, RLVRConfig(n_samples=4))
     with pytest.raises(GenerationError):
         await wf.arun_episode(client, {"question": "q", "answer": "1"}, "g")
@@ -178,40 +176,42 @@ async def test_a_failing_sample_cancels_its_siblings() -> None:
     await client.aclose()
 
 
-async def test_a_resume_lowers_min_new_tokens_too() -> None:
+async def test_a_resume_lowers_min_new_tokens_too(serve: Serve) -> None:
     seen: list[dict] = []
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        sp = json.loads(req.content)["sampling_params"]
+    def handler(req: Posted) -> Answer:
+        sp = req.json()["sampling_params"]
         seen.append(sp)
         if len(seen) == 1:
             return reply([5, 6, 7, 8, 9, 10], "abort", message="paused")
         if sp.get("min_new_tokens", 0) > sp["max_new_tokens"]:  # SGLang's SamplingParams.verify
-            return httpx.Response(400, json={"error": "min_new_tokens must be in [0, max_new_tokens]"})
+            return answer(400, json={"error": "min_new_tokens must be in [0, max_new_tokens]"})
         return reply([1] * sp["max_new_tokens"], "length")
 
-    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    [A] = (await serve(handler, "a")).urls
+    client = SGLangClient([A], ClientConfig())
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": 10, "min_new_tokens": 8}, rid="m"))
     assert len(res.output_ids) == 10
     assert seen[1]["max_new_tokens"] == 4 and seen[1]["min_new_tokens"] == 2
     await client.aclose()
 
 
-async def test_a_request_fails_over_back_to_a_server_that_recovered() -> None:
+async def test_a_request_fails_over_back_to_a_server_that_recovered(serve: Serve) -> None:
     cfg = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=0, down_cooldown_s=0.05)
     state = {"a_down": True, "b_posts": 0}
 
-    async def handler(req: httpx.Request) -> httpx.Response:
-        if req.url.host == "a":
-            return httpx.Response(503, text="restarting") if state["a_down"] else reply([9], "length")
+    async def handler(req: Posted) -> Answer:
+        if req.host == "a":
+            return answer(503, text="restarting") if state["a_down"] else reply([9], "length")
         state["b_posts"] += 1
         if state["b_posts"] == 1:
             state["a_down"] = False  # A comes back while B serves the first chunk
             await asyncio.sleep(0.1)  # longer than A's cool-down
             return reply([5, 6], "abort", message="paused")
-        return httpx.Response(503, text="restarting")
+        return answer(503, text="restarting")
 
-    client = SGLangClient([A, B], cfg, transport=httpx.MockTransport(handler))
+    A, B = (await serve(handler, "a", "b")).urls
+    client = SGLangClient([A, B], cfg)
     client._servers[B].inflight = 5  # start on A
     res = await client.agenerate(GenRequest([1, 2], {"max_new_tokens": 3}, rid="r"))
     assert res.output_ids == [5, 6, 9]
@@ -246,14 +246,15 @@ class TrimmingTokenizer(ByteChatTokenizer):
         )
 
 
-async def test_multi_turn_feedback_with_a_template_that_trims_the_answer() -> None:
+async def test_multi_turn_feedback_with_a_template_that_trims_the_answer(serve: Serve) -> None:
     tok = TrimmingTokenizer()
     answers = iter([" 5 ", "\\boxed{4}"])
 
-    async def handler(req: httpx.Request) -> httpx.Response:
+    async def handler(req: Posted) -> Answer:
         return reply(list(tok.encode(next(answers), add_special_tokens=False)), "length")
 
-    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    [A] = (await serve(handler, "a")).urls
+    client = SGLangClient([A], ClientConfig())
     wf = MultiTurnWorkflow(
         tok, lambda c, i: float("\\boxed{4}" in c), MultiTurnConfig(n_samples=1, max_turns=2)
     )
@@ -264,25 +265,25 @@ async def test_multi_turn_feedback_with_a_template_that_trims_the_answer() -> No
     await client.aclose()
 
 
-async def test_unlabelled_tokens_from_a_server_that_missed_a_push_carry_its_version() -> None:
-    def handler(req: httpx.Request) -> httpx.Response:
+async def test_unlabelled_tokens_from_a_server_that_missed_a_push_carry_its_version(serve: Serve) -> None:
+    def handler(req: Posted) -> Answer:
         r = reply([1, 2, 3], "length")
-        data = json.loads(r.content)
+        data = json.loads(r.body)
         data["meta_info"].pop("weight_versions", None)  # as SGLang before 0.5.23 answers
         data["meta_info"]["weight_version"] = "3"  # restarted with version 3 while the others hold 5
-        return httpx.Response(200, json=data)
+        return answer(200, json=data)
 
-    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler), version=5)
+    [A] = (await serve(handler, "a")).urls
+    client = SGLangClient([A], ClientConfig(), version=5)
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": None}, rid="v"))
     assert res.output_versions == [3, 3, 3]  # staleness is never under-reported
     await client.aclose()
 
 
-async def test_a_non_json_answer_names_the_server() -> None:
-    client = SGLangClient(
-        [A], ClientConfig(), transport=httpx.MockTransport(lambda r: httpx.Response(200, text="<html>"))
-    )
-    with pytest.raises(GenerationError, match="http://a:1/generate answered 200 with a non-JSON body"):
+async def test_a_non_json_answer_names_the_server(serve: Serve) -> None:
+    [A] = (await serve(lambda r: answer(200, text="<html>"), "a")).urls
+    client = SGLangClient([A], ClientConfig())
+    with pytest.raises(GenerationError, match=f"{A}/generate answered 200 with a non-JSON body"):
         await client.agenerate(GenRequest([1], {"max_new_tokens": 4}, rid="j"))
     await client.aclose()
 
@@ -456,14 +457,15 @@ async def test_a_requeued_group_the_holder_already_runs_is_not_begun_twice() -> 
     await wait_for(run, 2)
 
 
-async def test_max_new_tokens_zero_is_kept() -> None:
+async def test_max_new_tokens_zero_is_kept(serve: Serve) -> None:
     seen: list[dict] = []
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        seen.append(json.loads(req.content)["sampling_params"])
+    def handler(req: Posted) -> Answer:
+        seen.append(req.json()["sampling_params"])
         return reply([], "length")
 
-    client = SGLangClient([A], ClientConfig(), transport=httpx.MockTransport(handler))
+    [A] = (await serve(handler, "a")).urls
+    client = SGLangClient([A], ClientConfig())
     await client.agenerate(GenRequest([1], {"max_new_tokens": 0}, rid="z"))
     assert seen[0]["max_new_tokens"] == 0
     await client.aclose()

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from nodes.rollout.chunks import parse_chunk, token_versions
 from nodes.rollout.client import GenRequest, SGLangClient
+from tests.rollout.scripted import Serve
+from tests.rollout.scripted import answer as json_answer
 
 ANSWERS = json.loads((Path(__file__).parent / "fixtures" / "sglang-0.5.23-responses.json").read_text())
 
@@ -39,13 +40,10 @@ def test_versions_across_a_real_update_come_from_sglang_spans() -> None:
     assert labelled == n - before
 
 
-async def test_client_reports_the_recorded_versions() -> None:
+async def test_client_reports_the_recorded_versions(serve: Serve) -> None:
     answer = ANSWERS["generate_across_update"]
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json=answer)
-
-    client = SGLangClient(["http://sglang:1"], transport=httpx.MockTransport(handler), version=6)
+    servers = await serve(lambda request: json_answer(200, json=answer), "sglang")
+    client = SGLangClient(servers.urls, version=6)
     try:
         res = await client.agenerate(GenRequest([12, 13, 14], {"max_new_tokens": 600}, rid="r"))
     finally:

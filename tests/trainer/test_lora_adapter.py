@@ -181,34 +181,34 @@ def test_the_recipe_launches_servers_with_lora_and_clients_name_the_adapter() ->
 async def test_the_client_names_the_adapter_of_its_version_and_labels_tokens_with_it() -> None:
     from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
     from rlactors.aio import wait_for
-    from tests.rollout.test_client_mock import A, Script, reply
+    from tests.rollout.scripted import Answer, Script, Servers, reply
 
     aborted = asyncio.Event()
 
-    def first(body: dict) -> httpx.Response:
+    def first(body: dict) -> Answer:
         client.pause()  # a push: the abort comes back while the client is paused
         aborted.set()
         return reply([5, 6], "abort", message="paused", versions=["9", "9"])
 
     script = Script(a=[first, lambda b: reply([7, 8], "length", versions=["9", "9"])])
-    client = SGLangClient(
-        [A], ClientConfig(lora="policy", http="httpx"), version=1, transport=script.transport()
-    )
-    task = asyncio.ensure_future(client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4})))
-    await wait_for(aborted.wait(), 30)
-    client.set_version(2)  # the push loaded policy-v2 on every server
-    client.resume()
-    res = await task
-    assert [b.get("lora_path") for _, b in script.posts] == ["policy-v1", "policy-v2"]
-    # each post's tokens carry the version of the adapter it named, whatever the server's spans say
-    assert res.output_versions == [1, 1, 2, 2]
-    await client.aclose()
-    base = SGLangClient(
-        [A], ClientConfig(lora="policy", http="httpx"), version=0, transport=script.transport()
-    )
-    await base.agenerate(GenRequest([1], {"max_new_tokens": 2}))
-    assert "lora_path" not in script.posts[-1][1]  # version 0 is the base model: no adapter named
-    await base.aclose()
+    servers = await Servers(script).start("a")
+    try:
+        client = SGLangClient(servers.urls, ClientConfig(lora="policy"), version=1)
+        task = asyncio.ensure_future(client.agenerate(GenRequest([1, 2], {"max_new_tokens": 4})))
+        await wait_for(aborted.wait(), 30)
+        client.set_version(2)  # the push loaded policy-v2 on every server
+        client.resume()
+        res = await task
+        assert [b.get("lora_path") for _, b in script.posts] == ["policy-v1", "policy-v2"]
+        # each post's tokens carry the version of the adapter it named, whatever the server's spans say
+        assert res.output_versions == [1, 1, 2, 2]
+        await client.aclose()
+        base = SGLangClient(servers.urls, ClientConfig(lora="policy"), version=0)
+        await base.agenerate(GenRequest([1], {"max_new_tokens": 2}))
+        assert "lora_path" not in script.posts[-1][1]  # version 0 is the base model: no adapter named
+        await base.aclose()
+    finally:
+        await servers.aclose()
 
 
 def test_two_ranks_gather_the_adapter_as_its_full_tensors(tmp_path: Path) -> None:
