@@ -1,13 +1,14 @@
-"""A lean HTTP/1.1 server over asyncio transports and httptools (uvicorn's C parser): what the
-OpenAI-compatible endpoint serves on.
+"""The server side: what the OpenAI-compatible endpoint serves on, over asyncio transports and
+httptools' request parser.
 
 Each chat call the endpoint serves costs its process one HTTP exchange on top of the generation it
 wraps, and that exchange is most of what the endpoint may add: this layer costs less CPU per call
 than an aiohttp web server or uvicorn with a bare ASGI app (measured side by side in
-bench/RESULTS.md, "OpenAI-compatible endpoint"). It does what the endpoint needs and no more: keep-alive and pipelined requests (answered in order),
-``Content-Length`` and chunked request bodies up to a size cap, ``Expect: 100-continue``, whole
-responses and chunked streams (server-sent events) with write back-pressure, an idle timeout.
-Malformed HTTP is answered 400 and the connection closed; nothing a client sends stops the server.
+bench/RESULTS.md, "OpenAI-compatible endpoint"). It does what the endpoint needs and no more:
+keep-alive and pipelined requests (answered in order), ``Content-Length`` and chunked request
+bodies up to a size cap, ``Expect: 100-continue``, whole responses and chunked streams
+(server-sent events) with write back-pressure, an idle timeout. Malformed HTTP is answered 400 and
+the connection closed; nothing a client sends stops the server.
 """
 
 from __future__ import annotations
@@ -15,18 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from ssl import SSLContext
 from typing import Any
 
 import httptools
 import structlog
 
-from rlactors.aio import wait_for
-
-__all__ = ["ClientError", "ClientPool", "HTTPServer", "Request", "Response", "Stream"]
+__all__ = ["ErrorBody", "HTTPServer", "Handler", "Request", "Response", "Stream"]
 
 log = structlog.get_logger(__name__)
 
@@ -289,228 +287,3 @@ class HTTPServer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._server = None
-
-
-# -- client ----------------------------------------------------------------------------------------
-
-
-class ClientError(Exception):
-    """No HTTP answer came: ``timed_out`` when the request may still run at the server."""
-
-    def __init__(self, message: str, timed_out: bool) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
-
-
-LineSink = Callable[[bytes], None]
-
-
-class _ClientConnection(asyncio.Protocol):
-    """One keep-alive connection to a server: one request at a time."""
-
-    def __init__(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.idle_since = 0.0
-        self._answer: asyncio.Future[tuple[int, bytes]] | None = None
-        self._body: list[bytes] = []
-        self._lines: LineSink | None = None  # an event stream's lines go here as they arrive
-        self._rest = b""  # an unfinished line
-        self._event_stream = False  # the answer's Content-Type is text/event-stream
-        self._streaming = False  # ... and its lines go to _lines
-        self._keep = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_exception(ConnectionResetError(f"the server closed the connection ({exc})"))
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            if self._answer is not None and not self._answer.done():
-                self._answer.set_exception(ConnectionError(f"bad HTTP answer: {e}"))
-            self.close()
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
-            self._event_stream = value.startswith(b"text/event-stream")
-
-    def on_headers_complete(self) -> None:
-        self._streaming = (
-            self._lines is not None and self._event_stream and self.parser.get_status_code() == 200
-        )
-
-    def on_body(self, body: bytes) -> None:
-        if not self._streaming:
-            self._body.append(body)
-            return
-        *lines, self._rest = (self._rest + body).split(b"\n")
-        for line in lines:
-            self._lines(line)  # type: ignore[misc]
-
-    def on_message_complete(self) -> None:
-        if (
-            100 <= self.parser.get_status_code() < 200
-        ):  # informational (100 Continue, 103): the answer follows
-            self._body, self._event_stream = [], False
-            return
-        if self._streaming and self._rest:
-            self._lines(self._rest)  # type: ignore[misc]
-        body = b"" if self._streaming else self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._keep = self.parser.should_keep_alive()
-        if self._answer is not None and not self._answer.done():
-            self._answer.set_result((self.parser.get_status_code(), body))
-
-    async def request(self, data: bytes, lines: LineSink | None, timeout: float | None) -> tuple[int, bytes]:
-        """Send ``data`` (a whole request) and wait for its answer."""
-        assert self.transport is not None
-        self._answer = asyncio.get_running_loop().create_future()
-        self._body, self._lines, self._rest, self._keep = [], lines, b"", False
-        self._event_stream = self._streaming = False
-        self.transport.write(data)
-        try:
-            return await _wait(self._answer, timeout)
-        finally:
-            self._answer, self._lines = None, None
-
-    @property
-    def reusable(self) -> bool:
-        """The last answer came whole and the server keeps the connection open."""
-        return (
-            self._keep and not self.closed and self.transport is not None and not self.transport.is_closing()
-        )
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
-
-
-async def _wait(fut: asyncio.Future[Any], timeout: float | None) -> Any:
-    """``fut``'s result, or TimeoutError after ``timeout`` seconds (None: no limit): one timer that
-    fails the future, no task (``wait_for`` wraps the wait in one)."""
-    if timeout is None:
-        return await fut
-
-    def expire() -> None:
-        if not fut.done():
-            fut.set_exception(TimeoutError(f"no answer in {timeout:g} s"))
-
-    timer = asyncio.get_running_loop().call_later(timeout, expire)
-    try:
-        return await fut
-    finally:
-        timer.cancel()
-
-
-class ClientPool:
-    """Keep-alive connections to one server (``host:port``; over TLS with ``ssl``), at most
-    ``max_connections`` (more requests wait for one). A connection idle for ``keepalive_s`` is closed, not reused: the server
-    may be closing it (SGLang's uvicorn closes one idle for 5 s)."""
-
-    def __init__(
-        self, host: str, port: int, *, max_connections: int, keepalive_s: float, connect_timeout_s: float,
-        ssl: SSLContext | None = None,
-    ) -> None:  # fmt: skip
-        self.host, self.port, self.ssl = host, port, ssl
-        self.max_connections, self.keepalive_s = max_connections, keepalive_s
-        self.connect_timeout_s = connect_timeout_s
-        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self._host_header = f"Host: {netloc}\r\n".encode()
-        self._idle: list[_ClientConnection] = []
-        self._all: set[_ClientConnection] = set()
-        self._opening = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    async def request(
-        self, method: str, path: str, body: bytes, headers: Mapping[str, str], timeout: float | None,
-        lines: LineSink | None = None,
-    ) -> tuple[int, bytes]:  # fmt: skip
-        """One request: (status, body). With ``lines``, a 200 event-stream answer's lines go there
-        as they arrive and its body comes back empty. :class:`ClientError` when no answer came;
-        ``timeout`` bounds the answer (not the wait for a connection)."""
-        head = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
-            method.encode(), path.encode(), self._host_header, len(body),
-            b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers.items()),
-        )  # fmt: skip
-        conn = await self._take()
-        try:
-            return await conn.request(head + body, lines, timeout)
-        except TimeoutError as e:
-            conn.close()
-            raise ClientError(f"TimeoutError: {e}", timed_out=True) from None
-        except ConnectionError as e:
-            conn.close()
-            raise ClientError(f"{type(e).__name__}: {e}", timed_out=False) from None
-        except BaseException:
-            conn.close()  # cancelled mid-answer: what comes next on it is unknown
-            raise
-        finally:
-            self._give_back(conn)
-
-    async def _take(self) -> _ClientConnection:
-        loop = asyncio.get_running_loop()
-        while True:
-            now = loop.time()
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.closed and now - conn.idle_since < self.keepalive_s:
-                    return conn
-                conn.close()
-                self._all.discard(conn)
-            if len(self._all) + self._opening < self.max_connections:
-                break
-            waiter = loop.create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # woken, then cancelled: the turn goes to the next waiter
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
-                raise
-        self._opening += 1
-        try:
-            _, conn = await wait_for(
-                loop.create_connection(_ClientConnection, self.host, self.port, ssl=self.ssl),
-                self.connect_timeout_s,
-            )
-        except (OSError, TimeoutError) as e:
-            raise ClientError(
-                f"connect to {self.host}:{self.port}: {type(e).__name__}: {e}", timed_out=False
-            ) from None
-        finally:
-            self._opening -= 1
-            self._wake()
-        self._all.add(conn)
-        return conn
-
-    def _give_back(self, conn: _ClientConnection) -> None:
-        if conn.reusable:
-            conn.idle_since = asyncio.get_running_loop().time()
-            self._idle.append(conn)
-        else:
-            conn.close()
-            self._all.discard(conn)
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
-    def close(self) -> None:
-        """Close every connection (a request on one fails with :class:`ClientError`)."""
-        for conn in self._all:
-            conn.close()
-        self._all.clear()
-        self._idle.clear()
