@@ -183,7 +183,7 @@ def _probe_hub(timeout_s: float, dataset: str = HUB_DATASET[0]) -> str | None:
 
     def probe() -> None:
         try:
-            import httpx
+            import httpx  # one HEAD to check a dataset URL, before a run starts
 
             r = httpx.head(url, timeout=timeout_s, follow_redirects=True)
             result.append(None if r.status_code < 500 else f"{url} answered HTTP {r.status_code}")

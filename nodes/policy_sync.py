@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import httpx  # control calls, a few per server per push: client CPU per call (what chose /generate's wire) does not count
 import structlog
 
 import rlactors

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx  # a /v1/loads per server when a stall is examined: rare calls, not /generate's wire
 import structlog
 
 from rlactors.aio import wait_for

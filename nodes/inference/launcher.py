@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+import httpx  # health polls while a server starts and stops: rare calls, not /generate's wire
 import structlog
 
 from nodes.inference.settings import ServerSettings, to_argv

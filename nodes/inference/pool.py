@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx  # the pool's health and load checks: a call per server per check, not /generate's wire
 import structlog
 
 import rlactors

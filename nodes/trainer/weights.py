@@ -48,7 +48,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx  # blocking calls from the push's threads; the rollout's wire (nodes/rollout/http1) is asyncio-only
 import structlog
 import torch
 import torch.distributed as dist

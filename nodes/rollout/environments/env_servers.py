@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Protocol
 
-import httpx
+import httpx  # the environment servers' client: another role than the inference servers' wire
 import structlog
 
 import rlactors

@@ -115,7 +115,7 @@ def _importable_app(path: str) -> None:
 
 def _health(url: str) -> str | None:
     """None when ``url``'s ``/health`` answers 200, else why not (one line). Blocking."""
-    import httpx
+    import httpx  # one blocking /health probe of an environment server, not the inference wire
 
     try:
         r = httpx.get(url.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S)
