@@ -18,11 +18,11 @@ import structlog
 
 from rlactors.aio import wait_for
 from rlactors.awake import awake_clock
+from rlactors.beats import HeadBeats
 from rlactors.client import LINK_GRACE_S, ActorState, Args, Connection, StreamCall
 from rlactors.errors import (
     ActorDiedError,
     ActorNotFoundError,
-    ActorUnreachableError,
     ClusterError,
     RuntimeShutdownError,
 )
@@ -83,7 +83,9 @@ class RuntimeClient:
         # from the caller's side (its peers may be blocked in a collective on it), for forensics
         self._group_calls: set[GroupCall] = set()
         self._events_task: asyncio.Task[None] | None = None
-        self._beat_task: asyncio.Task[None] | None = None
+        self._beat_task: asyncio.Task[None] | None = None  # refreshes what the beats carry
+        self._beats: HeadBeats | None = None  # heartbeats to the head, from their own thread
+        self._beat_payload: dict[str, Any] = {}
         self._events: StreamCall | None = None  # the current subscription to the head's events
         self._synced = asyncio.Event()
         self.head: Connection | None = None
@@ -100,8 +102,16 @@ class RuntimeClient:
                 f"no head answered at {self.head_address} within {timeout:.0f}s: is the cluster up, "
                 "and do you have its secret (RLACTORS_SECRET_FILE / the cluster's secret file)?"
             ) from None
+        interval = float(hello.get("client_heartbeat", 2.0))
+        self._beat_payload = self._beat()
+        self._beats = HeadBeats(
+            self.head_address, self.security, self.client_id, interval,
+            payload=lambda: self._beat_payload, on_answer=self._beat_answered, on_head_lost=self._head_lost,
+            loop=asyncio.get_running_loop(), clock=awake_clock(),
+        )  # fmt: skip
+        await asyncio.to_thread(self._beats.start)
         self._beat_task = asyncio.get_running_loop().create_task(
-            self._heartbeat(float(hello.get("client_heartbeat", 2.0))), name="rlactors-client-heartbeat"
+            self._note_beats(interval), name="rlactors-client-beat-payload"
         )
         self._events_task = asyncio.get_running_loop().create_task(
             self._follow_events(), name="rlactors-events"
@@ -126,6 +136,8 @@ class RuntimeClient:
         self.closed = True
         if self._beat_task is not None:
             self._beat_task.cancel()
+        if self._beats is not None:
+            await asyncio.to_thread(self._beats.stop)
         for task in self._checks:
             task.cancel()
         if self._events_task is not None:
@@ -151,38 +163,27 @@ class RuntimeClient:
         calls = sorted(self.outgoing_calls(), key=lambda c: -c["age_s"])
         return {"calls": calls[:MAX_BEAT_CALLS]} if calls else {}
 
-    async def _heartbeat(self, interval: float) -> None:
-        """Tell the head we are alive; if it stops answering, fail calls to it instead of hanging."""
-        missed = 0
-        clock = awake_clock()
-        while self.head is not None and not self.head.closed:
-            sent = clock.now()
-            try:
-                known = await wait_for(
-                    self.head.call("client_alive", (self.client_id,), self._beat(), target="head"),
-                    5 * interval,
-                )
-                missed = 0
-                if known is False and self._events is not None:
-                    # We were silent past the head's client timeout: it stopped our non-detached
-                    # actors and ended our event stream (its end may be lost with a dropped connection).
-                    log.warning(
-                        "the head had given this client up (silent past its client_timeout); following its events again",
-                        client=self.client_id,
-                    )
-                    self._events.cancel()
-            except (TimeoutError, ActorUnreachableError) as e:
-                # A wait that this client slept through (it was stopped or blocked) is no miss.
-                missed += isinstance(e, ActorUnreachableError) or clock.now() - sent >= 5 * interval
-                if missed == 3:
-                    log.error(
-                        "the head stopped answering; calls to it fail until it is back",
-                        head=self.head_address,
-                    )
-                    self.head.fail_all(ClusterError(f"the head at {self.head_address} stopped answering"))
-            except Exception as e:
-                log.warning("heartbeat to the head failed", error=repr(e))
+    async def _note_beats(self, interval: float) -> None:
+        """Keep what the next heartbeat carries current (rlactors.beats sends it from its thread)."""
+        while True:
             await asyncio.sleep(interval)
+            self._beat_payload = self._beat()
+
+    def _beat_answered(self, known: Any) -> None:
+        if known is False and self._events is not None:
+            # We were silent past the head's client timeout (this process was stopped, or cut off):
+            # it stopped our non-detached actors and ended our event stream (its end may be lost with
+            # a dropped connection).
+            log.warning(
+                "the head had given this client up (silent past its client_timeout); following its events again",
+                client=self.client_id,
+            )
+            self._events.cancel()
+
+    def _head_lost(self) -> None:
+        log.error("the head stopped answering; calls to it fail until it is back", head=self.head_address)
+        if self.head is not None:
+            self.head.fail_all(ClusterError(f"the head at {self.head_address} stopped answering"))
 
     def head_call(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         if self.head is None or self.head.closed:

@@ -5,7 +5,10 @@ an actor ``victim``. Prints ``ready <victim pid>``, then ends as ``mode`` says:
 - ``done``: reads one line on stdin, then leaves;
 - ``error``: reads one line, then raises (exit 1);
 - ``signal``: waits for SIGTERM (finishes, exit 143) or SIGINT (Ctrl-C: exit 130);
-- ``spawn``: spawns nothing but a ``pool`` of its own, and prints the error it gets (exit 2).
+- ``spawn``: spawns nothing but a ``pool`` of its own, and prints the error it gets (exit 2);
+- ``block``: reads one line, blocks its event loop for that many seconds (synchronous code, as a
+  driver's own work can), prints ``alive <victim pid>`` if its actors still answer, then reads one
+  more line and leaves.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 import rlactors
 
@@ -50,7 +54,12 @@ async def main(mode: str) -> int:
             got: asyncio.Future[int] = loop.create_future()
             loop.add_signal_handler(signal.SIGTERM, lambda: got.done() or got.set_result(143))
             return await got  # SIGINT: KeyboardInterrupt, through this `async with`
-        await loop.run_in_executor(None, sys.stdin.readline)
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if mode == "block":
+            time.sleep(float(line))  # noqa: ASYNC251 - the point: the loop is blocked, no task runs
+            print("alive", await victim.pid(), flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # the test looks at the run meanwhile
+            return 0
         if mode == "error":
             raise RuntimeError("the run failed")
     return 0

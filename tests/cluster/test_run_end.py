@@ -151,3 +151,32 @@ def test_a_name_held_by_a_live_run_is_an_error_naming_that_run_and_how_to_end_it
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_driver_whose_loop_is_blocked_past_client_timeout_keeps_its_run(up: dict[str, str]) -> None:
+    """Silence is a process gone or stopped, not a busy loop: a driver that blocks its event loop in
+    synchronous code for longer than the head's client_timeout still beats (rlactors.beats), so the
+    head leaves its run alone and its actors answer afterwards."""
+    driver = _driver(up, "block")
+    try:
+        victim = _ready(driver)
+        (run,) = {a["run"] for a in _actors(up) if a["name"] == "pool"}
+        assert driver.stdin is not None and driver.stdout is not None
+        driver.stdin.write(f"{CLIENT_TIMEOUT_S * 1.5}\n")
+        driver.stdin.flush()
+        assert driver.stdout.readline().split() == ["alive", str(victim)]
+        actors = _run_actors(up, run)
+        assert {n: a["state"] for n, a in actors.items()} == {
+            "pool": "ALIVE",
+            "server-0": "ALIVE",
+            "victim": "ALIVE",
+        }
+        driver.stdin.write("end\n")
+        driver.stdin.flush()
+        _, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 0, err[-3000:]
+    assert "given this client up" not in err and "stopped answering" not in err, err[-3000:]
