@@ -396,7 +396,8 @@ class ResponsesRequest(_Body):
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    tools: Annotated[list[_ResponsesTool], AfterValidator(_tool_types)] = []
+    # a factory, not ``[]``: pydantic deep-copies a mutable default for every request
+    tools: Annotated[list[_ResponsesTool], AfterValidator(_tool_types)] = Field(default_factory=list)
     # "auto" | "none" | "required" | {"type": "function", "name": ...}
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: _int_in(1, MAX_TOKENS) | None = None
@@ -424,12 +425,12 @@ class ResponsesRequest(_Body):
     def _served(self) -> Self:
         if self.include:
             raise _fail(f"include {self.include!r} is not served here (leave it empty)", "include")
-        fmt = (self.text or {}).get("format") or {"type": "text"}
-        if fmt.get("type") != "text" or set(self.text or {}) - {"format"}:
-            raise _fail("text: only plain text output is served ({'format': {'type': 'text'}})", "text")
-        if any(v is not None for v in (self.reasoning or {}).values()):
+        if self.text is not None:
+            fmt = self.text.get("format") or {"type": "text"}
+            if fmt.get("type") != "text" or set(self.text) - {"format"}:
+                raise _fail("text: only plain text output is served ({'format': {'type': 'text'}})", "text")
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise _fail("reasoning is not served here (the model has no reasoning settings)", "reasoning")
-        names = {t.name for t in self.tools}
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if isinstance(choice, dict):
             if choice.get("type") != "function":
@@ -437,7 +438,7 @@ class ResponsesRequest(_Body):
                     f"tool_choice {choice!r}: only a function (or auto, none, required) is served",
                     "tool_choice",
                 )
-            if choice.get("name") not in names:
+            if choice.get("name") not in {t.name for t in self.tools}:
                 raise _fail(
                     f"tool_choice names {choice.get('name')!r}, which is not in 'tools'", "tool_choice"
                 )

@@ -18,8 +18,10 @@ output) is refused with OpenAI's 400 naming it.
 
 from __future__ import annotations
 
+import itertools
+import os
+import secrets
 import time
-import uuid
 from typing import Any
 
 import orjson
@@ -32,7 +34,20 @@ __all__ = ["ResponseEvents", "ResponseShape", "chat_args", "new_id", "output_ite
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """An id for a response or an output item: this process's random part (64 bits from
+    :mod:`secrets`, drawn again in a forked child), then a count, so ids are unique across a run's
+    processes without a ``uuid4`` per id. Not a secret: a stored response is found only through its
+    own episode's base_url."""
+    return f"{prefix}_{_ids.prefix}{next(_ids.count):x}"
+
+
+class _Ids:
+    def __init__(self) -> None:
+        self.prefix, self.count = secrets.token_hex(8), itertools.count()
+
+
+_ids = _Ids()
+os.register_at_fork(after_in_child=_ids.__init__)
 
 
 Messages = list[dict[str, Any]]
@@ -61,15 +76,16 @@ def output_items(msg: dict[str, Any], ids: list[str] | None = None) -> list[dict
     """An assistant message as Responses output items: its text as a ``message`` (also when empty
     and there are no calls, as OpenAI answers), then each tool call as a ``function_call``;
     ``ids``: the items' ids when they were streamed."""
-    items: list[dict[str, Any]] = []
+    given = iter(ids or ())
     calls = msg.get("tool_calls") or []
+    items = []
     if msg.get("content") or not calls:
-        items.append(_message_item("", msg.get("content") or "", "completed"))
-    items += [
-        _call_item("", c["id"], c["function"]["name"], c["function"]["arguments"], "completed") for c in calls
-    ]
-    for k, item in enumerate(items):
-        item["id"] = ids[k] if ids and k < len(ids) else new_id("msg" if item["type"] == "message" else "fc")
+        items.append(_message_item(next(given, None) or new_id("msg"), msg.get("content") or "", "completed"))
+    for c in calls:
+        fn = c["function"]
+        items.append(
+            _call_item(next(given, None) or new_id("fc"), c["id"], fn["name"], fn["arguments"], "completed")
+        )
     return items
 
 
@@ -92,11 +108,21 @@ class ResponseShape:
 
     def __init__(self, req: ResponsesRequest, rid: str, model: str) -> None:
         self.req, self.id, self.model, self.created = req, rid, model, int(time.time())
+        r = req
+        # what every response object of this request repeats, made once
+        self._echo = {
+            "instructions": r.instructions,
+            "tools": [{"type": "function", "name": t.name, "description": t.description,
+                       "parameters": t.parameters, "strict": False} for t in r.tools],
+            "tool_choice": r.tool_choice, "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+            "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
+            "previous_response_id": r.previous_response_id, "store": r.store, "metadata": r.metadata or {},
+            "error": None,
+        }  # fmt: skip
 
     def response(self, items: list[dict[str, Any]], res: GenResult | None, finish: str | None,
                  status: str | None = None) -> dict[str, Any]:  # fmt: skip
         """The response object; ``status`` from ``finish`` unless given."""
-        r = self.req
         if status is None:
             status = "incomplete" if finish == "length" else "completed"
         usage = None
@@ -106,15 +132,13 @@ class ResponseShape:
                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}  # fmt: skip
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": items, "instructions": r.instructions,
-            "tools": [{"type": "function", "name": t.name, "description": t.description,
-                       "parameters": t.parameters, "strict": False} for t in r.tools],
-            "tool_choice": r.tool_choice, "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
-            "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
-            "previous_response_id": r.previous_response_id, "store": r.store, "metadata": r.metadata or {},
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.model, "output": items, **self._echo,
+            "incomplete_details": _INCOMPLETE if status == "incomplete" else None,
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None, "usage": usage,
         }  # fmt: skip
+
+
+_INCOMPLETE = {"reason": "max_output_tokens"}
 
 
 # -- streamed responses --------------------------------------------------------------------------
