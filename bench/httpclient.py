@@ -42,17 +42,30 @@ Post = Callable[[int, int], Awaitable[None]]  # (loop index, call index) -> one 
 
 
 def load_old_client(rev: str) -> Any:
-    """nodes/rollout/client.py (and pool.py) as they were at ``rev``, as a module of their own."""
+    """nodes/rollout/client.py, config.py, pool.py and the HTTP client under them (http1.py, or
+    http1/client.py) as they were at ``rev``, as modules of their own."""
     pkg = Path(tempfile.mkdtemp(prefix="oldclient-")) / "_oldclient"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    for name in ("client", "pool"):
-        try:
-            src = subprocess.run(["git", "show", f"{rev}:nodes/rollout/{name}.py"], cwd=ROOT, check=True,
-                                 capture_output=True, text=True).stdout  # fmt: skip
-        except subprocess.CalledProcessError:
-            continue
-        (pkg / f"{name}.py").write_text(src.replace("nodes.rollout.pool", "_oldclient.pool"))
+    files = {
+        "client": ["client.py"],
+        "config": ["config.py"],
+        "pool": ["pool.py"],
+        "http1": ["http1.py", "http1/client.py"],
+    }
+    found = {}
+    for name, paths in files.items():
+        for path in paths:
+            show = subprocess.run(
+                ["git", "show", f"{rev}:nodes/rollout/{path}"], cwd=ROOT, capture_output=True, text=True
+            )
+            if show.returncode == 0:
+                found[name] = show.stdout
+                break
+    for name, src in found.items():
+        for other in found:
+            src = src.replace(f"nodes.rollout.{other} import", f"_oldclient.{other} import")
+        (pkg / f"{name}.py").write_text(src)
     sys.path.insert(0, str(pkg.parent))
     return importlib.import_module("_oldclient.client")
 

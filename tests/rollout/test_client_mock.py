@@ -4,6 +4,7 @@ pause, retries, failover."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
 
 import pytest
@@ -302,4 +303,19 @@ async def test_reposted_does_not_wait_for_a_held_request_whose_task_was_cancelle
     task.cancel()
     await wait_for(client.reposted(timeout_s=30), 5)  # not the 30 s timeout
     assert task.cancelled()
+    await client.aclose()
+
+
+async def test_server_urls_are_checked_when_the_client_is_made_and_https_goes_over_tls() -> None:
+    with pytest.raises(ValueError, match="expected http://host"):
+        SGLangClient(["ftp://a:1"], FAST)
+    with pytest.raises(ValueError, match="expected http://host"):
+        SGLangClient(["http://"], FAST)
+    client = SGLangClient(["https://a.example/v1", "http://b.example"], FAST)
+    (tls, prefix), (plain, _) = (
+        client._wire.pool("https://a.example/v1"),
+        client._wire.pool("http://b.example"),
+    )
+    assert (tls.port, prefix, plain.port) == (443, "/v1", 80)
+    assert tls.ssl is not None and tls.ssl.verify_mode == ssl.CERT_REQUIRED and plain.ssl is None
     await client.aclose()

@@ -188,3 +188,13 @@ def test_answers_split_at_every_byte_read_the_same() -> None:
             assert lines == ([b"data: 1", b"", b"data: 22", b""] if stream else []), (wire, i)
         got, lines = read([wire[i : i + 1] for i in range(len(wire))], stream)  # a byte at a time
         assert got == expected
+
+
+def test_an_upgrade_ends_the_request_inside_the_protocol() -> None:
+    """httptools signals a 101 (or any upgrade) with an exception of its own, no HttpParserError:
+    it must end the request there, not escape data_received (asyncio would log a fatal error) or
+    leave the request to its timeout."""
+    upgrade = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    for pieces in ([upgrade], [upgrade + b"\x81\x00"], [upgrade[:20], upgrade[20:]]):
+        got, _ = read(pieces)
+        assert isinstance(got, ConnectionError) and "switched protocols" in str(got)
