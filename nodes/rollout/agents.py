@@ -110,13 +110,10 @@ class AgentWorkflow:
         trajs = []
         for reward, info, episode in runs:
             self.counters["history_edits"] += max(0, episode.counters["new_samples"] - 1)
-            for sample in episode.samples:
-                if not any(sample.mask):
-                    continue  # a sample whose request failed: nothing of the model's to train on
-                sample.meta.update(
-                    turns=episode.counters["calls"], tool_calls=episode.counters["tool_calls"], info=info
-                )
-                trajs.append(sample.trajectory(reward, gid, _prompt_len(sample.mask)))
+            c = episode.counters
+            trajs += episode.trajectories(
+                reward, gid, turns=c["calls"], tool_calls=c["tool_calls"], info=info
+            )
         if not trajs:
             raise AgentError(f"group {gid}: the agent made no completion in any of its runs")
         return TrajectoryGroup(gid, trajs)
@@ -161,8 +158,3 @@ def _reward(out: Any, agent: str) -> tuple[float, dict[str, float]]:
             f"agent {agent} returned {out!r}: a finite number (or a dict with 'reward') is needed"
         )
     return float(out), info
-
-
-def _prompt_len(mask: list[int]) -> int:
-    """Tokens before the model's first."""
-    return mask.index(1) if 1 in mask else len(mask)

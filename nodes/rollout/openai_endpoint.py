@@ -14,9 +14,10 @@ Each episode has its own base_url (``/episodes/<id>/v1``; the standalone server'
 the endpoint keeps every completion it served there. A request that continues one (its messages are
 that completion's messages, the assistant answer it got, then new messages) extends that
 completion's exact token ids with the template's rendering of only the new messages: the model's
-output is never re-tokenised, and an episode is one token sequence (a :class:`Sample`) whose loss
-mask covers exactly the model's tokens. A request that does not continue one (the agent edited its
-history) starts another sample; ``Episode.counters`` says how often that happened.
+output is never re-tokenised, and an episode is one token sequence (a :class:`Sample`: numpy arrays
+of the trajectory's dtypes, grown by concatenation) whose loss mask covers exactly the model's
+tokens. A request that does not continue one (the agent edited its history) starts another sample;
+``Episode.counters`` says how often that happened.
 
 Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with its status
 codes; no request stops the endpoint. Streamed answers go out token by token as the model
@@ -43,6 +44,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 import structlog
 
@@ -55,6 +57,7 @@ from nodes.rollout.responses import ResponseEvents, ResponseShape, chat_args, ne
 from nodes.rollout.workflows import Sample
 from protocols.auth import ServerKeys
 from protocols.openai import ChatCompletionRequest, OpenAIError, ResponsesRequest, error_body
+from protocols.rl import IDS_DTYPE, Trajectory
 
 __all__ = ["ChatEndpoint", "EndpointError", "Episode", "Turn"]
 
@@ -145,7 +148,8 @@ class _Completion:
     reply: dict[str, Any]  # the assistant message, as matching compares it
     sample: Sample
     end: int  # len(sample.ids) right after this completion's output
-    output_ids: list[int]
+    # the answer's last id (forced ids included; [] for none): what continuation_ids reads of it
+    last_id: list[int]
     finish_reason: str
 
 
@@ -182,6 +186,16 @@ class Episode:
     )
     # stored /v1/responses answers (nodes/rollout/responses.py): response id -> its conversation
     responses: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
+
+    def trajectories(self, reward: float, group_id: str, **meta: Any) -> list[Trajectory]:
+        """Its samples as trajectories rewarded ``reward`` (their meta updated with ``meta``), but
+        for a sample with none of the model's tokens (a request that failed): nothing to train on."""
+        out = []
+        for s in self.samples:
+            if s.mask.any():
+                s.meta.update(meta)
+                out.append(s.trajectory(reward, group_id, int(s.mask.argmax())))  # the model's first token
+        return out
 
     def add_sample(self, s: Sample) -> Sample:
         """Number ``s`` (its request id names it) and keep it when the episode keeps samples."""
@@ -270,7 +284,7 @@ class ChatEndpoint:
         self.defaults = {"max_new_tokens": default_max_tokens, "temperature": default_temperature}
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
-        self._first_prompts: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # FIRST_PROMPTS_KEPT
+        self._first_prompts: OrderedDict[bytes, np.ndarray] = OrderedDict()  # FIRST_PROMPTS_KEPT
         self._ids = itertools.count()  # completion ids: this endpoint's random prefix, then a count
         self._id_prefix = uuid.uuid4().hex[:16]
         self.url = ""
@@ -433,7 +447,7 @@ class ChatEndpoint:
             done, start = found
             new = await _render(
                 _chars(req.messages[start:]), continuation_ids, self.tokenizer, done.messages, req.messages[start:], tools,
-                done.output_ids, done.finish_reason,
+                done.last_id, done.finish_reason,
             )  # fmt: skip
             base = done.sample
             base.add_context(new)
@@ -444,24 +458,26 @@ class ChatEndpoint:
             )
         forced = self._forced_prefix(req)
         samples = [base] + [ep.add_sample(base.fork()) for _ in range(req.n - 1)]
-        for s in samples:
-            s.add_context(forced)
+        if forced:
+            for s in samples:
+                s.add_context(forced)
         return Turn(samples, forced, tools)
 
-    async def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-        """The prompt's ids, from :data:`FIRST_PROMPTS_KEPT` when these messages and tools were
-        rendered before."""
+    async def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> np.ndarray:
+        """The prompt's ids (read-only: a :class:`Sample` copies them), from
+        :data:`FIRST_PROMPTS_KEPT` when these messages and tools were rendered before."""
         key = orjson.dumps([messages, tools])
         kept = self._first_prompts.get(key)
         if kept is not None:
             self._first_prompts.move_to_end(key)
-            return list(kept)
+            return kept
         try:
             size = _chars(messages) + (len(orjson.dumps(tools)) if tools else 0)
-            ids = await _render(size, prompt_ids, self.tokenizer, messages, tools)
+            ids = np.array(await _render(size, prompt_ids, self.tokenizer, messages, tools), IDS_DTYPE)
         except ChatError as e:
             raise EndpointError(400, str(e), "messages") from None
-        self._first_prompts[key] = tuple(ids)
+        ids.flags.writeable = False
+        self._first_prompts[key] = ids
         if len(self._first_prompts) > FIRST_PROMPTS_KEPT:
             self._first_prompts.popitem(last=False)
         return ids
@@ -481,21 +497,13 @@ class ChatEndpoint:
         out = []
         for s, res in zip(turn.samples, results, strict=True):
             s.add_output(res)
-            text = self.tokenizer.decode([*turn.forced, *res.output_ids], skip_special_tokens=True)
+            out_ids = [*turn.forced, *res.output_ids] if turn.forced else res.output_ids
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
             text = _trim_stop(text, res, req)
             msg, finish = self._message(text, res, req, turn.tools)
             ep.counters["tool_calls"] += len(msg.get("tool_calls") or ())
-            ep.keep(
-                _Completion(
-                    req.messages,
-                    turn.tools,
-                    msg,
-                    s,
-                    len(s.ids),
-                    [*turn.forced, *res.output_ids],
-                    res.finish_reason,
-                )
-            )
+            last = res.output_ids[-1:] or turn.forced[-1:]
+            ep.keep(_Completion(req.messages, turn.tools, msg, s, len(s.ids), last, res.finish_reason))
             out.append((msg, res, finish))
         return out
 
@@ -504,7 +512,8 @@ class ChatEndpoint:
     ) -> GenResult:
         rid = s.meta["rid"]
         trace_id = s.meta.setdefault("trace_id", rid.rstrip("/"))
-        request = GenRequest(list(s.ids), dict(req.sampling), rid, req.top_logprobs, trace_id, on_tokens)
+        # the prompt goes out as a list, as the built-in workflows' do (the trajectory keeps the array)
+        request = GenRequest(s.ids.tolist(), dict(req.sampling), rid, req.top_logprobs, trace_id, on_tokens)
         return await (ep.client or self.client).agenerate(request)
 
     def _forced_prefix(self, req: ChatRequest) -> list[int]:

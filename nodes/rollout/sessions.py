@@ -224,7 +224,7 @@ class SessionAPI:
         session.reward = float(reward)
         self.counters["sessions_rewarded"] += 1
         self._end(session)
-        n = sum(1 for s in session.episode.samples if any(s.mask))
+        n = sum(1 for s in session.episode.samples if s.mask.any())
         return _json({"id": sid, "task_id": session.group.task_id, "group_id": session.group.id,
                       "reward": session.reward, "trajectories": n})  # fmt: skip
 
@@ -322,11 +322,9 @@ class OnlineWorkflow:
             if s.reward is None:
                 continue
             self.counters["history_edits"] += max(0, s.episode.counters["new_samples"] - 1)
-            for sample in s.episode.samples:
-                if not any(sample.mask):
-                    continue  # a request that failed: nothing of the model's to train on
-                sample.meta.update(session=s.id, task_id=group.task_id, turns=s.episode.counters["calls"])
-                trajs.append(sample.trajectory(s.reward, group.id, sample.mask.index(1)))
+            trajs += s.episode.trajectories(
+                s.reward, group.id, session=s.id, task_id=group.task_id, turns=s.episode.counters["calls"]
+            )
         if not trajs:
             raise OnlineError(
                 f"group {group.id} (task {group.task_id}): no rewarded session made a completion"

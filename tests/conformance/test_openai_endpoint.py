@@ -124,7 +124,7 @@ async def test_chat_with_logprobs_then_a_token_exact_continuation(
     assert req2.input_ids == req1.input_ids + res1.output_ids + cont  # the output never re-tokenised
     assert r2.choices[0].message.content == tokenizer.decode(res2.output_ids, skip_special_tokens=True)
     (sample,) = episode.samples
-    assert sample.ids == req2.input_ids + res2.output_ids
+    assert sample.ids.tolist() == req2.input_ids + res2.output_ids
     assert [t for t, m in zip(sample.ids, sample.mask, strict=True) if m] == res1.output_ids + res2.output_ids
 
 
@@ -154,9 +154,9 @@ async def test_tool_call_round_trip(endpoint: tuple[ChatEndpoint, Recorder], tok
     assert r2.usage.prompt_tokens == len(req2.input_ids)
     assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
     (sample,) = episode.samples
-    assert sample.mask == [0] * len(req1.input_ids) + [1] * len(res1.output_ids) + [0] * len(cont) + [
-        1
-    ] * len(res2.output_ids)
+    assert sample.mask.tolist() == [0] * len(req1.input_ids) + [1] * len(res1.output_ids) + [0] * len(
+        cont
+    ) + [1] * len(res2.output_ids)
     assert episode.counters["continued"] == 1 and episode.counters["tool_calls"] >= 1
 
 

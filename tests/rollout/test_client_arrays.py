@@ -1,18 +1,25 @@
 """Per-token data as arrays from the client's read of the server's answer (issue 40): the answer
 is read into numpy arrays once, a resumed request's chunks are concatenated, a workflow's sample
-grows by concatenation, and its trajectory reaches the codec's frames without a conversion."""
+(an agent episode's too) grows by concatenation, and its trajectory reaches the codec's frames
+without a conversion."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from nodes.rollout.agents import AgentConfig, AgentWorkflow
 from nodes.rollout.chunks import parse_chunk, token_versions
 from nodes.rollout.client import GenRequest, GenResult, SGLangClient
+from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import Sample
 from protocols import codec
+from protocols.rl import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE, VERSIONS_DTYPE
 from protocols.sglang import weight_version_spans
 from tests.rollout.scripted import Answer, Script, Serve, reply
 from tests.rollout.test_client_mock import FAST
+from tests.rollout.test_openai_endpoint import Scripted, tokenizer  # noqa: F401 - the fixture
 
 PROMPT = np.arange(100, 400, dtype=np.int32)  # over the codec's inline limit: its own frame
 
@@ -145,8 +152,44 @@ def test_a_sample_started_from_an_array_grows_arrays_that_the_codec_sends_as_the
     assert [any(getattr(f, "obj", None) is a for f in frames[1:]) for a in fields] == [True] * 4
 
 
+async def two_turns(client: Any, item: Any) -> float:
+    """An agent that asks (a prompt long enough for every field to be a frame of its own), then
+    sends the answer back with a follow-up, which continues the first completion's ids."""
+    messages: list[Any] = [{"role": "user", "content": "word " * 1100}]
+    r = await client.chat.completions.create(model="p", messages=messages)
+    messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    await client.chat.completions.create(model="p", messages=messages)
+    return 1.0
+
+
+async def test_an_agent_episode_is_arrays_that_the_codec_sends_as_they_are(tokenizer: Any) -> None:  # noqa: F811
+    wf = AgentWorkflow(tokenizer, RewardRunner(lambda c, i: 0.0),
+                       AgentConfig(agent="tests.rollout.test_client_arrays:two_turns", n_samples=2))  # fmt: skip
+    gen = Scripted(tokenizer, ["Hello there.", "Hi.", "And more.", "More."])
+    try:
+        group = await wf.arun_episode(gen, {}, "g")
+    finally:
+        await wf.endpoint.aclose()
+    assert len(group.trajectories) == 2 and wf.counters["history_edits"] == 0  # one sequence per run
+    for t in group.trajectories:
+        fields = (t.input_ids, t.loss_mask, t.logprobs, t.versions)
+        assert [(type(a), a.dtype) for a in fields] == [
+            (np.ndarray, IDS_DTYPE), (np.ndarray, MASK_DTYPE), (np.ndarray, LOGPROBS_DTYPE), (np.ndarray, VERSIONS_DTYPE)
+        ]  # fmt: skip
+        assert t.loss_mask[: t.prompt_len].sum() == 0 and t.loss_mask[t.prompt_len] == 1
+        model = t.loss_mask == 1  # the model's two answers, as the scripted generator stamped them
+        assert (
+            t.meta["turns"] == 2
+            and set(t.versions[model].tolist()) == {7}
+            and set(t.versions[~model]) == {-1}
+        )
+        frames = codec.encode(t)
+        # each per-token field is its own frame, a view of the episode's array: no conversion, no copy
+        assert [any(getattr(f, "obj", None) is a for f in frames[1:]) for a in fields] == [True] * 4
+
+
 def test_a_sample_started_from_a_list_keeps_lists() -> None:
-    s = Sample([1, 2], 0.5)  # the OpenAI endpoint's samples: its code reads them as lists
+    s = Sample([1, 2], 0.5)  # a user's workflow may start one from a list: it keeps lists
     s.add_output(result([5, 6], 1))
     s.add_context([7])
     assert (s.ids, s.mask, s.logprobs, s.versions) == ([1, 2, 5, 6, 7], [0, 0, 1, 1, 0], [0.0, 0.0, -0.5, -0.5, 0.0],

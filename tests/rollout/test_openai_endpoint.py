@@ -129,11 +129,10 @@ async def test_tool_call_round_trip_is_one_token_exact_sequence(
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(new)
     (sample,) = episode.samples
     out2 = [*tokenizer.encode("The answer is 5.", add_special_tokens=False), tokenizer.eos_token_id]
-    assert sample.ids == second.input_ids + out2
-    assert sample.mask == [0] * len(first.input_ids) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
-    assert [v for v, m in zip(sample.versions, sample.mask, strict=True) if m] == [7] * (
-        len(out1) + len(out2)
-    )
+    assert sample.ids.tolist() == second.input_ids + out2
+    mask = [0] * len(first.input_ids) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
+    assert sample.mask.tolist() == mask
+    assert sample.versions[sample.mask == 1].tolist() == [7] * (len(out1) + len(out2))
     assert episode.counters == {"calls": 2, "continued": 1, "new_samples": 1, "tool_calls": 1, "errors": 0}
 
 

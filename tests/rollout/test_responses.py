@@ -92,7 +92,8 @@ async def test_a_function_call_round_trip_is_one_token_exact_sequence(
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(new)
     (sample,) = episode.samples
     out2 = out_ids(tokenizer, "The answer is 5.")
-    assert sample.mask == [0] * len(first.input_ids) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
+    mask = [0] * len(first.input_ids) + [1] * len(out1) + [0] * len(new) + [1] * len(out2)
+    assert sample.mask.tolist() == mask
     assert episode.counters == {"calls": 2, "continued": 1, "new_samples": 1, "tool_calls": 1, "errors": 0}
 
 

@@ -132,15 +132,6 @@ class EnvEpisodes:
         """The episode's token sequences as trajectories, each with ``reward``; ``info`` reaches the
         metrics as ``episode/<name>``. An episode whose model edited its history is several."""
         self.counters["history_edits"] += max(0, ep.counters["new_samples"] - 1)
-        out = []
-        for sample in ep.samples:
-            if not any(sample.mask):
-                continue  # a sample whose request failed: nothing of the model's to train on
-            sample.meta.update(turns=ep.counters["calls"], tool_calls=ep.counters["tool_calls"], info=info)
-            out.append(sample.trajectory(reward, gid, _prompt_len(sample.mask)))
-        return out
-
-
-def _prompt_len(mask: list[int]) -> int:
-    """Tokens before the model's first."""
-    return mask.index(1) if 1 in mask else len(mask)
+        return ep.trajectories(
+            reward, gid, turns=ep.counters["calls"], tool_calls=ep.counters["tool_calls"], info=info
+        )
