@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -210,7 +211,7 @@ class Connection:
             return fut
         self._pending[call_id] = fut
         self._sent[call_id] = (method, target, time.monotonic(), CURRENT_CALL.get())
-        fut.add_done_callback(lambda f, cid=call_id: self._on_future_done(cid, f))
+        fut.add_done_callback(functools.partial(self._on_future_done, call_id))
         self._put(env)
         return fut
 
@@ -299,8 +300,10 @@ class Connection:
             kind, call_id = msg[0], msg[1]
             if kind == Kind.RESULT:
                 fut = self._pending.pop(call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg[2])  # type: ignore[union-attr]
+                if isinstance(fut, StreamCall):  # a plain result answered a stream: fail it rather than hang
+                    fut._finish(TypeError("the remote method is not a generator: await it, not `async for`"))
+                elif fut is not None and not fut.done():
+                    fut.set_result(msg[2])
             elif kind == Kind.ERROR:
                 pending = self._pending.pop(call_id, None)
                 if pending is not None:

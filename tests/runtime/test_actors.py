@@ -330,6 +330,14 @@ async def test_generator_methods_refuse_submit_tell_and_group_calls(cluster) -> 
         await rlactors.ActorGroup([t]).gen(3)
 
 
+async def test_streaming_a_plain_method_is_a_type_error(cluster) -> None:
+    t = await cluster.spawn(Tricky)
+    with pytest.raises(TypeError, match="not a generator"):
+        async for _ in t.ping.stream():
+            pass
+    assert await wait_for(t.ping(), 10) == "pong"  # the connection still serves calls
+
+
 async def test_abandoned_stream_frees_the_actor(cluster) -> None:
     t = await cluster.spawn(Tricky, max_concurrency=1)
     async for x in t.gen(10**6):
