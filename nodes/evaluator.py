@@ -17,9 +17,10 @@ from typing import Any
 import structlog
 
 from nodes.metrics import accuracy_interval, interval_text
-from nodes.rollout.workflows import WorkflowSpec, build_workflow
+from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
 from nodes.trace import TRACE
 from protocols.auth import ServerKeys
+from protocols.rl import TrajectoryGroup
 
 __all__ = ["Evaluator", "eval_summary", "evaluate"]
 
@@ -27,13 +28,13 @@ log = structlog.get_logger(__name__)
 
 
 async def evaluate(
-    workflow: Any,
+    workflow: Workflow,
     urls: list[str],
     items: list[dict[str, Any]],
     version: int,
     keys: ServerKeys | None = None,
     records: list[dict[str, Any]] | None = None,
-    progress: Callable[[], None] | None = None,
+    progress: Callable[[], object] | None = None,
     lora: str = "",
 ) -> dict[str, float]:
     """Accuracy over ``items``: the mean over items of the mean reward of each item's samples (one
@@ -51,7 +52,7 @@ async def evaluate(
     client = SGLangClient(urls, ClientConfig(keys=keys or ServerKeys(), lora=lora), version=version)
     started = time.time()
 
-    async def one(i: int, item: dict[str, Any]) -> Any:
+    async def one(i: int, item: dict[str, Any]) -> TrajectoryGroup:
         group = await workflow.arun_episode(client, item, f"eval/v{version}/{i}")
         if progress is not None:
             progress()
@@ -87,7 +88,7 @@ async def evaluate(
     return out
 
 
-def _record(workflow: Any, item: dict[str, Any], group: Any, score: float) -> dict[str, Any]:
+def _record(workflow: Workflow, item: dict[str, Any], group: TrajectoryGroup, score: float) -> dict[str, Any]:
     """One item's result: what it was, its score, and each sample's completion as the model wrote it."""
     decode = getattr(getattr(workflow, "tokenizer", None), "decode", None)
     samples = []
@@ -125,9 +126,9 @@ class Evaluator:
         """``keys``: the servers' keys (:class:`protocols.auth.ServerKeys`), if they take any;
         ``lora``: the adapter name the policy is served under (adapter pushes), if any."""
         self.spec, self.items, self.keys, self.lora = spec, items, keys, lora
-        self.workflow: Any = None
+        self.workflow: Workflow | None = None
         self.results: list[dict[str, float]] = []
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[dict[str, float]] | None = None
 
     async def start(self, urls: list[str], version: int) -> None:
         """Begin evaluating ``version`` on ``urls``, unless an evaluation is still running."""

@@ -167,9 +167,9 @@ class _Unpickler(pickle.Unpickler):
     def _rebuild_cuda_tensor(self, *args: Any) -> Any:
         from torch.multiprocessing import reductions
 
-        args = list(args)
-        args[_DEVICE_ARG] = _local_gpu(args[_DEVICE_ARG], self.device)
-        return reductions.rebuild_cuda_tensor(*args)
+        rebuilt = list(args)
+        rebuilt[_DEVICE_ARG] = _local_gpu(rebuilt[_DEVICE_ARG], self.device)
+        return reductions.rebuild_cuda_tensor(*rebuilt)
 
 
 def _local_gpu(named: int | str, device: Any) -> int:

@@ -90,7 +90,7 @@ class TraceWriter:
 
     def write(self, events: list[dict[str, Any]]) -> None:
         """Append ``events`` (a :class:`TraceBuffer`'s, from any process)."""
-        lines = []
+        lines: list[dict[str, Any]] = []
         for e in events:
             pid = self._pid(e.pop("proc"), lines)
             tid = self._tid(pid, e.pop("thread"), lines)

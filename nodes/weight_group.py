@@ -80,7 +80,7 @@ def init_weight_update_group(
         [],
         dist.Backend(backend),
         dist.PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=c10d.GroupName(group_name),
         backend_options=None,
         timeout=timeout,
     )

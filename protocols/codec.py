@@ -34,6 +34,7 @@ import msgpack
 __all__ = [
     "CodecError",
     "array_field",
+    "array_metadata",
     "decode",
     "encode",
     "import_trusted",
@@ -60,7 +61,7 @@ PACK_BUFFER = 4096
 # encoder looks for large ones among at most this many container items per message, so a message
 # with a long list (token ids) costs no more than before, and its buffers deep inside go inline.
 LIFT_BUDGET = 64
-_BUFFER_KINDS = {bytes: "bytes", bytearray: "bytearray", memoryview: "memoryview"}
+_BUFFER_KINDS: dict[type, str] = {bytes: "bytes", bytearray: "bytearray", memoryview: "memoryview"}
 _LIFTED = frozenset((*_BUFFER_KINDS, list, tuple, dict))  # the types lift() looks at
 
 _MAIN_ALIASES = ("__main__", "__mp_main__")
@@ -114,7 +115,14 @@ def array_field(dtype: str, **kwargs: Any) -> Any:
     read-only numpy array, never a per-element msgpack list. ``kwargs`` go to
     :func:`dataclasses.field`.
     """
-    return dataclasses.field(metadata={_ARRAY_DTYPE: dtype}, **kwargs)
+    return dataclasses.field(metadata=array_metadata(dtype), **kwargs)
+
+
+def array_metadata(dtype: str) -> dict[str, str]:
+    """The metadata of an :func:`array_field`, for ``dataclasses.field(metadata=...)``: type
+    checkers know no field function but ``dataclasses.field``, and take ``array_field(...)`` for a
+    default value (so a field without one may not follow it)."""
+    return {_ARRAY_DTYPE: dtype}
 
 
 def register_type(
@@ -209,7 +217,7 @@ def _array_header(obj: Any, frames: list[Any]) -> list[Any]:
         a = np.ascontiguousarray(obj).reshape(np.shape(obj))  # ascontiguousarray makes 0-d arrays 1-d
         if a.dtype.hasobject:
             raise CodecError("numpy arrays of Python objects cannot be sent (no pickle on the wire)")
-        buf = memoryview(a).cast("B") if a.size else b""
+        buf = a.data.cast("B") if a.size else b""
         kind, shape, dtype = "numpy", list(a.shape), a.dtype.str
     if len(buf) <= INLINE_LIMIT:
         return [kind, dtype, shape, bytes(buf)]

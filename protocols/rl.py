@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.codec import array_field, register
+from protocols.codec import array_metadata, register
 
 __all__ = ["Batch", "Trajectory", "TrajectoryError", "TrajectoryGroup"]
 
@@ -51,10 +51,11 @@ class Trajectory:
     fields should treat them as sequences (``len``, indexing, ``numpy.asarray``), not as lists.
     """
 
-    input_ids: Sequence[int] = array_field(IDS_DTYPE)
-    loss_mask: Sequence[int] = array_field(MASK_DTYPE)
-    logprobs: Sequence[float] = array_field(LOGPROBS_DTYPE)
-    versions: Sequence[int] = array_field(VERSIONS_DTYPE)
+    # raw arrays on the wire (codec.array_field), declared with field() so a checker sees no default
+    input_ids: Sequence[int] = field(metadata=array_metadata(IDS_DTYPE))
+    loss_mask: Sequence[int] = field(metadata=array_metadata(MASK_DTYPE))
+    logprobs: Sequence[float] = field(metadata=array_metadata(LOGPROBS_DTYPE))
+    versions: Sequence[int] = field(metadata=array_metadata(VERSIONS_DTYPE))
     reward: float
     group_id: str
     prompt_len: int

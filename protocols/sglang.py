@@ -9,7 +9,7 @@ ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, Union
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -45,13 +45,14 @@ def error_body(message: str) -> dict[str, Any]:
 _TAG = "*"  # prefix of the union tags below; they are dropped from error locations
 
 
-def _one_or_list(item: Any) -> Any:
-    """``item | list[item]`` as SGLang decodes it: a JSON array is the list form, anything else
-    must be one ``item`` (so an error names one branch, not both)."""
-    return Annotated[
-        Union[Annotated[item, Tag(_TAG + "one")], Annotated[list[item], Tag(_TAG + "list")]],
-        Discriminator(lambda v: _TAG + ("list" if isinstance(v, list) else "one")),
-    ]
+_Item = TypeVar("_Item")
+
+# ``_one_or_list[X]``: ``X | list[X]`` as SGLang decodes it: a JSON array is the list form, anything
+# else must be one ``X`` (so an error names one branch, not both)
+_one_or_list = Annotated[
+    Union[Annotated[_Item, Tag(_TAG + "one")], Annotated[list[_Item], Tag(_TAG + "list")]],
+    Discriminator(lambda v: _TAG + ("list" if isinstance(v, list) else "one")),
+]
 
 
 def _is_batch_ids(v: Any) -> bool:
@@ -192,9 +193,9 @@ class SamplingParams(_Body):
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    stop: _one_or_list(str) | None = None
+    stop: _one_or_list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stop_regex: _one_or_list(str) | None = None
+    stop_regex: _one_or_list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -284,18 +285,18 @@ class GenerateRequest(_Body):
     _wire: ClassVar[str] = "GenerateReqInput"
     _null_is_default: ClassVar[bool] = True
 
-    text: _one_or_list(str) | None = None
+    text: _one_or_list[str] | None = None
     input_ids: TokenIdsOrBatch | None = None
-    sampling_params: _one_or_list(SamplingParams) | None = None
-    rid: _one_or_list(str) | None = None
-    return_logprob: _one_or_list(bool) = False
-    logprob_start_len: _one_or_list(int) = -1
-    top_logprobs_num: _one_or_list(int) = 0
+    sampling_params: _one_or_list[SamplingParams] | None = None
+    rid: _one_or_list[str] | None = None
+    return_logprob: _one_or_list[bool] = False
+    logprob_start_len: _one_or_list[int] = -1
+    top_logprobs_num: _one_or_list[int] = 0
     token_ids_logprob: TokenIdsOrBatch | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
-    return_hidden_states: _one_or_list(bool) = False
+    return_hidden_states: _one_or_list[bool] = False
     lora_path: Annotated[_OptStrOrList, Field(union_mode="left_to_right")] = None
     custom_logit_processor: Annotated[_OptStrOrList, Field(union_mode="left_to_right")] = None
     bootstrap_host: Annotated[_OptStrOrList, Field(union_mode="left_to_right")] = None
@@ -310,7 +311,7 @@ class GenerateRequest(_Body):
     session_params: Any = None
     modalities: list[str | None] | None = None
     routed_dp_rank: int | None = None
-    extra_key: _one_or_list(str) | None = None
+    extra_key: _one_or_list[str] | None = None
 
     @model_validator(mode="after")
     def _one_prompt_kind(self) -> Self:

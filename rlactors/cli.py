@@ -113,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         head_cmd += ["--retain-finished", str(retain)]
     head_log = log_dir / "head.log"
     head = _launch(head_cmd, head_log)
-    state: dict[str, Any] = {
+    state = {
         "address": cfg.address,
         "secret_file": str(secret),
         "config": str(Path(args.config).resolve()),

@@ -265,7 +265,7 @@ SPAWN_OPTIONS = frozenset(
 _warned: set[type] = set()
 
 
-def _warn_shadowed_options(cls: type, kwargs: dict[str, Any]) -> None:
+def _warn_shadowed_options(cls: type[Any], kwargs: dict[str, Any]) -> None:
     """spawn() keeps its own options; a constructor parameter of the same name never receives them."""
     if cls in _warned:
         return

@@ -291,7 +291,7 @@ class Head:
             max_restarts=int(request.get("max_restarts", 0)),
             node_id=nid,
         )
-        if bundle is not None:
+        if placement is not None and bundle is not None:
             rec.bundle = (placement[0], int(placement[1]))
             rec.gpus = list(bundle["gpus"])
             bundle["actor"] = rec.actor_id

@@ -402,7 +402,7 @@ class RuntimeClient:
                 conn = self._conns.get(st.address) if st.state == "ALIVE" else None
                 if st.state == "ALIVE" and (conn is None or conn.closed or conn.linked):
                     return
-                waits = [asyncio.ensure_future(st.changed.wait())]
+                waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(st.changed.wait())]
                 if conn is not None:
                     waits.append(asyncio.ensure_future(conn.wait_link()))
                 try:

@@ -273,7 +273,7 @@ class Service:
             self._credits[key] = _Credit()
             self._running[key] = loop.create_task(self._run_stream(key, fn, kind, args, kwargs))
         self._started[key] = (method, time.monotonic())
-        self._running[key].add_done_callback(lambda _, k=key: self._started.pop(k, None))
+        self._running[key].add_done_callback(lambda _: self._started.pop(key, None))
 
     def activity(self) -> dict[str, Any]:
         """What this service is doing: how many calls run, and the oldest one's method and age."""

@@ -82,7 +82,8 @@ def check_ranges(obj: Any) -> None:
     """Raise ``ValueError("'key' must be >= 1, got 0")`` for the first field of dataclass ``obj``
     outside the range its metadata declares, or not one of its ``Literal`` type's values; None
     passes a range (an unset optional)."""
-    hints = _hints(type(obj))
+    cls: type = type(obj)
+    hints = _hints(cls)
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         check = f.metadata.get("check")
@@ -196,7 +197,7 @@ def from_dict(
     class the sibling field names: ``resolve(sibling value)`` gives that class (a dataclass) and the
     table is built as it."""
     hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # T is unbound: any dataclass class
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else key
@@ -263,7 +264,7 @@ def _settings_class(
 def _as_settings(current: Any, tp: Any) -> Any:
     """``current`` as a ``tp`` when ``tp`` is its class or a subclass (a workflow that extends
     another keeps the settings given so far), else None (start from ``tp``'s defaults)."""
-    if current is None or isinstance(current, type) or not dataclasses.is_dataclass(current):
+    if current is None or not dataclasses.is_dataclass(current) or isinstance(current, type):
         return None
     if type(current) is tp:
         return current
@@ -354,7 +355,7 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         docs.update(_declared_docs(klass))
-    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
 
 
 _DIRECTIVES = ("type:", "noqa", "pragma:", "fmt:")
@@ -395,7 +396,7 @@ def _declared_docs(cls: type) -> dict[str, str]:
 def allowed_values(cls: type, name: str) -> str:
     """What field ``name`` of dataclass ``cls`` allows beyond its type, in words: its ``Literal``
     choices or the range its metadata declares ("" when nothing more)."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]  # type: ignore[arg-type]
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
     choices = _literal_values(_hints(cls).get(name))
     if choices is not None:
         return "one of " + ", ".join(_toml_value(c) if c is not None else "unset" for c in choices)
@@ -494,7 +495,7 @@ def _markdown_table(
     cls = obj if isinstance(obj, type) else type(obj)
     docs, hints = field_docs(cls), _hints(cls)
     rows, tables = [], []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         if isinstance(obj, type):
             value = _REQUIRED if _is_required(f) else _default(f)
         else:

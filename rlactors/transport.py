@@ -47,7 +47,7 @@ import functools
 import operator
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -209,9 +209,7 @@ def _join(frames: list[Any]) -> list[Any]:
         if c == 1:
             out.append(frames[i])
         else:  # one copy, into memory the decoded values may keep (np.concatenate: the fastest here)
-            out.append(
-                memoryview(np.concatenate([np.frombuffer(f.buffer, np.uint8) for f in frames[i : i + c]]))
-            )
+            out.append(np.concatenate([np.frombuffer(f.buffer, np.uint8) for f in frames[i : i + c]]).data)
         i += c
     return out
 
@@ -286,7 +284,7 @@ class AsyncSocket:
         self._whole = whole_frames  # send frames uncut (ipc: no stranger can connect)
         self._size_log = Throttle(log, "refused a message over max_message_bytes", REJECT_LOG_EVERY_S)
         self._loop = asyncio.get_running_loop()
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = sock.fileno()
         # Per peer (its identity; None for a DEALER's one peer), only while it has a backlog.
         self._backlogs: dict[bytes | None, _Backlog] = {}
         self.backlog_bytes = _send_backlog_bytes  # a peer's backlog is full at this many bytes
@@ -412,7 +410,7 @@ class AsyncSocket:
             raise
         finally:
             # A send can consume the fd's edge for pending input: check explicitly.
-            if not self.closed and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # an int option
                 self._schedule_drain()
         return _SENT
 
@@ -616,7 +614,7 @@ def bind_router(
     return asock, concrete
 
 
-_HANDSHAKE_FAILED = {
+_HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "its handshake failed (wrong key or secret, or no security)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "its handshake failed",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import Engine
@@ -57,7 +57,8 @@ async def build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, Se
         texts = [engine.fit_text(t) for t in (req.text if isinstance(req.text, list) else [req.text])]
         prompts = await engine.tokenize(texts)
     else:
-        prompts = req.input_ids if req.is_batch else [req.input_ids]  # type: ignore[list-item]
+        # no text: input_ids is given (GenerateRequest checks one of them is), a batch or one prompt
+        prompts = cast(list[list[int]], req.input_ids if req.is_batch else [req.input_ids])
     seqs = []
     for i, (ids, sp, rid) in enumerate(zip(prompts, sps, rids, strict=True)):
         field = "text" if req.text is not None else "input_ids"
@@ -138,8 +139,8 @@ def refuse_unlaunched_features(req: GenerateRequest, lora: bool = False) -> None
             "Please set `--enable-custom-logit-processor` to enable this feature."
         )
     if req.lora_path and not lora:  # SGLang tests the field itself: a list of nulls is "requested" too
-        lora = req.lora_path
-        first = lora if isinstance(lora, str) else next((a for a in lora if a), None)
+        paths = req.lora_path
+        first = paths if isinstance(paths, str) else next((a for a in paths if a), None)
         raise ProtocolError(
             f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server "
             "with --enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."

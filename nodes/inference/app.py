@@ -451,7 +451,7 @@ def create_app(engine: Engine, keys: ServerKeys | None = None) -> Starlette:
     middleware = [Middleware(KeyCheck, keys=keys)] if keys else []
     return Starlette(
         routes=routes,
-        exception_handlers=handlers,  # type: ignore[arg-type]
+        exception_handlers=handlers,
         lifespan=lifespan,
         middleware=middleware,
     )

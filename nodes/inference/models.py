@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import structlog
 
@@ -103,7 +104,7 @@ def ensure_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
 
     def build(dst: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
         gguf = smollm2_gguf_path()
         quantized = AutoModelForCausalLM.from_pretrained(
@@ -112,7 +113,7 @@ def ensure_smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
         config = quantized.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(cast(LlamaConfig, config))  # SmolLM2 is a Llama
         model.load_state_dict(quantized.state_dict())
         model.generation_config = quantized.generation_config
         model.save_pretrained(str(dst))
@@ -152,14 +153,14 @@ def ensure_tiny_checkpoint(
             num_key_value_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
             max_position_embeddings=8192,
             rms_norm_eps=1e-5,
-            rope_theta=100000.0,
+            rope_theta=100000.0,  # type: ignore[call-arg]  # transformers 5 types rope_parameters; rope_theta works on 4.x and 5.x
             tie_word_embeddings=tied,
             bos_token_id=1,
             eos_token_id=2,
             pad_token_id=2,
         )
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types the wrapped .to() as taking the model
         model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
         model.save_pretrained(str(dst))
         for f in ensure_smollm2_tokenizer(root).iterdir():

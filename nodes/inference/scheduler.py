@@ -25,7 +25,7 @@ import collections
 import contextlib
 import functools
 import re
-import re._parser as re_parser
+import re._parser as re_parser  # type: ignore[import-not-found]  # typeshed stubs only sre_parse, its old name
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -178,7 +178,7 @@ class Scheduler:
             interval = req.seq.params.stream_interval or 1
             sent = 0
             while not fut.done():
-                waiter = asyncio.ensure_future(req.progress.wait())
+                waiter: asyncio.Future[Any] = asyncio.ensure_future(req.progress.wait())
                 try:
                     await asyncio.wait([fut, waiter], return_when=asyncio.FIRST_COMPLETED)
                 finally:
@@ -301,7 +301,8 @@ class Scheduler:
             for req in admit:
                 ids = req.seq.ids
                 # the prompt's log-probs are computed from logprob_start on: no cache before it (SGLang's rule)
-                cut = min(req.seq.logprob_start, len(ids) - 1) if req.seq.wants_input else len(ids) - 1
+                start = req.seq.logprob_start if req.seq.wants_input else None
+                cut = len(ids) - 1 if start is None else min(start, len(ids) - 1)
                 # KV made with a LoRA adapter is that adapter's alone: such requests skip the cache
                 match = self.cache.match(ids[: 0 if req.seq.lora is not None else cut])
                 req.seq.cached_len, req.seq.cached_kv = match.length, match.kv
@@ -381,8 +382,10 @@ class Scheduler:
                 tail = self.backend.detokenize(out[-_regex_tail_tokens(pattern) :], p.skip_special_tokens)
                 if re.search(pattern, tail):
                     return finish_stop(pattern)
-        if len(out) >= p.max_new_tokens:
-            return finish_length(p.max_new_tokens)
+        limit = p.max_new_tokens
+        assert limit is not None, "max_new_tokens is resolved before scheduling (Engine.check_length)"
+        if len(out) >= limit:
+            return finish_length(limit)
         return None
 
     def _reap_aborts(self) -> None:

@@ -158,10 +158,12 @@ def from_namespace(ns: argparse.Namespace, cls: type = ServerArgs, prefix: str =
     kwargs = {}
     for f in dataclasses.fields(cls):
         tp, _ = _scalar(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = from_namespace(ns, tp, prefix=f"{prefix}{f.name}_")  # type: ignore[arg-type]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            kwargs[f.name] = from_namespace(ns, tp, prefix=f"{prefix}{f.name}_")
         elif values[prefix + f.name] is None and get_origin(tp) is list:  # a repeatable flag not given
-            kwargs[f.name] = f.default_factory()  # type: ignore[misc]
+            kwargs[f.name] = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
         else:
             kwargs[f.name] = values[prefix + f.name]
     return cls(**kwargs)
@@ -176,7 +178,7 @@ def to_argv(settings: Any, cls: type | None = None, prefix: str = "") -> list[st
     for f in dataclasses.fields(cls):
         value = getattr(settings, f.name)
         tp, _ = _scalar(hints[f.name])
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             argv += to_argv(value, tp, prefix=f"{prefix}{f.name}-")
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import structlog
 
@@ -157,8 +157,8 @@ def _symbolic_worker(conn: Any) -> None:
         while True:
             ref, pred = conn.recv()
             try:
-                gold = parse(f"${ref}$", parsing_timeout=None)  # type: ignore[arg-type]
-                guess = parse(f"${pred}$", parsing_timeout=None)  # type: ignore[arg-type]
+                gold = parse(f"${ref}$", parsing_timeout=None)
+                guess = parse(f"${pred}$", parsing_timeout=None)
                 ok = bool(gold) and bool(guess) and bool(verify(gold, guess, timeout_seconds=None))
             except Exception:
                 ok = False
@@ -256,12 +256,15 @@ class RewardRunner:
         self.counters["calls"] += 1
         try:
             if self._is_async:
-                value = await wait_for(self.fn(completion, item), self.timeout_s)  # type: ignore[arg-type]
+                # _is_async: fn returns an awaitable
+                value = await wait_for(cast(Awaitable[float], self.fn(completion, item)), self.timeout_s)
             else:
                 loop = asyncio.get_running_loop()
-                fut = loop.run_in_executor(self._pool, self.fn, completion, item)
-                value = await wait_for(fut, self.timeout_s)
-            return float(value)  # type: ignore[arg-type]
+                sync_fn = cast(Callable[[str, Any], float], self.fn)
+                value = await wait_for(
+                    loop.run_in_executor(self._pool, sync_fn, completion, item), self.timeout_s
+                )
+            return float(value)
         except TimeoutError:
             self.counters["timeouts"] += 1
             log.warning("reward.timeout", timeout_s=self.timeout_s)

@@ -148,11 +148,17 @@ class Sample:
     (the OpenAI endpoint's samples), they are lists, for code that reads them as lists.
     """
 
-    def __init__(self, prompt_ids: Sequence[int], temperature: float) -> None:
+    # numpy arrays or lists, as the prompt came
+    ids: Any
+    mask: Any
+    logprobs: Any
+    versions: Any
+
+    def __init__(self, prompt_ids: Sequence[int] | np.ndarray, temperature: float) -> None:
         self.temperature = temperature
         n = len(prompt_ids)
         if isinstance(prompt_ids, np.ndarray):
-            self.ids: Any = np.array(prompt_ids, dtype=IDS_DTYPE)
+            self.ids = np.array(prompt_ids, dtype=IDS_DTYPE)
             self.mask, self.logprobs, self.versions = _context(n)
         else:
             self.ids, self.mask, self.logprobs, self.versions = list(prompt_ids), [0] * n, [0.0] * n, [-1] * n
@@ -183,7 +189,9 @@ class Sample:
         """Append tokens the model did not generate (mask 0): a template's turn, a tool's result."""
         self._extend(ids, *_context(len(ids)))
 
-    def _extend(self, ids: Sequence[int], mask: np.ndarray, logprobs: Any, versions: Any) -> None:
+    def _extend(
+        self, ids: Sequence[int] | np.ndarray, mask: np.ndarray, logprobs: Any, versions: Any
+    ) -> None:
         if isinstance(self.ids, list):
             self.ids += _as_list(ids)
             self.mask += mask.tolist()
@@ -217,7 +225,7 @@ def _context(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.zeros(n, MASK_DTYPE), np.zeros(n, LOGPROBS_DTYPE), np.full(n, -1, VERSIONS_DTYPE)
 
 
-def _as_list(values: Sequence[Any]) -> list[Any]:
+def _as_list(values: Sequence[Any] | np.ndarray) -> list[Any]:
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 

@@ -82,12 +82,12 @@ def _improve(bins: list[list[int]], sizes: Sequence[int], max_rounds: int = 64) 
                         best = (cand, a, b)
         if best is None:
             return
-        _, a, b = best
+        _, a, swap = best
         bins[hi].remove(a)
         bins[lo].append(a)
-        if b is not None:
-            bins[lo].remove(b)
-            bins[hi].append(b)
+        if swap is not None:
+            bins[lo].remove(swap)
+            bins[hi].append(swap)
 
 
 def split_across_ranks(sizes: Sequence[int], n_ranks: int) -> list[list[int]]:

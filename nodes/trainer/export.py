@@ -258,7 +258,7 @@ def _load(ckpt: Path, base: Path, keys: dict[str, Any], lora: dict[str, Any] | N
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     if lora is not None:
         from nodes.trainer.config import LoraConfig
         from nodes.trainer.lora import apply_lora

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -77,7 +77,7 @@ def _apply_fsdp(model: torch.nn.Module, mesh: Any, bf16: bool) -> torch.nn.Modul
     kw: dict[str, Any] = {"mesh": mesh}
     if mp is not None:
         kw["mp_policy"] = mp
-    layers = model.get_decoder().layers
+    layers = model.get_decoder().layers  # type: ignore[operator]  # a transformers model's method; torch types Module attributes as Tensor | Module
     for i, layer in enumerate(layers):
         # the last layer's params are needed again at once by backward: keep them gathered
         fully_shard(layer, reshard_after_forward=i < len(layers) - 1, **kw)
@@ -90,7 +90,7 @@ def _build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     stepped once per optimizer step."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
     )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
 
@@ -105,7 +105,7 @@ def _load_model(path: str, cfg: TrainConfig, mesh: Any, train: bool) -> torch.nn
     if train and cfg.lora.enabled:  # adapters before sharding: FSDP2 shards them with their layer
         from nodes.trainer.lora import apply_lora
 
-        model = apply_lora(model, cfg.lora)
+        return _apply_fsdp(apply_lora(model, cfg.lora), mesh, cfg.bf16)
     return _apply_fsdp(model, mesh, cfg.bf16)
 
 
@@ -151,7 +151,7 @@ class FSDPTrainer:
     def _ref_logp(self, mb: MicroBatch) -> torch.Tensor | None:
         """The KL term's reference log-probs, or None without a KL term."""
         if self.ref_is_base:
-            with self.model.disable_adapter():  # peft's switch: the base weights alone
+            with self.model.disable_adapter():  # type: ignore[operator]  # peft's switch (the base weights alone); torch types Module attributes as Tensor | Module
                 return self._recompute(self.model, mb)
         return self._recompute(self.ref_model, mb) if self.ref_model is not None else None
 
@@ -325,7 +325,7 @@ class FSDPTrainer:
         """Names of the parameters (and with ``optimizer``, optimizer states such as
         ``lm_head.weight:exp_avg``) holding inf or nan on any rank; collective, same on every rank."""
         names = {p: n for n, p in self.model.named_parameters()}
-        tensors = [(n, p) for p, n in names.items()]
+        tensors: list[tuple[str, torch.Tensor]] = [(n, p) for p, n in names.items()]
         if optimizer:
             for p, st in self.optimizer.state.items():
                 tensors += [(f"{names[p]}:{k}", v) for k, v in st.items() if torch.is_tensor(v)]
@@ -390,7 +390,10 @@ class FSDPTrainer:
 
         from nodes.trainer.lora import merge_state_dict
 
-        sd = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        sd = cast(  # a model's state (no optimizer's): tensors only
+            dict[str, torch.Tensor],
+            get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            ),
         )
         return merge_state_dict(self.model, sd) if sd else sd

@@ -178,7 +178,8 @@ class ParamGatherer:
         return buf
 
     @staticmethod
-    def _view(buf: torch.Tensor, s: Spec) -> torch.Tensor:
+    def _view(buf: torch.Tensor | None, s: Spec) -> torch.Tensor:
+        assert buf is not None, "a rank with no buffer (not rank 0, not sharing its memory) views none"
         return buf[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
     def flat(self, k: int) -> torch.Tensor:
@@ -196,14 +197,14 @@ class ParamGatherer:
         on rank 0, ``[]`` elsewhere. The views stay valid until bucket ``k + 2`` is gathered."""
         bucket = self.buckets[k]
         if not self.p2p:
-            full = [(s, s.param.full_tensor() if isinstance(s.param, DTensor) else s.param) for s in bucket]
-            full = [(s, s.adjust(t, True) if s.adjust else t) for s, t in full]
+            whole = [(s, s.param.full_tensor() if isinstance(s.param, DTensor) else s.param) for s in bucket]
+            whole = [(s, s.adjust(t, True) if s.adjust else t) for s, t in whole]
             if self.rank != 0:
                 return []
-            buf = self._buffer(k)
-            for s, t in full:
-                self._view(buf, s).copy_(t.detach())
-            return [(s.name, self._view(buf, s)) for s in bucket]
+            dst = self._buffer(k)
+            for s, t in whole:
+                self._view(dst, s).copy_(t.detach())
+            return [(s.name, self._view(dst, s)) for s in bucket]
         shared = self.shared_ranks
         if shared:  # rank 0 arrives once bucket k - 2 is off the wire: its buffer may be rewritten
             dist.barrier()

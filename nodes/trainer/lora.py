@@ -63,7 +63,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates an int; a float scales as well (alpha / r)
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         bias="none",
@@ -182,7 +182,7 @@ def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ]
     out = {k: _full(p).cpu() for k, p in named if k not in set(rows)}
     if rows:
-        params = dict(named)
+        params = {k: p for k, p in named if isinstance(p, DTensor)}  # rows are DTensors' names
         group = params[rows[0]].device_mesh.get_group()
         mine = [params[k].to_local().cpu() for k in rows]
         gathered: list[Any] = [None] * dist.get_world_size(group)

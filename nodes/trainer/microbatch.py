@@ -47,8 +47,8 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         """Move the tensors (non-blocking where the source is pinned)."""
 
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+        def mv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
         return MicroBatch(
             self.seqs,
@@ -59,8 +59,8 @@ class MicroBatch:
             mv(self.advantages),
             self.n_tokens,
             mv(self.temperature),
-            mv(self.prox_logp),
-            mv(self.ref_logp),
+            None if self.prox_logp is None else mv(self.prox_logp),
+            None if self.ref_logp is None else mv(self.ref_logp),
         )
 
 

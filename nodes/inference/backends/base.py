@@ -97,10 +97,15 @@ class InputLogprobs:
 class Backend(Protocol):
     """A model (or a simulation of one) that the scheduler drives step by step."""
 
-    kv_ops: KVOps
     eos_token_ids: set[int]
     vocab_size: int
     weights_id: str
+
+    @property
+    def kv_ops(self) -> KVOps:
+        """How the scheduler's KV cache reads and writes this backend's state (read-only, so an
+        implementation may declare its own KVOps class)."""
+        ...
 
     async def prefill(self, seqs: list[Seq]) -> list[Sample]:
         """Compute KV for ``seq.ids[seq.cached_len:]`` on top of ``seq.cached_kv``; sample one token each."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -94,7 +94,7 @@ class HFBackend:
         torch.manual_seed(seed)
         self._device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self._device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self._device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self._device)  # type: ignore[arg-type]  # transformers types the wrapped .to() as taking the model
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         self.vocab_size = int(self.model.config.vocab_size)
@@ -313,7 +313,7 @@ class HFBackend:
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Tokenizer decode."""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))  # one sequence
 
     async def load_from_disk(self, path: str) -> tuple[bool, str]:
         """Load a safetensors folder into the live model; on any error the model is unchanged."""

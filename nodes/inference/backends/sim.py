@@ -231,9 +231,9 @@ class SimBackend:
             out.lps.append(lp - step * self._rank(g, ids[p]))
             if seq.wants_extras:
                 top, lps = self._extras(seq, g, lp)
-                if out.top is not None:
+                if out.top is not None and top is not None:
                     out.top.append(top)
-                if out.ids is not None:
+                if out.ids is not None and lps is not None:
                     out.ids.append(lps)
         return out
 
