@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx  # control calls, a few per server per push: client CPU per call (what chose /generate's wire) does not count
 import structlog
@@ -23,6 +23,12 @@ import structlog
 import rlactors
 from protocols.auth import ServerKeys
 from protocols.sglang import ContinueGenerationRequest, request_body
+
+if TYPE_CHECKING:
+    from nodes.governor import GovernorActor
+    from nodes.inference.pool import InferencePool
+    from nodes.rollout.actor import RolloutHandle
+    from nodes.trainer.rank import TrainerRank
 
 __all__ = ["HEALTH_TIMEOUT_S", "PolicySync"]
 
@@ -44,10 +50,10 @@ class PolicySync:
     def __init__(
         self,
         cluster: rlactors.Cluster,
-        ranks: Any,
+        ranks: rlactors.ActorGroup[TrainerRank],
         urls: list[str],
         report: Callable[[str], Any] | None = None,
-        pool: Any = None,
+        pool: rlactors.ActorHandle[InferencePool] | None = None,
         keys: ServerKeys | None = None,
     ) -> None:
         self.cluster, self.ranks, self.pool = cluster, ranks, pool
@@ -55,14 +61,14 @@ class PolicySync:
         self.group = list(urls)
         self.planned = self.told = len(urls)  # governor's max_concurrent is for this many; told it
         self.joined = self.left = 0  # servers that joined / left routing, in all (metrics)
-        self.governor: Any = None
-        self.rollouts: list[Any] = []
+        self.governor: rlactors.ActorHandle[GovernorActor] | None = None
+        self.rollouts: list[RolloutHandle] = []
         self.report = report or (lambda line: log.warning(line))
         # keys: the servers' (protocols.auth); each call carries the one its route needs
         self.keys = keys or ServerKeys()
         self.http = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, auth=self.keys or None)
 
-    def attach(self, governor: Any, rollouts: list[Any]) -> None:
+    def attach(self, governor: rlactors.ActorHandle[GovernorActor], rollouts: list[RolloutHandle]) -> None:
         """The rollout plane that :meth:`publish` pauses, resumes and tells new versions to."""
         self.governor, self.rollouts = governor, list(rollouts)
 

@@ -13,7 +13,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import rlactors
 from nodes.buffer import BufferActor
@@ -27,7 +27,11 @@ from nodes.trace import TRACE, TraceWriter
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.rank import TrainerRank
 from protocols.auth import ServerKeys
+from protocols.rl import Batch
 from recipes.gsm8k_config import ModelConfig, RecipeConfig
+
+if TYPE_CHECKING:
+    from nodes.inference.pool import InferencePool
 
 __all__ = [
     "Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "start_workflow_actors", "with_keys",
@@ -82,7 +86,7 @@ def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
 
 async def start_pool(
     cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path
-) -> tuple[Any, list[str]]:
+) -> tuple[rlactors.ActorHandle[InferencePool], list[str]]:
     """The ``inference-pool`` actor and its first servers, each healthy; each server writes its log
     to ``<out>/servers/server-<i>.log`` on its host. Servers join, leave and are replaced through
     the pool during the run (``rlactors pool``)."""
@@ -157,16 +161,16 @@ class Plane:
     actor changes them at each publish)."""
 
     cluster: rlactors.Cluster
-    ranks: rlactors.ActorGroup
+    ranks: rlactors.ActorGroup[TrainerRank]
     sync: PolicySync
-    governor: Any
-    buffer: Any
+    governor: rlactors.ActorHandle[GovernorActor]
+    buffer: rlactors.ActorHandle[BufferActor]
     rollouts: list[RolloutHandle]
     tracer: TraceWriter | None = None  # the run's timeline (run.trace)
     restarts: int = 0  # rollout-actor restarts reported so far
     servers_seen: tuple[int, int] = (0, 0)  # sync.joined, sync.left at the last step
 
-    async def get_batch(self, size: int, version: int, timeout: float) -> Any:
+    async def get_batch(self, size: int, version: int, timeout: float) -> Batch:
         """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed)."""
         try:
             return await self.buffer.get_batch(size, version, timeout)

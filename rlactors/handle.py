@@ -14,6 +14,7 @@ without it (pyright has no plugins) a handle's methods are ``Any``: unchecked, a
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast
 
@@ -24,7 +25,7 @@ from rlactors.forensics import CURRENT_CALL
 from rlactors.methods import ASYNCGEN, GEN
 from rlactors.runtime import GroupCall, current_client
 
-__all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod", "StreamMethod"]
+__all__ = ["ActorGroup", "ActorHandle", "ActorMethod", "GroupMethod", "HandleProxy", "StreamMethod"]
 
 T = TypeVar("T")  # the actor class
 P = ParamSpec("P")  # a method's parameters, less self
@@ -196,6 +197,25 @@ class ActorGroup(Sequence[ActorHandle[T]]):
 
     def __repr__(self) -> str:
         return f"<ActorGroup of {len(self.handles)}>"
+
+
+class HandleProxy(Generic[T]):
+    """A stand-in for an ``ActorHandle[T]`` that makes each call its own way (e.g. again after the
+    actor restarts): ``await proxy.method(...)`` calls :meth:`_call` with the method's name.
+
+    With the mypy plugin, ``proxy.add`` of a ``HandleProxy[Counter]`` subclass is typed from
+    ``Counter.add``: ``(k: int) -> Coroutine[Any, Any, int]``; a name the class has no public
+    method for is an error.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return functools.partial(self._call, name)
+
+    async def _call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` of the actor with ``args`` and ``kwargs``; its result."""
+        raise NotImplementedError
 
 
 class GroupMethod(Generic[P, R]):

@@ -4,8 +4,9 @@
 no type checker can follow; this plugin gives it the type of ``Counter.add`` seen from the caller:
 ``ActorMethod[(k: int), int]`` (``await h.add(2)`` is an ``int``, ``h.add.submit(2)`` an
 ``asyncio.Future[int]``), a :class:`~rlactors.handle.StreamMethod` for a generator method, and a
-``GroupMethod[(k: int), int]`` on an ``ActorGroup[Counter]``. A name the class has no public method
-for is an error, as it is at run time. Enable it in the mypy configuration::
+``GroupMethod[(k: int), int]`` on an ``ActorGroup[Counter]``, and ``(k: int) -> Coroutine[Any, Any,
+int]`` on a subclass of ``HandleProxy[Counter]``. A name the class has no public method for is an
+error, as it is at run time. Enable it in the mypy configuration::
 
     [tool.mypy]
     plugins = ["rlactors.mypy"]
@@ -17,6 +18,7 @@ import functools
 from collections.abc import Callable
 
 from mypy.errorcodes import ATTR_DEFINED
+from mypy.maptype import map_instance_to_supertype
 from mypy.nodes import Decorator, FuncDef, TypeInfo
 from mypy.plugin import AttributeContext, Plugin
 from mypy.subtypes import find_member
@@ -26,13 +28,14 @@ __all__ = ["plugin"]
 
 HANDLE = "rlactors.handle.ActorHandle"
 GROUP = "rlactors.handle.ActorGroup"
+PROXY = "rlactors.handle.HandleProxy"
 
 
 class RlactorsPlugin(Plugin):
     def get_attribute_hook(self, fullname: str) -> Callable[[AttributeContext], Type] | None:
         owner, _, name = fullname.rpartition(".")
-        if owner in (HANDLE, GROUP) and not name.startswith("_"):
-            return functools.partial(_method_type, name=name, group=owner == GROUP)
+        if owner in (HANDLE, GROUP, PROXY) and not name.startswith("_"):
+            return functools.partial(_method_type, name=name, owner=owner)
         return None
 
 
@@ -41,10 +44,15 @@ def plugin(version: str) -> type[Plugin]:
     return RlactorsPlugin
 
 
-def _method_type(ctx: AttributeContext, *, name: str, group: bool) -> Type:
+def _method_type(ctx: AttributeContext, *, name: str, owner: str) -> Type:
     handle = get_proper_type(ctx.type)
-    if not isinstance(handle, Instance) or handle.type.get(name) is not None or not handle.args:
-        return ctx.default_attr_type  # the handle's own attribute (actor_id, name, …), or no class known
+    if not isinstance(handle, Instance) or handle.type.get(name) is not None:
+        return ctx.default_attr_type  # the handle's own attribute (actor_id, name, …)
+    base = next((b for b in handle.type.mro if b.fullname == owner), None)
+    if base is not None and handle.type is not base:  # a subclass: its actor class is its base's argument
+        handle = map_instance_to_supertype(handle, base)
+    if not handle.args:
+        return ctx.default_attr_type  # no class known
     actor = get_proper_type(handle.args[0])
     if not isinstance(actor, Instance):
         return ctx.default_attr_type  # ActorHandle[Any]: a handle from get_actor() or the wire
@@ -59,15 +67,21 @@ def _method_type(ctx: AttributeContext, *, name: str, group: bool) -> Type:
     params = Parameters(sig.arg_types, sig.arg_kinds, sig.arg_names, variables=sig.variables)
     ret = get_proper_type(sig.ret_type)
     kind = _kind(actor, name)
+    group = owner == GROUP
     if kind in ("asyncgen", "gen"):
-        if group:
-            return ctx.default_attr_type  # a group calls no generator method (it raises at run time)
+        if group or owner == PROXY:
+            return ctx.default_attr_type  # a group calls no generator method, a proxy's calls are awaited
         item = ret.args[0] if isinstance(ret, Instance) and ret.args else AnyType(TypeOfAny.unannotated)
         return _instance(ctx, "StreamMethod", [params, item])
     if kind == "async" and isinstance(ret, Instance) and len(ret.args) == 3:
         result = ret.args[2]  # async def f() -> R is a Coroutine[Any, Any, R]
     else:
         result = sig.ret_type
+    if owner == PROXY:
+        coroutine = ctx.api.named_generic_type(
+            "typing.Coroutine", [AnyType(TypeOfAny.special_form)] * 2 + [result]
+        )
+        return sig.copy_modified(ret_type=coroutine)
     return _instance(ctx, "GroupMethod" if group else "ActorMethod", [params, result])
 
 

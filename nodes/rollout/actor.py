@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import structlog
@@ -33,6 +33,7 @@ from nodes.rollout.prompts import PromptSpec, prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
 from nodes.trace import TRACE
 from rlactors.aio import wait_for
+from rlactors.handle import HandleProxy
 from rlactors.logging import Throttle
 from rlactors.runtime import current_client
 
@@ -425,8 +426,9 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         await self.client.aclose()
 
 
-class RolloutHandle:
-    """A driver's handle to a rollout actor spawned with ``max_restarts``.
+class RolloutHandle(HandleProxy[RolloutActor]):
+    """A driver's handle to a rollout actor spawned with ``max_restarts``: ``await r.stats()``, typed
+    from :class:`RolloutActor`'s methods by the mypy plugin (:class:`rlactors.handle.HandleProxy`).
 
     A call that the actor's death interrupted is made again, and reaches the restarted
     incarnation (a call made while it restarts waits for it); once its restarts are spent, a call
@@ -439,28 +441,22 @@ class RolloutHandle:
 
     UNREACHABLE_WAIT_S = 600.0  # how long an unreachable actor may take to answer or be replaced
 
-    def __init__(self, handle: Any, max_restarts: int) -> None:
+    def __init__(self, handle: rlactors.ActorHandle[RolloutActor], max_restarts: int) -> None:
         self.handle, self.max_restarts = handle, max_restarts
 
-    def __getattr__(self, method: str) -> Callable[..., Awaitable[Any]]:
-        if method.startswith("_"):
-            raise AttributeError(method)
-
-        async def call(*args: Any, **kwargs: Any) -> Any:
-            deaths = 0
-            while True:
+    async def _call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        deaths = 0
+        while True:
+            try:
+                return await getattr(self.handle, method)(*args, **kwargs)
+            except rlactors.ActorUnreachableError as e:
+                log.warning("rollout.call_unreachable_waiting", method=method, error=str(e))
                 try:
-                    return await getattr(self.handle, method)(*args, **kwargs)
-                except rlactors.ActorUnreachableError as e:
-                    log.warning("rollout.call_unreachable_waiting", method=method, error=str(e))
-                    try:
-                        await current_client().wait_reachable(self.handle.actor_id, self.UNREACHABLE_WAIT_S)
-                    except TimeoutError:
-                        raise e from None
-                except rlactors.ActorDiedError as e:  # each death that interrupts a call spends a restart
-                    deaths += 1
-                    if deaths > self.max_restarts:  # dead for good
-                        raise
-                    log.warning("rollout.call_died_retrying", method=method, error=str(e))
-
-        return call
+                    await current_client().wait_reachable(self.handle.actor_id, self.UNREACHABLE_WAIT_S)
+                except TimeoutError:
+                    raise e from None
+            except rlactors.ActorDiedError as e:  # each death that interrupts a call spends a restart
+                deaths += 1
+                if deaths > self.max_restarts:  # dead for good
+                    raise
+                log.warning("rollout.call_died_retrying", method=method, error=str(e))

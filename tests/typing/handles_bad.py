@@ -4,6 +4,7 @@ reported by mypy with that error code, and no other line may be."""
 from __future__ import annotations
 
 import rlactors
+from rlactors.handle import HandleProxy
 
 
 class Counter(rlactors.Actor):
@@ -12,6 +13,11 @@ class Counter(rlactors.Actor):
 
     def name_of(self, prefix: str) -> str:
         return prefix
+
+
+class Retrying(HandleProxy[Counter]):
+    def __init__(self, handle: rlactors.ActorHandle[Counter]) -> None:
+        self.handle = handle
 
 
 async def main(cluster: rlactors.Cluster) -> None:
@@ -29,3 +35,8 @@ async def main(cluster: rlactors.Cluster) -> None:
     await group.add("1")  # error: arg-type
     totals: list[str] = await group.add(1)  # noqa: F841  # error: assignment
     group.name_of.tell(1)  # error: arg-type
+    proxy = Retrying(h)
+    await proxy.add("1")  # error: arg-type
+    await proxy.add(1, 2)  # error: call-arg
+    await proxy.no_such_method()  # error: attr-defined
+    word: str = await proxy.add(1)  # noqa: F841  # error: assignment

@@ -8,6 +8,7 @@ from typing import Any, assert_type
 
 import rlactors
 from rlactors import ActorGroup, ActorHandle
+from rlactors.handle import HandleProxy
 
 
 class Counter(rlactors.Actor):
@@ -32,6 +33,16 @@ class Counter(rlactors.Actor):
         return self.add.__name__.count("a")  # a method calling its own class as usual
 
 
+class Retrying(HandleProxy[Counter]):
+    """Calls made its own way (as nodes.rollout.actor.RolloutHandle retries across restarts)."""
+
+    def __init__(self, handle: ActorHandle[Counter]) -> None:
+        self.handle = handle
+
+    async def _call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.handle, method)(*args, **kwargs)
+
+
 async def main(cluster: rlactors.Cluster) -> None:
     h = await cluster.spawn(Counter, 5, name="c")
     assert_type(h, ActorHandle[Counter])
@@ -52,6 +63,11 @@ async def main(cluster: rlactors.Cluster) -> None:
     assert_type(await group.add.scatter([(1,), (2,)]), list[int])
     group.add.tell(1)
     assert_type(group[0], ActorHandle[Counter])
+
+    proxy = Retrying(h)
+    assert_type(await proxy.add(2, times=3), int)
+    assert_type(await proxy.name_of("n"), str)
+    assert_type(proxy.handle, ActorHandle[Counter])
 
     anyone = await cluster.get_actor("c")  # unknown class: calls stay unchecked
     assert_type(anyone, ActorHandle[Any])
