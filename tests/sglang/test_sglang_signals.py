@@ -79,9 +79,8 @@ async def test_sglang_holds_a_sigterm_to_each_process_and_its_owners_stop_ends_e
     assert sup.proc is not None and sup.proc.returncode is None, "the shared server was stopped earlier"
     try:
         pids = [sup.proc.pid, *_descendants(sup.proc.pid)]
-        assert len(pids) > 1, (
-            served.log.read_text()
-        )  # SGLang's scheduler and detokenizer beside its HTTP server
+        # SGLang's scheduler and detokenizer beside its HTTP server
+        assert len(pids) > 1, served.log.read_text()
         assert {os.getsid(p) for p in pids} == {sup.proc.pid} != {os.getsid(0)}
         for pid in pids:  # as Slurm signals every process of a step
             os.kill(pid, signal.SIGTERM)
