@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.rollout import openai_endpoint as oe
+from nodes.rollout import turns
 from nodes.rollout.chat import continuation_ids, prompt_ids
 from nodes.rollout.client import GenerationError, GenRequest, GenResult, SGLangClient
 from nodes.rollout.openai_endpoint import ChatEndpoint
@@ -143,7 +143,7 @@ async def test_a_first_prompt_is_rendered_once_per_messages_and_tools(
     for them, and every episode still gets a sample of its own with the exact ids."""
     ep, gen = endpoint
     rendered: list[Any] = []
-    monkeypatch.setattr(oe, "prompt_ids", lambda *a: rendered.append(a[1:]) or prompt_ids(*a))
+    monkeypatch.setattr(turns, "prompt_ids", lambda *a: rendered.append(a[1:]) or prompt_ids(*a))
     same = [{"role": "user", "content": "same"}]
     episodes = [ep.open_episode() for _ in range(3)]
     for _, url in episodes:
@@ -153,7 +153,7 @@ async def test_a_first_prompt_is_rendered_once_per_messages_and_tools(
     assert [r.input_ids for r in gen.requests[:3]] == [prompt_ids(tokenizer, same, None)] * 3
     assert gen.requests[3].input_ids == prompt_ids(tokenizer, same, TOOLS)
     assert [len(e.samples) for e, _ in episodes] == [2, 1, 1]
-    monkeypatch.setattr(oe, "FIRST_PROMPTS_KEPT", 2)  # the oldest kept prompt goes first
+    monkeypatch.setattr(turns, "FIRST_PROMPTS_KEPT", 2)  # the oldest kept prompt goes first
     for text in ("other", "same"):
         await sdk(episodes[0][1]).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": text}]
@@ -512,8 +512,6 @@ async def test_long_conversations_render_off_the_loop_short_ones_on_it(
 ) -> None:
     """Up to INLINE_RENDER_CHARS of new messages render on the loop (a thread hop cost more than the
     rendering); longer ones in a thread. Either way the ids are prompt_ids' and continuation_ids'."""
-    from nodes.rollout import openai_endpoint
-
     hops: list[str] = []
     to_thread = asyncio.to_thread
 
@@ -521,9 +519,9 @@ async def test_long_conversations_render_off_the_loop_short_ones_on_it(
         hops.append(fn.__name__)  # the endpoint's, and the openai SDK's (it asks for the platform)
         return await to_thread(fn, *args)
 
-    monkeypatch.setattr(openai_endpoint.asyncio, "to_thread", counted)
+    monkeypatch.setattr(turns.asyncio, "to_thread", counted)
     ep, gen = endpoint
-    long = "x " * openai_endpoint.INLINE_RENDER_CHARS
+    long = "x " * turns.INLINE_RENDER_CHARS
     _, url = ep.open_episode()
     client = sdk(url)
     for system, result in (("Use tools.", "5"), ("Use tools.", long), (long, "5")):

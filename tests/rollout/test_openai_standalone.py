@@ -131,16 +131,16 @@ async def test_standalone_prints_a_working_base_url_and_continues_token_exactly(
 def test_the_one_episode_keeps_only_the_newest_completions(monkeypatch: pytest.MonkeyPatch) -> None:
     """The standalone server's episode lives as long as the server: it matches a request against
     the newest KEPT_COMPLETIONS answers (found by the answer repeated, not by a scan of all)."""
-    from nodes.rollout import openai_endpoint
+    from nodes.rollout import turns
     from nodes.rollout.workflows import Sample
 
-    monkeypatch.setattr(openai_endpoint, "KEPT_COMPLETIONS", 2)
-    ep = openai_endpoint.Episode("default")
+    monkeypatch.setattr(turns, "KEPT_COMPLETIONS", 2)
+    ep = turns.Episode("default")
     user = [{"role": "user", "content": "q"}]
     kept = []
     for i in range(3):
         reply = {"role": "assistant", "content": f"a{i}"}
-        c = openai_endpoint._Completion(user, None, reply, Sample([1, 2], 1.0), 2, [], "stop")
+        c = turns._Completion(user, None, reply, Sample([1, 2], 1.0), 2, [], "stop")
         ep.keep(c)
         kept.append(c)
 
