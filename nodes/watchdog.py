@@ -169,7 +169,7 @@ class StallWatchdog:
             return "the weight push", held
         oldest = facts.get("oldest_in_flight")
         if isinstance(oldest, dict):
-            holder = names.get(oldest["actor_id"], oldest["actor_id"])
+            holder = names.get(oldest["actor_id"]) or oldest["actor_id"]
             waiting = (rollouts.get(holder) or {}).get("waiting") or {}
             if waiting:
                 url, w = max(waiting.items(), key=lambda kv: kv[1]["oldest_s"])

@@ -8,11 +8,15 @@ ill-typed fields, naming the field, the way SGLang 0.5.23 rejects them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, TypeVar, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self, TypedDict, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -665,7 +669,7 @@ def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
 
 
 class _GenerateBodyRequired(TypedDict):
-    input_ids: list[int]
+    input_ids: Sequence[int] | npt.NDArray[Any]  # a list, or an int array (orjson writes both)
     sampling_params: dict[str, Any]
     rid: str
     return_logprob: bool

@@ -107,7 +107,7 @@ class _AsList:
         return kept[1]
 
     def __set__(self, res: Any, values: Sequence[Any]) -> None:
-        array = np.asarray(values, dtype=self.dtype)
+        array: np.ndarray = np.asarray(values, dtype=self.dtype)
         setattr(res, self.array, array)
         res.__dict__[self.kept] = (array, values if isinstance(values, list) else array.tolist())
 
@@ -248,7 +248,7 @@ class SGLangClient:
     def waiting(self) -> dict[str, dict[str, float]]:
         """Per server with requests running: how many, and how long the oldest has run (s); what
         a stall watchdog asks (nodes/watchdog.py)."""
-        now, out = time.monotonic(), {}
+        now, out = time.monotonic(), dict[str, dict[str, float]]()
         for rid, url in self._active.items():
             w = out.setdefault(url, {"requests": 0, "oldest_s": 0.0})
             w["requests"] += 1
@@ -279,7 +279,10 @@ class SGLangClient:
             raise ValueError("GenRequest: sampling_params.n must be 1; send n requests for n samples")
         budget = 128 if sp.get("max_new_tokens") is None else int(sp["max_new_tokens"])  # SGLang's default
         server = self._route(rid)
-        res = GenResult(rid, [], [], [], "length", "", len(request.input_ids), [], server.url, posts=0)
+        ids, logprobs, versions = np.empty(0, np.int32), np.empty(0, np.float64), np.empty(0, np.int32)
+        res = GenResult(
+            rid, ids, logprobs, versions, "length", "", len(request.input_ids), [], server.url, posts=0
+        )
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(request.input_ids)
         try:
@@ -326,7 +329,8 @@ class SGLangClient:
                         r[4] = r[2]
             posted_at = self.version  # a lower bound on the weights that will sample this chunk
             done = len(res.ids)
-            prefix = request.input_ids  # a resume posts the prompt and the tokens so far
+            # a resume posts the prompt and the tokens so far
+            prefix: Sequence[int] | np.ndarray = request.input_ids
             if done:
                 prefix = np.concatenate((np.asarray(prefix, np.int64), res.ids))
             body: GenerateBody = {  # a literal, not a GenerateBody(...) call: built per post

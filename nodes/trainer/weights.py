@@ -46,7 +46,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import httpx  # blocking calls from the push's threads; the rollout's wire (nodes/rollout/http1) is asyncio-only
 import structlog
@@ -151,10 +151,21 @@ class WeightPusher:
         self._staging: list[torch.Tensor | None] = [None, None]  # tensor on CPU: shared-memory copies
         self._timing: dict[str, float] = {}
 
+    @property
+    def _gathered(self) -> ParamGatherer:
+        """The bucket gatherer (built by the first distributed or tensor push, before any use)."""
+        assert self.gatherer is not None
+        return self.gatherer
+
     # ---- HTTP (rank 0) -----------------------------------------------------------------------
-    def _post(self, url: str, path: str, body: Any) -> Any:
+    @property
+    def _client(self) -> httpx.Client:
+        """Rank 0's HTTP client (the other ranks make no calls)."""
         assert self._http is not None
-        r = self._http.post(url + path, json=body)
+        return self._http
+
+    def _post(self, url: str, path: str, body: Any) -> Any:
+        r = self._client.post(url + path, json=body)
         try:
             data = r.json() if r.content else {}
         except json.JSONDecodeError:
@@ -185,7 +196,7 @@ class WeightPusher:
             try:  # rank 0's failure raises there after the barrier, not while the others wait in it
                 if self.cfg.method == "tensor" and self.rank == 0 and self.lora is None:
                     self._tp = {
-                        u: int(self._http.get(u + "/server_info").json().get("tp_size", 1)) for u in new
+                        u: int(self._client.get(u + "/server_info").json().get("tp_size", 1)) for u in new
                     }
             finally:
                 dist.barrier()
@@ -196,7 +207,7 @@ class WeightPusher:
         addr = master_address or self.cfg.master_address
         port = master_port or self.cfg.master_port or _free_port()
         self.group_name = self.cfg.group_name or f"rlactors-weights-{uuid.uuid4().hex[:8]}"
-        infos = [self._http.get(u + "/server_info").json() for u in self.urls]
+        infos = [self._client.get(u + "/server_info").json() for u in self.urls]
         tp = [int(info.get("tp_size", 1)) for info in infos]
         world = 1 + sum(tp)
         self.backend = self._group_backend(infos)
@@ -229,7 +240,7 @@ class WeightPusher:
             dist.barrier()
         log.info("weight_group_ready", group=self.group_name, world_size=world, servers=len(self.urls))
 
-    def _group_backend(self, infos: list[dict[str, Any]]) -> str:
+    def _group_backend(self, infos: list[dict[str, Any]]) -> Literal["gloo", "nccl"]:
         """NCCL unless ``cfg.backend`` names one, the model is on CPU, or a server says (its
         ``gpu_uuid``, which our reference server reports) it runs on this rank's GPU: NCCL refuses
         two ranks on one GPU ("Duplicate GPU detected"), so such a group uses gloo, which moves
@@ -301,7 +312,7 @@ class WeightPusher:
                 self.gatherer = ParamGatherer(
                     self.model, self.cfg.bucket_bytes, self.send_dtype, shared_memory=self.cfg.shared_memory
                 )
-            first = self._timed_gather(0) if bucketed and self.gatherer.buckets else []
+            first = self._timed_gather(0) if bucketed and self._gathered.buckets else []
             folder, nbytes = None, 0
             if adapter:  # gathered and written while the servers pause
                 try:
@@ -401,7 +412,7 @@ class WeightPusher:
 
     def _push_buckets(self, version: str, first: list[tuple[str, torch.Tensor]]) -> int:
         """Send every bucket (``first`` is bucket 0, already gathered)."""
-        g = self.gatherer
+        g = self._gathered
         error: BaseException | None = None
         if self.rank == 0 and self.cfg.method == "distributed" and self.group is None:
             error = WeightPushError("no weight-update group: call connect(urls) first")
@@ -433,7 +444,7 @@ class WeightPusher:
         t0 = time.perf_counter()
         try:
             with TRACE.phase("gather", bucket=k):
-                return self.gatherer.gather(k)
+                return self._gathered.gather(k)
         finally:
             self._timing["gather_s"] += time.perf_counter() - t0
 
@@ -453,7 +464,7 @@ class WeightPusher:
         )
         if self.cfg.flattened_bucket:  # buckets hold one dtype
             request.load_format = "flattened_bucket"
-            send = [self.gatherer.flat(k).view(torch.uint8)]  # SGLang receives the bytes as uint8
+            send = [self._gathered.flat(k).view(torch.uint8)]  # SGLang receives the bytes as uint8
         else:
             send = [t for _, t in named]
         posts = self._post_all("/update_weights_from_distributed", request_body(request))
@@ -461,12 +472,12 @@ class WeightPusher:
 
     def _send_by_reference(self, k: int, named: list[tuple[str, torch.Tensor]], version: str) -> list[Future]:
         if self.device.type == "cpu":  # the gather buffer may be a mapped file: copy to torch's shm
-            flat = self.gatherer.flat(k).view(torch.uint8)
+            flat = self._gathered.flat(k).view(torch.uint8)
             staging = self._staging[k % 2]
             if staging is None or staging.numel() < flat.numel():
                 staging = self._staging[k % 2] = torch.empty(flat.numel(), dtype=torch.uint8)
             staging[: flat.numel()].copy_(flat)
-            named = self.gatherer.views(k, staging)
+            named = self._gathered.views(k, staging)
 
         posts = []
         for url in self.urls:  # each rank's payload serialized on its own (IPC counts each)
@@ -519,6 +530,8 @@ class WeightPusher:
             assert self.lora is not None and folder is not None
             name = lora_name(self.lora.name, version)
             try:
+                if name is None:  # version 0 is the base model: there is no adapter to load
+                    raise WeightPushError("an adapter push needs a version >= 1; version 0 is the base model")
                 if name in self._adapters:  # pushed again at the same version (a retried push)
                     self._unload(name)
                     self._adapters.remove(name)
@@ -559,7 +572,8 @@ class WeightPusher:
         nbytes = 0
         if self.rank == 0:
             try:
-                nbytes = self._save_and_load(merge_state_dict(self.model, sd), version)
+                tensors = cast(dict[str, torch.Tensor], sd)  # a full state dict: every value a tensor
+                nbytes = self._save_and_load(merge_state_dict(self.model, tensors), version)
             except Exception as e:
                 error = e
         self._agree(error)
