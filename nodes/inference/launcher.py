@@ -310,7 +310,7 @@ class ServerSupervisor:
             )
         finally:
             if self.log_path:
-                out.close()  # type: ignore[union-attr]
+                out.close()
         log.info("server_spawned", pid=self.proc.pid, url=self.url, cmd=" ".join(cmd))
         await self._wait_healthy()
 
@@ -322,7 +322,11 @@ class ServerSupervisor:
             extra = self.config.env()
             env.update({k: v for k, v in extra.items() if k != "PYTHONPATH"})
             env["RLACTORS_HOLD_SIGTERM"] = "1"  # HOLD_SIGTERM_BOOT acts only with it
-            paths = (str(HOLD_SIGTERM_BOOT), extra.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
+            paths: tuple[str, ...] = (
+                str(HOLD_SIGTERM_BOOT),
+                extra.get("PYTHONPATH", ""),
+                env.get("PYTHONPATH", ""),
+            )
         else:
             env["RLACTORS_SERVER_API_KEY"] = self.keys.api_key  # also when empty: none inherited
             env["RLACTORS_SERVER_ADMIN_API_KEY"] = self.keys.admin_api_key
@@ -451,7 +455,7 @@ async def _cluster_keys() -> ServerKeys | None:
     return await cluster_keys(ctx.cluster)
 
 
-class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
+class InferenceServerActor(_ActorBase):
     """An actor that runs one inference server on its node and exposes its URL.
 
     ``config`` is a :class:`ReferenceServerConfig` (our server) or an :class:`SGLangServerConfig`
@@ -478,7 +482,7 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
         # (server_env / server_max_restarts: `env` and `max_restarts` are Cluster.spawn's own options.)
         self._config = config
         self._host, self._port = host, port
-        self._options = {
+        self._options: dict[str, Any] = {  # ServerSupervisor's keyword arguments
             "env": server_env,
             "startup_timeout_s": startup_timeout_s,
             "max_restarts": server_max_restarts,
@@ -514,20 +518,23 @@ class InferenceServerActor(_ActorBase):  # type: ignore[misc,valid-type]
         """The server's base URL (starts it on first call and waits until healthy)."""
         return await self._ensure_started()
 
+    async def _supervisor(self) -> ServerSupervisor:
+        """The server's supervisor, once it has started."""
+        await self._ensure_started()
+        assert self._sup is not None
+        return self._sup
+
     async def server_keys(self) -> ServerKeys:
         """The keys the server was started with (empty: it takes none); see the module's docstring."""
-        await self._ensure_started()
-        return self._sup.keys
+        return (await self._supervisor()).keys
 
     async def health(self) -> bool:
         """Whether ``/health_generate`` answers 200."""
-        await self._ensure_started()
-        return await self._sup.health()
+        return await (await self._supervisor()).health()
 
     async def restart(self) -> str:
         """Restart the server; returns its URL."""
-        await self._ensure_started()
-        return await self._sup.restart()
+        return await (await self._supervisor()).restart()
 
     async def stop(self) -> None:
         """Stop the server."""
