@@ -54,9 +54,8 @@ async def answer_chat(
         "system_fingerprint": None,
     }
     if req.stream:
-        return await stream_chat(
-            turns, request, ep, req, turn, client, {**head, "object": "chat.completion.chunk"}
-        )
+        await stream_chat(turns, request, ep, req, turn, client, {**head, "object": "chat.completion.chunk"})
+        return None  # answered as it streamed
     try:
         choices = await turns.generate(ep, req, turn, client)
     except GenerationError as e:

@@ -51,11 +51,14 @@ def new_id(prefix: str, sep: str = "_") -> str:
 
 class _Ids:
     def __init__(self) -> None:
+        self.draw()
+
+    def draw(self) -> None:
         self.prefix, self.count = secrets.token_hex(8), itertools.count()
 
 
 _ids = _Ids()
-os.register_at_fork(after_in_child=_ids.__init__)
+os.register_at_fork(after_in_child=_ids.draw)
 
 
 def read_json(request: Request) -> Any:

@@ -70,7 +70,8 @@ async def answer_responses(
     turn = await turns.begin(ep, creq)
     shape = ResponseShape(req, new_id("resp"), model)
     if req.stream:
-        return await stream_responses(turns, request, ep, creq, turn, client, shape, conversation)
+        await stream_responses(turns, request, ep, creq, turn, client, shape, conversation)
+        return None  # answered as it streamed
     try:
         ((msg, res, finish),) = await turns.generate(ep, creq, turn, client)
     except GenerationError as e:

@@ -279,7 +279,7 @@ class Turns:
         """Generate each choice of ``turn`` through ``client`` (``on_tokens[i]`` gets choice i's
         tokens as they arrive) and read the answers: ``(assistant message, result, finish_reason)``
         each."""
-        feeds = on_tokens or [None] * len(turn.samples)
+        feeds: list[TokensCallback | None] = [*on_tokens] if on_tokens else [None] * len(turn.samples)
         if len(turn.samples) == 1:  # no tasks for one choice
             results = [await _generate(client, turn.samples[0], req, feeds[0])]
         else:
