@@ -66,12 +66,18 @@ class _Says:
         self.text = text
 
 
-def _int_in(lo: int, hi: int) -> Any:
-    return Annotated[int, Field(ge=lo, le=hi), _Says(f"an integer in [{lo}, {hi}]")]
-
-
-def _number_in(lo: float, hi: float) -> Any:
-    return Annotated[float, Field(ge=lo, le=hi), _Says(f"a number in [{lo}, {hi}]")]
+# Bounded numbers: each says its range in a validation error (:class:`_Says`).
+_Choices = Annotated[int, Field(ge=1, le=MAX_N), _Says(f"an integer in [1, {MAX_N}]")]
+_TopLogprobs = Annotated[
+    int, Field(ge=0, le=MAX_TOP_LOGPROBS), _Says(f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+]
+_Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS), _Says(f"an integer in [1, {MAX_TOKENS}]")]
+_Seed = Annotated[
+    int, Field(ge=-(1 << 63), le=(1 << 63) - 1), _Says(f"an integer in [{-(1 << 63)}, {(1 << 63) - 1}]")
+]
+_Temperature = Annotated[float, Field(ge=0.0, le=2.0), _Says("a number in [0.0, 2.0]")]
+_TopP = Annotated[float, Field(ge=0.0, le=1.0), _Says("a number in [0.0, 1.0]")]
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0), _Says("a number in [-2.0, 2.0]")]
 
 
 def _says(tp: Any) -> str | None:
@@ -242,16 +248,16 @@ class ChatCompletionRequest(_Body):
     ] = None  # fmt: skip
     # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: Annotated[str | dict[str, Any] | None, BeforeValidator(lambda v: v or None)] = None
-    n: _int_in(1, MAX_N) = 1
+    n: _Choices = 1
     logprobs: Any = False  # any true value asks for log-probs
-    top_logprobs: _int_in(0, MAX_TOP_LOGPROBS) = 0
-    max_completion_tokens: _int_in(1, MAX_TOKENS) | None = None  # wins over max_tokens
-    max_tokens: _int_in(1, MAX_TOKENS) | None = None
-    temperature: _number_in(0.0, 2.0) | None = None
-    top_p: _number_in(0.0, 1.0) | None = None
-    frequency_penalty: _number_in(-2.0, 2.0) | None = None
-    presence_penalty: _number_in(-2.0, 2.0) | None = None
-    seed: _int_in(-(1 << 63), (1 << 63) - 1) | None = None
+    top_logprobs: _TopLogprobs = 0
+    max_completion_tokens: _Tokens | None = None  # wins over max_tokens
+    max_tokens: _Tokens | None = None
+    temperature: _Temperature | None = None
+    top_p: _TopP | None = None
+    frequency_penalty: _Penalty | None = None
+    presence_penalty: _Penalty | None = None
+    seed: _Seed | None = None
     stop: (
         Annotated[
             Union[
@@ -400,9 +406,9 @@ class ResponsesRequest(_Body):
     tools: Annotated[list[_ResponsesTool], AfterValidator(_tool_types)] = Field(default_factory=list)
     # "auto" | "none" | "required" | {"type": "function", "name": ...}
     tool_choice: str | dict[str, Any] | None = None
-    max_output_tokens: _int_in(1, MAX_TOKENS) | None = None
-    temperature: _number_in(0.0, 2.0) | None = None
-    top_p: _number_in(0.0, 1.0) | None = None
+    max_output_tokens: _Tokens | None = None
+    temperature: _Temperature | None = None
+    top_p: _TopP | None = None
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False

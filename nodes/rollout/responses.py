@@ -244,12 +244,13 @@ class ResponseEvents:
         """One chat chunk of the choice (``StreamedChoice`` calls this as it would an ``SSEWriter``)."""
         delta = (choice or {}).get("delta") or {}
         if delta.get("content"):
-            if self.open is None or self.open["type"] != "message":
-                await self._open(_message_item(new_id("msg"), "", "in_progress"))
-                await self.event("response.content_part.added", item_id=self.open["id"], output_index=len(self.items) - 1,
+            message = self.open
+            if message is None or message["type"] != "message":
+                message = await self._open(_message_item(new_id("msg"), "", "in_progress"))
+                await self.event("response.content_part.added", item_id=message["id"], output_index=len(self.items) - 1,
                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
-            self.open["text"] = self.open.get("text", "") + delta["content"]
-            await self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
+            message["text"] = message.get("text", "") + delta["content"]
+            await self.event("response.output_text.delta", item_id=message["id"], output_index=len(self.items) - 1,
                              content_index=0, delta=delta["content"], logprobs=[])  # fmt: skip
         for tc in delta.get("tool_calls") or ():
             if "id" in tc:
@@ -265,11 +266,13 @@ class ResponseEvents:
                 await self._open(_message_item(new_id("msg"), "", "in_progress"))
             await self._close()
 
-    async def _open(self, item: dict[str, Any]) -> None:
+    async def _open(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Close the open item and open ``item``; returns it."""
         await self._close()
         self.open = item
         self.items.append(item)
         await self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        return item
 
     async def _close(self) -> None:
         item, self.open = self.open, None

@@ -145,7 +145,7 @@ class Sample:
     Started from a numpy array of prompt ids (as the built-in workflows start theirs), its four
     fields are numpy arrays of the trajectory's dtypes, grown by concatenation: the client's arrays
     go into the trajectory, and out through the codec, with no step per token. Started from a list
-    (the OpenAI endpoint's samples), they are lists, for code that reads them as lists.
+    (a user's workflow may), they are lists, for code that reads them as lists.
     """
 
     # numpy arrays or lists, as the prompt came
