@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Self, TypedDict, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Literal, Self, TypedDict, TypeVar, Union
 
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
-
-if TYPE_CHECKING:
-    import numpy.typing as npt
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
