@@ -63,11 +63,15 @@ class HeadBeats:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
+        self._failed: BaseException | None = None  # why the thread could not start beating
         self._thread = threading.Thread(target=self._run, name=f"rlactors-beats-{client_id}", daemon=True)
 
     def start(self) -> None:
+        """Start beating; raises what kept the thread from connecting to the head."""
         self._thread.start()
         self._started.wait()
+        if self._failed is not None:
+            raise self._failed
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop beating and close the thread's connection (blocks up to ``timeout`` s)."""
@@ -79,6 +83,10 @@ class HeadBeats:
     def _run(self) -> None:
         try:
             asyncio.run(self._beat())
+        except BaseException as e:
+            if self._started.is_set():
+                raise
+            self._failed = e  # start() raises it in the client's thread
         finally:
             self._started.set()  # a failure to start must not leave start() waiting
 

@@ -5,6 +5,7 @@ to end it. (Issue 39, items 2 and 4.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,6 +48,27 @@ def _driver(env: dict[str, str], mode: str) -> subprocess.Popen[str]:
         text=True,
         start_new_session=True,
     )
+
+
+@contextlib.contextmanager
+def _running(proc: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """``proc``, killed on the way out if it is still running (a failed assertion)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _leave(proc: subprocess.Popen[str]) -> str:
+    """Tell a driver waiting on stdin to leave; its stderr, once it has exited 0."""
+    assert proc.stdin is not None
+    proc.stdin.write("end\n")
+    proc.stdin.flush()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    return err
 
 
 def _ready(proc: subprocess.Popen[str]) -> int:
@@ -118,18 +140,9 @@ def test_however_a_run_ends_its_actors_are_stopped_and_the_next_run_starts(
     assert rows["server-0"][1] == "STOPPED" and rows["victim"][1] == "DEAD", table.stdout
     assert "stopped by" in table.stdout and "SIGKILL" in table.stdout, table.stdout
     # The names are free: the next run on the same cluster starts.
-    second = _driver(up, "done")
-    try:
+    with _running(_driver(up, "done")) as second:
         _ready(second)
-        assert second.stdin is not None
-        second.stdin.write("end\n")
-        second.stdin.flush()
-        _, err = second.communicate(timeout=60)
-    finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
-    assert second.returncode == 0, err[-3000:]
+        _leave(second)
 
 
 def test_a_name_held_by_a_live_run_is_an_error_naming_that_run_and_how_to_end_it(up: dict[str, str]) -> None:
@@ -157,8 +170,7 @@ def test_a_driver_whose_loop_is_blocked_past_client_timeout_keeps_its_run(up: di
     """Silence is a process gone or stopped, not a busy loop: a driver that blocks its event loop in
     synchronous code for longer than the head's client_timeout still beats (rlactors.beats), so the
     head leaves its run alone and its actors answer afterwards."""
-    driver = _driver(up, "block")
-    try:
+    with _running(_driver(up, "block")) as driver:
         victim = _ready(driver)
         (run,) = {a["run"] for a in _actors(up) if a["name"] == "pool"}
         assert driver.stdin is not None and driver.stdout is not None
@@ -171,12 +183,5 @@ def test_a_driver_whose_loop_is_blocked_past_client_timeout_keeps_its_run(up: di
             "server-0": "ALIVE",
             "victim": "ALIVE",
         }
-        driver.stdin.write("end\n")
-        driver.stdin.flush()
-        _, err = driver.communicate(timeout=60)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
-    assert driver.returncode == 0, err[-3000:]
+        err = _leave(driver)
     assert "given this client up" not in err and "stopped answering" not in err, err[-3000:]
