@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,12 +17,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # mypy finds rlactors from here (an editable install's import hook hides it)
 REPORTED = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
 EXPECTED = re.compile(r"#\s*error:\s*(?P<code>[a-z-]+)")
+# test_packages.py's cache: the stubs of torch, transformers and the rest analysed once (the files of
+# tests/typing run one after another on one worker: tests/conftest.py)
+CACHE = ROOT / "runs" / "mypy-cache"
 
 
 def run_mypy(*files: str) -> list[tuple[str, int, str]]:
     """mypy's errors on ``files`` (in this folder) as (file, line, code)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--config-file", HERE / "mypy.ini", "--cache-dir", os.devnull]
+        [sys.executable, "-m", "mypy", "--config-file", HERE / "mypy.ini", "--cache-dir", CACHE]
         + [HERE / f for f in files],
         cwd=ROOT,
         capture_output=True,
