@@ -1,19 +1,27 @@
 """The main job end to end with a tiny model: asynchronous steps, weight versions, staleness,
-metrics, resume, and a server or the rollout actor killed mid-run."""
+metrics, resume, SIGTERM, and a server, the rollout actor or a trainer rank killed mid-run.
+
+Five runs carry the scenarios (each run costs a minute of CPU, mostly start-up): a run that
+finishes, resumed and stopped by SIGTERM, then resumed again (module fixtures, one test each);
+one run with the rollout actor and a server killed; one with a trainer rank killed."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from nodes.trace import read_trace
+from tests.e2e.live_run import LiveRun, _cmdline
+from tests.e2e.live_run import _descendants as _descendants  # other tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
@@ -73,13 +81,75 @@ def check_timeline(out: Path) -> None:
     assert (out / "timeline.png").stat().st_size > 10_000
 
 
+# The scenarios that need one trainer rank run with one (a second costs a process start-up);
+# two servers stay: every server gets every version, and one of two is killed.
+ONE_RANK = [*SMALL, "trainer.n_ranks=1"]
+
+
+@dataclass
+class Finished:
+    """A run of three steps that finished, checkpointing its last; what it left, kept before the
+    runs resumed from it write to the same folder."""
+
+    out: Path
+    done: subprocess.CompletedProcess[str]
+    rows: list[dict]
+    kept: Path  # its trace.json and timeline.png
+
+
+@dataclass
+class Stopped:
+    """A run resumed from :class:`Finished`'s checkpoint and stopped by SIGTERM after its first step."""
+
+    run: LiveRun
+    returncode: int
+    left: list[int]  # the run's workers and servers when it was signalled
+    rows: list[dict]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Finished:
+    out = tmp_path_factory.mktemp("chain") / "run"
+    done = recipe([*ONE_RANK, "run.steps=3", "run.checkpoint_every=3", f"run.out_dir={out}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept = out.parent / "first"
+    kept.mkdir()
+    for name in ("trace.json", "timeline.png"):
+        shutil.copy(out / name, kept / name)
+    return Finished(out, done, rows(out), kept)
+
+
+@pytest.fixture(scope="module")
+def stopped(finished: Finished) -> Stopped:
+    out = finished.out
+    args = [*ONE_RANK, "run.steps=50", "run.checkpoint_every=50", f"run.out_dir={out}", "--resume"]
+    with LiveRun(args, out.parent / "stopped.err") as run:
+        run.until("step 4/50")
+        left = sorted({*run.processes("rlactors.worker"), *run.processes("nodes.inference")})
+        run.proc.send_signal(signal.SIGTERM)
+        returncode = run.finish(timeout_s=120)  # never a hang
+    return Stopped(run, returncode, left, rows(out))
+
+
+@pytest.fixture(scope="module")
+def resumed_again(finished: Finished, stopped: Stopped) -> subprocess.CompletedProcess[str]:
+    done = stopped.rows[-1]["step"]
+    return recipe(
+        [
+            *ONE_RANK,
+            f"run.steps={done + 1}",
+            "run.checkpoint_every=50",
+            f"run.out_dir={finished.out}",
+            "--resume",
+        ]
+    )
+
+
 @pytest.mark.slow
-def test_three_async_steps_then_resume(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    first = recipe([*SMALL, "run.steps=3", "run.checkpoint_every=3", f"run.out_dir={out}"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "GSM8K-style problems generated offline" in first.stdout
-    m = rows(out)
+@pytest.mark.timeout(900)
+def test_three_async_steps(finished: Finished) -> None:
+    out, m = finished.out, finished.rows
+    assert "GSM8K-style problems generated offline" in finished.done.stdout
     assert [r["step"] for r in m] == [1, 2, 3]
     for r in m:
         assert r["train/n_seqs"] == 4  # batch_size 2 groups x 2 samples: every step trained on trajectories
@@ -88,44 +158,64 @@ def test_three_async_steps_then_resume(tmp_path: Path) -> None:
     assert "eval/accuracy" in m[-1] and m[-1]["eval/version"] == 3  # evaluated the final weights
     assert (out / "run.png").stat().st_size > 10_000
     assert (out / "checkpoints" / "step-3").is_dir()
-    assert f"checkpoint {out / 'checkpoints' / 'step-3'}" in first.stdout
-    check_timeline(out)
+    assert f"checkpoint {out / 'checkpoints' / 'step-3'}" in finished.done.stdout
+    check_timeline(finished.kept)
 
-    second = recipe([*SMALL, "run.steps=5", "run.checkpoint_every=5", f"run.out_dir={out}", "--resume"])
-    assert second.returncode == 0, second.stderr[-3000:]
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_finished_run_resumes_from_its_last_checkpoint(stopped: Stopped) -> None:
     assert (
         "resumed from step 3 (policy version 3; data: 0 epochs done, 6 prompts of the next trained)"
-        in second.stdout
-    )
-    m = rows(out)
-    assert [r["step"] for r in m] == [1, 2, 3, 4, 5]
-    assert [r["servers/min_weight_version"] for r in m[3:]] == [4, 5]
+        in stopped.run.output()
+    ), stopped.run.stderr()[-3000:]
+    m = stopped.rows
+    assert [r["step"] for r in m] == list(range(1, len(m) + 1)) and len(m) >= 4
+    assert all(
+        r["servers/min_weight_version"] == r["step"] for r in m[3:]
+    )  # the resumed versions reach every server
     groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 10 and len(set(groups)) == 10  # no prompt trained twice across the restart
+    assert len(groups) == 2 * len(m) and len(set(groups)) == len(
+        groups
+    )  # no prompt trained twice across the restart
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_checkpoints_the_last_step_and_shuts_down_like_ctrl_c(
+    finished: Finished, stopped: Stopped
+) -> None:
+    out, err = finished.out, stopped.run.stderr()
+    assert stopped.returncode == 143, err[-3000:]
+    assert "terminated: shut down cleanly" in err and "Traceback" not in err
+    assert (
+        len(stopped.left) >= 7
+    )  # a trainer rank, 2 server actors and their servers, governor, buffer, rollout
+    assert not [
+        p for p in stopped.left if Path(f"/proc/{p}").exists() and _cmdline(p)
+    ]  # nothing left running
+    # checkpoint_every = 50: the last completed step was saved on the way out, and the message names it
+    done = stopped.rows[-1]["step"]
+    assert done >= 4
+    assert (out / "checkpoints" / "latest").read_text().strip() == str(done)
+    assert f"continue from {out / 'checkpoints' / f'step-{done}'} with --resume" in err
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_stopped_by_sigterm_resumes(
+    finished: Finished, stopped: Stopped, resumed_again: subprocess.CompletedProcess[str]
+) -> None:
+    assert resumed_again.returncode == 0, resumed_again.stderr[-3000:]
+    done = stopped.rows[-1]["step"]
+    assert f"resumed from step {done} (policy version {done};" in resumed_again.stdout
+    m = rows(finished.out)
+    assert [r["step"] for r in m] == list(range(1, done + 2))
+    assert m[-1]["servers/min_weight_version"] == done + 1
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 2 * (done + 1) and len(groups) == len(
+        set(groups)
+    )  # nothing trained twice across the stop
 
 
 def start_until_first_step(
@@ -151,106 +241,71 @@ def start_until_first_step(
     return proc, lines
 
 
-@pytest.mark.slow
-def test_run_finishes_after_kill_9_of_an_inference_server(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc, lines = start_until_first_step([*SMALL, f"run.out_dir={out}"], 4, subprocess.DEVNULL)
-    try:
-        servers = [p for p in _descendants(proc.pid) if "nodes.inference.server" in _cmdline(p)]
-        assert len(servers) == 2, "".join(lines)
+@dataclass
+class Faulted:
+    """A run of five steps whose rollout actor was killed (kill -9) after step 1 and one of its two
+    inference servers after step 2: each fault with three steps still to train."""
+
+    run: LiveRun
+    returncode: int
+    rows: list[dict]
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory: pytest.TempPathFactory) -> Faulted:
+    out = tmp_path_factory.mktemp("faulted") / "run"
+    with LiveRun([*ONE_RANK, "run.steps=5", f"run.out_dir={out}"], out.parent / "err") as run:
+        run.until("step 1/5")
+        rollout = run.processes("rlactors.worker rollout-0")
+        assert len(rollout) == 1, run.output()
+        os.kill(rollout[0], signal.SIGKILL)
+        run.until("step 2/5")
+        servers = run.processes("nodes.inference.server")
+        assert len(servers) == 2, run.output()
         os.kill(servers[0], signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output[-3000:]
-    assert "servers down" in output
-    m = rows(out)
-    assert [r["step"] for r in m] == [1, 2, 3, 4]
-    assert all(r["train/n_seqs"] == 4 for r in m)
+        returncode = run.finish()
+    return Faulted(run, returncode, rows(out))
+
+
+def check_finished_all_steps(f: Faulted) -> None:
+    assert f.returncode == 0, (f.run.output() + f.run.stderr())[-3000:]
+    m = f.rows
+    assert [r["step"] for r in m] == [1, 2, 3, 4, 5]
+    assert all(r["train/n_seqs"] == 4 for r in m)  # every step trained a full batch
+    assert all(0 <= r["staleness/max"] <= 2 for r in m)  # the re-run episodes kept to the bound
+    groups = [g for r in m for g in r["data/groups"].split(",")]
+    assert len(groups) == 10 and len(set(groups)) == 10  # no group lost or trained twice
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_run_finishes_after_kill_9_of_the_rollout_actor(faulted: Faulted) -> None:
+    check_finished_all_steps(faulted)
+    assert "rollout actors restarted after dying: 1 so far" in faulted.run.output()
+    assert faulted.rows[-1]["rollout/restarts"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_run_finishes_after_kill_9_of_an_inference_server(faulted: Faulted) -> None:
+    check_finished_all_steps(faulted)
+    assert "servers down" in faulted.run.output()
 
 
 @pytest.mark.slow
 def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc, _ = start_until_first_step(
-        [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"], 50, subprocess.PIPE
-    )
-    try:
-        workers = [p for p in _descendants(proc.pid) if "rlactors.worker" in _cmdline(p)]
+    out = tmp_path / "run"  # two ranks (one is killed), one server
+    args = [*SMALL, "servers.n=1", "run.steps=50", "run.checkpoint_every=50", f"run.out_dir={out}"]
+    with LiveRun(args, tmp_path / "err") as run:
+        run.until("step 1/50")
+        workers = run.processes("rlactors.worker")
         ranks = [p for p in workers if "rlactors.worker trainer-1" in _cmdline(p)]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
-        _, err = proc.communicate(timeout=300)  # never a hang
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 1
+        returncode = run.finish(timeout_s=300)  # never a hang
+    err = run.stderr()
+    assert returncode == 1, err[-3000:]
     assert "error: actor trainer-1" in err and "SIGKILL" in err and "--resume" in err
     # Nothing of the run is left behind: every worker it had is gone.
-    assert len(workers) >= 5
+    assert len(workers) >= 5  # 2 trainer ranks, a server actor, governor, buffer, rollout
     assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.worker" in _cmdline(p)]
-
-
-@pytest.mark.slow
-def test_sigterm_checkpoints_the_last_step_and_shuts_down_like_ctrl_c(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc, _ = start_until_first_step(
-        [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"], 50, subprocess.PIPE
-    )
-    try:
-        left = [
-            p
-            for p in _descendants(proc.pid)
-            if "rlactors.worker" in _cmdline(p) or "nodes.inference" in _cmdline(p)
-        ]
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)  # never a hang
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 143, err[-3000:]
-    assert "terminated: shut down cleanly" in err and "Traceback" not in err
-    assert len(left) >= 7  # 2 trainer ranks, 2 server actors and their servers, governor, buffer, rollout
-    assert not [p for p in left if Path(f"/proc/{p}").exists() and _cmdline(p)]  # nothing left running
-    # checkpoint_every = 50: the last completed step was saved on the way out, and the message names it
-    done = rows(out)[-1]["step"]
-    assert (out / "checkpoints" / "latest").read_text().strip() == str(done)
-    assert f"continue from {out / 'checkpoints' / f'step-{done}'} with --resume" in err
-    again = recipe(
-        [*SMALL, f"run.steps={done + 1}", "run.checkpoint_every=50", f"run.out_dir={out}", "--resume"]
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from step {done} (policy version {done};" in again.stdout
-    m = rows(out)
-    assert [r["step"] for r in m] == list(range(1, done + 2))
-    groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == len(set(groups))  # nothing trained twice across the stop
-
-
-@pytest.mark.slow
-def test_run_finishes_after_kill_9_of_the_rollout_actor(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc, lines = start_until_first_step([*SMALL, f"run.out_dir={out}"], 4, subprocess.PIPE)
-    try:
-        rollout = [p for p in _descendants(proc.pid) if "rlactors.worker rollout-0" in _cmdline(p)]
-        assert len(rollout) == 1, "".join(lines)
-        os.kill(rollout[0], signal.SIGKILL)
-        rest, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, ("".join(lines) + rest + err)[-3000:]
-    assert "rollout actors restarted after dying: 1 so far" in rest
-    m = rows(out)
-    assert [r["step"] for r in m] == [1, 2, 3, 4]
-    assert m[-1]["rollout/restarts"] == 1
-    assert all(r["train/n_seqs"] == 4 for r in m)  # every step trained a full batch
-    assert all(0 <= r["staleness/max"] <= 2 for r in m)  # the re-run episodes kept to the bound
-    groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 8 and len(set(groups)) == 8  # no group lost or trained twice
