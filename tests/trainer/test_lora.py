@@ -163,21 +163,24 @@ def test_checkpoint_holds_only_adapters_and_resume_continues_exactly(lora_run, t
 
 @pytest.mark.slow
 def test_the_recipe_trains_pushes_and_resumes_with_lora(tmp_path: Path) -> None:
+    """One step, checkpointed, then a resumed run's second step; one server and one trainer rank
+    (two ranks' merged push is the worker's above), as a run's start-up is most of its cost."""
     from tests.e2e.test_recipe import SMALL, recipe, rows
 
     out = tmp_path / "run"
     lora = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lr=1e-3", f"run.out_dir={out}"]
-    first = recipe([*SMALL, *lora, "run.steps=2", "run.checkpoint_every=2"])
+    lora += ["servers.n=1", "trainer.n_ranks=1"]
+    first = recipe([*SMALL, *lora, "run.steps=1", "run.checkpoint_every=1"])
     assert first.returncode == 0, first.stderr[-3000:]
     m = rows(out)
-    assert [r["step"] for r in m] == [1, 2]
+    assert [r["step"] for r in m] == [1]
     assert all(r["servers/min_weight_version"] == r["step"] == r["version"] for r in m)  # pushes landed
-    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step-2")).read_metadata()
+    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step-1")).read_metadata()
     model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
 
-    second = recipe([*SMALL, *lora, "run.steps=3", "run.checkpoint_every=3", "--resume"])
+    second = recipe([*SMALL, *lora, "run.steps=2", "run.checkpoint_every=2", "--resume"])
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from step 2 (policy version 2;" in second.stdout
+    assert "resumed from step 1 (policy version 1;" in second.stdout
     m = rows(out)
-    assert [r["step"] for r in m] == [1, 2, 3] and m[-1]["servers/min_weight_version"] == 3
+    assert [r["step"] for r in m] == [1, 2] and m[-1]["servers/min_weight_version"] == 2
