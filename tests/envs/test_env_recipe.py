@@ -1,6 +1,6 @@
-"""Environments trained through the real recipe (tiny model, reference servers, FSDP2 ranks, weight
-pushes), 2 steps each, one run per scenario shared by its tests: a verifiers ``SingleTurnEnv`` whose
-environment raises in half its rollouts (the run goes on; its rubric's rewards), a verifiers
+"""Environments trained through the real recipe (tiny model, one reference server, one FSDP2 rank,
+weight pushes), 2 steps each, one run per scenario shared by its tests: a verifiers ``SingleTurnEnv``
+whose environment raises in half its rollouts (the run goes on; its rubric's rewards), a verifiers
 ``ToolEnv`` (the tool runs in every episode; the second turn continues the first), an OpenEnv
 environment's server started by the run as an actor (env-0) owning a real server process that dies
 once (the runtime replaces the actor; the run goes on; nothing is left running after it).
@@ -26,6 +26,8 @@ BATCH, SAMPLES = 2, 2
 COMMON = [
     "model.tiny=true",
     "data.eval_size=4",
+    "servers.n=1",  # nothing here needs a second server or rank: each is a process to start
+    "trainer.n_ranks=1",
     f"async.batch_size={BATCH}",
     "async.max_staleness=1",
     f"rollout.workflow_args.n_samples={SAMPLES}",
@@ -154,7 +156,7 @@ def test_evaluate_starts_the_workflows_environment_servers(tmp_path: Path) -> No
         mp.setenv("RLACTORS_TEST_DIE_ONCE", str(marker))
         done = evaluate([
             "--model", str(ensure_tiny_checkpoint()), "--limit", "2", "--out", str(out),
-            "model.tiny=true", "data.source=easy", "rollout.workflow_args.max_new_tokens=8",
+            "model.tiny=true", "servers.n=1", "data.source=easy", "rollout.workflow_args.max_new_tokens=8",
             "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
             "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app",
         ], timeout=600)  # fmt: skip
