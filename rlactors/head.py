@@ -66,6 +66,9 @@ class Head:
         # A worker (with restarts left) silent this long is killed by its agent and restarted.
         self.fence_after = fence_after or node_timeout + HEARTBEAT_TIMEOUT_MS / 1000
         self.nodes: dict[str, NodeRecord] = {}
+        # Nodes whose agent runs in this process, on this loop (the embedded local cluster): its
+        # heartbeats late means this process is short of CPU, not a node lost, so no deadline.
+        self.in_process: set[str] = set()
         self.actors: dict[str, ActorRecord] = {}
         self._dead: collections.deque[str] = collections.deque()  # ids of dead actors, oldest first
         self.names: dict[str, str] = {}
@@ -231,7 +234,7 @@ class Head:
                     for r in victims:
                         self._spawn_bg(self.kill(r.actor_id, by=by))
             for n in list(self.nodes.values()):
-                if n.alive and now - n.last_seen > self.node_timeout:
+                if n.alive and n.node_id not in self.in_process and now - n.last_seen > self.node_timeout:
                     log.warning(
                         "node stopped answering; declaring it dead",
                         node=n.node_id,

@@ -177,10 +177,12 @@ async def start_local(
         **({"log_sink": log_sink} if log_sink else {}),
     )
     service.add("agent", agent)
+    head.in_process.add(agent.node_id)
     local = LocalCluster(
         service, head, agent, session_dir, secret_file, secret, "plain" if secret is not None else mechanism
     )
     client = RuntimeClient(head_address, security)
+    head.sessions.in_process.add(client.client_id)
     try:
         await agent.start(head_address)
         await client.start()

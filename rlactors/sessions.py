@@ -23,6 +23,9 @@ class Sessions:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._seen: dict[str, float] = {}  # client id -> last heartbeat, in awake time
+        # Clients in the head's own process (the embedded cluster's driver): late beats mean this
+        # process is short of CPU, not a client gone, so no deadline.
+        self.in_process: set[str] = set()
         self._subs: dict[asyncio.Queue[dict[str, Any] | None], str] = {}  # event queue -> client id
 
     def beat(self, client_id: str) -> bool:
@@ -34,12 +37,17 @@ class Sessions:
     def close(self, client_id: str) -> None:
         """The client left: forget it and end its event streams."""
         self._seen.pop(client_id, None)
+        self.in_process.discard(client_id)
         self._end(client_id)
 
     def expire(self) -> list[str]:
         """Close and return the clients silent for longer than the timeout while the head was awake."""
         now = awake_clock().now()
-        gone = [cid for cid, seen in self._seen.items() if now - seen > self.timeout]
+        gone = [
+            cid
+            for cid, seen in self._seen.items()
+            if cid not in self.in_process and now - seen > self.timeout
+        ]
         for cid in gone:
             self.close(cid)
         return gone

@@ -76,3 +76,23 @@ async def test_awake_time_stands_still_while_the_loop_is_blocked() -> None:
     assert not fired.is_set()
     await wait_for(fired.wait(), 3)
     assert time.monotonic() - t1 >= 1.2 + 1.0 - TICK_S - 0.05
+
+
+async def test_the_embedded_clusters_own_node_and_driver_are_never_declared_silent() -> None:
+    """An embedded cluster's head, node agent and driver are one process: their heartbeats late
+    there mean that process is short of CPU (a busy or niced machine: a run of the recipe was
+    stopped so, its node "silent" 5.7 s), never a node or a client lost. With every beat of both
+    stopped past four deadlines, the node stays alive and the actor answers."""
+    import rlactors
+    from tests.runtime.actors import Counter
+
+    async with rlactors.init(node_timeout=0.5, client_timeout=0.5) as c:
+        counter = await c.spawn(Counter)
+        assert await counter.add(1) == 1
+        local = c._local
+        assert local is not None
+        local.agent._heartbeat.cancel()  # the node's beats
+        await asyncio.to_thread(c._client._beats.stop)  # the driver's
+        await asyncio.sleep(2.0)  # the scenario: the deadlines pass with no beat
+        assert [n["alive"] for n in await c.nodes()] == [True]
+        assert await counter.add(1) == 2
