@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The real-SGLang stage: install SGLang 0.5.23 in its own venv if missing (scripts/sglang-setup.sh),
-# then run the SGLang-protocol conformance suite against a real SGLang server on CPU (the tiny
-# model, SGLang's CPU engine; 1-2 min to start). tests/sglang (SGLang's own weight-sync code, and
-# the recipe with servers.kind = "sglang") runs in the main suite whenever that venv exists.
+# The SGLang-protocol conformance suite against a real SGLang server of its own on CPU, by hand:
+# install SGLang 0.5.23 in its own venv if missing (scripts/sglang-setup.sh), start SGLang on the
+# tiny model (its CPU engine; 1-4 min to start) and run the suite. CI runs the same files in the main
+# suite instead (tests/sglang/test_conformance_sglang.py, against the real SGLang server that
+# tests/sglang shares, so no start-up of its own), with the rest of tests/sglang (SGLang's own
+# weight-sync code, the recipe with servers.kind = "sglang") whenever that venv exists.
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
