@@ -1,95 +1,72 @@
-"""A real SGLang 0.5.23 server (CPU) joins a run mid-way through the inference pool: started by
-hand, behind a proxy that records the weight version of every answer it gives, and added with
-`rlactors pool add` against a `rlactors up` cluster; at the next publish it joins the
-weight-update group, takes the push, reports the published version, and only then gets requests."""
+"""A real SGLang 0.5.23 server (CPU) joins a run mid-way through the inference pool: a server the
+run did not start, behind a proxy that records the weight version of every answer it gives, added
+with `rlactors pool add` against a `rlactors up` cluster; at the next publish it joins the
+weight-update group, takes the push, reports the published version, and only then gets requests.
+
+The joiner is the package's shared SGLang server (tests/sglang/conftest.py: ``exported_sglang``),
+so this costs no SGLang start-up of its own: the run trains the model that server serves (the
+exported folder), on a reference server of its own (fast to start), and pushes to both, in one
+group, from the join on; the shared server is given its exported weights back after. A recipe run
+whose own server is real SGLang is tests/sglang/test_recipe_sglang.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.test_pool import (
-    RecordingProxy,
-    cli,
-    free_port,
-    read_until,
-    run_logs,
-    start_run,
-    stop,
-    up_cluster,
-)
-from tests.e2e.test_recipe import ROOT, rows
-from tests.sglang.test_sglang_code import NEEDS_SGLANG, SGLANG_PYTHON
+from tests.e2e.test_pool import RecordingProxy, cli, read_until, run_logs, start_run, stop, up_cluster
+from tests.e2e.test_recipe import rows
+from tests.sglang.conftest import CHANGES_IT, ExportedServer
+from tests.sglang.test_sglang_code import NEEDS_SGLANG
 
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.slow,
-    pytest.mark.timeout(1500),  # two SGLang start-ups on CPU (2-4 min each on a loaded 2-core machine)
+    pytest.mark.timeout(1200),  # the shared server's start-up on CPU when this test runs alone, a run
+    getattr(pytest.mark, CHANGES_IT),  # the run's pushes replace the shared server's weights for a while
     NEEDS_SGLANG,
 ]
 
 
-def start_sglang(log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from nodes.inference.launcher import SGLangServerConfig
-    from nodes.inference.models import ensure_tiny_checkpoint
-
-    config = SGLangServerConfig(model_path=str(ensure_tiny_checkpoint()), python=SGLANG_PYTHON, device="cpu")
-    port = free_port()
-    extra = config.env()
-    env = {**os.environ, **extra, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(config.command("127.0.0.1", port), env=env, cwd=ROOT, stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health_generate", timeout=30).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)  # SGLang loads for 1-2 min; /health_generate is its readiness signal
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"SGLang did not start: {log.read_text(errors='replace')[-3000:]}")
-
-
-def test_a_real_sglang_server_joins_a_run_through_the_pool(tmp_path: Path) -> None:
+def test_a_real_sglang_server_joins_a_run_through_the_pool(
+    tmp_path: Path, exported_sglang: ExportedServer
+) -> None:
+    served = exported_sglang
     out, err = tmp_path / "run", tmp_path / "run.err"
-    args = ["servers.kind=sglang", "servers.n=1", "servers.sglang.device=cpu", f"servers.sglang.python={SGLANG_PYTHON}",
+    args = [f"model.path={served.model}", "servers.kind=reference", "servers.n=1", "trainer.n_ranks=1",
             "run.steps=500", "run.checkpoint_every=0", "run.eval_every=0", f"run.out_dir={out}"]  # fmt: skip
-    proc = joiner = proxy = None
+    # a version no publish has: the joiner reports the run's only once the push has reached it
+    r = httpx.post(served.url + "/update_weight_version", json={"new_version": "not-joined"}, timeout=120)
+    assert r.status_code == 200, r.text
+    proc = None
+    proxy = RecordingProxy(served.url)
     lines: list[str] = []
-    with up_cluster(tmp_path) as (cfg, env):
-        try:
-            proc = start_run(args, cfg, env, err)
-            # one SGLang start-up at a time: each takes a free port for its torch.distributed
-            # init when it starts, and two at once on a 2-core machine ended the run's server
-            # (exit -9, SGLang killing itself) before its first step in CI
-            read_until(proc, lines, "step 1/", err)
-            joiner, url = start_sglang(tmp_path / "joiner.log")
-            proxy = RecordingProxy(url)
-            add = cli(["pool", "add", proxy.url], env)
-            assert add.returncode == 0, add.stderr
-            joined = read_until(proc, lines, "servers joined:", err)
-            version = int(re.search(r"serving version (\d+)", joined).group(1))
-            read_until(proc, lines, f"step {version + 2}/", err)  # two more steps on both servers
-            ls = cli(["pool", "ls", "--json"], env)
-            proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 143
-            rest, _ = proc.communicate(timeout=300)
-        finally:
-            stop(proc)
-            if proxy is not None:
-                proxy.close()
-            if joiner is not None:
-                os.killpg(joiner.pid, signal.SIGKILL)  # SGLang's scheduler processes with it
-                joiner.wait()
+    try:
+        with up_cluster(tmp_path) as (cfg, env):
+            try:
+                proc = start_run(args, cfg, env, err)
+                read_until(proc, lines, "step 1/", err)  # it joins a running run
+                add = cli(["pool", "add", proxy.url], env)
+                assert add.returncode == 0, add.stderr
+                joined = read_until(proc, lines, "servers joined:", err)
+                version = int(re.search(r"serving version (\d+)", joined).group(1))
+                read_until(proc, lines, f"step {version + 2}/", err)  # two more steps on both servers
+                ls = cli(["pool", "ls", "--json"], env)
+                proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 143
+                rest, _ = proc.communicate(timeout=300)
+            finally:
+                stop(proc)
+    finally:
+        proxy.close()
+        # the shared server as it was found: the exported weights (its other users read them)
+        body = {"model_path": str(served.model)}
+        restored = httpx.post(served.url + "/update_weights_from_disk", json=body, timeout=300)
+    assert restored.status_code == 200 and restored.json()["success"], restored.text
     output = "".join(lines) + rest
     assert proc.returncode == 143, output[-3000:] + run_logs(err)
     states = {s["url"]: (s["state"], s["version"]) for s in json.loads(ls.stdout)["servers"]}
