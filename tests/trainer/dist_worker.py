@@ -327,18 +327,14 @@ def aggregation_scenario(model: str, out: Path, tag: str, max_tokens_per_mb: int
         (out / f"agg_{tag}.json").write_text(json.dumps(losses))
 
 
-def main() -> None:
-    scenario, out, model = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
+def run_scenario(scenario: str, out: Path, model: str, args: list[str]) -> None:
+    """One scenario on this rank (the process group is up); ``args``: the scenario's own."""
     from nodes.trainer import checkpoint
     from nodes.trainer.fsdp import FSDPTrainer
 
     rank = dist.get_rank()
     if scenario == "aggregation":  # builds its own trainers
-        aggregation_scenario(model, out, sys.argv[4], int(sys.argv[5]))
-        dist.barrier()
-        dist.destroy_process_group()
+        aggregation_scenario(model, out, args[0], int(args[1]))
         return
     trainer = FSDPTrainer(train_config(model))
     if scenario == "fresh":
@@ -385,10 +381,25 @@ def main() -> None:
     elif scenario == "gather":
         gather_scenario(trainer, out)
     elif scenario == "push":
-        push_scenario(trainer, model, out, sys.argv[4])
+        push_scenario(trainer, model, out, args[0])
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    dist.barrier()
+
+
+def main() -> None:
+    """``SCENARIO OUT_DIR MODEL [ARGS...]``, or ``--many MODEL JSON``: a JSON list of
+    ``[scenario, out_dir, args]`` run one after the other in the same ranks (a rank's start-up,
+    torch and the model, costs more than most scenarios)."""
+    if sys.argv[1] == "--many":
+        model, runs = sys.argv[2], json.loads(sys.argv[3])
+    else:
+        runs = [[sys.argv[1], sys.argv[2], sys.argv[4:]]]
+        model = sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://")
+    for scenario, out, args in runs:
+        run_scenario(scenario, Path(out), model, args)
+        dist.barrier()
     dist.destroy_process_group()
 
 

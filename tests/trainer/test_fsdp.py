@@ -1,5 +1,11 @@
 """FSDP2 on 2 gloo ranks: one step equals a plain single-process step; checkpoint/resume is exact;
-corrupt checkpoints and inf/nan are errors, never saved or pushed."""
+corrupt checkpoints and inf/nan are errors, never saved or pushed.
+
+A rank's start-up (torch, the model) costs more than a scenario, so the scenarios run in three
+launches shared by the tests: two ranks train fresh (and checkpoint); two ranks then resume,
+load a corrupted copy of that checkpoint, meet inf, and run the aggregation modes, one after the
+other; one rank runs the schedule and the aggregation modes' single-rank reference. Each scenario
+builds its own trainer and writes into its own folder."""
 
 from __future__ import annotations
 
@@ -31,6 +37,55 @@ def fresh_run(tiny_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
     run_ranks(HERE / "dist_worker.py", ["fresh", str(out), tiny_model], world=2, timeout=240)
     return out
+
+
+def corrupted_copy(ckpt: Path, dst: Path) -> Path:
+    """A copy of ``ckpt`` with 8 bytes changed in the middle of an optimizer state, as the tester
+    did (without checksums the run loaded them silently and had inf weights one step later);
+    returns the changed shard."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(ckpt, dst)
+    meta = FileSystemReader(str(dst)).read_metadata()
+    where = next(
+        info
+        for idx, info in meta.storage_data.items()
+        if idx.fqn.startswith("optim.state.") and idx.fqn.endswith("exp_avg_sq") and "embed" in idx.fqn
+    )
+    shard = dst / where.relative_path
+    with shard.open("r+b") as f:
+        f.seek(where.offset + where.length // 2)
+        f.write(b"\xff" * 8)
+    return shard
+
+
+def many(world: int, model: str, runs: list[tuple[str, Path, list[str]]]) -> None:
+    """``runs`` (scenario, its folder, its arguments) one after the other in the same ``world`` ranks."""
+    spec = json.dumps([[name, str(out), args] for name, out, args in runs])
+    run_ranks(HERE / "dist_worker.py", ["--many", model, spec], world=world, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def later_runs(fresh_run, tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """The scenarios after ``fresh_run``, in two launches (two ranks, one rank); their folders by
+    scenario, and ``shard``: the file changed in the corrupted checkpoint."""
+    tmp = tmp_path_factory.mktemp("fsdp_later")
+    dirs = {name: tmp / name for name in ("corrupt", "nonfinite", "agg", "schedule")}
+    for d in dirs.values():
+        d.mkdir()
+    shard = corrupted_copy(fresh_run / "ckpt", dirs["corrupt"] / "ckpt")
+    many(
+        2,
+        tiny_model,
+        [
+            ("resume", fresh_run, []),
+            ("corrupt", dirs["corrupt"], []),
+            ("nonfinite", dirs["nonfinite"], []),
+            ("aggregation", dirs["agg"], ["two", "40"]),
+        ],
+    )
+    many(1, tiny_model, [("schedule", dirs["schedule"], []), ("aggregation", dirs["agg"], ["one", "100000"])])
+    return {**dirs, "shard": shard}
 
 
 def plain_step(model_path: str, batch) -> tuple[dict[str, torch.Tensor], float]:
@@ -91,8 +146,7 @@ def test_fsdp_step_on_two_ranks_equals_plain_step(fresh_run, tiny_model):
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_reproduces_next_step(fresh_run, tiny_model):
-    run_ranks(HERE / "dist_worker.py", ["resume", str(fresh_run), tiny_model], world=2, timeout=240)
+def test_resume_from_checkpoint_reproduces_next_step(fresh_run, later_runs):
     resumed = load_file(str(fresh_run / "step2_resumed.safetensors"))
     straight = load_file(str(fresh_run / "step2.safetensors"))
     step1 = load_file(str(fresh_run / "step1.safetensors"))
@@ -113,40 +167,24 @@ def test_a_rank_with_only_dummy_microbatches_reports_the_global_stats(fresh_run)
 
 
 @pytest.mark.slow
-def test_lr_reported_is_the_one_used_and_kl_defaults_to_the_initial_policy(tiny_model, tmp_path):
-    run_ranks(HERE / "dist_worker.py", ["schedule", str(tmp_path), tiny_model], world=1, timeout=240)
-    first, second = json.loads((tmp_path / "schedule.json").read_text())
+def test_lr_reported_is_the_one_used_and_kl_defaults_to_the_initial_policy(later_runs):
+    first, second = json.loads((later_runs["schedule"] / "schedule.json").read_text())
     assert first["lr"] == pytest.approx(1e-3 / 3) and second["lr"] == pytest.approx(2e-3 / 3)  # warm-up 3
     assert first["ref_kl"] == pytest.approx(0.0, abs=1e-9)  # the policy still is the reference
     assert second["ref_kl"] > 0
 
 
 @pytest.mark.slow
-def test_a_checkpoint_changed_after_saving_fails_to_load_naming_the_file(fresh_run, tiny_model, tmp_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    shutil.copytree(fresh_run / "ckpt", tmp_path / "ckpt")
-    # 8 bytes in the middle of an optimizer state, as the tester did (without checksums the run
-    # loaded them silently and had inf weights one step later)
-    meta = FileSystemReader(str(tmp_path / "ckpt")).read_metadata()
-    where = next(
-        info
-        for idx, info in meta.storage_data.items()
-        if idx.fqn.startswith("optim.state.") and idx.fqn.endswith("exp_avg_sq") and "embed" in idx.fqn
-    )
-    shard = tmp_path / "ckpt" / where.relative_path
-    with shard.open("r+b") as f:
-        f.seek(where.offset + where.length // 2)
-        f.write(b"\xff" * 8)
-    run_ranks(HERE / "dist_worker.py", ["corrupt", str(tmp_path), tiny_model], world=2, timeout=240)
+def test_a_checkpoint_changed_after_saving_fails_to_load_naming_the_file(later_runs):
+    shard = later_runs["shard"]
     for rank in (0, 1):  # every rank raises, whichever rank hashed the file
-        error = (tmp_path / f"load_error_{rank}.txt").read_text()
+        error = (later_runs["corrupt"] / f"load_error_{rank}.txt").read_text()
         assert str(shard) in error and "sha256" in error
 
 
 @pytest.mark.slow
-def test_inf_is_never_saved_or_pushed_and_stops_the_step(tiny_model, tmp_path):
-    run_ranks(HERE / "dist_worker.py", ["nonfinite", str(tmp_path), tiny_model], world=2, timeout=240)
+def test_inf_is_never_saved_or_pushed_and_stops_the_step(later_runs):
+    tmp_path = later_runs["nonfinite"]
     for rank in (0, 1):  # rank 1 alone held the inf; both ranks agree
         seen = json.loads((tmp_path / f"nonfinite_{rank}.json").read_text())
         assert "model.embed_tokens.weight:exp_avg" in seen["save"]
@@ -158,18 +196,10 @@ def test_inf_is_never_saved_or_pushed_and_stops_the_step(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_each_aggregation_is_exact_across_micro_batches_and_ranks(tiny_model, tmp_path):
+def test_each_aggregation_is_exact_across_micro_batches_and_ranks(later_runs):
     """One rank with one micro-batch and two ranks with several give the same loss and gradient,
     for every aggregation mode and with sequence-level corrections (GSPO, the geometric mask)."""
-    run_ranks(
-        HERE / "dist_worker.py",
-        ["aggregation", str(tmp_path), tiny_model, "one", "100000"],
-        world=1,
-        timeout=240,
-    )
-    run_ranks(
-        HERE / "dist_worker.py", ["aggregation", str(tmp_path), tiny_model, "two", "40"], world=2, timeout=240
-    )
+    tmp_path = later_runs["agg"]
     one = json.loads((tmp_path / "agg_one.json").read_text())
     two = json.loads((tmp_path / "agg_two.json").read_text())
     losses = []
