@@ -18,8 +18,9 @@ from tests.e2e.test_your_data import HELD, jsonl
 from tests.helpers.servers import reference_server
 
 # A reward that depends on every generated token, and greedy decoding: the same weights give the same
-# score, different weights (almost surely) another.
-SCORED = [*SMALL, "reward.fn=tests.e2e.learning_reward:no_space_share",
+# score, different weights (almost surely) another. One server and one rank, in the run and in the
+# evaluation: a second of each is one more process to start and proves nothing here.
+SCORED = [*SMALL, "servers.n=1", "trainer.n_ranks=1", "reward.fn=tests.e2e.learning_reward:no_space_share",
           f"rollout.workflow_args.max_new_tokens={TOKENS}", "run.eval_temperature=0"]  # fmt: skip
 
 
@@ -90,13 +91,22 @@ def test_an_exported_folder_on_your_data_through_a_running_server(trained: Path,
     assert all(len(r["samples"]) == 2 for r in results)
 
 
-def test_bad_inputs_are_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_bad_inputs_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first case as a user meets it (``python -m recipes.evaluate``: the exit status the shell
+    sees); the others through the same ``main`` in this process, without a process start-up each."""
+    from recipes.evaluate import main
+
+    out = ["--out", str(tmp_path / "out")]
+    res = evaluate(["--model", str(tmp_path), *out], timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "not a Hugging Face model folder" in lines[0], res.stderr[-2000:]
     for args, message in (
-        (["--model", str(tmp_path)], "not a Hugging Face model folder"),
         (["--model", str(tmp_path), "trainer.lr=fast"], "'trainer.lr' must be a float"),
         (["--model", str(tmp_path), "--n", "0"], "--n must be >= 1"),
         (["--model", str(tmp_path), "--data", str(tmp_path / "none.jsonl")], "no such file or folder"),
     ):
-        res = evaluate([*args, "--out", str(tmp_path / "out")], timeout=120)
-        lines = res.stderr.strip().splitlines()
-        assert res.returncode == 2 and len(lines) == 1 and message in lines[0], (args, res.stderr[-2000:])
+        code = main([*args, *out])
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, err[-2000:])
