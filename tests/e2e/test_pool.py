@@ -1,7 +1,11 @@
 """The inference pool through the recipe, on reference servers: a killed server is replaced and
 serves the current version; a server added mid-run (`rlactors pool add` against a `rlactors up`
 cluster) gets requests only once it reports the current version; a removed server's requests
-complete elsewhere."""
+complete elsewhere, drained or not.
+
+A recipe run's start-up is most of its cost, so one run carries the four scenarios one after
+the other (:func:`pool_run`), each phase started once the one before has settled; the tests
+assert on what it recorded."""
 
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import httpx
 import pytest
 
 from tests.cluster.test_cli import one_node_config
-from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, _cmdline, _descendants, rows, start_until_first_step
+from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, rows
+
+pytestmark = pytest.mark.slow
 
 # A replacement serves the current version within this of its server's death: two missed health
 # probes (2 s), a reference server's start-up with the tiny model, and the next publish.
@@ -34,56 +40,6 @@ REPLACEMENT_BOUND_S = 60.0
 
 def step_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("step ")]
-
-
-@pytest.mark.slow
-def test_a_killed_server_is_replaced_and_serves_the_current_version(tmp_path: Path) -> None:
-    # The run is long enough for a slow machine's replacement to start (steps here take 1-2 s and
-    # a start-up 10-40 s); once the replacement has served two steps, SIGTERM ends it cleanly.
-    out = tmp_path / "run"
-    proc, lines = start_until_first_step(
-        [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=100"], 100, subprocess.DEVNULL
-    )
-    try:
-        servers = [p for p in _descendants(proc.pid) if "nodes.inference.server" in _cmdline(p)]
-        assert len(servers) == 2, "".join(lines)
-        os.kill(servers[0], signal.SIGKILL)
-        killed = time.monotonic()
-        assert proc.stdout is not None
-        joined_after = None
-        steps_after_join = 0
-        rest = []
-        for line in proc.stdout:
-            rest.append(line)
-            if joined_after is None and line.startswith("servers joined:"):
-                joined_after = time.monotonic() - killed
-            elif joined_after is not None and line.startswith("step "):
-                steps_after_join += 1
-                if steps_after_join == 2:
-                    proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = "".join(lines + rest)
-    assert "launching a replacement" in output, output[-3000:]
-    assert joined_after is not None and joined_after < REPLACEMENT_BOUND_S, output[-3000:]
-    assert proc.returncode == 143, output[-3000:]  # ended by the SIGTERM, cleanly
-    m = rows(out)
-    n = len(m)
-    assert [r["step"] for r in m] == list(range(1, n + 1))
-    assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
-    assert m[-1]["servers/live"] == 2  # back to two
-    back = next(i for i, r in enumerate(m) if r["servers/joined"])
-    assert all(r["servers/live"] == 2 for r in m[back:])
-    assert n - back >= 2  # the replacement served at least two steps
-    # every live server, the replacement included, holds the step's version at every step
-    assert all(r["servers/min_weight_version"] == r["version"] for r in m)
-    assert any("servers 2 (+1" in line for line in step_lines(output)), output[-3000:]
-    assert all(r["train/n_seqs"] == 4 for r in m)
-    groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 2 * n and len(set(groups)) == 2 * n  # no group lost or trained twice
 
 
 def free_port() -> int:
@@ -221,117 +177,202 @@ def stop(*procs: subprocess.Popen[Any] | None) -> None:
             p.wait()
 
 
+def server_pid(url: str) -> int:
+    """The process of the reference server listening at ``url`` (launched by a node agent, not a
+    child of the run's process: found by its ``--port``)."""
+    port = url.rsplit(":", 1)[1]
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):  # gone, or no --port
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+                if b"nodes.inference.server" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+                    found.append(int(d.name))
+    assert len(found) == 1, (url, found)
+    return found[0]
+
+
+def step_of(line: str) -> int:
+    m = re.match(r"step (\d+)/", line)
+    assert m, line
+    return int(m.group(1))
+
+
 @dataclasses.dataclass
-class JoinedRun:
-    proc: subprocess.Popen[str]
-    lines: list[str]  # what the run printed so far
-    err: Path  # the run's stderr
-    env: dict[str, str]  # for `rlactors` commands against its cluster
-    proxy: RecordingProxy  # in front of the server that joined
-    version: int  # the version it joined at
+class PoolRun:
+    """What :func:`pool_run` saw: the run's output and metrics, and each phase's observations."""
 
-    def read_until(self, prefix: str) -> str:
-        return read_until(self.proc, self.lines, prefix, self.err)
+    out: Path
+    output: str = ""
+    returncode: int | None = None
+    joined_after: float | None = None  # seconds from the kill to the replacement's join line
+    version: int = 0  # the version the added server joined at
+    listed: dict[str, str] = dataclasses.field(default_factory=dict)  # `pool ls`: url -> state
+    proxy_url: str = ""
+    served: list[str | None] = dataclasses.field(default_factory=list)  # its answers' versions
+    before_hold: int = 0  # the last step before its requests were parked
+    in_flight: int = 0  # parked requests when `pool rm --no-drain` returned
 
-    def end_after(self, steps: int) -> str:
-        """Let the run train ``steps`` more steps, then end it with SIGTERM (it finishes its step
-        and exits 143); everything it printed."""
-        for _ in range(steps):
-            self.read_until("step ")
-        self.proc.send_signal(signal.SIGTERM)
-        rest, _ = self.proc.communicate(timeout=600)
-        output = "".join(self.lines) + rest
-        assert self.proc.returncode == 143, output[-3000:] + run_logs(self.err)
-        return output
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return rows(self.out)
 
 
-@contextlib.contextmanager
-def run_and_join_a_server(tmp_path: Path, *args: str) -> Iterator[JoinedRun]:
-    """A run on a `rlactors up` cluster (``args``: more overrides); after step 1 a reference server
-    started by hand, behind a :class:`RecordingProxy`, is added with `rlactors pool add` and joins
-    at the next publish. The run is long (100 steps; a test ends it with :meth:`JoinedRun.end_after`)
-    so that the server's start-up on a slow machine cannot outlast it. The run, the server and the
-    proxy are stopped on the way out."""
+@pytest.fixture(scope="module")
+def pool_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolRun]:
+    """One run on a `rlactors up` cluster (two launched servers, one trainer rank, evaluation only
+    before the first step and at the end: the evaluator's own client would send the added server
+    requests whose failovers the metric does not count), through four phases:
+
+    1. after step 1, SIGKILL of server-0: a replacement is launched and joins; two steps on it;
+    2. `rlactors pool add` of a reference server (started beside the run, behind a
+       :class:`RecordingProxy`): it joins at the next publish; `pool ls` lists it live;
+    3. `rlactors pool rm` (draining) of server-1; two steps after it has left;
+    4. the added server's requests parked, `rlactors pool rm --no-drain` of it, then it goes away
+       (every request answered 502); three steps after it has left, then SIGTERM.
+    """
     from nodes.inference.models import ensure_tiny_checkpoint
 
-    out, err = tmp_path / "run", tmp_path / "run.err"
+    tmp = tmp_path_factory.mktemp("pool")
+    run = PoolRun(tmp / "run")
+    err = tmp / "run.err"
     proc = joiner = proxy = None
     lines: list[str] = []
-    with up_cluster(tmp_path) as (cfg, env):
+
+    def until(prefix: str) -> str:
+        return read_until(proc, lines, prefix, err)
+
+    with up_cluster(tmp) as (cfg, env):
         try:
-            run_args = [f"run.out_dir={out}", "run.steps=100", "run.checkpoint_every=100", *args]
-            proc = start_run(run_args, cfg, env, err)
-            read_until(proc, lines, "step 1/", err)
-            joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp_path / "joiner.log")
+            args = [f"run.out_dir={run.out}", "run.steps=400", "run.checkpoint_every=400", "run.eval_every=0",
+                    "trainer.n_ranks=1"]  # fmt: skip
+            proc = start_run(args, cfg, env, err)
+            # the server to add starts while the run does: no steps spent waiting for it later
+            joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp / "joiner.log")
             proxy = RecordingProxy(url)
+            run.proxy_url = proxy.url
+            until("step 1/")
+
+            # 1. kill a launched server
+            ls = cli(["pool", "ls", "--json"], env)
+            assert ls.returncode == 0, ls.stderr
+            launched = {s["name"]: s["url"] for s in json.loads(ls.stdout)["servers"]}
+            assert sorted(launched) == ["server-0", "server-1"], launched
+            pids = {name: server_pid(u) for name, u in launched.items()}
+            os.kill(pids["server-0"], signal.SIGKILL)
+            killed = time.monotonic()
+            until("servers joined:")
+            run.joined_after = time.monotonic() - killed
+            until("step ")
+            until("step ")
+
+            # 2. add a server
             add = cli(["pool", "add", proxy.url], env)
             assert add.returncode == 0, add.stderr + "".join(lines)[-2000:] + run_logs(err)
             assert "joining" in add.stdout
-            joined = read_until(proc, lines, "servers joined:", err)
-            assert proxy.url in joined
-            version = int(re.search(r"serving version (\d+)", joined).group(1))
-            yield JoinedRun(proc, lines, err, env, proxy, version)
+            joined = until("servers joined:")
+            assert proxy.url in joined, joined
+            run.version = int(re.search(r"serving version (\d+)", joined).group(1))
+            ls = cli(["pool", "ls", "--json"], env)
+            assert ls.returncode == 0, ls.stderr
+            run.listed = {s["url"]: s["state"] for s in json.loads(ls.stdout)["servers"]}
+
+            # 3. drain-remove a launched server
+            rm = cli(["pool", "rm", launched["server-1"]], env)  # its running requests finish, none start
+            assert rm.returncode == 0, rm.stderr
+            until("server leaving:")
+            until("step ")
+            run.before_hold = step_of(until("step "))
+            run.served = list(proxy.generated)
+
+            # 4. remove the added server at once, requests in flight
+            proxy.hold = True
+            deadline = time.monotonic() + 120
+            while proxy.held < 1 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)  # until the rollout sends the added server a request
+            assert proxy.held >= 1, "the added server got no request to hold"
+            rm = cli(["pool", "rm", "--no-drain", proxy.url], env)
+            assert rm.returncode == 0, rm.stderr
+            run.in_flight = proxy.held  # still parked: rm returned with them in flight
+            proxy.gone.set()
+            until("server leaving:")
+            for _ in range(3):
+                until("step ")
+            proc.send_signal(signal.SIGTERM)  # it finishes its step and exits 143
+            rest, _ = proc.communicate(timeout=600)
+            run.output = "".join(lines) + rest
+            run.returncode = proc.returncode
+            assert run.returncode == 143, run.output[-3000:] + run_logs(err)
         finally:
             stop(proc, joiner)
             if proxy is not None:
                 proxy.close()
+    yield run
 
 
-@pytest.mark.slow
-def test_pool_add_and_rm_through_the_cli_during_a_run_on_an_up_cluster(tmp_path: Path) -> None:
-    with run_and_join_a_server(tmp_path) as run:
-        assert run.version >= 2  # it joined after at least one publish: base weights are not the policy
-        ls = cli(["pool", "ls", "--json"], run.env)
-        assert ls.returncode == 0, ls.stderr
-        servers: list[dict[str, Any]] = json.loads(ls.stdout)["servers"]
-        assert {s["url"]: s["state"] for s in servers}[run.proxy.url] == "live"
-        leaving = next(s["url"] for s in servers if s["name"] == "server-0")
-        rm = cli(["pool", "rm", leaving], run.env)  # drains: its running requests finish, none start
-        assert rm.returncode == 0, rm.stderr
-        run.read_until("server leaving:")
-        run.end_after(2)
-    proxy, version, out = run.proxy, run.version, tmp_path / "run"
-    # the joiner served only the policy it was checked to hold, and later ones: never base weights
-    assert proxy.generated, "the joined server got no requests"
-    assert all(v is not None and int(v) >= version for v in proxy.generated), proxy.generated
-    m = rows(out)
-    n = len(m)
-    assert [r["step"] for r in m] == list(range(1, n + 1))
-    assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
-    assert m[-1]["servers/live"] == 2
-    assert max(r["servers/live"] for r in m) == 3
+def joins(m: list[dict[str, Any]]) -> list[int]:
+    """Indices of the rows whose step saw a server join."""
+    return [i for i, r in enumerate(m) if r["servers/joined"]]
+
+
+def test_a_killed_server_is_replaced_and_serves_the_current_version(pool_run: PoolRun) -> None:
+    output = pool_run.output
+    assert "launching a replacement" in output, output[-3000:]
+    assert pool_run.joined_after is not None and pool_run.joined_after < REPLACEMENT_BOUND_S, output[-3000:]
+    m = pool_run.rows
+    back, added = joins(m)  # the replacement's step, then the added server's
+    assert sum(r["servers/left"] for r in m[: back + 1]) == 1  # the killed one, before it was replaced
+    assert all(r["servers/live"] == 2 for r in m[back:added])  # back to two
+    assert added - back >= 2  # the replacement served at least two steps before anything else changed
+    assert any("servers 2 (+1" in line for line in step_lines(output)), output[-3000:]
+    # every live server, the replacement included, holds the step's version at every step
     assert all(r["servers/min_weight_version"] == r["version"] for r in m)
-    assert all(r["train/n_seqs"] == 4 for r in m)
-    groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 2 * n and len(set(groups)) == 2 * n  # nothing lost or trained twice
 
 
-@pytest.mark.slow
-def test_pool_rm_no_drain_moves_the_removed_servers_requests_in_flight_elsewhere(tmp_path: Path) -> None:
+def test_pool_add_through_the_cli_joins_at_the_current_version_and_serves_no_older(pool_run: PoolRun) -> None:
+    assert pool_run.version >= 2  # it joined after at least one publish: base weights are not the policy
+    assert pool_run.listed[pool_run.proxy_url] == "live"
+    # the added server served only the policy it was checked to hold, and later ones: never base weights
+    served = pool_run.served
+    assert served, "the added server got no requests"
+    assert all(v is not None and int(v) >= pool_run.version for v in served), served
+    m = pool_run.rows
+    assert max(r["servers/live"] for r in m) == 3
+
+
+def test_pool_rm_drains_a_server_and_the_run_goes_on(pool_run: PoolRun) -> None:
+    assert "server leaving:" in pool_run.output
+    m = pool_run.rows
+    added = joins(m)[1]
+    # after the drained server left (before the added one's requests were parked): two servers
+    drained = next(i for i in range(added, len(m)) if m[i]["servers/left"])
+    assert drained < pool_run.before_hold
+    assert all(r["servers/live"] == 2 for r in m[drained : pool_run.before_hold])
+
+
+def test_pool_rm_no_drain_moves_the_removed_servers_requests_in_flight_elsewhere(pool_run: PoolRun) -> None:
     """`rlactors pool rm --no-drain` returns while the server still holds requests; the server
     then goes away (as a user removing it at once would take it down), and the requests it held
-    complete on the other servers: every group is trained once."""
-    # evaluation only before the first step: the evaluator's own client (not a rollout actor's,
-    # whose failovers the metric counts) would send the joiner requests too
-    with run_and_join_a_server(tmp_path, "run.eval_every=0") as run:
-        run.proxy.hold = True
-        deadline = time.monotonic() + 120
-        while run.proxy.held < 1 and time.monotonic() < deadline and run.proc.poll() is None:
-            time.sleep(0.05)  # until the rollout sends the joined server a request
-        assert run.proxy.held >= 1, "the joined server got no request to hold"
-        rm = cli(["pool", "rm", "--no-drain", run.proxy.url], run.env)
-        assert rm.returncode == 0, rm.stderr
-        in_flight = run.proxy.held  # still parked: rm returned with them in flight
-        run.proxy.gone.set()
-        run.read_until("server leaving:")
-        run.end_after(3)
-    m = rows(tmp_path / "run")
+    complete on the other server (that every group is still trained once, the test below checks)."""
+    assert pool_run.in_flight >= 1
+    m = pool_run.rows
+    # every request the removed server held was sent again to another server and finished there
+    before = m[pool_run.before_hold - 1]["rollout/failovers"]
+    assert m[-1]["rollout/failovers"] - before >= pool_run.in_flight, (
+        pool_run.in_flight,
+        pool_run.before_hold,
+        [r["rollout/failovers"] for r in m],
+    )
+    assert m[-1]["servers/live"] == 1  # the replacement: the one server neither killed nor removed
+
+
+def test_every_group_is_trained_once_through_kill_add_and_removals(pool_run: PoolRun) -> None:
+    assert pool_run.returncode == 143  # ended by the SIGTERM, cleanly
+    m = pool_run.rows
     n = len(m)
     assert [r["step"] for r in m] == list(range(1, n + 1))
-    assert sum(r["servers/joined"] for r in m) == 1 and sum(r["servers/left"] for r in m) == 1
-    assert m[-1]["servers/live"] == 2
-    # every request the removed server held was sent again to another server and finished there
-    assert m[-1]["rollout/failovers"] >= in_flight, (in_flight, [r["rollout/failovers"] for r in m])
+    # joined: the replacement, the added server; left: the killed, the drained, the removed
+    assert sum(r["servers/joined"] for r in m) == 2 and sum(r["servers/left"] for r in m) == 3
     assert all(r["train/n_seqs"] == 4 for r in m)
     groups = [g for r in m for g in r["data/groups"].split(",")]
-    assert len(groups) == 2 * n and len(set(groups)) == 2 * n  # nothing lost or trained twice
+    assert len(groups) == 2 * n and len(set(groups)) == 2 * n  # no group lost or trained twice
