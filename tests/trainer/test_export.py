@@ -57,7 +57,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
     return model(input_ids=torch.tensor(PROMPTS)).logits.float()
 
 
-def cli(*args: str, module: str | None = None) -> subprocess.CompletedProcess[str]:
+def real_cli(*args: str, module: str | None = None) -> subprocess.CompletedProcess[str]:
     """``rlactors export ARGS`` (or ``python -m MODULE ARGS``) as a user runs it."""
     cmd = [sys.executable, "-m", module, *args] if module else [str(RLACTORS), "export", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -67,7 +67,9 @@ def cli(*args: str, module: str | None = None) -> subprocess.CompletedProcess[st
 def fp32_export(trained, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     """The full fine-tune exported in fp32 through the command, in shards of at most 10 MB."""
     out = tmp_path_factory.mktemp("export") / "hf-fp32"
-    done = cli(str(step(trained, "full")), "--out", str(out), "--dtype", "fp32", "--max-shard-size", "10MB")
+    done = real_cli(
+        str(step(trained, "full")), "--out", str(out), "--dtype", "fp32", "--max-shard-size", "10MB"
+    )
     assert done.returncode == 0, done.stderr
     return out, done
 
@@ -188,6 +190,21 @@ def test_the_reference_server_serves_the_export_as_transformers_runs_it(fp32_exp
         assert [greedy_served(url, p, 12) for p in PROMPTS] == want
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``rlactors export ARGS`` through the command's own ``main`` in this process: its exit code
+    and what it wrote, as :func:`cli` returns them, without a process start (torch's import) each."""
+    from rlactors.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        main(["export", *args])
+    out, err = capsys.readouterr()
+    code = ended.value.code
+    return subprocess.CompletedProcess(
+        ["rlactors", "export", *args], code if isinstance(code, int) else 1, out, err
+    )
+
+
 def rewrite_state(ckpt: Path, dst: Path, **changes: object) -> Path:
     """A copy of checkpoint ``ckpt`` whose trainer_state.json has ``changes`` (None: the field
     removed, as an older trainer wrote it), with its manifest rewritten to match."""
@@ -214,11 +231,19 @@ def one_line_error(done: subprocess.CompletedProcess[str], *words: str) -> str:
 
 
 @pytest.mark.slow
-def test_bad_inputs_are_one_line_errors_with_exit_code_2(trained, models, tmp_path) -> None:
+def test_bad_inputs_are_one_line_errors_with_exit_code_2(trained, models, tmp_path, capsys) -> None:
+    """Through the real commands (``rlactors export``, ``python -m nodes.trainer.export``) once each;
+    the other inputs through the command's ``main`` in this process (one process start each
+    would cost more than the whole check)."""
     full, lora = step(trained, "full"), step(trained, "lora")
     out = tmp_path / "out"
 
-    one_line_error(cli(str(tmp_path), "--out", str(out)), str(tmp_path), "not a trainer checkpoint folder")
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return in_process(capsys, *args)
+
+    one_line_error(
+        real_cli(str(tmp_path), "--out", str(out)), str(tmp_path), "not a trainer checkpoint folder"
+    )
     one_line_error(cli(str(full), "--out", str(out), "--lora", "merge"), "--lora merge", "drop --lora")
     one_line_error(
         cli(str(full), "--out", str(out), "--base-model", str(tmp_path / "nowhere")),
@@ -246,7 +271,9 @@ def test_bad_inputs_are_one_line_errors_with_exit_code_2(trained, models, tmp_pa
     one_line_error(cli(str(full), "--out", str(out)), str(out), "--force")
     assert (out / "keep.txt").read_text() == "mine"
     # the same checks through `python -m nodes.trainer.export`
-    one_line_error(cli(str(lora), "--out", str(out), module="nodes.trainer.export"), "not empty", "--force")
+    one_line_error(
+        real_cli(str(lora), "--out", str(out), module="nodes.trainer.export"), "not empty", "--force"
+    )
     export_checkpoint(lora, out, force=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     # an older checkpoint (no base recorded) exports with --base-model
