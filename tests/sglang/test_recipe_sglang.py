@@ -26,9 +26,12 @@ def test_recipe_trains_against_real_sglang(tmp_path: Path) -> None:
         "servers.n=1",
         "servers.sglang.device=cpu",
         f"servers.sglang.python={SGLANG_PYTHON}",
-        "run.steps=2",
-        "servers.sglang.auth=on",
-    ]  # keys on loopback: every client of ours must send them (#28)
+        "run.steps=2",  # two pushes, each taken
+        "servers.sglang.auth=on",  # keys on loopback: every client of ours must send them (#28)
+        # SGLang's KV pool bounded well above the run's needs, not its share of RAM (seconds to allocate)
+        'servers.sglang.extra_args=["--max-total-tokens", "65536"]',
+        "trainer.n_ranks=1",  # one rank pushes; what SGLang receives is the same from two
+    ]
     run = recipe([*SMALL, *args, "run.checkpoint_every=0", f"run.out_dir={out}"], timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     m = rows(out)
