@@ -210,10 +210,11 @@ def test_the_written_cluster_toml_starts_an_agent_with_srun_holding_the_nodes_cp
 @pytest.mark.slow
 def test_the_sbatch_runs_the_smoke_config_under_slurm(tmp_path: Path, slurm_cluster: Slurm) -> None:
     """The template as submitted, on a real one-node Slurm without GPUs: cluster up through srun,
-    one step of configs/smoke.toml on it, cluster down, the recipe's exit code the job's."""
+    one step of configs/smoke.toml on it, cluster down, the recipe's exit code the job's. One
+    server and one trainer rank: the template's part is the cluster and the job, not the ranks'."""
     run = tmp_path / "run"
     env = {**slurm_cluster.env, "CONFIG": "recipes/configs/smoke.toml", "GPUS_PER_NODE": "0", "SERVERS": "1",
-           "RANKS": "2", "RUN": str(run), "PY": sys.executable, "REPO": str(ROOT),
+           "RANKS": "1", "RUN": str(run), "PY": sys.executable, "REPO": str(ROOT),
            "RLACTORS_STATE_DIR": str(tmp_path / "elsewhere")}  # fmt: skip
     res = subprocess.run(
         ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out",
