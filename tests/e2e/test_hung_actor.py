@@ -1,19 +1,20 @@
 """The main job survives a hung rollout actor (SIGSTOP mid-run) as it survives kill -9: its node
 agent kills the silent worker after ``fence_after`` and the actor is restarted; the run
-finishes its steps, with no group lost or trained twice."""
+finishes its steps, with no group lost or trained twice. One server and one trainer rank: the
+fault is the rollout actor's."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_recipe import SMALL, _cmdline, _descendants, rows, start_until_first_step
+from tests.e2e.live_run import LiveRun
+from tests.e2e.test_recipe import SMALL, rows
 
 STOPPED_S = 15  # past the default fence_after (node_timeout 5 s + heartbeat timeout 6 s)
 
@@ -21,10 +22,11 @@ STOPPED_S = 15  # past the default fence_after (node_timeout 5 s + heartbeat tim
 @pytest.mark.slow
 def test_run_finishes_after_the_rollout_actor_hangs_for_15_s(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc, lines = start_until_first_step([*SMALL, f"run.out_dir={out}"], 4, subprocess.PIPE)
-    try:
-        rollout = [p for p in _descendants(proc.pid) if "rlactors.worker rollout-0" in _cmdline(p)]
-        assert len(rollout) == 1, "".join(lines)
+    args = [*SMALL, "servers.n=1", "trainer.n_ranks=1", "run.steps=4", f"run.out_dir={out}"]
+    with LiveRun(args, tmp_path / "err") as run:
+        run.until("step 1/4")
+        rollout = run.processes("rlactors.worker rollout-0")
+        assert len(rollout) == 1, run.output()
         os.kill(rollout[0], signal.SIGSTOP)
         deadline = time.monotonic() + STOPPED_S
         # Time itself is the fault injected here: the worker stays stopped this long, unless
@@ -34,16 +36,12 @@ def test_run_finishes_after_the_rollout_actor_hangs_for_15_s(tmp_path: Path) -> 
         replaced = not Path(f"/proc/{rollout[0]}").exists()
         with contextlib.suppress(ProcessLookupError):
             os.kill(rollout[0], signal.SIGCONT)
-        rest, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    output = "".join(lines) + rest + err
-    assert proc.returncode == 0, output[-3000:]
+        returncode = run.finish()
+    err = run.stderr()
+    assert returncode == 0, (run.output() + err)[-3000:]
     assert replaced, "the stopped worker was not killed by its agent within 15 s"
     assert "stopped answering" in err and "killed by its node agent" in err
-    assert "rollout actors restarted after dying: 1 so far" in rest
+    assert "rollout actors restarted after dying: 1 so far" in run.output()
     m = rows(out)
     assert [r["step"] for r in m] == [1, 2, 3, 4]
     assert m[-1]["rollout/restarts"] == 1
