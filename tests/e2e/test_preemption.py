@@ -8,7 +8,10 @@ the SIGTERM back (it stays pending) and serves until its owner stops it, and non
 On an `rlactors up` cluster the daemons run in sessions of their own: a SIGTERM to the driver's
 process group reaches the driver alone. Under Slurm the cluster is the job's too, and every process
 of it (head, agents, workers) gets the SIGTERM: the daemons leave it to the run's driver and stop
-after it (the head once no run is connected, the agents once their head is gone)."""
+after it (the head once no run is connected, the agents once their head is gone).
+
+One run folder carries the three deliveries, each stop resumed by the next run (a run costs a
+minute of CPU, mostly start-up): see :class:`Chain`."""
 
 from __future__ import annotations
 
@@ -17,103 +20,134 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.live_run import LiveRun, _cmdline, _descendants
 from tests.e2e.test_pool import up_cluster
-from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, _cmdline, _descendants, recipe, rows
+from tests.e2e.test_recipe import ROOT, SMALL, recipe, rows
+
+# One inference server does (the servers' part is to hold the SIGTERM); two trainer ranks, each
+# signalled, save the checkpoint at the stop together. No checkpoint but the one at each stop.
+ARGS = [*SMALL, "servers.n=1", "run.checkpoint_every=50"]
+
+
+@dataclass
+class Stop:
+    """A run stopped by SIGTERM after its first step, and what it left when it exited."""
+
+    returncode: int
+    stdout: str
+    err: str
+    done: int  # the last step in metrics.jsonl
+    latest: str  # checkpoints/latest
+    saved: bool  # checkpoints/step-<done> is there
+    servers: list[int]  # the inference servers' processes that were signalled
+    outlived: list[int]  # those, and any daemons signalled, still running a minute after the run
+
+
+@dataclass
+class Chain:
+    """One run folder, stopped and resumed three times: SIGTERM to the driver's process group on
+    an `rlactors up` cluster; resumed on the same cluster, SIGTERM to every process of the job
+    (the cluster's daemons too); resumed embedded, SIGTERM to its process group and to each of its
+    processes; resumed again to one more step."""
+
+    out: Path
+    group: Stop
+    every: Stop
+    embedded: Stop
+    last: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Chain:
+    tmp = tmp_path_factory.mktemp("preemption")
+    out = tmp / "run"
+    with up_cluster(tmp) as (cfg, env):
+        state = json.loads((tmp / "state" / "cluster.json").read_text())
+        daemons = [state["head_pid"], *(a["pid"] for a in state["agents"].values())]
+        on_cluster = ["run.steps=50", f"run.out_dir={out}", "--cluster", str(cfg)]
+        # a terminal or `timeout`: the driver's group; the same cluster's names are then free
+        group = _stop_after_a_step([*ARGS, *on_cluster], env, tmp / "group.err", daemons=[])
+        # Slurm: every process of the job, the cluster's too
+        every = _stop_after_a_step([*ARGS, *on_cluster, "--resume"], env, tmp / "every.err", daemons)
+    embedded_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [*ARGS, f"run.out_dir={out}"]
+    embedded = _stop_after_a_step(
+        [*args, "run.steps=50", "--resume"], embedded_env, tmp / "embedded.err", daemons=None
+    )
+    last = recipe([*args, f"run.steps={embedded.done + 1}", "--resume"])
+    return Chain(out, group, every, embedded, last)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # a run and its resume; minutes on a loaded 2-core machine
-def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(tmp_path: Path) -> None:
-    """As the SIGTERM to the driver alone (tests/e2e/test_recipe.py) does; sent as Slurm sends it,
-    to the process group and to each process of the job, the inference servers included."""
-    out = tmp_path / "run"
-    args = [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"]  # no checkpoint but the one at the stop
-    proc = _start(args, {**os.environ, "PYTHONPATH": str(ROOT)}, tmp_path / "err")
-    servers = _terminate_after_step_1(proc, out, alone=False, daemons=[proc.pid])
-    assert servers, "the run started no inference server"
-    for pid in servers:  # stopped by their owner at the run's end: none outlives it
-        assert _wait_gone(pid, 60), f"server process {pid} outlived the run"
-    _check_stopped_and_resume(proc, out, tmp_path / "err", args)
+@pytest.mark.timeout(1800)  # the whole chain runs here: four runs, minutes each on a loaded 2-core machine
+def test_sigterm_to_the_driver_group_on_an_rlactors_up_cluster_checkpoints_and_resumes(chain: Chain) -> None:
+    _check_stopped(chain.group)
+    _check_resumed(chain.group, chain.every.stdout)  # on the same cluster
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("to", ["driver group", "every process"])
-def test_sigterm_on_an_rlactors_up_cluster_checkpoints_and_resumes(tmp_path: Path, to: str) -> None:
-    out = tmp_path / "run"
-    with up_cluster(tmp_path) as (cfg, env):
-        args = [*SMALL, f"run.out_dir={out}", "run.checkpoint_every=50"]
-        proc = _start([*args, "--cluster", str(cfg)], env, tmp_path / "err")
-        state = json.loads((tmp_path / "state" / "cluster.json").read_text())
-        daemons = [state["head_pid"], *(a["pid"] for a in state["agents"].values())]
-        # Slurm signals every process of the job; a terminal or `timeout`, the driver's group.
-        servers = _terminate_after_step_1(
-            proc, out, alone=False, daemons=daemons if to == "every process" else []
-        )
-        again_on = ["--cluster", str(cfg)] if to == "driver group" else []  # the same cluster: names free
-        if to == "every process":  # the daemons stopped after the run (the agents once the head had)
-            assert servers, "the run started no inference server"
-            for pid in [*daemons, *servers]:
-                assert _wait_gone(pid, 60), f"{pid} still running"
-        _check_stopped_and_resume(proc, out, tmp_path / "err", args, again_on)
+def test_sigterm_to_every_process_of_an_rlactors_up_cluster_checkpoints_and_resumes(chain: Chain) -> None:
+    """The daemons stopped after the run (the agents once the head had), the servers with it."""
+    _check_stopped(chain.every)
+    assert chain.every.servers, "the run started no inference server"
+    assert not chain.every.outlived, f"{chain.every.outlived} still running"
+    _check_resumed(chain.every, chain.embedded.stdout)
 
 
-def _start(args: list[str], env: dict[str, str], err: Path) -> subprocess.Popen[str]:
-    with err.open("w") as stderr:
-        return subprocess.Popen(
-            [sys.executable, str(RECIPE), "run.steps=50", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env=env,
-            start_new_session=True,  # the job's own process group, as under a scheduler
-        )
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_whole_process_group_checkpoints_and_resumes(chain: Chain) -> None:
+    """As the SIGTERM to the driver alone (tests/e2e/test_recipe.py) does; sent as Slurm sends it,
+    to the process group and to each process of the job, the inference servers included."""
+    _check_stopped(chain.embedded)
+    assert chain.embedded.servers, "the run started no inference server"
+    assert not chain.embedded.outlived, f"server processes {chain.embedded.outlived} outlived the run"
+    assert chain.last.returncode == 0, chain.last.stderr[-3000:]
+    _check_resumed(chain.embedded, chain.last.stdout)
+    assert [r["step"] for r in rows(chain.out)] == list(range(1, chain.embedded.done + 2))
 
 
-def _terminate_after_step_1(
-    proc: subprocess.Popen[str], out: Path, alone: bool, daemons: Sequence[int] = ()
-) -> list[int]:
-    """Once step 1 is in metrics.jsonl: SIGTERM to the driver ``alone``, or to its process group
-    and to every process of these ``daemons`` (their groups, and each descendant: the inference
-    servers' processes too, as Slurm signals every process of a step); wait for the driver's exit.
-    Returns the servers' processes that were signalled, each checked to hold the SIGTERM pending
-    (alive, serving until its owner stops it)."""
-    servers: list[int] = []
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and (line := proc.stdout.readline()):
-            if line.startswith("step 1/"):  # metrics.jsonl has step 1's line
-                break
-        assert rows(out), "the run never finished step 1"
-        if alone:
-            proc.send_signal(signal.SIGTERM)
-        else:
-            descendants = [p for d in daemons for p in _descendants(d)]
-            servers = _server_processes(descendants)
-            for group in (proc.pid, *daemons):
-                os.killpg(group, signal.SIGTERM)
-            for pid in descendants:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            # kill() queues a blocked signal before it returns; the driver stops the servers only
-            # after its step and checkpoint, so each is still there holding it.
-            for pid in servers:
-                assert _holds_sigterm(pid), f"server process {pid} ({_cmdline(pid)}) acted on the SIGTERM"
-        proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return servers
+def _stop_after_a_step(
+    args: list[str], env: dict[str, str], err: Path, daemons: Sequence[int] | None
+) -> Stop:
+    """Start the recipe in a process group of its own (the job's, as under a scheduler); once a step
+    is in metrics.jsonl, SIGTERM to its process group and to every process of these ``daemons``
+    (None: the run's own; their groups, and each descendant: the inference servers' processes
+    too, as Slurm signals every process of a step); wait for the driver's exit. The servers'
+    processes signalled are each checked to hold the SIGTERM pending (alive, serving until their
+    owner stops them)."""
+    with LiveRun(args, err, env=env, new_session=True) as run:
+        run.until("step ")
+        out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.out_dir=")))
+        assert rows(out), "the run never finished a step"
+        daemons = [run.pid] if daemons is None else daemons
+        descendants = [p for d in daemons for p in _descendants(d)]
+        servers = _server_processes(descendants)
+        for group in (run.pid, *daemons):
+            os.killpg(group, signal.SIGTERM)
+        for pid in descendants:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        # kill() queues a blocked signal before it returns; the driver stops the servers only
+        # after its step and checkpoint, so each is still there holding it.
+        for pid in servers:
+            assert _holds_sigterm(pid), f"server process {pid} ({_cmdline(pid)}) acted on the SIGTERM"
+        returncode = run.finish(timeout_s=180)
+    signalled = [*(d for d in daemons if d != run.pid), *servers]
+    outlived = [pid for pid in signalled if not _wait_gone(pid, 60)]
+    done = rows(out)[-1]["step"]
+    checkpoints = out / "checkpoints"
+    latest = (checkpoints / "latest").read_text().strip() if (checkpoints / "latest").exists() else ""
+    saved = (checkpoints / f"step-{done}").is_dir()
+    return Stop(returncode, run.output(), run.stderr(), done, latest, saved, servers, outlived)
 
 
 def _server_processes(pids: Sequence[int]) -> list[int]:
@@ -133,23 +167,18 @@ def _holds_sigterm(pid: int) -> bool:
     return bool(pending and int(status["SigBlk"], 16) & bit)
 
 
-def _check_stopped_and_resume(
-    proc: subprocess.Popen[str], out: Path, err_file: Path, args: list[str], again_on: Sequence[str] = ()
-) -> None:
-    """The run exited 143 with its last step's checkpoint on disk, and ``--resume`` (on the cluster
-    ``again_on`` names, else an embedded one) continues from it."""
-    err = err_file.read_text()
-    assert proc.returncode == 143, err[-3000:]
-    assert "terminated: shut down cleanly" in err and "died" not in err, err[-3000:]
-    assert "event stream" not in err, err[-3000:]  # leaving the cluster is no lost connection
-    done = rows(out)[-1]["step"]
-    assert done >= 1
-    assert (out / "checkpoints" / "latest").read_text().strip() == str(done)
-    assert (out / "checkpoints" / f"step-{done}").is_dir()
-    again = recipe([*args, f"run.steps={done + 1}", "--resume", *again_on])
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from step {done} (policy version {done};" in again.stdout
-    assert [r["step"] for r in rows(out)] == list(range(1, done + 2))
+def _check_stopped(stop: Stop) -> None:
+    """The run exited 143 with its last step's checkpoint on disk."""
+    assert stop.returncode == 143, stop.err[-3000:]
+    assert "terminated: shut down cleanly" in stop.err and "died" not in stop.err, stop.err[-3000:]
+    assert "event stream" not in stop.err, stop.err[-3000:]  # leaving the cluster is no lost connection
+    assert stop.done >= 1
+    assert stop.latest == str(stop.done) and stop.saved
+
+
+def _check_resumed(stop: Stop, next_stdout: str) -> None:
+    """``--resume`` (the next run of the chain) continued from the stop's checkpoint."""
+    assert f"resumed from step {stop.done} (policy version {stop.done};" in next_stdout, next_stdout[-3000:]
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
