@@ -17,6 +17,8 @@ Not a test module: ``tests/sglang/test_sglang_code.py`` starts it with the pytho
 - ``push-tensor URL TENSORS``: the same tensors by reference, serialized by SGLang's
   ``MultiprocessingSerializer`` as verl and SGLang's own ``Engine`` send them (CPU tensors: torch's
   ``file_system`` sharing, since a file descriptor cannot cross an HTTP call).
+- ``pushes URL PORT``: both in one process (SGLang's imports once): reads ``push TENSORS`` or
+  ``push-tensor TENSORS`` lines from stdin, answers each with a line ``pushed``, until stdin ends.
 
 Stdlib HTTP only: nothing is installed into SGLang's venv for this.
 """
@@ -216,5 +218,12 @@ if __name__ == "__main__":
         serve(int(args[0]), args[1])
     elif mode == "push-tensor":
         push_tensor(args[0], args[1])
+    elif mode == "pushes":
+        for line in sys.stdin:
+            how, path = line.split()
+            if how == "push":
+                push(args[0], int(args[1]), path)
+            else:
+                push_tensor(args[0], path)
     else:
         push(args[0], int(args[1]), args[2])

@@ -105,6 +105,19 @@ def test_trainer_pushes_into_sglang_receive_code(tmp_path: Path, sglang_receiver
     assert {b.get("load_format") for b in flat} == {"flattened_bucket", None}
 
 
+def pushes(pusher: subprocess.Popen[str], how: str, tensors: Path, output: list[str]) -> bool:
+    """Ask ``sglang_side.py pushes`` for one more push; whether it said ``pushed`` (False if it
+    exited first). What it printed is appended to ``output``."""
+    assert pusher.stdin is not None and pusher.stdout is not None
+    pusher.stdin.write(f"{how} {tensors}\n")
+    pusher.stdin.flush()
+    for line in pusher.stdout:
+        output.append(line)
+        if line.strip() == "pushed":
+            return True
+    return False
+
+
 def test_sglang_trainer_side_pushes_into_reference_server(tmp_path: Path) -> None:
     model = ensure_tiny_checkpoint()
     # two dtypes in one bucket, as SGLang's FlattenedTensorBucket allows; the server is fp32
@@ -122,31 +135,41 @@ def test_sglang_trainer_side_pushes_into_reference_server(tmp_path: Path) -> Non
                 ).shape
                 sent[name] = torch.randn(shape).to(dtype)
             save_file(sent, str(tmp_path / "push.safetensors"))
-            out = subprocess.run(
-                [SGLANG_PYTHON, str(HERE / "sglang_side.py"), "push", url, str(free_port()),
-                 str(tmp_path / "push.safetensors")],
-                env=sglang_env(), capture_output=True, text=True, timeout=240,
+            # one process of SGLang's for both pushes (its imports cost seconds), told what to push
+            # on its stdin; its stdout read up to each "pushed", never to its end: torch's
+            # shared-memory manager, started by the by-reference push, inherits it and lives while
+            # this server keeps the mapping open
+            pusher = subprocess.Popen(
+                [SGLANG_PYTHON, str(HERE / "sglang_side.py"), "pushes", url, str(free_port())],
+                env=sglang_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True,
             )  # fmt: skip
-            assert out.returncode == 0 and "pushed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
-            for name, t in sent.items():
-                got = torch.tensor(
-                    c.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}).json()
-                )
-                assert torch.equal(got, t.float()), name
-            assert c.get(url + "/model_info").json()["weight_version"] == "per-tensor"
-            # by reference: SGLang's MultiprocessingSerializer, as verl and SGLang's Engine send it
-            for name in sent:
-                sent[name] = torch.randn(sent[name].shape).to(sent[name].dtype)
-            save_file(sent, str(tmp_path / "push-tensor.safetensors"))
-            # output to a file: torch's shared-memory manager, started by the sender, inherits its
-            # stderr and lives while this server keeps the mapping open, so a pipe would not close
-            log = tmp_path / "push-tensor.log"
-            with log.open("w") as f:
-                code = subprocess.run(
-                    [SGLANG_PYTHON, str(HERE / "sglang_side.py"), "push-tensor", url, str(tmp_path / "push-tensor.safetensors")],
-                    env=sglang_env(), stdout=f, stderr=subprocess.STDOUT, timeout=240,
-                ).returncode  # fmt: skip
-            assert code == 0 and "pushed" in log.read_text(), log.read_text()[-3000:]
+            output: list[str] = []
+            try:
+                assert pushes(pusher, "push", tmp_path / "push.safetensors", output), "".join(output)[-3000:]
+                for name, t in sent.items():
+                    got = torch.tensor(
+                        c.post(
+                            url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}
+                        ).json()
+                    )
+                    assert torch.equal(got, t.float()), name
+                assert c.get(url + "/model_info").json()["weight_version"] == "per-tensor"
+                # by reference: SGLang's MultiprocessingSerializer, as verl and SGLang's Engine send it
+                for name in sent:
+                    sent[name] = torch.randn(sent[name].shape).to(sent[name].dtype)
+                save_file(sent, str(tmp_path / "push-tensor.safetensors"))
+                pushed = pushes(pusher, "push-tensor", tmp_path / "push-tensor.safetensors", output)
+                assert pushed, "".join(output)[-3000:]
+                assert pusher.stdin is not None
+                pusher.stdin.close()  # its loop ends
+                assert pusher.wait(timeout=240) == 0, "".join(output)[-3000:]
+            finally:
+                if pusher.poll() is None:
+                    pusher.kill()
+                    pusher.wait()
+                assert pusher.stdout is not None
+                pusher.stdout.close()
             for name, t in sent.items():
                 got = torch.tensor(
                     c.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}).json()
