@@ -16,7 +16,9 @@ import pytest
 from tests.e2e.learning_reward import TOKENS, featured_checkpoint
 from tests.e2e.test_recipe import recipe, rows
 
-STEPS = 10
+# Steps 1-2 train on version-0 samples; the featured model rises over steps 3-5 (bench/RESULTS.md has
+# a run's curve): 6 steps leave four to compare the signs over.
+STEPS = 6
 
 
 def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
