@@ -175,7 +175,8 @@ def test_the_recipe_trains_on_your_jsonl_and_evaluates_on_your_parquet(tmp_path:
     held-out rows' 0.5."""
     out = tmp_path / "run"
     res = recipe([
-        *SMALL, "run.steps=1", "run.eval_every=0", f"run.out_dir={out}", "data.source=local",
+        *SMALL, "servers.n=1", "trainer.n_ranks=1", "run.steps=1", "run.eval_every=0", f"run.out_dir={out}",
+        "data.source=local",
         f"data.path={jsonl(tmp_path / 'mine.jsonl', ROWS)}", f"data.eval_path={parquet(tmp_path / 'held.parquet', HELD)}",
         "data.prompt_field=q", "data.answer_field=a", "data.answer_format=gsm8k",
         "reward.fn=tests.e2e.custom_data:weight_if_fields_arrived",
