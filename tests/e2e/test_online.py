@@ -26,6 +26,8 @@ from tests.e2e.test_recipe import RECIPE, ROOT, rows
 
 ARGS = [
     "model.tiny=true",
+    "servers.n=1",  # nothing here needs a second server or rank: each is a process to start
+    "trainer.n_ranks=1",
     "data.source=online",
     "rollout.workflow=nodes.rollout.sessions:OnlineWorkflow",
     "rollout.workflow_args.n_samples=2",
