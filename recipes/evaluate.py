@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="evaluate the first N items only (default: all)")
     ap.add_argument("--out", default="runs/evaluate", help="where results.jsonl and summary.json go")
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before and after flags, as `--resume run.steps=9`
     if args.n < 1 or args.limit < 0 or (args.temperature is not None and args.temperature < 0):
         print("error: --n must be >= 1, --limit >= 0 and --temperature >= 0", file=sys.stderr)
         return 2

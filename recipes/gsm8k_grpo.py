@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="section.key=value",
         help="config overrides, e.g. run.steps=20 trainer.lr=1e-5",
     )
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before and after flags, as `--resume run.steps=9`
     out = Path()
     try:
         cfg = load_config(args.config, args.overrides)

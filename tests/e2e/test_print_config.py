@@ -332,3 +332,19 @@ def test_cpu_toml_names_the_tables_it_leaves_out() -> None:
 
     left_out = {path for path, _ in tables_of(load_config(None, [])) if path and not present(path)}
     assert said == {p for p in left_out if present(p.rpartition(".")[0]) or "." not in p}
+
+
+def test_overrides_go_before_and_after_the_flags() -> None:
+    """`... --resume run.steps=9` as well as `... run.steps=9 --resume`: argparse's plain parse
+    refuses positionals on both sides of a flag ("unrecognized arguments")."""
+    res = run_recipe(["run.steps=3", "--print-config", "trainer.lr=2e-05"])
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == render_config(load_config(None, ["run.steps=3", "trainer.lr=2e-05"]))
+    evaluate = subprocess.run(
+        [sys.executable, "-m", "recipes.evaluate", "--model", "m", "run.steps=2", "--limit", "1", "trainer.lrr=1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert evaluate.returncode == 2
+    assert evaluate.stderr.startswith("error: ") and "unknown key 'trainer.lrr'" in evaluate.stderr, (
+        evaluate.stderr
+    )
