@@ -5,30 +5,14 @@ a SIGTERM is tested in tests/e2e/test_preemption.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 from pathlib import Path
 
 from tests.cluster.test_run_end import _actors, _driver, _ready, up  # noqa: F401 (the fixture)
+from tests.helpers.processes import descendants as _descendants
 from tests.helpers.processes import gone
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                children.setdefault(int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
-                    int(d.name)
-                )
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def test_sigterm_to_every_process_of_the_job_is_left_to_the_driver_then_the_cluster_stops(
