@@ -30,7 +30,7 @@ from nodes.plugins import resolve
 from nodes.trace import TRACE
 from nodes.trainer.balance import plan_batch, split_across_ranks
 from nodes.trainer.config import TrainConfig
-from nodes.trainer.loss import LossSums, gather_logprobs_entropy
+from nodes.trainer.loss import LossSums, gather_logprobs, gather_logprobs_entropy
 from nodes.trainer.microbatch import MicroBatch, build_microbatch
 
 __all__ = [
@@ -145,8 +145,7 @@ class FSDPTrainer:
 
     @torch.no_grad()
     def _recompute(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        logp, _ = gather_logprobs_entropy(self._logits(model, mb), mb.labels, mb.temperature)
-        return logp
+        return gather_logprobs(self._logits(model, mb), mb.labels, mb.temperature)
 
     def _ref_logp(self, mb: MicroBatch) -> torch.Tensor | None:
         """The KL term's reference log-probs, or None without a KL term."""

@@ -36,8 +36,23 @@ __all__ = [
     "MismatchCorrections",
     "aggregate",
     "decoupled_ppo_loss",
+    "gather_logprobs",
     "gather_logprobs_entropy",
 ]
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits / T)`` in at least fp32, with T = 0 (greedy) read as 1."""
+    if not torch.is_tensor(temperature):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        temperature = temperature or 1.0
+    elif (temperature < 0).any():
+        raise ValueError(f"temperature must be >= 0, got {temperature.flatten().tolist()}")
+    else:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
+    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 def gather_logprobs_entropy(
@@ -50,19 +65,18 @@ def gather_logprobs_entropy(
     here. ``temperature`` is a number or a tensor that broadcasts against ``logits`` (one per row:
     ``[B, 1, 1]``). Computed in at least fp32.
     """
-    if not torch.is_tensor(temperature):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        temperature = temperature or 1.0
-    elif (temperature < 0).any():
-        raise ValueError(f"temperature must be >= 0, got {temperature.flatten().tolist()}")
-    else:
-        temperature = torch.where(temperature == 0, 1.0, temperature)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp_all = _log_softmax(logits, temperature)
     logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def gather_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """The log-probs of :func:`gather_logprobs_entropy`, the same values, without the entropy (its
+    pass over every token's whole vocabulary): for the proximal and reference log-probs."""
+    return _log_softmax(logits, temperature).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
 @dataclass

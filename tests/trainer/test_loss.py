@@ -219,3 +219,21 @@ def test_each_row_is_scored_at_its_own_temperature():
         assert torch.allclose(logp[row], want[0]) and torch.allclose(ent[row], want_ent[0])
     with pytest.raises(ValueError, match="temperature"):
         gather_logprobs_entropy(logits, labels, -temps)
+
+
+@pytest.mark.parametrize(
+    "T", [0.0, 0.7, torch.tensor([0.0, 0.5, 1.0, 0.7, 0.0, 2.0], dtype=torch.float64).view(6, 1, 1)]
+)
+def test_gather_logprobs_is_the_entropy_variant_without_the_entropy(T: float | torch.Tensor) -> None:
+    """The proximal and reference log-probs (no entropy pass) are the values the loss's own
+    log-probs take, bit for bit, and refuse a negative temperature alike."""
+    from nodes.trainer.loss import gather_logprobs
+
+    logits, labels, *_ = _inputs()
+    want, _ = gather_logprobs_entropy(logits, labels, T)
+    assert torch.equal(gather_logprobs(logits, labels, T), want)
+    assert torch.equal(
+        gather_logprobs(logits.float(), labels, T), gather_logprobs_entropy(logits.float(), labels, T)[0]
+    )
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        gather_logprobs(logits, labels, -1.0)
