@@ -57,12 +57,8 @@ def _file(nodeid: str) -> str:
 def _group(file: str) -> str:
     """A test file is one unit of work for `--dist loadfile` (.ci/run), so its module-scoped runs are
     shared; the real-SGLang files are one unit together: two SGLang start-ups at once on a 2-core
-    machine have ended a server (SGLang killing itself) before its first step; so are the mypy files,
-    which share one cache (one cold analysis of the libraries' stubs, not one per file)."""
-    for together in ("tests/sglang/", "tests/typing/"):
-        if file.startswith(together):
-            return together.rstrip("/")
-    return file
+    machine have ended a server (SGLang killing itself) before its first step."""
+    return "tests/sglang" if file.startswith("tests/sglang/") else file
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,9 +17,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]  # mypy finds rlactors from here (an editable install's import hook hides it)
 REPORTED = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): error: .*\[(?P<code>[a-z-]+)\]$")
 EXPECTED = re.compile(r"#\s*error:\s*(?P<code>[a-z-]+)")
-# test_packages.py's cache: the stubs of torch, transformers and the rest analysed once (the files of
-# tests/typing run one after another on one worker: tests/conftest.py)
-CACHE = ROOT / "runs" / "mypy-cache"
+# Kept between runs, as test_packages.py's (runs/ is git-ignored), and apart from it: mypy.ini's options
+# differ, and one cache written under both is analysed again by each
+CACHE = ROOT / "runs" / "mypy-cache-typing"
 
 
 def run_mypy(*files: str) -> list[tuple[str, int, str]]:
