@@ -11,8 +11,7 @@ import signal
 from pathlib import Path
 
 from tests.cluster.test_run_end import _actors, _driver, _ready, up  # noqa: F401 (the fixture)
-from tests.helpers.processes import descendants as _descendants
-from tests.helpers.processes import gone
+from tests.helpers.processes import descendants, gone
 
 
 def test_sigterm_to_every_process_of_the_job_is_left_to_the_driver_then_the_cluster_stops(
@@ -24,7 +23,7 @@ def test_sigterm_to_every_process_of_the_job_is_left_to_the_driver_then_the_clus
     try:
         _ready(driver)
         victim_pids = {a["name"]: a["pid"] for a in _actors(up)}
-        workers = [p for a in agents for p in _descendants(a)]
+        workers = [p for a in agents for p in descendants(a)]
         assert set(victim_pids.values()) <= set(workers)
         for pid in (head, *agents, *workers):  # what Slurm does: every process of the job
             os.kill(pid, signal.SIGTERM)

@@ -23,6 +23,7 @@ from rlactors.head import Head
 from rlactors.registry import ActorRecord
 from tests.cluster.actors import Blob
 from tests.cluster.test_cli import one_node_config, run_cli, write_config
+from tests.helpers.processes import cmdline
 from tests.runtime.actors import Counter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
             del os.environ["RLACTORS_STATE_DIR"]
 
     asyncio.run(populate())
-    stopped_pid = next(pid for pid in pids.values() if "rlactors.worker stopped" in _cmdline(pid))
+    stopped_pid = next(pid for pid in pids.values() if "rlactors.worker stopped" in cmdline(pid))
     os.kill(stopped_pid, signal.SIGSTOP)
     try:
         status = _status(up)
@@ -136,10 +137,6 @@ def test_status_watch_prints_a_json_line_per_refresh_until_interrupted(up: dict[
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         proc.wait()
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 async def test_a_finished_runs_stopped_actors_are_dropped_after_the_retention_window() -> None:

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from tests.helpers.processes import cmdline as _cmdline
-from tests.helpers.processes import descendants as _descendants
+from tests.helpers.processes import cmdline, descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +54,7 @@ class LiveRun:
 
     def processes(self, needle: str) -> list[int]:
         """The run's processes whose command line holds ``needle``."""
-        return [p for p in _descendants(self.proc.pid) if needle in _cmdline(p)]
+        return [p for p in descendants(self.proc.pid) if needle in cmdline(p)]
 
     def until(self, marker: str, timeout_s: float = 600) -> str:
         """Read stdout until a line starts with ``marker``; that line. The run ending first, or

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_run import LiveRun, _cmdline, _descendants
+from tests.e2e.live_run import LiveRun
 from tests.e2e.test_pool import up_cluster
 from tests.e2e.test_recipe import ROOT, SMALL, recipe, rows
+from tests.helpers.processes import cmdline, descendants
 
 # One inference server does (the servers' part is to hold the SIGTERM); two trainer ranks, each
 # signalled, save the checkpoint at the stop together. No checkpoint but the one at each stop.
@@ -129,17 +130,17 @@ def _stop_after_a_step(
         out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run.out_dir=")))
         assert rows(out), "the run never finished a step"
         daemons = [run.pid] if daemons is None else daemons
-        descendants = [p for d in daemons for p in _descendants(d)]
-        servers = _server_processes(descendants)
+        below = [p for d in daemons for p in descendants(d)]
+        servers = _server_processes(below)
         for group in (run.pid, *daemons):
             os.killpg(group, signal.SIGTERM)
-        for pid in descendants:
+        for pid in below:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         # kill() queues a blocked signal before it returns; the driver stops the servers only
         # after its step and checkpoint, so each is still there holding it.
         for pid in servers:
-            assert _holds_sigterm(pid), f"server process {pid} ({_cmdline(pid)}) acted on the SIGTERM"
+            assert _holds_sigterm(pid), f"server process {pid} ({cmdline(pid)}) acted on the SIGTERM"
         returncode = run.finish(timeout_s=180)
     signalled = [*(d for d in daemons if d != run.pid), *servers]
     outlived = [pid for pid in signalled if not _wait_gone(pid, 60)]
@@ -152,8 +153,8 @@ def _stop_after_a_step(
 
 def _server_processes(pids: Sequence[int]) -> list[int]:
     """The inference servers' processes among ``pids``, and the processes they started."""
-    roots = [p for p in pids if "nodes.inference.server" in _cmdline(p) or "sglang" in _cmdline(p)]
-    return sorted({*roots, *(c for r in roots for c in _descendants(r))})
+    roots = [p for p in pids if "nodes.inference.server" in cmdline(p) or "sglang" in cmdline(p)]
+    return sorted({*roots, *(c for r in roots for c in descendants(r))})
 
 
 def _holds_sigterm(pid: int) -> bool:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from nodes.trace import read_trace
-from tests.e2e.live_run import LiveRun, _cmdline
-from tests.e2e.live_run import _descendants as _descendants  # other tests import it from here
+from tests.e2e.live_run import LiveRun
+from tests.helpers.processes import cmdline
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
@@ -191,9 +191,7 @@ def test_sigterm_checkpoints_the_last_step_and_shuts_down_like_ctrl_c(
     assert (
         len(stopped.left) >= 7
     )  # a trainer rank, 2 server actors and their servers, governor, buffer, rollout
-    assert not [
-        p for p in stopped.left if Path(f"/proc/{p}").exists() and _cmdline(p)
-    ]  # nothing left running
+    assert not [p for p in stopped.left if Path(f"/proc/{p}").exists() and cmdline(p)]  # nothing left running
     # checkpoint_every = 50: the last completed step was saved on the way out, and the message names it
     done = stopped.rows[-1]["step"]
     assert done >= 4
@@ -299,7 +297,7 @@ def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Pat
     with LiveRun(args, tmp_path / "err") as run:
         run.until("step 1/50")
         workers = run.processes("rlactors.worker")
-        ranks = [p for p in workers if "rlactors.worker trainer-1" in _cmdline(p)]
+        ranks = [p for p in workers if "rlactors.worker trainer-1" in cmdline(p)]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
         returncode = run.finish(timeout_s=300)  # never a hang
@@ -308,4 +306,4 @@ def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Pat
     assert "error: actor trainer-1" in err and "SIGKILL" in err and "--resume" in err
     # Nothing of the run is left behind: every worker it had is gone.
     assert len(workers) >= 5  # 2 trainer ranks, a server actor, governor, buffer, rollout
-    assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.worker" in _cmdline(p)]
+    assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.worker" in cmdline(p)]

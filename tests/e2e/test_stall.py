@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.live_run import LiveRun, _cmdline
+from tests.e2e.live_run import LiveRun
 from tests.e2e.stall_workflow import ARMED
 from tests.e2e.test_recipe import ROOT, SMALL
+from tests.helpers.processes import cmdline
 
 # One server and one trainer rank: the stalls are a workflow's and a server's.
 STALL = [
@@ -56,7 +57,7 @@ def stalls(tmp_path_factory: pytest.TempPathFactory) -> Stalls:
     with LiveRun([*SMALL, *STALL, f"run.out_dir={out}"], tmp / "err", env=env) as run:
         run.until("step 1/20")
         (server,) = run.processes("nodes.inference.server")
-        cmd = _cmdline(server).split()
+        cmd = cmdline(server).split()
         url = f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}"
         os.kill(server, signal.SIGSTOP)  # its socket still accepts; nothing answers
         try:

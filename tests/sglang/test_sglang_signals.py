@@ -18,8 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_recipe import _descendants
-from tests.helpers.processes import gone
+from tests.helpers.processes import descendants, gone
 from tests.sglang.conftest import STOPS_IT, ExportedServer
 from tests.sglang.test_sglang_code import NEEDS_SGLANG
 
@@ -78,7 +77,7 @@ async def test_sglang_holds_a_sigterm_to_each_process_and_its_owners_stop_ends_e
     sup = served.sup
     assert sup.proc is not None and sup.proc.returncode is None, "the shared server was stopped earlier"
     try:
-        pids = [sup.proc.pid, *_descendants(sup.proc.pid)]
+        pids = [sup.proc.pid, *descendants(sup.proc.pid)]
         # SGLang's scheduler and detokenizer beside its HTTP server
         assert len(pids) > 1, served.log.read_text()
         assert {os.getsid(p) for p in pids} == {sup.proc.pid} != {os.getsid(0)}
