@@ -3,6 +3,9 @@ CPU-bound CI machine (wall time moves with the machine's load; CPU time much les
 
     python bench/cpuprof.py LOG COMMAND [ARGS...]
     python bench/cpuprof.py runs/pool.log .venv/bin/python -m pytest tests/e2e/test_pool.py -q
+    python bench/cpuprof.py --json runs/suite-cpu.json runs/suite.log .venv/bin/python -m pytest -n 2
+
+``--json FILE`` also writes every process seen: its command line, CPU seconds and parent pid.
 
 The command's output goes to LOG. Every 0.3 s /proc is read: the CPU time (user + system) of each
 process below this one, and of each process whose environment carries this run's marker (set here,
@@ -16,6 +19,7 @@ of process.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +52,9 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
+    dump = None
+    if argv[0] == "--json":
+        dump, argv = argv[1], argv[2:]
     log, cmd = argv[0], argv[1:]
     marker = uuid.uuid4().hex
     needle = f"{MARK}={marker}".encode()
@@ -57,6 +64,7 @@ def main(argv: list[str]) -> int:
     cpu: dict[int, float] = {}  # pid -> last CPU reading, for the tree and the marked processes
     tree: set[int] = set()
     names: dict[int, str] = {}
+    parent: dict[int, int] = {}
     unmarked: set[int] = set()  # pids already read and not ours (an environment is read once)
     me = os.getpid()
     while True:
@@ -78,8 +86,11 @@ def main(argv: list[str]) -> int:
                 unmarked.add(pid)
                 continue
             cpu[pid] = max(seconds, cpu.get(pid, 0.0))
+            parent.setdefault(pid, stats[pid][0])
             if pid not in names:
-                names[pid] = " ".join(_read(f"/proc/{pid}/cmdline").decode(errors="replace").split("\0")[:4])
+                names[pid] = " ".join(_read(f"/proc/{pid}/cmdline").decode(errors="replace").split("\0")[:4])[
+                    :300
+                ]
         if done:
             break
         time.sleep(0.3)
@@ -89,6 +100,13 @@ def main(argv: list[str]) -> int:
         f"rc {proc.returncode} | CPU {in_tree:.1f} s in the process tree, {total:.1f} s with the marked "
         f"processes | wall {time.monotonic() - t0:.1f} s | {len(cpu)} processes"
     )
+    if dump is not None:
+        with open(dump, "w") as f:
+            rows = [
+                {"pid": p, "ppid": parent.get(p), "cpu_s": round(s, 2), "cmd": names.get(p, "?")}
+                for p, s in sorted(cpu.items())
+            ]
+            json.dump(rows, f, indent=0)
     kinds: collections.Counter[str] = collections.Counter()
     for pid, seconds in cpu.items():
         kinds[names.get(pid, "?")[:100]] += seconds
