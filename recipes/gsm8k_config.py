@@ -106,6 +106,8 @@ class RunConfig:
 @dataclass
 class MetricsConfig:
     tensorboard: bool = True  # write the metrics for TensorBoard too (<out_dir>/tensorboard)
+    # draw run.png (the metrics) and timeline.png (trace.json) when the run ends (needs matplotlib)
+    plots: bool = True
     # Weights & Biases: wandb.init's arguments, e.g. {project = "gsm8k"} (needs `pip install wandb`); {}: off
     wandb: dict[str, Any] = field(default_factory=dict)
 

@@ -182,16 +182,20 @@ def last_checkpoint(out: Path) -> Path | None:
     return out / "checkpoints" / f"step-{latest.read_text().strip()}" if latest.exists() else None
 
 
-def report(out: Path) -> None:
-    """The plot, and where everything is."""
+def report(out: Path, plots: bool = True) -> None:
+    """The plots (``[metrics] plots``), and where everything is."""
     from nodes.metrics import plot_run
     from nodes.trace import plot_timeline
 
     try:  # matplotlib is optional: a bare install (the GPU check's wheelhouse) goes without plots
         import matplotlib  # noqa: F401
     except ImportError:
+        plots, why = False, "no matplotlib"
+    else:
+        why = "metrics.plots = false"
+    if not plots:
         print(
-            f"done: metrics {out / 'metrics.jsonl'} | plot - (no matplotlib) | checkpoint {last_checkpoint(out) or '-'}"
+            f"done: metrics {out / 'metrics.jsonl'} | plot - ({why}) | checkpoint {last_checkpoint(out) or '-'}"
         )
         return
     png = plot_run(out / "metrics.jsonl", out / "run.png")
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = Path(cfg.run.out_dir).expanduser().resolve()
         asyncio.run(train(cfg, out, cluster_address(args.cluster), args.resume))
-        report(out)
+        report(out, cfg.metrics.plots)
     except (ConfigError, DataError, FileNotFoundError, CheckpointError, RunLockedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

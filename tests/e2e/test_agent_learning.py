@@ -52,6 +52,7 @@ def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path)
         "async.max_concurrent=64",
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",
+        "metrics.plots=false",
         f"run.out_dir={out}",
     ]
     done = recipe(args, timeout=1140)

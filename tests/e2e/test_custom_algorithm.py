@@ -39,6 +39,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert [r["step"] for r in rows(out)] == [1, 2]
+    # SMALL turns the end-of-run plots off: none drawn, and the last line says why
+    assert "plot - (metrics.plots = false)" in res.stdout, res.stdout[-2000:]
+    assert not (out / "run.png").exists() and not (out / "timeline.png").exists()
     return out
 
 

@@ -53,6 +53,7 @@ def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
         "reward.fn=tests.e2e.learning_reward:no_space_share",
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",
+        "metrics.plots=false",
         f"run.out_dir={out}",
     ]
     done = recipe(args, timeout=800)

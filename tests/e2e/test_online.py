@@ -37,6 +37,7 @@ ARGS = [
     "servers.reference.max_running_requests=16",
     "run.steps=2",
     "run.checkpoint_every=0",
+    "metrics.plots=false",
 ]
 
 

@@ -34,6 +34,7 @@ SMALL = [
     "rollout.workflow_args.n_samples=2",
     "rollout.workflow_args.max_new_tokens=16",
     "servers.reference.max_running_requests=16",
+    "metrics.plots=false",  # run.png and timeline.png: ~2 CPU-s a run; the runs that check them turn them on
 ]
 
 
@@ -110,7 +111,9 @@ class Stopped:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Finished:
     out = tmp_path_factory.mktemp("chain") / "run"
-    done = recipe([*ONE_RANK, "run.steps=3", "run.checkpoint_every=3", f"run.out_dir={out}"])
+    done = recipe(
+        [*ONE_RANK, "run.steps=3", "run.checkpoint_every=3", "metrics.plots=true", f"run.out_dir={out}"]
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     kept = out.parent / "first"
     kept.mkdir()

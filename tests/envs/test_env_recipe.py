@@ -36,6 +36,7 @@ COMMON = [
     "run.steps=2",
     "run.eval_every=0",
     "run.checkpoint_every=0",
+    "metrics.plots=false",
 ]
 VERIFIERS = "rollout.workflow=nodes.rollout.environments:VerifiersWorkflow"
 
