@@ -162,25 +162,21 @@ def test_checkpoint_holds_only_adapters_and_resume_continues_exactly(lora_run, t
 
 
 @pytest.mark.slow
-def test_the_recipe_trains_pushes_and_resumes_with_lora(tmp_path: Path) -> None:
-    """One step, checkpointed, then a resumed run's second step; one server and one trainer rank
-    (two ranks' merged push is the worker's above), as a run's start-up is most of its cost."""
+def test_the_recipe_trains_and_pushes_merged_weights_with_lora(tmp_path: Path) -> None:
+    """Two steps with LoRA pushed as merged weights, checkpointed; one server and one trainer rank
+    (two ranks' merged push is the worker's above), as a run's start-up is most of its cost. A
+    resumed LoRA run is tests/e2e/test_lora_adapter.py's (the checkpoint is the same: adapters)."""
     from tests.e2e.test_recipe import SMALL, recipe, rows
 
     out = tmp_path / "run"
     lora = ["trainer.lora.enabled=true", "trainer.lora.rank=4", "trainer.lr=1e-3", f"run.out_dir={out}"]
-    lora += ["servers.n=1", "trainer.n_ranks=1"]
-    first = recipe([*SMALL, *lora, "run.steps=1", "run.checkpoint_every=1"])
-    assert first.returncode == 0, first.stderr[-3000:]
+    lora += ["servers.n=1", "trainer.n_ranks=1", "trainer.lora.push=merged"]
+    done = recipe([*SMALL, *lora, "run.steps=2", "run.checkpoint_every=2"])
+    assert done.returncode == 0, done.stderr[-3000:]
     m = rows(out)
-    assert [r["step"] for r in m] == [1]
+    assert [r["step"] for r in m] == [1, 2]
     assert all(r["servers/min_weight_version"] == r["step"] == r["version"] for r in m)  # pushes landed
-    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step-1")).read_metadata()
+    assert all(r["push/push_bytes"] > 3_000_000 for r in m)  # the whole merged model, not an adapter
+    meta = dcp.FileSystemReader(str(out / "checkpoints" / "step-2")).read_metadata()
     model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
-
-    second = recipe([*SMALL, *lora, "run.steps=2", "run.checkpoint_every=2", "--resume"])
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from step 1 (policy version 1;" in second.stdout
-    m = rows(out)
-    assert [r["step"] for r in m] == [1, 2] and m[-1]["servers/min_weight_version"] == 2
