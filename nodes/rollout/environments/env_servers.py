@@ -91,9 +91,21 @@ class EnvServerActor(rlactors.Actor):
         await self._kill()
 
     async def url(self) -> str:
-        """The server's base URL, once it answers ``/health`` (raises if it did not start)."""
+        """The server's base URL, once it answers ``/health`` (raises if it did not start).
+
+        Never a dead server's: a caller asks again after an episode failed on the server, which may
+        have died a moment ago, before this worker's loop saw its process end. So one ``/health``
+        probe first; when it fails and the process has ended, the watcher ends this worker, and the
+        caller's call fails with ``ActorDiedError`` and reaches the next incarnation's server."""
         assert self._started is not None
-        return await asyncio.shield(self._started)
+        url = await asyncio.shield(self._started)
+        assert self.proc is not None
+        if self.proc.returncode is None and await health(url) is not None:
+            with contextlib.suppress(TimeoutError):  # dead, or only slow: the process says which
+                await wait_for(asyncio.shield(self.proc.wait()), HEALTH_TIMEOUT_S)
+        if self.proc.returncode is not None and not self._stopping:
+            await asyncio.Event().wait()  # until the watcher's os._exit: this URL is not to be used
+        return url
 
     async def pid(self) -> int:
         """The server process's pid."""
