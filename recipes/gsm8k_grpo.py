@@ -184,20 +184,20 @@ def last_checkpoint(out: Path) -> Path | None:
 
 def report(out: Path, plots: bool = True) -> None:
     """The plots (``[metrics] plots``), and where everything is."""
-    from nodes.metrics import plot_run
-    from nodes.trace import plot_timeline
-
-    try:  # matplotlib is optional: a bare install (the GPU check's wheelhouse) goes without plots
-        import matplotlib  # noqa: F401
-    except ImportError:
-        plots, why = False, "no matplotlib"
-    else:
-        why = "metrics.plots = false"
+    why = "metrics.plots = false"
+    if plots:
+        try:  # matplotlib is optional: a bare install (the GPU check's wheelhouse) goes without plots
+            import matplotlib  # noqa: F401
+        except ImportError:
+            plots, why = False, "no matplotlib"
     if not plots:
         print(
             f"done: metrics {out / 'metrics.jsonl'} | plot - ({why}) | checkpoint {last_checkpoint(out) or '-'}"
         )
         return
+    from nodes.metrics import plot_run
+    from nodes.trace import plot_timeline
+
     png = plot_run(out / "metrics.jsonl", out / "run.png")
     print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {last_checkpoint(out) or '-'}")
     if (trace := out / "trace.json").exists():
