@@ -57,7 +57,8 @@ class Tokens:
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["whole-output-events", "incremental-events"])
 async def test_each_token_is_handed_over_once_as_it_arrives(serve: Serve, incremental: bool) -> None:
-    script = Script(a=[lambda b: sse(events([[5], [6, 7], [8]], incremental=incremental))])
+    # the empty chunk: an event that repeats the last (real SGLang sends one when a step adds nothing)
+    script = Script(a=[lambda b: sse(events([[5], [], [6, 7], [8]], incremental=incremental))])
     [A] = (await serve(script)).urls
     client = SGLangClient([A], FAST)
     got = Tokens()
