@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import structlog
 
@@ -39,11 +39,17 @@ from rlactors.security import Security, control_plane, module_allowed
 from rlactors.service import ACTIVITY_TARGET
 from rlactors.transport import HEARTBEAT_TIMEOUT_MS
 
+if TYPE_CHECKING:  # imported where used: `python -m rlactors.forkserver` runs it as __main__
+    from rlactors.forkserver import ForkedProcess, ForkServer
+
 log = structlog.get_logger("rlactors.agent")
 
 # How an agent asks its worker to stop (its on_stop hook runs); SIGTERM and SIGINT are left to the
 # driver (see rlactors.worker), and SIGUSR2 dumps a worker's stacks (rlactors.forensics).
 STOP_SIGNAL = signal.SIGUSR1
+Child: TypeAlias = (
+    "asyncio.subprocess.Process | ForkedProcess"  # a worker process: exec'd, or forked (rlactors.forkserver)
+)
 STATUS_TIMEOUT_S = 1.0  # a worker that does not say what it is doing within this is "not answering"
 
 LogSink = Callable[[str], None]
@@ -124,7 +130,12 @@ class NodeAgent:
         self.python = python
         self.startup_timeout = startup_timeout
         self.address = ""
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._procs: dict[str, Child] = {}
+        # workers of our own packages fork from a process that has imported their module (see
+        # rlactors.forkserver); started with the first such worker, None until then
+        self.fork_workers = True  # false once a fork server could not be started
+        self._fork: ForkServer | None = None
+        self._fork_lock = asyncio.Lock()
         self._starting: dict[str, tuple[dict[str, Any], asyncio.Future[dict[str, Any]]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._head: Connection | None = None
@@ -234,16 +245,21 @@ class NodeAgent:
         env.update({str(k): str(v) for k, v in (spec.get("env") or {}).items()})
         label = spec.get("name") or f"{spec['class']['qualname']}:{actor_id[:6]}"
         try:
-            proc = await asyncio.create_subprocess_exec(
-                self.python,
-                "-m",
-                "rlactors.worker",
-                label,  # ignored by the worker; makes `ps` say which actor a process runs
-                env=env,
-                cwd=spec.get("cwd") or None,
-                stdin=asyncio.subprocess.PIPE if credential else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
+            forked = await self._fork_worker(cls["module"], label, env, spec.get("cwd"), bool(credential))
+            proc: Child = (
+                forked
+                if forked is not None
+                else await asyncio.create_subprocess_exec(
+                    self.python,
+                    "-m",
+                    "rlactors.worker",
+                    label,  # ignored by the worker; makes `ps` say which actor a process runs
+                    env=env,
+                    cwd=spec.get("cwd") or None,
+                    stdin=asyncio.subprocess.PIPE if credential else asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                )
             )
         except OSError as e:
             self._starting.pop(actor_id, None)
@@ -274,6 +290,48 @@ class NodeAgent:
         finally:
             self._starting.pop(actor_id, None)
 
+    async def _fork_worker(
+        self, module: str, label: str, env: dict[str, str], cwd: str | None, credential: bool
+    ) -> ForkedProcess | None:
+        """A worker forked from this node's fork server (started here at the first worker of a
+        class of ours); None when it should be exec'd: a class of the user's, a fork server that
+        would not fork it (see rlactors.forkserver), or none to be had."""
+        from rlactors.forkserver import PIPE, ForkServer, preloadable
+
+        if not self.fork_workers or not preloadable(module):
+            return None
+        async with self._fork_lock:
+            if self._fork is None:
+                path = self.session_dir / f"fork-{self.node_id[:12]}.sock"
+                try:
+                    self._fork = await ForkServer.start(path, self.python)
+                except OSError as e:
+                    log.warning("no fork server; workers are exec'd", node=self.node_id, error=repr(e))
+                    self.fork_workers = False
+                    return None
+        fork = self._fork
+        # the server is the worker's parent: the worker watches it, and dies with it (and it with
+        # us); a worker that starts processes of its own (a launcher's inference server) forks them there
+        env = dict(
+            env,
+            RLACTORS_PARENT_PID=str(fork.pid),
+            RLACTORS_FORKSERVER=fork.path,
+            RLACTORS_FORKSERVER_PID=str(fork.pid),
+        )
+        if not fork.can_fork(env):
+            return None
+        return await fork.spawn(
+            "rlactors.worker",
+            [label],
+            env=env,
+            cwd=cwd or None,
+            preload=[module],
+            stdin=PIPE if credential else None,
+            stdout=PIPE,
+            stderr=PIPE,
+            python=self.python,
+        )
+
     async def _pump(self, stream: asyncio.StreamReader | None, prefix: str, logfile: Any) -> None:
         if stream is None:
             return
@@ -302,7 +360,7 @@ class NodeAgent:
     async def _watch(
         self,
         actor_id: str,
-        proc: asyncio.subprocess.Process,
+        proc: Child,
         ready: asyncio.Future[dict[str, Any]],
         pumps: list[asyncio.Task[None]],
         logfile: Any,
@@ -332,9 +390,7 @@ class NodeAgent:
         if logfile is not None:
             logfile.close()
 
-    def _watch_liveness(
-        self, actor_id: str, spec: dict[str, Any], proc: asyncio.subprocess.Process, address: str
-    ) -> None:
+    def _watch_liveness(self, actor_id: str, spec: dict[str, Any], proc: Child, address: str) -> None:
         if proc.returncode is not None:
             return
         live = _Liveness(spec, proc.pid)
@@ -349,9 +405,7 @@ class NodeAgent:
             old.close()
         self._live[actor_id] = live
 
-    def _on_worker_link(
-        self, actor_id: str, proc: asyncio.subprocess.Process, live: _Liveness, up: bool
-    ) -> None:
+    def _on_worker_link(self, actor_id: str, proc: Child, live: _Liveness, up: bool) -> None:
         if up:
             live.silent_since = None
             if live.fence is not None:
@@ -371,7 +425,7 @@ class NodeAgent:
                 delay, self._fence, actor_id, proc, live, context=contextvars.Context()
             )
 
-    def _fence(self, actor_id: str, proc: asyncio.subprocess.Process, live: _Liveness) -> None:
+    def _fence(self, actor_id: str, proc: Child, live: _Liveness) -> None:
         """A worker silent past ``fence_after``: kill it (SIGKILL ends a stopped process too) so
         that the head restarts it, if it has restarts left; else leave it (it may wake up)."""
         live.fence = None
@@ -481,7 +535,7 @@ class NodeAgent:
         return True
 
     @staticmethod
-    def _kill_if_running(proc: asyncio.subprocess.Process) -> None:
+    def _kill_if_running(proc: Child) -> None:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
@@ -530,6 +584,8 @@ class NodeAgent:
             live.close()
         self._live.clear()
         await self._kill_all(grace)
+        if self._fork is not None:
+            await self._fork.close()
         for t in list(self._tasks):
             if t is not asyncio.current_task():
                 t.cancel()

@@ -127,6 +127,13 @@ def _backlog_from_env() -> int:
 _send_backlog_bytes = _backlog_from_env()
 
 
+def reload_from_env() -> None:
+    """Read both bounds from the environment again (a process forked after this module was
+    imported, with an environment of its own: see rlactors.forkserver)."""
+    global _max_message_bytes, _send_backlog_bytes
+    _max_message_bytes, _send_backlog_bytes = _bound_from_env(), _backlog_from_env()
+
+
 def send_backlog_bytes() -> int:
     """How many bytes may wait, per peer, past ZeroMQ's queue before senders are held back."""
     return _send_backlog_bytes

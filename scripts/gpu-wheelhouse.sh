@@ -48,7 +48,7 @@ def closure(roots):
                 stack.append((req.name, frozenset(req.extras)))
     return {n: v for (n, _), v in seen.items()}
 
-wanted = ["pyzmq", "msgpack", "uvloop", "structlog", "rich", "numpy",  # the runtime
+wanted = ["pyzmq", "msgpack", "uvloop", "structlog", "rich", "numpy", "setproctitle",  # the runtime
           "pydantic", "httpx", "starlette", "orjson", "uvicorn", "httptools", "transformers",
           "safetensors", "gguf", "accelerate",  # [inference], [train]
           "sniffio", "math-verify", "tqdm"]  # [rl]'s client and reward (not openai: agents)

@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx  # health polls while a server starts and stops: rare calls, not /generate's wire
 import structlog
@@ -43,6 +43,9 @@ from nodes.inference.settings import ServerSettings, to_argv
 from protocols.auth import ServerKeys
 from protocols.codec import register
 from rlactors.aio import wait_for
+
+if TYPE_CHECKING:
+    from rlactors.forkserver import ForkedProcess
 
 log = structlog.get_logger(__name__)
 
@@ -229,7 +232,9 @@ class ServerStartError(RuntimeError):
     """The server process exited or did not become healthy in time."""
 
 
-async def stop_process_group(proc: asyncio.subprocess.Process, timeout_s: float = 10.0) -> None:
+async def stop_process_group(
+    proc: asyncio.subprocess.Process | ForkedProcess, timeout_s: float = 10.0
+) -> None:
     """Stop a server started with :func:`child_setup`: :data:`STOP_SIGNAL` to its process group,
     SIGKILL past ``timeout_s``; then SIGKILL to what is left of the group (a process of the
     server's that outlived it)."""
@@ -269,7 +274,7 @@ class ServerSupervisor:
         self.max_restarts = max_restarts
         self.restarts = 0
         self.log_path = Path(log_path) if log_path else None
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | ForkedProcess | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._stopping = False
         if wants_keys(config.auth, host):
@@ -299,20 +304,46 @@ class ServerSupervisor:
         env = self.spawn_env()
         out = self._open_log()
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *HOLD_SIGTERM,
-                *cmd,
-                env=env,
-                cwd=str(REPO_ROOT),
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=functools.partial(child_setup, os.getpid()),
-            )
+            self.proc = await self._fork(cmd, env, out)
+            if self.proc is None:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *HOLD_SIGTERM,
+                    *cmd,
+                    env=env,
+                    cwd=str(REPO_ROOT),
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    preexec_fn=functools.partial(child_setup, os.getpid()),
+                )
         finally:
             if self.log_path:
                 out.close()
         log.info("server_spawned", pid=self.proc.pid, url=self.url, cmd=" ".join(cmd))
         await self._wait_healthy()
+
+    async def _fork(self, cmd: list[str], env: dict[str, str], out: Any) -> ForkedProcess | None:
+        """Our server, forked from the node's fork server with torch and transformers imported
+        (see rlactors.forkserver), in the state :func:`child_setup` and :data:`HOLD_SIGTERM` give
+        an exec'd one: its own session, SIGTERM blocked, killed when this worker ends. None: exec it
+        (SGLang; outside a node agent's forked worker; an environment the server would not fork)."""
+        if isinstance(self.config, SGLangServerConfig) or cmd[:2] != [sys.executable, "-m"]:
+            return None
+        from rlactors.forkserver import node_fork_server
+
+        fork = await node_fork_server()
+        if fork is None or not fork.can_fork(env):
+            return None
+        return await fork.spawn(
+            cmd[2],
+            cmd[3:],
+            env=env,
+            cwd=str(REPO_ROOT),
+            preload=[cmd[2]],
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+            session=True,
+            block=[signal.SIGTERM],
+        )
 
     def spawn_env(self) -> dict[str, str]:
         """The server's environment: the worker's with ``env`` on top, our server's keys, and what

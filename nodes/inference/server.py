@@ -27,6 +27,17 @@ from nodes.inference.engine import Engine
 from nodes.inference.settings import ServerArgs, add_flags, from_namespace
 from protocols.auth import ServerKeys
 
+# What a server imports as it loads its model (the default's architecture, Llama, included), imported
+# once by its node's fork server when a launcher starts it there (rlactors.forkserver).
+FORK_PRELOAD = (
+    "nodes.inference.models",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.modeling_llama",
+    "uvicorn",
+)
+
 __all__ = ["create_app", "main", "parse_args", "parse_keys"]
 
 log = structlog.get_logger(__name__)

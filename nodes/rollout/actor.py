@@ -37,6 +37,10 @@ from rlactors.handle import HandleProxy
 from rlactors.logging import Throttle
 from rlactors.runtime import current_client
 
+# What a rollout actor imports as it starts (its tokenizer's), imported once by its node's fork
+# server (rlactors.forkserver).
+FORK_PRELOAD = ("transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_fast")
+
 __all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
 
 log = structlog.get_logger(__name__)

@@ -21,6 +21,15 @@ from nodes.trace import TRACE
 from nodes.trainer.config import TrainConfig
 from protocols.rl import Batch  # imported here so this worker can decode the batches it is sent
 
+# What a rank imports as it starts, imported once by its node's fork server (rlactors.forkserver).
+FORK_PRELOAD = (
+    "nodes.trainer.fsdp",
+    "nodes.trainer.weights",
+    "nodes.trainer.checkpoint",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+)
+
 __all__ = ["TrainerRank"]
 
 log = structlog.get_logger(__name__)

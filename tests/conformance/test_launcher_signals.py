@@ -1,6 +1,7 @@
 """A server started by the launcher is its owner's to stop (issue 39): a scheduler's SIGTERM to the
 job's process group does not reach it, one sent to its pid stays pending (blocked), its owner stops
-it with SIGINT, and the kernel kills it when its owner dies, however the owner ends. Real SGLang is
+it with SIGINT, and it dies when its owner dies, however the owner ends; exec'd by its owner or
+forked from its node's fork server. Real SGLang is
 started with a bootstrap that keeps SIGTERM ignored in each of its processes, whatever handlers it
 installs (here in miniature; on real SGLang: tests/sglang/test_sglang_signals.py)."""
 
@@ -11,9 +12,11 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from nodes.inference.launcher import HOLD_SIGTERM_BOOT, SGLANG_CPU_SHIM, ServerSupervisor, SGLangServerConfig
 from tests.helpers.processes import gone
@@ -53,17 +56,48 @@ def held(pid: int, sig: signal.Signals) -> bool:
     return bool(pending and int(fields["SigBlk"], 16) & bit)
 
 
-def _owner() -> tuple[subprocess.Popen[str], int, str]:
+@pytest.fixture(params=["exec", "fork"])
+def owner_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The owner's environment. It starts its server exec'd, or forked from a fork server
+    (rlactors.forkserver), as in a worker its node agent forked: the variables that name the
+    server say so. The fork server runs with the same environment, or it would not fork."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if request.param == "exec":
+        yield env
+        return
+    path = tmp_path / "fork.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rlactors.forkserver", str(path), str(os.getpid())],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield {**env, "RLACTORS_FORKSERVER": str(path), "RLACTORS_FORKSERVER_PID": str(server.pid)}
+    finally:
+        server.kill()
+        server.wait()
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _owner(env: dict[str, str]) -> tuple[subprocess.Popen[str], int, str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", OWNER],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # the job's process group, as under a scheduler
     )
     pid, url = _answer(proc).split()
+    # forked: the fork server's child; exec'd: the owner's
+    assert parent(int(pid)) == int(env.get("RLACTORS_FORKSERVER_PID", proc.pid))
     return proc, int(pid), url
 
 
@@ -88,8 +122,8 @@ def _end(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
-def test_a_scheduler_sigterm_is_held_until_the_owner_stops_the_server() -> None:
-    proc, server, url = _owner()
+def test_a_scheduler_sigterm_is_held_until_the_owner_stops_the_server(owner_env: dict[str, str]) -> None:
+    proc, server, url = _owner(owner_env)
     try:
         assert os.getpgid(server) == server != os.getpgid(proc.pid)  # its own session and group
         os.kill(server, signal.SIGTERM)  # Slurm's way: to each process of the job
@@ -102,8 +136,8 @@ def test_a_scheduler_sigterm_is_held_until_the_owner_stops_the_server() -> None:
         _end(proc)
 
 
-def test_a_server_dies_with_its_owner() -> None:
-    proc, server, _ = _owner()
+def test_a_server_dies_with_its_owner(owner_env: dict[str, str]) -> None:
+    proc, server, _ = _owner(owner_env)
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the owner killed outright: no stop() runs
         proc.wait()
