@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import importlib
 import os
 import selectors
@@ -151,13 +152,14 @@ class _Server:
         self.listener.listen(64)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
-        self.wake_r, wake_w = os.pipe()
+        self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w)
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the fd
         self.sel.register(self.wake_r, selectors.EVENT_READ, "child")
-        self.buffers: dict[socket.socket, bytes] = {}
+        self.buffers: dict[socket.socket, bytes] = {}  # each connection's bytes of a request not whole yet
+        self.fds: dict[socket.socket, list[int]] = {}  # and the fds that came with them
         self.owner: dict[int, socket.socket] = {}  # child pid -> its owner's connection
         self.session: set[int] = set()  # children that lead their own process group
         self.unsafe: str | None = None
@@ -168,7 +170,7 @@ class _Server:
             for key, _ in self.sel.select():
                 if key.data == "accept":
                     conn, _ = self.listener.accept()
-                    self.buffers[conn] = b""
+                    self.buffers[conn], self.fds[conn] = b"", []
                     self.sel.register(conn, selectors.EVENT_READ, "conn")
                 elif key.data == "child":
                     with contextlib.suppress(BlockingIOError):
@@ -200,8 +202,8 @@ class _Server:
         if not data:
             self.drop(conn)
             return
-        buf = self.buffers[conn] + data
-        pending = list(fds)
+        # a request's fds come with its first bytes; the rest of it may come in later reads
+        buf, pending = self.buffers[conn] + data, self.fds[conn] + list(fds)
         while len(buf) >= _HEADER.size:
             (n,) = _HEADER.unpack_from(buf)
             if len(buf) < _HEADER.size + n:
@@ -209,20 +211,21 @@ class _Server:
             req = msgpack.unpackb(buf[_HEADER.size : _HEADER.size + n])
             buf = buf[_HEADER.size + n :]
             mine, pending = pending[: req["nfds"]], pending[req["nfds"] :]
+            self.fds[conn] = pending  # the child closes those it does not take
             try:
                 reply = self.spawn(conn, req, mine)
             finally:
                 for fd in mine:
                     os.close(fd)
             conn.sendall(_frame(reply))
-        self.buffers[conn] = buf
-        for fd in pending:  # fds sent without a request: never expected
-            os.close(fd)
+        self.buffers[conn], self.fds[conn] = buf, pending
 
     def drop(self, conn: socket.socket) -> None:
         """An owner gone: its children still running go with it."""
         self.sel.unregister(conn)
         self.buffers.pop(conn, None)
+        for fd in self.fds.pop(conn, []):
+            os.close(fd)
         conn.close()
         for pid, owner in list(self.owner.items()):
             if owner is conn:
@@ -236,6 +239,7 @@ class _Server:
     def spawn(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if self.unsafe is None:
             _preload(req.get("preload") or ())
+            gc.freeze()  # what is imported stays shared: a child's collections never write to it
             self.unsafe = _unsafe_to_fork()
         if self.unsafe is not None:
             return {"error": self.unsafe, "fatal": True}
@@ -264,14 +268,20 @@ class _Server:
             self.sel.close()
             self.listener.close()
             os.close(self.wake_r)
-            for c in self.buffers:
+            os.close(self.wake_w)
+            for c, held in self.fds.items():
                 c.close()
+                for fd in held:
+                    os.close(fd)
             if req.get("session"):
                 os.setsid()
             if req.get("block"):
                 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.Signals(s) for s in req["block"]})
             for target, fd in enumerate(fds):
-                os.dup2(fd, target)
+                os.dup2(fd, target)  # inheritable: a process the child starts shares its streams
+            for fd in fds:
+                if fd > 2:  # the received copies: a process the child starts must not hold them
+                    os.close(fd)
             code = _run_child(req)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -374,6 +384,21 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+async def _writable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_writer(sock, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_writer(sock)
 
 
 async def _pipe_reader(fd: int) -> asyncio.StreamReader:
@@ -512,7 +537,13 @@ class ForkServer:
             async with self._lock:  # one request in flight: replies come back in order
                 if self._sock is None:
                     raise OSError("the fork server is gone")  # while this call waited for the lock
-                socket.send_fds(self._sock, [_frame(req)], theirs)
+                frame = _frame(req)
+                try:  # the fds go with the first bytes; a full socket buffer takes the rest later
+                    sent = socket.send_fds(self._sock, [frame], theirs)
+                except BlockingIOError:
+                    await _writable(self._sock)
+                    sent = socket.send_fds(self._sock, [frame], theirs)
+                await asyncio.get_running_loop().sock_sendall(self._sock, frame[sent:])
                 reply = await self._replies.get()
         except BaseException:
             for fd in mine:

@@ -29,6 +29,7 @@ def main() -> int:
         "main": Path(sys.argv[0]).name,
         "cwd": os.getcwd(),
         "var": os.environ.get("RLACTORS_PROBE_VAR"),
+        "big": len(os.environ.get("RLACTORS_PROBE_BIG", "")),
         "ppid": os.getppid(),
         "sid": os.getsid(0),
         "cmdline": Path(f"/proc/{os.getpid()}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip(),

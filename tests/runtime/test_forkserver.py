@@ -54,6 +54,8 @@ async def test_a_forked_child_sees_what_an_exec_would_give_it(server: ForkServer
         RLACTORS_PROBE_VAR="x",
         RLACTORS_PROBE_CODE="3",
         RLACTORS_PROBE_PATH=str(extra),
+        # a request longer than one read of the server's: the fds come with its first part
+        RLACTORS_PROBE_BIG="x" * 100_000,
         PYTHONPATH=os.pathsep.join([str(ROOT), str(extra)]),
     )
     args = ["a", "b c"]
@@ -83,6 +85,7 @@ async def test_a_forked_child_sees_what_an_exec_would_give_it(server: ForkServer
     )
     assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
     assert mine["argv"] == args and mine["stdin"] == "secret" and mine["on_path"] and mine["var"] == "x"
+    assert mine["big"] == 100_000
     assert mine["sigterm_default"] and mine["sigint_default"] and not mine["sigterm_blocked"]
     assert await wait_for(forked.wait(), NO_HANG) == await wait_for(execd.wait(), NO_HANG) == 3
     assert forked.returncode == 3
