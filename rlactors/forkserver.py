@@ -10,8 +10,11 @@ copy-on-write. A worker of the run's own packages then starts in milliseconds, n
 A child is what an exec'd ``python -m MODULE ARGS`` would have been, as far as it can see: its
 environment, working directory, ``sys.argv``, ``sys.path`` entries of ``PYTHONPATH``, standard
 streams (pipes or files its owner passes over the socket), default signal handlers, a fresh seed
-for numpy's global generator, and a process title (``ps``, ``/proc/PID/cmdline``) reading as its
-command line. It dies with the server (``PR_SET_PDEATHSIG``), and the server dies with the agent.
+for numpy's global generator, torch's thread count from its ``OMP_NUM_THREADS``, and a process
+title (``ps``, ``/proc/PID/cmdline``) reading as its command line. It dies with the server
+(``PR_SET_PDEATHSIG``), and the server dies with the agent. Two things differ: numpy's BLAS keeps
+the thread count it read at the server's start, and ``/proc/PID/environ`` shows the server's
+environment (``os.environ`` is the child's).
 
 The server forks only when that is safe and faithful; otherwise the caller is told to exec:
 
@@ -283,8 +286,11 @@ class _Server:
                 if fd > 2:  # the received copies: a process the child starts must not hold them
                     os.close(fd)
             code = _run_child(req)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except SystemExit as e:  # as the interpreter ends on it: sys.exit("message") prints it, exits 1
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:
