@@ -12,9 +12,10 @@ environment, working directory, ``sys.argv``, ``sys.path`` entries of ``PYTHONPA
 streams (pipes or files its owner passes over the socket), default signal handlers, a fresh seed
 for numpy's global generator, torch's thread count from its ``OMP_NUM_THREADS``, and a process
 title (``ps``, ``/proc/PID/cmdline``) reading as its command line. It dies with the server
-(``PR_SET_PDEATHSIG``), and the server dies with the agent. Two things differ: numpy's BLAS keeps
-the thread count it read at the server's start, and ``/proc/PID/environ`` shows the server's
-environment (``os.environ`` is the child's).
+(``PR_SET_PDEATHSIG``), and the server dies with the agent. Three things differ: numpy's BLAS keeps
+the thread count it read at the server's start; ``/proc/PID/cmdline`` is the command line as one
+string, its arguments separated by spaces, not NULs (``ps`` and ``pgrep -f`` read it the same);
+and ``/proc/PID/environ`` shows the server's environment (``os.environ`` is the child's).
 
 The server forks only when that is safe and faithful; otherwise the caller is told to exec:
 

@@ -185,7 +185,9 @@ def server_pid(url: str) -> int:
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):  # gone, or no --port
-                argv = (d / "cmdline").read_bytes().split(b"\0")
+                # split on spaces too: a server forked from its node's fork server names itself with
+                # one string (rlactors.forkserver)
+                argv = (d / "cmdline").read_bytes().replace(b"\0", b" ").split()
                 if b"nodes.inference.server" in argv and argv[argv.index(b"--port") + 1] == port.encode():
                     found.append(int(d.name))
     assert len(found) == 1, (url, found)
