@@ -207,7 +207,8 @@ def report(out: Path, plots: bool = True) -> None:
             print(f"      timeline {trace}: could not draw it ({e})")
         else:
             print(f"      timeline {trace} (Perfetto, chrome://tracing) | {timeline or '-'}")
-    print(f"      tensorboard --logdir {out / 'tensorboard'}")
+    if (out / "tensorboard").is_dir():  # [metrics] tensorboard = false writes none
+        print(f"      tensorboard --logdir {out / 'tensorboard'}")
 
 
 def resume_hint(out: Path) -> str:

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from nodes.trainer.config import LossConfig, MismatchCorrections
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LossConfig",
@@ -43,6 +44,8 @@ __all__ = [
 
 def _log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits / T)`` in at least fp32, with T = 0 (greedy) read as 1."""
+    import torch  # here, not at the top: the driver checks `trainer.loss.fn` without importing torch
+
     if not torch.is_tensor(temperature):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -167,6 +170,8 @@ def decoupled_ppo_loss(
 
     The cap, MIS and the sequence mask all mask; masked tokens still count in the denominator.
     """
+    import torch
+
     corr = cfg.fn_args if isinstance(cfg.fn_args, MismatchCorrections) else MismatchCorrections()
     mask = loss_mask.bool()
     m = mask.to(logp.dtype)

@@ -101,7 +101,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str,
         "data.eval_size=4", "servers.n=1", "trainer.n_ranks=1", f"async.batch_size={BATCH}", "async.max_staleness=1", "async.max_concurrent=4",
         "rollout.workflow_args.agent=tests.e2e.framework_agents:run", f"rollout.workflow_args.n_samples={SAMPLES}",
         "rollout.workflow_args.max_new_tokens=16", "run.eval_every=0", f"run.steps={STEPS}",
-        "run.checkpoint_every=0", "metrics.plots=false", f"run.out_dir={out}",
+        "run.checkpoint_every=0", "metrics.plots=false", "metrics.tensorboard=false", f"run.out_dir={out}",
     ]  # fmt: skip
     done = recipe(args, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -53,6 +53,7 @@ def test_an_agent_learns_a_synthetic_reward_through_the_endpoint(tmp_path: Path)
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",
         "metrics.plots=false",
+        "metrics.tensorboard=false",
         f"run.out_dir={out}",
     ]
     done = recipe(args, timeout=1140)

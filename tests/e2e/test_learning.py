@@ -54,6 +54,7 @@ def run(tmp_path: Path, name: str, scaling: float) -> list[dict]:
         f"run.steps={STEPS}",
         "run.checkpoint_every=0",
         "metrics.plots=false",
+        "metrics.tensorboard=false",
         f"run.out_dir={out}",
     ]
     done = recipe(args, timeout=800)

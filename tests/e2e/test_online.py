@@ -38,6 +38,7 @@ ARGS = [
     "run.steps=2",
     "run.checkpoint_every=0",
     "metrics.plots=false",
+    "metrics.tensorboard=false",
 ]
 
 

@@ -35,6 +35,7 @@ SMALL = [
     "rollout.workflow_args.max_new_tokens=16",
     "servers.reference.max_running_requests=16",
     "metrics.plots=false",  # run.png and timeline.png: ~2 CPU-s a run; the runs that check them turn them on
+    "metrics.tensorboard=false",  # ~2.5 CPU-s a run (torch.utils.tensorboard); test_smoke_config checks it
 ]
 
 

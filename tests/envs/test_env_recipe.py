@@ -37,6 +37,7 @@ COMMON = [
     "run.eval_every=0",
     "run.checkpoint_every=0",
     "metrics.plots=false",
+    "metrics.tensorboard=false",
 ]
 VERIFIERS = "rollout.workflow=nodes.rollout.environments:VerifiersWorkflow"
 
