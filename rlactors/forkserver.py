@@ -40,7 +40,6 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
 import traceback
@@ -78,7 +77,6 @@ SAFE_ENV = frozenset(
 
 log = structlog.get_logger("rlactors.forkserver")
 
-_HEADER = struct.Struct("!I")
 _MAX_FDS = 3
 
 
@@ -99,8 +97,8 @@ def unsafe_env(base: dict[str, str], env: dict[str, str]) -> str | None:
 
 
 def _frame(obj: Any) -> bytes:
-    data = msgpack.packb(obj)
-    return _HEADER.pack(len(data)) + data
+    """One message on the socket: msgpack, read back by a streaming ``msgpack.Unpacker``."""
+    return msgpack.packb(obj)
 
 
 def _set_pdeathsig() -> None:
@@ -162,7 +160,7 @@ class _Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through the fd
         self.sel.register(self.wake_r, selectors.EVENT_READ, "child")
-        self.buffers: dict[socket.socket, bytes] = {}  # each connection's bytes of a request not whole yet
+        self.buffers: dict[socket.socket, msgpack.Unpacker] = {}  # each connection's requests as they come
         self.fds: dict[socket.socket, list[int]] = {}  # and the fds that came with them
         self.owner: dict[int, socket.socket] = {}  # child pid -> its owner's connection
         self.session: set[int] = set()  # children that lead their own process group
@@ -174,7 +172,7 @@ class _Server:
             for key, _ in self.sel.select():
                 if key.data == "accept":
                     conn, _ = self.listener.accept()
-                    self.buffers[conn], self.fds[conn] = b"", []
+                    self.buffers[conn], self.fds[conn] = msgpack.Unpacker(), []
                     self.sel.register(conn, selectors.EVENT_READ, "conn")
                 elif key.data == "child":
                     with contextlib.suppress(BlockingIOError):
@@ -207,22 +205,17 @@ class _Server:
             self.drop(conn)
             return
         # a request's fds come with its first bytes; the rest of it may come in later reads
-        buf, pending = self.buffers[conn] + data, self.fds[conn] + list(fds)
-        while len(buf) >= _HEADER.size:
-            (n,) = _HEADER.unpack_from(buf)
-            if len(buf) < _HEADER.size + n:
-                break
-            req = msgpack.unpackb(buf[_HEADER.size : _HEADER.size + n])
-            buf = buf[_HEADER.size + n :]
-            mine, pending = pending[: req["nfds"]], pending[req["nfds"] :]
-            self.fds[conn] = pending  # the child closes those it does not take
+        unpacker = self.buffers[conn]
+        unpacker.feed(data)
+        self.fds[conn] += fds
+        for req in unpacker:
+            mine, self.fds[conn] = self.fds[conn][: req["nfds"]], self.fds[conn][req["nfds"] :]
             try:
-                reply = self.spawn(conn, req, mine)
+                reply = self.spawn(conn, req, mine)  # the child closes the fds it does not take
             finally:
                 for fd in mine:
                     os.close(fd)
             conn.sendall(_frame(reply))
-        self.buffers[conn], self.fds[conn] = buf, pending
 
     def drop(self, conn: socket.socket) -> None:
         """An owner gone: its children still running go with it."""
@@ -580,16 +573,11 @@ class ForkServer:
     async def _read(self) -> None:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
-        unpacker = b""
+        unpacker = msgpack.Unpacker()
         try:
             while data := await loop.sock_recv(self._sock, 65536):
-                unpacker += data
-                while len(unpacker) >= _HEADER.size:
-                    (n,) = _HEADER.unpack_from(unpacker)
-                    if len(unpacker) < _HEADER.size + n:
-                        break
-                    msg = msgpack.unpackb(unpacker[_HEADER.size : _HEADER.size + n])
-                    unpacker = unpacker[_HEADER.size + n :]
+                unpacker.feed(data)
+                for msg in unpacker:
                     if "exited" in msg:
                         child = self._children.pop(msg["exited"], None)
                         if child is not None:
