@@ -103,9 +103,9 @@ async def test_a_stream_holds_text_that_may_be_the_start_of_a_stop_string(client
     evs = await events(client, {"input_ids": PROMPT, "sampling_params": {**greedy(6), "stop": [stop]}})
     shown = [e["text"] for e in evs[:-1]]
     assert shown and all(not t.endswith(stop[:i]) for t in shown for i in range(1, len(stop) + 1))
-    assert [len(e["output_ids"]) for e in evs[:-1]] == [
-        1,
-        2,
-        3,
-    ]  # from token 4 on, the text could be the stop
+    # From token 4 on, the text could be the stop: no event before the last shows more than 3 tokens.
+    # Not every length gets an event: SGLang's tokenizer manager sends only the newest of the outputs
+    # queued while its client was slow (ours does the same under load).
+    lengths = [len(e["output_ids"]) for e in evs[:-1]]
+    assert lengths == sorted(lengths) and set(lengths) <= {1, 2, 3}
     assert evs[-1]["text"] == whole["text"] and evs[-1]["meta_info"]["finish_reason"]["type"] == "length"
