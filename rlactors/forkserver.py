@@ -101,10 +101,14 @@ def _frame(obj: Any) -> bytes:
     return msgpack.packb(obj)
 
 
-def _set_pdeathsig() -> None:
+def die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent ``parent`` ends (Linux's
+    PR_SET_PDEATHSIG), and exit now if it has ended already (before the request was made)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _noop(signum: int, frame: Any = None) -> None:
@@ -166,6 +170,7 @@ class _Server:
         self.session: set[int] = set()  # children that lead their own process group
         self.unsafe: str | None = None
         self.env = env
+        self.pid = os.getpid()
 
     def serve(self) -> None:
         while True:
@@ -254,10 +259,7 @@ class _Server:
     def _child(self, req: dict[str, Any], fds: list[int]) -> None:
         code = 1
         try:
-            server = os.getppid()
-            _set_pdeathsig()
-            if os.getppid() != server:
-                os._exit(1)
+            die_with_parent(self.pid)
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
@@ -337,9 +339,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # os.environ (torch sets its inductor cache folder)
     env = dict(os.environ)
     path, parent = args[0], int(args[1])
-    _set_pdeathsig()
-    if os.getppid() != parent:
-        os._exit(1)
+    die_with_parent(parent)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _noop)
     devnull = os.open(os.devnull, os.O_RDONLY)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import faulthandler
 import os
 import signal
@@ -36,6 +35,7 @@ from rlactors.client import Connection
 from rlactors.collective import SYSTEM_TARGET, WorkerSystem
 from rlactors.errors import exception_payload
 from rlactors.forensics import DUMP_SIGNAL, LoopProbe, register_dump
+from rlactors.forkserver import die_with_parent
 from rlactors.runtime import RuntimeClient, set_current
 from rlactors.security import Security
 from rlactors.service import Service
@@ -50,16 +50,6 @@ def _ignore_until_loop(signum: int, frame: Any = None) -> None:
 
     A Python handler, not SIG_IGN: an ignored signal would stay ignored in the processes this worker
     starts (an inference server must still stop on SIGTERM)."""
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL us when our agent dies (Linux), so no worker is orphaned."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _on_job_signal(sig: signal.Signals, parent: int, stop: asyncio.Event) -> None:
@@ -92,7 +82,7 @@ def _read_credential() -> Security | None:
 async def main(security: Security | None) -> int:
     actor_id = os.environ["RLACTORS_ACTOR_ID"]
     parent = int(os.environ.get("RLACTORS_PARENT_PID", os.getppid()))
-    _die_with_parent(parent)
+    die_with_parent(parent)  # no worker is orphaned
     agent = Connection(os.environ["RLACTORS_AGENT"], security, name="agent")
     spec: dict[str, Any] = await wait_for(agent.call("worker_hello", (actor_id,), {}, target="agent"), 60)
     name = spec.get("name")
