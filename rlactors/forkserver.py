@@ -7,8 +7,9 @@ starts an actor of a package it knows to be heavy (:data:`PRELOADABLE`). The ser
 actor's module once, then forks: each child runs with that import already done, shared
 copy-on-write. A worker of the run's own packages then starts in milliseconds, not seconds.
 
-A child is what an exec'd ``python -m MODULE ARGS`` would have been, as far as it can see: its
-environment, working directory, ``sys.argv``, ``sys.path`` entries of ``PYTHONPATH``, standard
+A child is what an exec'd ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) would have been, as
+far as it can see: its environment, working directory, ``sys.argv``, ``sys.path`` (the working
+directory or the script's folder first, then the entries of ``PYTHONPATH``), standard
 streams (pipes or files its owner passes over the socket), default signal handlers, a fresh seed
 for numpy's global generator, torch's thread count from its ``OMP_NUM_THREADS``, and a process
 title (``ps``, ``/proc/PID/cmdline``) reading as its command line. It dies with the server
@@ -299,9 +300,10 @@ class _Server:
 def _run_child(req: dict[str, Any]) -> int:
     import runpy
 
+    target: str = req["target"]
     argv: list[str] = req["argv"]
     # first: setproctitle finds the memory it writes through the environment it started with
-    _set_title(" ".join([req["python"], "-m", req["module"], *argv]))
+    _set_title(" ".join([req["python"], *([] if req.get("script") else ["-m"]), target, *argv]))
     env: dict[str, str] = req["env"]
     old_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ.clear()
@@ -312,17 +314,22 @@ def _run_child(req: dict[str, Any]) -> int:
         sys.modules["rlactors.transport"].reload_from_env()
     if req.get("cwd"):
         os.chdir(req["cwd"])
-    # sys.path as `python -m` builds it: the working directory first, then PYTHONPATH's entries
+    # sys.path as Python builds it: the working directory first (`-m`), or the script's folder with
+    # links resolved; then PYTHONPATH's entries
+    first = os.path.dirname(os.path.realpath(target)) if req.get("script") else os.getcwd()
     rest = sys.path[1:]
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in rest]
-    sys.path[:] = [os.getcwd(), *extra, *rest]
+    sys.path[:] = [first, *extra, *rest]
     if "numpy" in sys.modules:  # its global generator was seeded once, in the server
         sys.modules["numpy"].random.seed()
-    sys.argv = [req["module"], *argv]
+    sys.argv = [target, *argv]
+    if req.get("script"):
+        runpy.run_path(target, run_name="__main__")
+        return 0
     # The module may be one the server imported (a worker's): it runs again as __main__, as it
     # would under exec, where runpy has nothing to warn of.
     warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
-    runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
     return 0
 
 
@@ -485,7 +492,7 @@ class ForkServer:
 
     async def spawn(
         self,
-        module: str,
+        target: str,
         argv: Sequence[str],
         *,
         env: dict[str, str],
@@ -497,8 +504,10 @@ class ForkServer:
         session: bool = False,
         block: Sequence[int] = (),
         python: str = sys.executable,
+        script: bool = False,
     ) -> ForkedProcess | None:
-        """Fork ``python -m module *argv``; None when the server would not (exec it instead).
+        """Fork ``python -m target *argv`` (with ``script``: ``python target *argv``, ``target`` a
+        file); None when the server would not (exec it instead).
 
         ``stdin``/``stdout``/``stderr``: :data:`PIPE`, a file (or fd) to write to, or None for
         /dev/null; ``stderr`` may also be ``asyncio.subprocess.STDOUT``."""
@@ -515,23 +524,23 @@ class ForkServer:
             else:
                 theirs.append(os.dup(devnull))
             reads: list[int | None] = []
-            for target in (stdout, stderr):
-                if target == PIPE:
+            for stream in (stdout, stderr):
+                if stream == PIPE:
                     r, w = os.pipe()
                     theirs.append(w)
                     reads.append(r)
                     mine.append(r)
-                elif target == asyncio.subprocess.STDOUT:
+                elif stream == asyncio.subprocess.STDOUT:
                     theirs.append(os.dup(theirs[1]))
                     reads.append(None)
-                elif target is None or target == asyncio.subprocess.DEVNULL:
+                elif stream is None or stream == asyncio.subprocess.DEVNULL:
                     theirs.append(os.dup(devnull))
                     reads.append(None)
                 else:
-                    theirs.append(os.dup(target if isinstance(target, int) else target.fileno()))
+                    theirs.append(os.dup(stream if isinstance(stream, int) else stream.fileno()))
                     reads.append(None)
             req = {
-                "module": module, "argv": list(argv), "env": env, "cwd": cwd, "preload": list(preload),
+                "target": target, "script": script, "argv": list(argv), "env": env, "cwd": cwd, "preload": list(preload),
                 "session": session, "block": [int(s) for s in block], "python": python, "nfds": len(theirs),
             }  # fmt: skip
             async with self._lock:  # one request in flight: replies come back in order

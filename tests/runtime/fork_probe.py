@@ -1,5 +1,5 @@
-"""Run as ``python -m tests.runtime.fork_probe ARGS`` by tests/runtime/test_forkserver.py, forked or
-exec'd: prints, as one JSON line, what a process can see of how it was started; then sleeps
+"""Run as ``python -m tests.runtime.fork_probe ARGS`` (or as a script, by its path) by
+tests/runtime/test_forkserver.py, forked or exec'd: prints, as one JSON line, what a process can see of how it was started; then sleeps
 (``RLACTORS_PROBE_SLEEP``) and exits with ``RLACTORS_PROBE_CODE``. With ``RLACTORS_PROBE_CHILD`` it
 first starts a child of its own that sleeps (its pid is printed), to check that a group dies whole."""
 
@@ -39,6 +39,8 @@ def main() -> int:
         "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "sigterm_blocked": blocked(signal.SIGTERM),
         "on_path": os.environ.get("RLACTORS_PROBE_PATH", "") in sys.path,
+        "path0": sys.path[0],
+        "spec": __spec__.name if __spec__ is not None else None,
         "child": child,
     }
     print(json.dumps(seen), flush=True)

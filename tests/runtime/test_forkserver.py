@@ -47,7 +47,10 @@ async def seen(proc: Any) -> dict[str, Any]:
     return dict(json.loads(line))
 
 
-async def test_a_forked_child_sees_what_an_exec_would_give_it(server: ForkServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", [False, True], ids=["module", "script"])
+async def test_a_forked_child_sees_what_an_exec_would_give_it(
+    server: ForkServer, tmp_path: Path, script: bool
+) -> None:
     extra = tmp_path / "extra"
     extra.mkdir()
     env = probe_env(
@@ -59,22 +62,30 @@ async def test_a_forked_child_sees_what_an_exec_would_give_it(server: ForkServer
         PYTHONPATH=os.pathsep.join([str(ROOT), str(extra)]),
     )
     args = ["a", "b c"]
-    forked = await server.spawn(PROBE, args, env=env, cwd=str(tmp_path), stdin=PIPE, stdout=PIPE)
+    # as a script: by a path through a link, which Python resolves for the script's folder on sys.path
+    link = tmp_path / "probe.py"
+    link.symlink_to(ROOT / "tests" / "runtime" / "fork_probe.py")
+    target, how = (str(link), [str(link)]) if script else (PROBE, ["-m", PROBE])
+    forked = await server.spawn(
+        target, args, env=env, cwd=str(tmp_path), stdin=PIPE, stdout=PIPE, script=script
+    )
     assert isinstance(forked, ForkedProcess)
     forked.stdin.write(b"secret\n")
     forked.stdin.close()
     execd = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", PROBE, *args, env=env, cwd=tmp_path, stdin=PIPE, stdout=PIPE
+        sys.executable, *how, *args, env=env, cwd=tmp_path, stdin=PIPE, stdout=PIPE
     )
     assert execd.stdin is not None
     execd.stdin.write(b"secret\n")
     execd.stdin.close()
     mine, theirs = await seen(forked), await seen(execd)
     assert mine["ppid"] == server.pid and theirs["ppid"] == os.getpid()
-    assert mine["cmdline"] == theirs["cmdline"] == f"{sys.executable} -m {PROBE} a b c"
+    assert mine["cmdline"] == theirs["cmdline"] == " ".join([sys.executable, *how, "a", "b c"])
     same = (
         "argv",
         "main",
+        "path0",
+        "spec",
         "cwd",
         "var",
         "stdin",
@@ -86,6 +97,10 @@ async def test_a_forked_child_sees_what_an_exec_would_give_it(server: ForkServer
     assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
     assert mine["argv"] == args and mine["stdin"] == "secret" and mine["on_path"] and mine["var"] == "x"
     assert mine["big"] == 100_000
+    if script:
+        assert mine["path0"] == str(ROOT / "tests" / "runtime") and mine["spec"] is None
+    else:
+        assert mine["path0"] == str(tmp_path) and mine["spec"] == PROBE
     assert mine["sigterm_default"] and mine["sigint_default"] and not mine["sigterm_blocked"]
     assert await wait_for(forked.wait(), NO_HANG) == await wait_for(execd.wait(), NO_HANG) == 3
     assert forked.returncode == 3
