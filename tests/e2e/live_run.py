@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from tests.helpers import forked
 from tests.helpers.processes import cmdline, descendants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +28,9 @@ class LiveRun:
         self.err_file, self.new_session = err_file, new_session
         self.lines: list[str] = []
         with err_file.open("w") as stderr:
-            self.proc = subprocess.Popen(
+            self.proc = forked.popen(
                 [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), *args],
+                preload=forked.DRIVER,
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=stderr,

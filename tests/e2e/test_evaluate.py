@@ -15,6 +15,7 @@ import pytest
 from tests.e2e.learning_reward import TOKENS
 from tests.e2e.test_recipe import ROOT, SMALL, recipe, rows
 from tests.e2e.test_your_data import HELD, jsonl
+from tests.helpers import forked
 from tests.helpers.servers import reference_server
 
 # A reward that depends on every generated token, and greedy decoding: the same weights give the same
@@ -25,11 +26,10 @@ SCORED = [*SMALL, "servers.n=1", "trainer.n_ranks=1", "reward.fn=tests.e2e.learn
 
 
 def evaluate(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forked.run(
         [sys.executable, "-m", "recipes.evaluate", *args],
+        preload=forked.DRIVER,
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT), "RLACTORS_LOG_LEVEL": "WARNING"},
     )

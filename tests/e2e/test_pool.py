@@ -30,6 +30,7 @@ import pytest
 
 from tests.cluster.test_cli import one_node_config
 from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, rows
+from tests.helpers import forked
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +131,7 @@ def start_reference_server(model: Path, log: Path) -> tuple[subprocess.Popen[byt
     raise AssertionError(f"reference server did not start: {log.read_text()[-2000:]}")
 
 
-def read_until(proc: subprocess.Popen[str], lines: list[str], prefix: str, err: Path | None = None) -> str:
+def read_until(proc: forked.Process, lines: list[str], prefix: str, err: Path | None = None) -> str:
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
@@ -162,15 +163,16 @@ def up_cluster(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str]]]:
     assert down.returncode == 0, down.stderr
 
 
-def start_run(args: list[str], cfg: Path, env: dict[str, str], err: Path) -> subprocess.Popen[str]:
+def start_run(args: list[str], cfg: Path, env: dict[str, str], err: Path) -> forked.Process:
     """The recipe on the cluster of ``cfg``; its stdout piped, its stderr (the logs) to ``err``."""
-    return subprocess.Popen(
-        [sys.executable, str(RECIPE), *SMALL, *args, "--cluster", str(cfg)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=err.open("w"), text=True, env=env,
-    )  # fmt: skip
+    with err.open("w") as stderr:
+        return forked.popen(
+            [sys.executable, str(RECIPE), *SMALL, *args, "--cluster", str(cfg)],
+            preload=forked.DRIVER, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+        )  # fmt: skip
 
 
-def stop(*procs: subprocess.Popen[Any] | None) -> None:
+def stop(*procs: forked.Process | None) -> None:
     for p in procs:
         if p is not None and p.poll() is None:
             p.kill()

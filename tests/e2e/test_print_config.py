@@ -17,6 +17,7 @@ import pytest
 
 from recipes.gsm8k_config import RecipeConfig, load_config, render_config
 from rlactors.tomlconf import field_docs, render_markdown, render_toml
+from tests.helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
@@ -299,9 +300,7 @@ def test_render_toml_and_markdown_of_a_plain_dataclass() -> None:
 
 
 def run_recipe(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(RECIPE), *args], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+    return forked.run([sys.executable, str(RECIPE), *args], preload=forked.DRIVER, timeout=120, cwd=ROOT)
 
 
 def recipe_module() -> Any:
@@ -340,9 +339,9 @@ def test_overrides_go_before_and_after_the_flags() -> None:
     res = run_recipe(["run.steps=3", "--print-config", "trainer.lr=2e-05"])
     assert res.returncode == 0, res.stderr
     assert res.stdout == render_config(load_config(None, ["run.steps=3", "trainer.lr=2e-05"]))
-    evaluate = subprocess.run(
+    evaluate = forked.run(
         [sys.executable, "-m", "recipes.evaluate", "--model", "m", "run.steps=2", "--limit", "1", "trainer.lrr=1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        preload=forked.DRIVER, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert evaluate.returncode == 2
     assert evaluate.stderr.startswith("error: ") and "unknown key 'trainer.lrr'" in evaluate.stderr, (

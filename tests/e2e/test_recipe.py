@@ -21,6 +21,7 @@ import pytest
 
 from nodes.trace import read_trace
 from tests.e2e.live_run import LiveRun
+from tests.helpers import forked
 from tests.helpers.processes import cmdline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,11 +41,10 @@ SMALL = [
 
 
 def recipe(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forked.run(
         [sys.executable, str(RECIPE), *args],
+        preload=forked.DRIVER,
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -220,12 +220,11 @@ def test_a_run_stopped_by_sigterm_resumes(
     )  # nothing trained twice across the stop
 
 
-def start_until_first_step(
-    args: list[str], steps: int, stderr: int
-) -> tuple[subprocess.Popen[str], list[str]]:
+def start_until_first_step(args: list[str], steps: int, stderr: int) -> tuple[forked.Process, list[str]]:
     """Start the recipe and read its output until step 1 is done; returns the process and the lines read."""
-    proc = subprocess.Popen(
+    proc = forked.popen(
         [sys.executable, str(RECIPE), *args, f"run.steps={steps}"],
+        preload=forked.DRIVER,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=stderr,

@@ -16,6 +16,7 @@ import pytest
 
 from nodes.trainer.manifest import hash_files, write_manifest
 from protocols.codec import register
+from tests.helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -269,10 +270,9 @@ def run_recipe(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
         secret.chmod(0o600)
         env["RLACTORS_SECRET_FILE"] = str(secret)
         env["RLACTORS_CONNECT_TIMEOUT"] = "3"
-    return subprocess.run(
+    return forked.run(
         [sys.executable, str(ROOT / "recipes" / "gsm8k_grpo.py"), *args, f"run.out_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
+        preload=forked.DRIVER,
         timeout=300,  # exits at the config check; minutes only on a machine loaded past 40
         cwd=ROOT,
         env=env,

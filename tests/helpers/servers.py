@@ -23,9 +23,10 @@ from typing import Any
 import httpx
 
 from nodes.inference.launcher import REPO_ROOT, free_port
+from tests.helpers import forked
 
 
-def start_reference_server(args: list[str], timeout_s: float = 120.0) -> tuple[subprocess.Popen, str]:
+def start_reference_server(args: list[str], timeout_s: float = 120.0) -> tuple[forked.Process, str]:
     """Start ``python -m nodes.inference.server`` with ``args`` on a free port; wait until healthy."""
     port = free_port()
     cmd = [sys.executable, "-m", "nodes.inference.server", "--host", "127.0.0.1", "--port", str(port), *args]
@@ -34,7 +35,7 @@ def start_reference_server(args: list[str], timeout_s: float = 120.0) -> tuple[s
 
 def start_sglang_server(
     python: str, model_path: str, extra_args: list[str] | None = None, timeout_s: float = 600.0
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[forked.Process, str]:
     """Start real SGLang on CPU (``python``: the interpreter of SGLang's venv) with the launcher's
     flags and environment (:class:`~nodes.inference.launcher.SGLangServerConfig`); wait until healthy."""
     from nodes.inference.launcher import SGLangServerConfig
@@ -44,10 +45,13 @@ def start_sglang_server(
     return _start(cfg.command("127.0.0.1", port), port, cfg.env(), timeout_s)
 
 
-def _start(cmd: list[str], port: int, env: dict[str, str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+def _start(cmd: list[str], port: int, env: dict[str, str], timeout_s: float) -> tuple[forked.Process, str]:
     log = tempfile.NamedTemporaryFile(prefix=f"rlactors-server-{port}-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
+    # ours forked from the test process's fork server (tests.helpers.forked); SGLang's, from its own
+    # venv, exec'd
+    proc = forked.popen(
         cmd,
+        preload=forked.SERVER,
         cwd=REPO_ROOT,
         env={**os.environ, **env},
         stdout=log,
@@ -74,7 +78,7 @@ def _start(cmd: list[str], port: int, env: dict[str, str], timeout_s: float) -> 
         raise
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: forked.Process) -> None:
     """Terminate (then kill) a server started here, with its children (SGLang's scheduler and
     detokenizer are processes of their own)."""
     with contextlib.suppress(ProcessLookupError):
@@ -92,7 +96,7 @@ def stop_server(proc: subprocess.Popen) -> None:
             os.unlink(log.name)
 
 
-def serving(started: tuple[subprocess.Popen, str]) -> Iterator[str]:
+def serving(started: tuple[forked.Process, str]) -> Iterator[str]:
     """Yield a started server's URL and stop the server after: ``yield from serving(start_...(...))``
     in a fixture."""
     proc, url = started

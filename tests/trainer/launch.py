@@ -1,29 +1,24 @@
 """Launch N local ranks of a script the way the runtime will: env RANK/WORLD_SIZE/MASTER_* set.
 
-The ranks are forked, as a node agent forks trainer ranks: from one fork server per test process
-(:mod:`rlactors.forkserver`, started at the first launch, torch and the trainer's modules imported
-once), each script run as its module (``tests.trainer.dist_worker``). Where the server would not
-fork (an environment it cannot give a child), the ranks are exec'd as ``python SCRIPT``.
+The ranks are forked from the test process's fork server (:mod:`tests.helpers.forked`), as a node
+agent forks trainer ranks, with torch and the trainer's modules imported once; exec'd where it
+would not fork.
 """
 
 from __future__ import annotations
 
-import asyncio
-import atexit
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-from rlactors.forkserver import PIPE, ForkServer
+from tests.helpers import forked
 
 REPO = Path(__file__).resolve().parents[2]
-# what a rank imports before its first line runs: the trainer rank's modules (and theirs)
-PRELOAD = ["nodes.trainer.rank"]
-_server: subprocess.Popen | None = None
-_socket = ""
 
 
 def free_port() -> int:
@@ -32,10 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_envs(world: int, extra_env: dict | None = None) -> list[dict[str, str]]:
+def spawn_ranks(
+    script: Path, args: list[str], world: int, out: list[Any], extra_env: dict | None = None
+) -> list[Any]:
+    """Start ``world`` ranks of ``python SCRIPT ARGS``, rank r's output (stdout and stderr) to ``out[r]``."""
     port = free_port()
-    return [
-        {
+    procs = []
+    for rank in range(world):
+        env = {
             **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -46,28 +45,20 @@ def rank_envs(world: int, extra_env: dict | None = None) -> list[dict[str, str]]
             "PYTHONPATH": str(REPO),
             **(extra_env or {}),
         }
-        for rank in range(world)
-    ]
-
-
-def spawn_ranks(
-    script: Path, args: list[str], world: int, extra_env: dict | None = None
-) -> list[subprocess.Popen]:
-    """Exec ``world`` ranks (``python SCRIPT ARGS``), their output piped."""
-    return [
-        subprocess.Popen(
-            [sys.executable, str(script), *args],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        procs.append(
+            forked.popen(
+                [sys.executable, str(script), *args],
+                preload=forked.TRAINER,
+                env=env,
+                cwd=REPO,
+                stdout=out[rank],
+                stderr=subprocess.STDOUT,
+            )
         )
-        for env in rank_envs(world, extra_env)
-    ]
+    return procs
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
+def stop(procs: list[Any]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
@@ -78,93 +69,36 @@ def stop(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def _fork_server() -> tuple[str, int]:
-    """This process's fork server (started at the first call): its socket and pid."""
-    global _server, _socket
-    if _server is None or _server.poll() is not None:
-        _socket = os.path.join(tempfile.mkdtemp(prefix="rlactors-ranks-"), "fork.sock")
-        _server = subprocess.Popen(
-            [sys.executable, "-m", "rlactors.forkserver", _socket, str(os.getpid())],
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-        )
-        assert _server.stdout is not None
-        if _server.stdout.readline().strip() != b"ready":
-            raise RuntimeError(f"the ranks' fork server did not start (exit code {_server.wait()})")
-        atexit.register(_server.kill)
-    return _socket, _server.pid
-
-
-async def _run_forked(
-    module: str, args: list[str], envs: list[dict[str, str]], timeout: float
-) -> tuple[list[str], list[int | None]] | None:
-    """Fork the ranks and wait for them; None when the server would not fork them."""
-    fork = await ForkServer.connect(*_fork_server())
-    try:
-        procs = []
-        for env in envs:
-            proc = await fork.spawn(
-                module,
-                args,
-                env=env,
-                cwd=str(REPO),
-                preload=PRELOAD,
-                stdout=PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-            if proc is None:
-                return None  # the ones already forked die as the connection closes
-            procs.append(proc)
-        chunks: list[list[bytes]] = [[] for _ in procs]
-
-        async def collect(proc, into: list[bytes]) -> None:
-            while data := await proc.stdout.read(65536):
-                into.append(data)
-            await proc.wait()
-
-        tasks = [asyncio.ensure_future(collect(p, c)) for p, c in zip(procs, chunks, strict=True)]
-        _, pending = await asyncio.wait(tasks, timeout=timeout)
-        for proc, task, into in zip(procs, tasks, chunks, strict=True):
-            if task in pending:
-                proc.kill()
-                into.append(b"\n<timed out>")
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return [b"".join(c).decode(errors="replace") for c in chunks], [p.returncode for p in procs]
-    finally:
-        await fork.close()  # kills any child still running
-
-
-def _run_execd(
-    script: Path, args: list[str], world: int, timeout: float, extra_env: dict | None
-) -> tuple[list[str], list[int | None]]:
-    procs = spawn_ranks(script, args, world, extra_env)
-    outputs = []
-    try:
-        for p in procs:
-            try:
-                out, _ = p.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                stop(procs)
-                out = (p.stdout.read() if p.stdout else "") + "\n<timed out>"
-            outputs.append(out)
-    finally:
-        stop(procs)
-    return outputs, [p.returncode for p in procs]
-
-
 def run_ranks(
     script: Path, args: list[str], world: int, timeout: float = 120, extra_env: dict | None = None
 ) -> list[str]:
-    """Run ``world`` ranks to completion; raise with every rank's output if one fails or times out.
-
-    Not from a running event loop's thread (``asyncio.to_thread(run_ranks, ...)`` there)."""
-    module = ".".join(Path(script).resolve().relative_to(REPO).with_suffix("").parts)
-    ran = asyncio.run(_run_forked(module, args, rank_envs(world, extra_env), timeout))
-    outputs, codes = ran if ran is not None else _run_execd(script, args, world, timeout, extra_env)
-    bad = [r for r, rc in enumerate(codes) if rc != 0]
+    """Run ``world`` ranks to completion; raise with every rank's output if one fails or times out."""
+    files = [tempfile.TemporaryFile() for _ in range(world)]
+    outputs = []
+    procs: list[Any] = []
+    try:
+        procs = spawn_ranks(script, args, world, files, extra_env)
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    break
+        finally:
+            stop(procs)
+        for f in files:
+            f.seek(0)
+            outputs.append(f.read().decode(errors="replace") + ("\n<timed out>" if timed_out else ""))
+    finally:
+        for f in files:
+            f.close()
+    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
     if bad:
-        dump = "\n".join(f"--- rank {r} (rc {codes[r]}) ---\n{o[-4000:]}" for r, o in enumerate(outputs))
+        dump = "\n".join(
+            f"--- rank {r} (rc {procs[r].returncode}) ---\n{o[-4000:]}" for r, o in enumerate(outputs)
+        )
         raise RuntimeError(f"ranks {bad} failed\n{dump}")
     return outputs
