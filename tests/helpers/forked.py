@@ -199,6 +199,8 @@ def _fork(
             ),
             loop,
         ).result()  # fmt: skip
+    except OSError:  # the server is gone: exec this one (the next call starts another server)
+        spawned = None
     finally:
         if read_end is not None:
             os.close(stdout)  # the child has its copy

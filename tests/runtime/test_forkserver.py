@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -181,3 +182,30 @@ async def test_a_node_agent_forks_the_workers_of_its_packages(monkeypatch: pytes
         with pytest.raises(rlactors.ActorDiedError, match="killed by SIGKILL"):
             await wait_for(forked.add(1), NO_HANG)
         assert await execd.add(2) == 2
+
+
+def test_the_tests_fork_server_runs_what_subprocess_would(tmp_path: Path) -> None:
+    """tests/helpers/forked.py, which the tests' drivers, ranks and servers start through: the same
+    result as :mod:`subprocess`, from a forked child; a timeout kills it."""
+    from tests.helpers import forked
+
+    script = str(ROOT / "tests" / "runtime" / "fork_probe.py")
+    env = probe_env(RLACTORS_PROBE_CODE="4", RLACTORS_PROBE_VAR="v")
+    for args in ([sys.executable, script, "x"], [sys.executable, "-m", PROBE, "x"]):
+        got = forked.run(args, env=env, cwd=tmp_path, timeout=NO_HANG)
+        want = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=NO_HANG)
+        assert got.returncode == want.returncode == 4 and got.stderr == want.stderr == ""
+        mine, theirs = json.loads(got.stdout), json.loads(want.stdout)
+        assert forked._server is not None and mine["ppid"] == forked._server.pid  # forked, not exec'd
+        same = ("argv", "main", "path0", "spec", "cwd", "var", "cmdline")
+        assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
+    proc = forked.popen([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"),
+                        stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    assert isinstance(proc, forked.ForkedPopen) and proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["sid"] == proc.pid
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(NO_HANG) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
+    with pytest.raises(subprocess.TimeoutExpired):
+        forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"), timeout=0.5)
