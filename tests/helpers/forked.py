@@ -2,12 +2,14 @@
 
 A test that runs ``python SCRIPT ...`` or ``python -m MODULE ...`` (a recipe driver, trainer ranks,
 a reference server) pays for importing torch and transformers in every process, as a node agent's
-workers did before they were forked (:mod:`rlactors.forkserver`). Here the test process starts one
+workers did before they were forked (:mod:`rlactors.forkserver`). Here the test process starts a
 fork server at its first such call, which imports what the commands name in ``preload`` once, and
 each command is forked from it: what the child sees is what exec would have given it (the fork
-server's tests check that field by field). Where the server would not fork (a command that is not
-this interpreter's, an environment it cannot give a child, a server that started a thread), the
-command is exec'd with :mod:`subprocess`, as before.
+server's tests check that field by field). A child can have only some variables of its own (ranks,
+``RLACTORS_*``, ...), so a command whose environment differs in another (a test changed the
+process's, or gives the command its own) gets a fork server started in that environment, up to
+:data:`MAX_SERVERS`. Where no server would fork (a command that is not this interpreter's, a fifth
+environment, a server that started a thread), the command is exec'd with :mod:`subprocess`.
 
 :func:`run` is :func:`subprocess.run` with ``capture_output=True, text=True``; :func:`popen` a
 :class:`subprocess.Popen` for the calls tests make of one (``pid``, ``poll``, ``wait``, signals,
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from rlactors.forkserver import ForkedProcess, ForkServer
+from rlactors.forkserver import SAFE_ENV, SAFE_ENV_PREFIXES, ForkedProcess, ForkServer
 
 REPO = Path(__file__).resolve().parents[2]
 # What the commands tests fork import before their first line: the trainer rank's modules (torch,
@@ -40,36 +42,54 @@ TRAINER = ("nodes.trainer.rank",)
 DRIVER = ("recipes.gsm8k_grpo", "transformers.models.auto.tokenization_auto")
 SERVER = ("nodes.inference.server",)
 
+# Fork servers kept at once: one per environment the commands run with (beyond the variables a child
+# may have of its own); a command in yet another environment is exec'd.
+MAX_SERVERS = 4
+
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
-_server: subprocess.Popen[bytes] | None = None
-_client: ForkServer | None = None
+_servers: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[bytes], ForkServer]] = {}
 
 
-def _start() -> tuple[asyncio.AbstractEventLoop, ForkServer]:
-    """This process's fork server, and a connection to it on an event loop of its own (a thread):
-    started at the first call."""
-    global _loop, _server, _client
+def _fixed(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The part of ``env`` a forked child cannot have of its own: the fork server's must be the same."""
+    return tuple(
+        sorted((k, v) for k, v in env.items() if k not in SAFE_ENV and not k.startswith(SAFE_ENV_PREFIXES))
+    )
+
+
+def _start(env: dict[str, str]) -> tuple[asyncio.AbstractEventLoop, ForkServer] | None:
+    """A fork server started with ``env`` (at the first command in that environment: a test may
+    change the process's environment, or give a command its own), and a connection to it on an
+    event loop of this process's own (a thread); None past :data:`MAX_SERVERS`."""
+    global _loop
+    key = _fixed(env)
     with _lock:
-        if _loop is None or _client is None or _server is None or _server.poll() is not None:
-            path = os.path.join(tempfile.mkdtemp(prefix="rlactors-tests-"), "fork.sock")
-            _server = subprocess.Popen(
-                [sys.executable, "-m", "rlactors.forkserver", path, str(os.getpid())],
-                cwd=REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-            )
-            assert _server.stdout is not None
-            if _server.stdout.readline().strip() != b"ready":
-                raise RuntimeError(f"the tests' fork server did not start (exit code {_server.wait()})")
-            atexit.register(_server.kill)
-            if _loop is None:
-                _loop = asyncio.new_event_loop()
-                threading.Thread(target=_loop.run_forever, name="tests-forkserver", daemon=True).start()
-            server = _server
-            _client = asyncio.run_coroutine_threadsafe(ForkServer.connect(path, server.pid), _loop).result()
-        return _loop, _client
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="tests-forkserver", daemon=True).start()
+        proc, client = _servers.get(key, (None, None))
+        if proc is not None and client is not None and proc.poll() is None:
+            return _loop, client
+        if proc is None and len(_servers) >= MAX_SERVERS:
+            return None
+        path = os.path.join(tempfile.mkdtemp(prefix="rlactors-tests-"), "fork.sock")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlactors.forkserver", path, str(os.getpid())],
+            cwd=REPO,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"the tests' fork server did not start (exit code {proc.wait()})")
+        atexit.register(proc.kill)
+        pid = proc.pid
+        client = asyncio.run_coroutine_threadsafe(ForkServer.connect(path, pid), _loop).result()
+        client.env = {**env, "PYTHONUNBUFFERED": "1"}  # what the server compares a child's with
+        _servers[key] = (proc, client)
+        return _loop, client
 
 
 def _target(args: Sequence[str]) -> tuple[str, list[str], bool] | None:
@@ -157,8 +177,9 @@ def popen(
     env = dict(os.environ if env is None else env)
     target = _target(args)
     if target is not None and stderr != subprocess.PIPE:  # a piped stderr: exec
-        loop, client = _start()
-        if client.can_fork(env):
+        started = _start(env)
+        if started is not None and started[1].can_fork(env):
+            loop, client = started
             proc = _fork(loop, client, target, preload, cwd, env, stdout, stderr, text, start_new_session)
             if proc is not None:
                 return proc

@@ -196,7 +196,7 @@ def test_the_tests_fork_server_runs_what_subprocess_would(tmp_path: Path) -> Non
         want = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=NO_HANG)
         assert got.returncode == want.returncode == 4 and got.stderr == want.stderr == ""
         mine, theirs = json.loads(got.stdout), json.loads(want.stdout)
-        assert forked._server is not None and mine["ppid"] == forked._server.pid  # forked, not exec'd
+        assert "rlactors.forkserver" in cmdline(mine["ppid"])  # forked, not exec'd
         same = ("argv", "main", "path0", "spec", "cwd", "var", "cmdline")
         assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
     proc = forked.popen([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"),
@@ -209,3 +209,8 @@ def test_the_tests_fork_server_runs_what_subprocess_would(tmp_path: Path) -> Non
     assert proc.wait(NO_HANG) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
     with pytest.raises(subprocess.TimeoutExpired):
         forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"), timeout=0.5)
+    # an environment that differs where a child cannot: a fork server of its own, started in it
+    other = forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_VAR="w", PROBE_OTHER="1"))
+    seen_other = json.loads(other.stdout)
+    assert seen_other["var"] == "w" and "rlactors.forkserver" in cmdline(seen_other["ppid"])
+    assert seen_other["ppid"] != mine["ppid"]
