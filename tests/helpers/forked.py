@@ -1,4 +1,4 @@
-"""Python processes a test starts, forked from one fork server per test process.
+"""Python processes a test starts, forked from fork servers the test process starts.
 
 A test that runs ``python SCRIPT ...`` or ``python -m MODULE ...`` (a recipe driver, trainer ranks,
 a reference server) pays for importing torch and transformers in every process, as a node agent's
