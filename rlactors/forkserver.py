@@ -451,10 +451,13 @@ class ForkServer:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def start(cls, path: Path, python: str = sys.executable) -> ForkServer:
-        """Start a server listening at ``path`` (a Unix socket) and connect to it."""
+    async def start(
+        cls, path: str | Path, python: str = sys.executable, env: dict[str, str] | None = None
+    ) -> ForkServer:
+        """Start a server listening at ``path`` (a Unix socket), in ``env`` (default: this
+        process's environment), and connect to it."""
         self = cls()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
         self._proc = await asyncio.create_subprocess_exec(
             python, "-m", "rlactors.forkserver", str(path), str(os.getpid()),
             env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

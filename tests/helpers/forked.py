@@ -9,7 +9,7 @@ server's tests check that field by field). A child can have only some variables 
 ``RLACTORS_*``, ...), so a command whose environment differs in another (a test changed the
 process's, or gives the command its own) gets a fork server started in that environment, up to
 :data:`MAX_SERVERS`. Where no server would fork (a command that is not this interpreter's, a fifth
-environment, a server that started a thread), the command is exec'd with :mod:`subprocess`.
+environment, a server that started a thread or is gone), the command is exec'd with :mod:`subprocess`.
 
 :func:`run` is :func:`subprocess.run` with ``capture_output=True, text=True``; :func:`popen` a
 :class:`subprocess.Popen` for the calls tests make of one (``pid``, ``poll``, ``wait``, signals,
@@ -20,7 +20,6 @@ server closing (the process ending, however) kills those still running.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import os
 import signal
@@ -48,7 +47,7 @@ MAX_SERVERS = 4
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
-_servers: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[bytes], ForkServer]] = {}
+_servers: dict[tuple[tuple[str, str], ...], ForkServer] = {}
 
 
 def _fixed(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -59,37 +58,21 @@ def _fixed(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 def _start(env: dict[str, str]) -> tuple[asyncio.AbstractEventLoop, ForkServer] | None:
-    """A fork server started with ``env`` (at the first command in that environment: a test may
-    change the process's environment, or give a command its own), and a connection to it on an
-    event loop of this process's own (a thread); None past :data:`MAX_SERVERS`."""
+    """The fork server started in ``env`` (at the first command in that environment: a test may
+    change the process's environment, or give a command its own), connected on an event loop of
+    this process's own (a thread); None past :data:`MAX_SERVERS`. It dies with this process."""
     global _loop
     key = _fixed(env)
     with _lock:
         if _loop is None:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="tests-forkserver", daemon=True).start()
-        proc, client = _servers.get(key, (None, None))
-        if proc is not None and client is not None and proc.poll() is None:
-            return _loop, client
-        if proc is None and len(_servers) >= MAX_SERVERS:
-            return None
-        path = os.path.join(tempfile.mkdtemp(prefix="rlactors-tests-"), "fork.sock")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlactors.forkserver", path, str(os.getpid())],
-            cwd=REPO,
-            env={**env, "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-        )
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != b"ready":
-            raise RuntimeError(f"the tests' fork server did not start (exit code {proc.wait()})")
-        atexit.register(proc.kill)
-        pid = proc.pid
-        client = asyncio.run_coroutine_threadsafe(ForkServer.connect(path, pid), _loop).result()
-        client.env = {**env, "PYTHONUNBUFFERED": "1"}  # what the server compares a child's with
-        _servers[key] = (proc, client)
-        return _loop, client
+        if key not in _servers:
+            if len(_servers) >= MAX_SERVERS:
+                return None
+            path = os.path.join(tempfile.mkdtemp(prefix="rlactors-tests-"), "fork.sock")
+            _servers[key] = asyncio.run_coroutine_threadsafe(ForkServer.start(path, env=env), _loop).result()
+        return _loop, _servers[key]
 
 
 def _target(args: Sequence[str]) -> tuple[str, list[str], bool] | None:
@@ -180,7 +163,9 @@ def popen(
         started = _start(env)
         if started is not None and started[1].can_fork(env):
             loop, client = started
-            proc = _fork(loop, client, target, preload, cwd, env, stdout, stderr, text, start_new_session)
+            proc = _fork(
+                loop, client, args, target, preload, cwd, env, stdout, stderr, text, start_new_session
+            )
             if proc is not None:
                 return proc
     return subprocess.Popen(
@@ -197,6 +182,7 @@ def popen(
 def _fork(
     loop: asyncio.AbstractEventLoop,
     client: ForkServer,
+    args: Sequence[str],
     target: tuple[str, list[str], bool],
     preload: Sequence[str],
     cwd: str | Path | None,
@@ -220,7 +206,7 @@ def _fork(
             ),
             loop,
         ).result()  # fmt: skip
-    except OSError:  # the server is gone: exec this one (the next call starts another server)
+    except OSError:  # the server is gone: exec this one, and the later ones (the client says so)
         spawned = None
     finally:
         if read_end is not None:
@@ -229,7 +215,7 @@ def _fork(
         if read_end is not None:
             os.close(read_end)
         return None
-    proc = ForkedPopen([sys.executable, *(["-m"] if not script else []), module, *argv], spawned, loop)
+    proc = ForkedPopen(args, spawned, loop)
     if read_end is not None:
         proc.stdout = os.fdopen(read_end, "r" if text else "rb")
     return proc
@@ -253,8 +239,10 @@ def run(
             proc.kill()
             proc.wait()
             raise
-        texts = []
-        for f in (out, err):
-            f.seek(0)
-            texts.append(f.read().decode(errors="replace"))
-    return subprocess.CompletedProcess(list(args), code, texts[0], texts[1])
+        return subprocess.CompletedProcess(list(args), code, read_back(out), read_back(err))
+
+
+def read_back(file: IO[bytes]) -> str:
+    """What a child wrote to ``file`` (a temporary file given as its output), as text."""
+    file.seek(0)
+    return file.read().decode(errors="replace")

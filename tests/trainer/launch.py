@@ -74,7 +74,7 @@ def run_ranks(
 ) -> list[str]:
     """Run ``world`` ranks to completion; raise with every rank's output if one fails or times out."""
     files = [tempfile.TemporaryFile() for _ in range(world)]
-    outputs = []
+    outputs: list[str] = []
     procs: list[Any] = []
     try:
         procs = spawn_ranks(script, args, world, files, extra_env)
@@ -89,9 +89,7 @@ def run_ranks(
                     break
         finally:
             stop(procs)
-        for f in files:
-            f.seek(0)
-            outputs.append(f.read().decode(errors="replace") + ("\n<timed out>" if timed_out else ""))
+        outputs = [forked.read_back(f) + ("\n<timed out>" if timed_out else "") for f in files]
     finally:
         for f in files:
             f.close()
