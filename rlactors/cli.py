@@ -99,6 +99,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         str(secret),
         "--node-timeout",
         str(cfg.head.node_timeout),
+        "--client-timeout",
+        str(cfg.head.client_timeout),
         "--fence-after",
         str(cfg.head.fence_after),
         "--security",

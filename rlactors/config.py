@@ -54,6 +54,8 @@ class HeadConfig:
     port: int = 6380
     bind: str = ""  # interface to bind; defaults to ``host``
     node_timeout: float = 5.0  # a node silent this long is declared dead
+    # a driver or client silent this long is given up and its run's actors stopped (0: max(10, 3 * node_timeout))
+    client_timeout: float = 0.0
     # a worker with restarts left silent this long is killed by its agent and restarted (0: node_timeout + 6)
     fence_after: float = 0.0
     # seconds `rlactors status` goes on listing a finished run's STOPPED actors after they stopped
@@ -66,6 +68,10 @@ class HeadConfig:
             raise ValueError(f"'port' must be between 1 and 65535, got {self.port}")
         if self.node_timeout <= 0:
             raise ValueError(f"'node_timeout' must be > 0 seconds, got {self.node_timeout:g}")
+        if self.client_timeout < 0:
+            raise ValueError(
+                f"'client_timeout' must be >= 0 seconds (0: the default), got {self.client_timeout:g}"
+            )
         if self.fence_after < 0:
             raise ValueError(f"'fence_after' must be >= 0 seconds (0: the default), got {self.fence_after:g}")
         if self.retain_finished < 0:

@@ -40,6 +40,7 @@ async def run_head(args: argparse.Namespace) -> int:
     head = Head(
         security,
         node_timeout=args.node_timeout,
+        client_timeout=args.client_timeout or None,
         fence_after=args.fence_after or None,
         retain_finished=args.retain_finished,
     )
@@ -152,6 +153,13 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=5.0,
         help="seconds a silent node is given before it is declared dead",
+    )
+    h.add_argument(
+        "--client-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a silent client (a driver killed outright) is given before the head stops its run's "
+        "actors (0: max(10, 3 * node timeout))",
     )
     h.add_argument(
         "--fence-after",

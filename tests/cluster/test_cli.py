@@ -214,6 +214,7 @@ workdir = "/scratch/run"
         ('[[nodes]]\nhost = "a"', "missing required table [head]"),
         ('nodes = []\n[head]\nhost = "h"', "at least one node"),
         ('[head]\nnode_timeout = -1\n[[nodes]]\nhost = "a"', "'head.node_timeout' must be > 0 seconds"),
+        ('[head]\nclient_timeout = -1\n[[nodes]]\nhost = "a"', "'head.client_timeout' must be >= 0 seconds"),
         ('[head]\nport = 70000\n[[nodes]]\nhost = "a"', "'head.port' must be between 1 and 65535"),
         (
             '[head]\n[cluster]\nstart_timeout = 0\n[[nodes]]\nhost = "a"',

@@ -21,13 +21,14 @@ from tests.cluster.test_cli import one_node_config, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests/cluster/run_driver.py"
-CLIENT_TIMEOUT_S = 10.0  # the head's default with node_timeout = 3
+CLIENT_TIMEOUT_S = 10.0  # the fixture's [head] client_timeout (the default would be 15)
 
 
 @pytest.fixture
 def up(tmp_path: Path, cli_env: dict[str, str]) -> Iterator[dict[str, str]]:
-    """A cluster of one local node started with `rlactors up`."""
-    cfg = one_node_config(tmp_path, "n1", cpu=4, head_extra="node_timeout = 3.0")
+    """A cluster of one local node started with `rlactors up`, with the default node_timeout (a node
+    silent for 5 s is declared dead, its actors with it) and a shorter client_timeout."""
+    cfg = one_node_config(tmp_path, "n1", cpu=4, head_extra=f"client_timeout = {CLIENT_TIMEOUT_S}")
     started = run_cli(["up", str(cfg)], cli_env)
     try:
         assert started.returncode == 0, started.stderr
@@ -130,7 +131,11 @@ def test_however_a_run_ends_its_actors_are_stopped_and_the_next_run_starts(
         a = actors[name]
         assert a["state"] == "STOPPED", a
         assert a["reason"].startswith("stopped by "), a
-        who = "the head: its run's client" if end == "sigkill" else f"{run} (pid {first.pid} on "
+        who = (
+            f"the head: its run's client {run} was silent for more than {CLIENT_TIMEOUT_S:g}s (client_timeout)"
+            if end == "sigkill"
+            else f"{run} (pid {first.pid} on "
+        )
         assert who in a["stopped_by"], a
     # The status reads at 80 columns: no line wider, each cell whole.
     table = run_cli(["status"], {**up, "COLUMNS": "80"})
@@ -157,7 +162,9 @@ def test_a_name_held_by_a_live_run_is_an_error_naming_that_run_and_how_to_end_it
             text=True,
             timeout=60,
         )
-        assert second.returncode == 2, second.stderr[-3000:]
+        # Had the first run's actors died (their node silent past node_timeout under load, say),
+        # their names would be free and this spawn would succeed: say so, with their states.
+        assert second.returncode == 2, (second.stderr[-3000:], _actors(up))
         assert "an actor named 'pool' already exists" in second.stdout
         assert f"(pid {first.pid} on " in second.stdout and f"{DRIVER} done" in second.stdout
         assert f"which is still running; stop that run (kill -TERM {first.pid} on " in second.stdout
