@@ -163,8 +163,10 @@ class Cluster:
         or queued behind ``max_concurrency``) with their await chains or thread stacks, its
         outgoing calls, its threads and its loop's lag. A worker whose loop is stuck is reported
         unresponsive, with the Python stacks it dumps on a signal; a dead actor as dead. This
-        process's own pending calls are included as a driver, and other drivers' as of their last
-        heartbeat (a few seconds old at most), so ``rlactors stack`` holds a run's roots too. Returns within about
+        process's own pending calls are included as a driver, and other drivers' as their loops last
+        noted them for their heartbeats (the report says how old; a call the target no longer has
+        is no chain's link, and a driver whose view is older than two notes is reported with its
+        loop blocked), so ``rlactors stack`` holds a run's roots too. Returns within about
         ``timeout_s``. ``str(report)`` is readable text; ``report.cycles`` and ``report.waited_on``
         name the wait-for cycles and the actors at the ends of the longest wait chains.
         """

@@ -111,15 +111,18 @@ class Head:
         self.clients[client_id] = dict(about or {})
         return {"ok": True, "nodes": len(self.nodes), "client_heartbeat": self.client_timeout / 5}
 
-    async def client_alive(self, client_id: str, calls: list[dict[str, Any]] | None = None) -> bool:
+    async def client_alive(
+        self, client_id: str, calls: list[dict[str, Any]] | None = None, noted_s: float = 0.0
+    ) -> bool:
         """Heartbeat of a connected client; its non-detached actors outlive it only while it beats.
-        ``calls``: a driver's pending calls, for ``stacks()`` asked by another process.
+        ``calls``: a driver's pending calls, for ``stacks()`` asked by another process, as its loop
+        noted them ``noted_s`` seconds before this beat.
 
         False: the client had been given up (silent past ``client_timeout``) and must follow the
         actor events again; from now on it counts as connected again.
         """
         if calls:
-            self.driver_calls[client_id] = (time.monotonic(), calls)
+            self.driver_calls[client_id] = (time.monotonic() - noted_s, calls)
         else:
             self.driver_calls.pop(client_id, None)
         return self.sessions.beat(client_id)
@@ -600,13 +603,21 @@ class Head:
         out.extend(
             {"name": n, "actor_id": "", "state": "UNKNOWN", "reason": "no such actor"} for n in unknown
         )
-        if names is None:  # the drivers' pending calls, as of their last heartbeat (aged since)
+        if names is None:  # the drivers' pending calls, as their loops last noted them (aged since)
             now = time.monotonic()
             for client_id, (at, calls) in self.driver_calls.items():
                 if client_id in self.clients:
                     aged = [dict(c, age_s=round(c["age_s"] + now - at, 3)) for c in calls]
                     out.append(
-                        {"name": client_id, "actor_id": client_id, "state": "DRIVER", "outgoing": aged}
+                        {
+                            "name": client_id,
+                            "actor_id": client_id,
+                            "state": "DRIVER",
+                            "outgoing": aged,
+                            # how old that view is, and how often a loop that runs renews it
+                            "noted_s": round(now - at, 3),
+                            "note_interval_s": self.client_timeout / 5,
+                        }
                     )
         return out
 

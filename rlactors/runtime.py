@@ -86,6 +86,7 @@ class RuntimeClient:
         self._beat_task: asyncio.Task[None] | None = None  # refreshes what the beats carry
         self._beats: HeadBeats | None = None  # heartbeats to the head, from their own thread
         self._beat_payload: dict[str, Any] = {}
+        self._noted_at = time.monotonic()  # when this loop last noted what the beats carry
         self._events: StreamCall | None = None  # the current subscription to the head's events
         self._synced = asyncio.Event()
         self.head: Connection | None = None
@@ -103,10 +104,10 @@ class RuntimeClient:
                 "and do you have its secret (RLACTORS_SECRET_FILE / the cluster's secret file)?"
             ) from None
         interval = float(hello.get("client_heartbeat", 2.0))
-        self._beat_payload = self._beat()
+        self._note()
         self._beats = HeadBeats(
             self.head_address, self.security, self.client_id, interval,
-            payload=lambda: self._beat_payload, on_answer=self._beat_answered, on_head_lost=self._head_lost,
+            payload=self._beat_now, on_answer=self._beat_answered, on_head_lost=self._head_lost,
             loop=asyncio.get_running_loop(), clock=awake_clock(),
         )  # fmt: skip
         await asyncio.to_thread(self._beats.start)
@@ -154,20 +155,28 @@ class RuntimeClient:
 
     # --- head -----------------------------------------------------------------------------------
 
-    def _beat(self) -> dict[str, Any]:
-        """What a heartbeat carries: a driver's pending calls (the roots of the wait-for graph), so
-        that ``cluster.stacks()`` asked from another process (``rlactors stack``) holds them too.
+    def _note(self) -> None:
+        """Note what a heartbeat carries: a driver's pending calls (the roots of the wait-for graph),
+        so that ``cluster.stacks()`` asked from another process (``rlactors stack``) holds them too.
         A worker's are asked from its own loop."""
-        if "RLACTORS_ACTOR_ID" in os.environ:
+        calls = [] if "RLACTORS_ACTOR_ID" in os.environ else self.outgoing_calls()
+        calls.sort(key=lambda c: -c["age_s"])
+        self._beat_payload = {"calls": calls[:MAX_BEAT_CALLS]} if calls else {}
+        self._noted_at = time.monotonic()
+
+    def _beat_now(self) -> dict[str, Any]:
+        """The last note, with its age (``noted_s``), for the beat the beats' thread sends now: a loop
+        blocked since (synchronous code in the driver) has not noted again, and a call noted then
+        may have been answered since."""
+        if not self._beat_payload:
             return {}
-        calls = sorted(self.outgoing_calls(), key=lambda c: -c["age_s"])
-        return {"calls": calls[:MAX_BEAT_CALLS]} if calls else {}
+        return dict(self._beat_payload, noted_s=round(time.monotonic() - self._noted_at, 3))
 
     async def _note_beats(self, interval: float) -> None:
         """Keep what the next heartbeat carries current (rlactors.beats sends it from its thread)."""
         while True:
             await asyncio.sleep(interval)
-            self._beat_payload = self._beat()
+            self._note()
 
     def _beat_answered(self, known: Any) -> None:
         if known is False and self._events is not None:

@@ -159,6 +159,20 @@ class ActorStacks:
     loop_thread: int | None = None  # its loop's thread ident (to find the loop's stack in a dump)
     collective: dict[str, Any] | None = None  # the torch.distributed group it joined (rlactors.collective)
     collective_wait: str = ""  # set by build_report: blocked in a collective, and who is missing
+    # Another process's driver: its calls are as its loop noted them this long ago (it notes them
+    # every ``note_interval_s`` while the loop runs). None: noted now (this process's own).
+    noted_s: float | None = None
+    note_interval_s: float | None = None
+
+    @property
+    def loop_blocked_s(self) -> float | None:
+        """For a driver whose loop has stopped noting its calls (synchronous code, a stopped
+        process): about how long it has not run; None otherwise."""
+        if self.noted_s is None or self.note_interval_s is None:
+            return None
+        # up to one interval between notes, and one more between beats, is a loop that runs
+        blocked = self.noted_s - self.note_interval_s
+        return blocked if blocked > self.note_interval_s else None
 
     def in_collective(self) -> tuple[str, IncomingCall | None]:
         """The ``torch.distributed`` function one of its threads waits in, and the running call
@@ -189,6 +203,14 @@ class ActorStacks:
             return self.reason or "no such actor"
         if self.state in ("PENDING", "RESTARTING"):
             return self.state.lower() + (f": {self.reason}" if self.reason else "")
+        blocked = self.loop_blocked_s
+        if blocked is not None:  # what it waits on is as of then: its replies may have come since
+            o = max(self.outgoing, key=lambda o: o.age_s, default=None)
+            was = f"; as of then, waiting on {o.target}.{o.method}" if o is not None else ""
+            return (
+                f"its event loop has not run for about {_age(blocked)} (synchronous code in the driver, "
+                f"or the process stopped){was}"
+            )
         if not self.responsive:
             where = innermost(dump_loop_thread(self.dump, self.loop_thread)) if self.dump else ""
             how = f"unresponsive for {_age(self.unresponsive_s)}" if self.unresponsive_s else "unresponsive"
@@ -220,6 +242,7 @@ class ActorStacks:
                 f"pid {self.pid}" if self.pid else "",
                 f"max_concurrency={self.max_concurrency}" if self.max_concurrency else "",
                 f"loop lag {self.loop_lag_s * 1000:.0f} ms" if self.loop_lag_s is not None else "",
+                f"calls as of {_age(self.noted_s)} ago" if self.noted_s is not None else "",
             )
             if x
         )
@@ -295,6 +318,8 @@ class ActorStacks:
             dump=a.get("dump"),
             loop_thread=a.get("loop_thread"),
             collective=a.get("collective"),
+            noted_s=a.get("noted_s"),
+            note_interval_s=a.get("note_interval_s"),
         )
 
     @classmethod
@@ -330,9 +355,11 @@ class WaitEdge:
     method: str
     age_s: float
     origin: str | None  # the waiter's incoming method that made the call
-    # "running" or "queued" there; "unseen" when the target did not report it; "failed" for a
-    # group member whose call failed while the group call waits; "collective"; "noted": a wait
-    # that is no actor call (rlactors.forensics.waiting), ``method`` saying what waits
+    # "running" or "queued" there; "unseen" when the target did not report it; "answered?" when
+    # it did not and the waiter is a driver whose view is older than that (the reply may have come
+    # since: no wait the culprit is looked for on); "failed" for a group member whose call failed
+    # while the group call waits; "collective"; "noted": a wait that is no actor call
+    # (rlactors.forensics.waiting), ``method`` saying what waits
     state: str
     behind: str = ""  # what a queued call waits behind ("max_concurrency=1", "the sync thread")
     backpressure: str = ""  # why this wait is by design (the target's method is marked so)
@@ -352,6 +379,7 @@ class WaitEdge:
             "running": "running there",
             "queued": "queued there",
             "failed": f"failed there: {self.note}; the group call still waits",
+            "answered?": f"not seen there; {self.note}",
         }.get(self.state, "not seen there")
         there += f" behind {self.behind}" if self.behind else ""
         there += f", back-pressure by design: {self.backpressure}" if self.backpressure else ""
@@ -533,6 +561,11 @@ def _kind(end: str, a: ActorStacks | None, into: list[WaitEdge], in_cycle: bool)
     return kind, "; ".join(why)
 
 
+def _answering(a: ActorStacks | None) -> bool:
+    """An actor that is alive and reported the calls it has (so one it did not report, it has not)."""
+    return a is not None and a.state == "ALIVE" and a.responsive
+
+
 def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksReport:
     """The wait-for graph of these actors' outgoing calls and collectives, its cycles and chain ends
     (the culprit first)."""
@@ -550,20 +583,28 @@ def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksRepor
             if c is not None and c.state == "queued" and callee is not None:
                 behind = "the sync thread" if c.thread else f"max_concurrency={callee.max_concurrency}"
             state = "failed" if o.failed else (c.state if c else "unseen")
+            note = o.failed
+            # a driver's view, and a live target that told us all it runs: the reply may have come
+            if state == "unseen" and a.noted_s is not None and _answering(callee):
+                state, note = (
+                    "answered?",
+                    f"as the driver saw it {_age(a.noted_s)} ago: its reply may have come since",
+                )
             bp = c.backpressure if c is not None else ""
-            edges.append(WaitEdge(a.name, target, o.method, o.age_s, o.origin, state, behind, bp, o.failed))
+            edges.append(WaitEdge(a.name, target, o.method, o.age_s, o.origin, state, behind, bp, note))
         for w in a.waits:
             n = f"{w.count} waits" if w.count > 1 else ""
             edges.append(WaitEdge(a.name, w.on, w.what, w.age_s, w.origin, "noted", "", w.backpressure, n))
     edges += _collective_edges(actors, by_id)
+    live = [e for e in edges if e.state != "answered?"]  # no chain runs through a wait that may be over
     graph: dict[str, list[str]] = {}
-    for e in edges:
+    for e in live:
         if e.target not in graph.setdefault(e.waiter, []):
             graph[e.waiter].append(e.target)
     cycles = _cycles(graph)
     in_cycle = {m for c in cycles for m in c}
-    waiters = {e.waiter for e in edges}
-    targets = {e.target for e in edges}
+    waiters = {e.waiter for e in live}
+    targets = {e.target for e in live}
     ends = [t for t in targets if t not in waiters or t in in_cycle]
     stub = {a.name: a for a in actors}
     for e in edges:  # what noted waits name and no actor is
@@ -571,7 +612,7 @@ def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksRepor
             stub[e.target] = ActorStacks(e.target, "", "NOT_AN_ACTOR", reason="no actor")
     waited_on = []
     for t in ends:
-        kind, why = _kind(t, stub.get(t), [e for e in edges if e.target == t], t in in_cycle)
+        kind, why = _kind(t, stub.get(t), [e for e in live if e.target == t], t in in_cycle)
         stacks = stub.get(t) or ActorStacks(t, "", "UNKNOWN", reason="not in this report")
         waited_on.append(WaitEnd(t, _longest_chain_to(t, graph), stacks, kind, why))
     waited_on.sort(key=lambda w: (KINDS.index(w.kind), -len(w.chain), w.name))
@@ -583,7 +624,7 @@ def build_report(actors: list[ActorStacks], taken_s: float = 0.0) -> StacksRepor
                 [
                     e
                     for i, m in enumerate(c)
-                    for e in edges
+                    for e in live
                     if e.waiter == m and e.target == c[(i + 1) % len(c)]
                 ],
             )

@@ -6,9 +6,10 @@ an actor ``victim``. Prints ``ready <victim pid>``, then ends as ``mode`` says:
 - ``error``: reads one line, then raises (exit 1);
 - ``signal``: waits for SIGTERM (finishes, exit 143) or SIGINT (Ctrl-C: exit 130);
 - ``spawn``: spawns nothing but a ``pool`` of its own, and prints the error it gets (exit 2);
-- ``block``: reads one line, blocks its event loop for that many seconds (synchronous code, as a
-  driver's own work can), prints ``alive <victim pid>`` if its actors still answer, then reads one
-  more line and leaves.
+- ``block``: reads one line, calls ``victim.nap`` (3 s: its loop notes the call pending at least
+  once), prints ``blocking`` and blocks its event loop for that many seconds (synchronous code, as
+  a driver's own work can), prints ``alive <victim pid>`` if its actors still answer, then reads
+  one more line and leaves.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Leaf(rlactors.Actor):
     async def pid(self) -> int:
         return os.getpid()
 
+    async def nap(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
 
 async def main(mode: str) -> int:
     loop = asyncio.get_running_loop()
@@ -56,6 +60,8 @@ async def main(mode: str) -> int:
             return await got  # SIGINT: KeyboardInterrupt, through this `async with`
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if mode == "block":
+            await victim.nap(3.0)  # longer than the 2 s between the loop's notes of its calls
+            print("blocking", flush=True)
             time.sleep(float(line))  # noqa: ASYNC251 - the point: the loop is blocked, no task runs
             print("alive", await victim.pid(), flush=True)
             await loop.run_in_executor(None, sys.stdin.readline)  # the test looks at the run meanwhile

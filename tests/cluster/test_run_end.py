@@ -176,13 +176,29 @@ def test_a_name_held_by_a_live_run_is_an_error_naming_that_run_and_how_to_end_it
 def test_a_driver_whose_loop_is_blocked_past_client_timeout_keeps_its_run(up: dict[str, str]) -> None:
     """Silence is a process gone or stopped, not a busy loop: a driver that blocks its event loop in
     synchronous code for longer than the head's client_timeout still beats (rlactors.beats), so the
-    head leaves its run alone and its actors answer afterwards."""
+    head leaves its run alone and its actors answer afterwards. Meanwhile `rlactors stack` says the
+    driver's loop has not run, and blames no actor for the call it last saw the driver wait on
+    (victim.nap, answered just before the loop blocked)."""
     with _running(_driver(up, "block")) as driver:
         victim = _ready(driver)
         (run,) = {a["run"] for a in _actors(up) if a["name"] == "pool"}
         assert driver.stdin is not None and driver.stdout is not None
-        driver.stdin.write(f"{CLIENT_TIMEOUT_S * 1.5}\n")
+        blocked_s = CLIENT_TIMEOUT_S * 1.5
+        driver.stdin.write(f"{blocked_s}\n")
         driver.stdin.flush()
+        assert driver.stdout.readline().split() == ["blocking"]
+        blocked_at = time.monotonic()
+        while True:  # the head sees the loop blocked once its view is two notes (4 s) old
+            stack = run_cli(["stack"], up)
+            assert stack.returncode == 0, stack.stderr
+            if f"{run} (calls as of" in stack.stdout and "its event loop has not run for" in stack.stdout:
+                break
+            assert time.monotonic() - blocked_at < blocked_s - 2, stack.stdout
+        assert time.monotonic() - blocked_at < blocked_s, "the loop ran again before the report was read"
+        assert "CULPRIT" not in stack.stdout, stack.stdout
+        assert f"{run} waits on victim.nap (not seen there; as the driver saw it" in stack.stdout, (
+            stack.stdout
+        )
         assert driver.stdout.readline().split() == ["alive", str(victim)]
         actors = _run_actors(up, run)
         assert {n: a["state"] for n, a in actors.items()} == {

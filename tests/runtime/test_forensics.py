@@ -188,6 +188,58 @@ async def test_a_call_to_a_dead_actor_ends_a_chain_there() -> None:
     assert "a.f waits on b.g (not seen there, 2.0 s)" in str(report)
 
 
+def _other_driver(noted_s: float, *calls: tuple[str, str, str, float]) -> ActorStacks:
+    """A driver of another process, as the head reports it: its calls as its loop noted them
+    ``noted_s`` ago (it notes them every 2 s while its loop runs)."""
+    outgoing = [
+        {"actor_id": i, "name": n, "method": m, "age_s": age, "call_id": k}
+        for k, (i, n, m, age) in enumerate(calls)
+    ]
+    return ActorStacks.from_answer(
+        {
+            "name": "driver-2",
+            "actor_id": "driver-2",
+            "state": "DRIVER",
+            "outgoing": outgoing,
+            "noted_s": noted_s,
+            "note_interval_s": 2.0,
+        }
+    )
+
+
+def test_a_call_another_drivers_view_holds_and_its_target_does_not_is_no_culprit() -> None:
+    # rlactors stack from another process: the driver's last note (3.3 s ago) holds pool.start,
+    # which the pool, alive and answering, no longer runs: its reply came after the note
+    pool = ActorStacks("pool", "idp", "ALIVE")
+    report = build_report([pool, _other_driver(3.3, ("idp", "pool", "start", 5.0))])
+    assert report.culprit is None and not report.waited_on, str(report)
+    text = str(report)
+    assert "CULPRIT" not in text
+    assert "driver-2 waits on pool.start (not seen there; as the driver saw it 3.3 s ago: its reply" in text
+    assert "driver-2 (calls as of 3.3 s ago): waiting on pool.start for 5.0 s" in text
+    # while the pool still runs it, the pool is where the chain ends, whatever the view's age
+    pool.incoming.append(IncomingCall("start", 5.0, "running", ['File "pool.py", line 1, in start'], 0))
+    report = build_report([pool, _other_driver(3.3, ("idp", "pool", "start", 5.0))])
+    assert report.culprit is not None and report.culprit.name == "pool", str(report)
+    # a dead target did not answer, old view or not: it is the culprit
+    dead = ActorStacks("pool", "idp", "DEAD", reason="worker process killed by SIGKILL")
+    report = build_report([dead, _other_driver(3.3, ("idp", "pool", "start", 5.0))])
+    assert report.culprit is not None and report.culprit.kind == "dead", str(report)
+
+
+def test_a_driver_whose_loop_stopped_noting_its_calls_is_reported_blocked() -> None:
+    pool = ActorStacks("pool", "idp", "ALIVE")
+    fresh = _other_driver(3.9, ("idp", "pool", "start", 5.0))  # within two notes: its loop runs
+    assert fresh.loop_blocked_s is None and fresh.summary() == "waiting on pool.start for 5.0 s"
+    blocked = _other_driver(30.0, ("idp", "pool", "start", 31.0))
+    assert blocked.loop_blocked_s == 28.0
+    assert blocked.summary() == (
+        "its event loop has not run for about 28.0 s (synchronous code in the driver, or the process "
+        "stopped); as of then, waiting on pool.start"
+    )
+    assert build_report([pool, blocked]).culprit is None
+
+
 async def test_the_report_is_bounded_when_a_worker_answers_nothing(cluster: rlactors.Cluster) -> None:
     # a stopped process neither answers nor dumps: reported, not waited for
     busy = await cluster.spawn(Busy, name="stopped")
