@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_pool import RecordingProxy, cli, read_until, run_logs, start_run, stop, up_cluster
+from tests.e2e.test_pool import Output, RecordingProxy, cli, run_logs, start_run, stop, up_cluster
 from tests.e2e.test_recipe import rows
 from tests.sglang.conftest import CHANGES_IT, ExportedServer
 from tests.sglang.test_sglang_code import NEEDS_SGLANG
@@ -45,20 +45,20 @@ def test_a_real_sglang_server_joins_a_run_through_the_pool(
     assert r.status_code == 200, r.text
     proc = None
     proxy = RecordingProxy(served.url)
-    lines: list[str] = []
     try:
         with up_cluster(tmp_path) as (cfg, env):
             try:
                 proc = start_run(args, cfg, env, err)
-                read_until(proc, lines, "step 1/", err)  # it joins a running run
+                run_stdout = Output(proc, env, err)
+                run_stdout.until("step 1/")  # it joins a running run
                 add = cli(["pool", "add", proxy.url], env)
                 assert add.returncode == 0, add.stderr
-                joined = read_until(proc, lines, "servers joined:", err)
+                joined = run_stdout.until("servers joined:")
                 version = int(re.search(r"serving version (\d+)", joined).group(1))
-                read_until(proc, lines, f"step {version + 2}/", err)  # two more steps on both servers
+                run_stdout.until(f"step {version + 2}/")  # two more steps on both servers
                 ls = cli(["pool", "ls", "--json"], env)
                 proc.send_signal(signal.SIGTERM)  # finish the step, checkpoint, exit 143
-                rest, _ = proc.communicate(timeout=300)
+                output = run_stdout.rest(timeout_s=300)
             finally:
                 stop(proc)
     finally:
@@ -67,7 +67,6 @@ def test_a_real_sglang_server_joins_a_run_through_the_pool(
         body = {"model_path": str(served.model)}
         restored = httpx.post(served.url + "/update_weights_from_disk", json=body, timeout=300)
     assert restored.status_code == 200 and restored.json()["success"], restored.text
-    output = "".join(lines) + rest
     assert proc.returncode == 143, output[-3000:] + run_logs(err)
     states = {s["url"]: (s["state"], s["version"]) for s in json.loads(ls.stdout)["servers"]}
     assert states[proxy.url] == ("live", version) and len(states) == 2
