@@ -38,13 +38,14 @@ Every body is one of protocols/sglang.py's request models, checked as the server
 
 from __future__ import annotations
 
-import datetime
 import json
 import shutil
 import socket
+import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -109,6 +110,21 @@ def flush_cache(cfg: PushConfig) -> bool:
 _UNDO = {"/continue_generation": ContinueGenerationRequest, "/end_weight_update": EndWeightUpdateRequest}
 
 
+def _in_thread(fn: Callable[..., Any], **kwargs: Any) -> Future:
+    """``fn(**kwargs)`` in a daemon thread of its own; its future. (A pool's thread would stay taken
+    for as long as ``fn`` blocks, and the call may be left to time out.)"""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(**kwargs))
+        except BaseException as e:
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=f"weight-push-{fn.__name__}", daemon=True).start()
+    return fut
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -165,7 +181,10 @@ class WeightPusher:
         return self._http
 
     def _post(self, url: str, path: str, body: Any) -> Any:
-        r = self._client.post(url + path, json=body)
+        try:
+            r = self._client.post(url + path, json=body)
+        except httpx.HTTPError as e:  # the server named: a push talks to several
+            raise WeightPushError(f"{url}{path} failed: {e!r}") from e
         try:
             data = r.json() if r.content else {}
         except json.JSONDecodeError:
@@ -180,6 +199,29 @@ class WeightPusher:
 
     def _wait(self, futures: list[Future]) -> list[Any]:
         return [f.result(timeout=self.cfg.http_timeout_s) for f in futures]
+
+    def _while_servers_answer(self, done: Callable[[], bool], posts: list[Future], what: str) -> None:
+        """Wait until ``done()`` (rank 0's side of a collective with the servers) while watching
+        ``posts``, the requests that tell the servers to take part. A server that refuses, or whose
+        request fails, will not join in: its error is raised at once, instead of the collective
+        waiting for it until ``group_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.group_timeout_s
+        pause = 0.001
+        while not done():
+            for f in posts:
+                if f.done() and f.exception() is not None:
+                    raise cast(BaseException, f.exception())
+            if time.monotonic() > deadline:
+                raise WeightPushError(
+                    f"{what}: not done within trainer.push.group_timeout_s={self.cfg.group_timeout_s:g}"
+                )
+            pending = [f for f in posts if not f.done()]
+            # short waits first: most collectives end within milliseconds of the call
+            if pending:
+                wait(pending, timeout=pause, return_when=FIRST_EXCEPTION)
+            else:
+                time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     # ---- group -------------------------------------------------------------------------------
     def connect(
@@ -225,8 +267,9 @@ class WeightPusher:
             )
             futures.append(self._pool.submit(self._post, url, "/init_weights_update_group", body))
             offset += size
-        try:  # blocks until every server has joined: the HTTP requests above are in flight
-            self.group = init_weight_update_group(
+        try:  # until every server has joined: the HTTP requests above are in flight
+            joined = _in_thread(
+                init_weight_update_group,
                 backend=self.backend,
                 master_address=addr,
                 master_port=port,
@@ -235,6 +278,10 @@ class WeightPusher:
                 group_name=self.group_name,
                 timeout_s=self.cfg.group_timeout_s,
             )
+            # a server that refused leaves the thread waiting for it (until group_timeout_s, on a
+            # port nobody uses again); the push goes on without it
+            self._while_servers_answer(joined.done, futures, f"forming weight-update group {self.group_name}")
+            self.group = joined.result()
             self._wait(futures)
         finally:
             dist.barrier()
@@ -498,7 +545,8 @@ class WeightPusher:
         works, posts = inflight
         with TRACE.phase("broadcast"):
             for w in works:
-                w.wait(datetime.timedelta(seconds=self.cfg.group_timeout_s))
+                self._while_servers_answer(w.is_completed, posts, "broadcasting a bucket")
+                w.wait()  # done: raises what failed it
             self._wait(posts)
         self._timing["wait_s"] += time.perf_counter() - t0
 

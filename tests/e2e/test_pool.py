@@ -9,7 +9,6 @@ assert on what it recorded."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -32,6 +31,7 @@ import pytest
 from tests.cluster.test_cli import one_node_config
 from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, rows
 from tests.helpers import forked
+from tests.helpers.proxy import RecordingProxy
 
 pytestmark = pytest.mark.slow
 
@@ -58,62 +58,6 @@ def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str
         [sys.executable, "-m", "rlactors.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
-
-
-class RecordingProxy:
-    """An HTTP proxy in front of a server that records the ``weight_version`` of every
-    ``/generate`` answer it passes on: what the server served, and when.
-
-    With ``hold`` set, ``/generate`` requests are parked before they reach the server (in flight,
-    as their client sees it; ``held`` counts them); once ``gone`` is set, every request, a parked one
-    included, is answered 502, as a proxy answers for a server that went away."""
-
-    def __init__(self, target: str) -> None:
-        import uvicorn
-        from starlette.applications import Starlette
-        from starlette.requests import Request
-        from starlette.responses import Response
-        from starlette.routing import Route
-
-        self.generated: list[str | None] = []
-        self.hold = False
-        self.gone = threading.Event()
-        self.held = 0
-        self.port = free_port()
-        client = httpx.AsyncClient(base_url=target, timeout=None)  # group joins block for long
-
-        async def forward(request: Request) -> Response:
-            if request.url.path == "/generate" and self.hold:
-                self.held += 1
-                await asyncio.to_thread(self.gone.wait)  # set from the test's thread
-            if self.gone.is_set():
-                return Response(b"server gone", 502)
-            r = await client.request(
-                request.method, request.url.path, content=await request.body(),
-                headers={"content-type": request.headers.get("content-type", "application/json")},
-            )  # fmt: skip
-            if request.url.path == "/generate" and r.status_code == 200:
-                self.generated.append(r.json()["meta_info"].get("weight_version"))
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-
-        app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST", "PUT"])])
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)  # uvicorn offers no start event to wait on
-        assert self.server.started
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def start_reference_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:

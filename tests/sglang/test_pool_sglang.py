@@ -19,8 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_pool import Output, RecordingProxy, cli, run_logs, start_run, stop, up_cluster
+from tests.e2e.test_pool import Output, cli, run_logs, start_run, stop, up_cluster
 from tests.e2e.test_recipe import rows
+from tests.helpers.proxy import RecordingProxy
 from tests.sglang.conftest import CHANGES_IT, ExportedServer
 from tests.sglang.test_sglang_code import NEEDS_SGLANG
 

@@ -175,6 +175,43 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
         (out / "push.json").write_text(json.dumps(results))
 
 
+def refused_scenario(trainer, model: str, out: Path, urls: list[str]) -> None:
+    """Servers that refuse their part of a collective with the trainer, each through a proxy of the
+    test's (``urls``: one refusing ``/init_weights_update_group``, one refusing
+    ``/update_weights_from_distributed``, the server itself): forming the group with the first, and
+    pushing to the second (it never receives the broadcast: one bucket, the whole model, more than
+    the sockets hold), fail at once naming the server, not after ``group_timeout_s``; then the
+    server, asked directly, takes a push. Each rank records what it saw."""
+    import time
+
+    import httpx
+
+    from nodes.trainer.weights import PushConfig, WeightPusher, WeightPushError
+
+    refuses_join, refuses_update, direct = urls
+    pusher = WeightPusher(trainer.model, PushConfig(group_timeout_s=300), model_config_dir=model)
+    seen: dict = {}
+
+    def attempt(step: str, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+            seen[step] = "went through"
+        except WeightPushError as e:
+            seen[step] = str(e)
+        seen[f"{step}_s"] = time.monotonic() - t0
+
+    attempt("connect", lambda: pusher.connect([refuses_join]))
+    pusher.connect([refuses_update])
+    attempt("push", lambda: pusher.push(1))
+    pusher.connect([direct])
+    pusher.push(2)
+    if dist.get_rank() == 0:
+        seen["version_after"] = httpx.get(direct + "/get_model_info", timeout=60).json()["weight_version"]
+    pusher.close()
+    (out / f"refused{dist.get_rank()}.json").write_text(json.dumps(seen))
+
+
 def gather_scenario(trainer, out: Path) -> None:
     """Assemble full parameters on rank 0 through shared memory, through sends, and mixed; each
     rank records which ranks shared rank 0's buffers, rank 0 whether every tensor came out exact."""
@@ -382,6 +419,8 @@ def run_scenario(scenario: str, out: Path, model: str, args: list[str]) -> None:
         gather_scenario(trainer, out)
     elif scenario == "push":
         push_scenario(trainer, model, out, args[0])
+    elif scenario == "refused":
+        refused_scenario(trainer, model, out, args)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nodes.inference.models import ensure_tiny_checkpoint
+from tests.helpers.proxy import RecordingProxy
 from tests.helpers.servers import reference_server
 from tests.trainer.dist_worker import PUSH_CASES
 from tests.trainer.launch import run_ranks
@@ -98,3 +99,36 @@ def test_push_to_reference_server_under_each_pause_mode(tmp_path):
     assert r0["session_still_open"]  # the push did not end a session it had not opened
     assert r0["version_after_refusal"] == str(versions[-1])
     assert r0["version_after_retry"] == str(versions[-1] + 101)
+
+
+@pytest.mark.slow
+def test_a_server_that_refuses_its_part_fails_the_group_step_at_once_naming_it(tmp_path):
+    """A server that refuses to join the weight-update group, or refuses a bucket (so it never
+    receives the broadcast), fails that step of the trainer's at once with the server's answer,
+    instead of leaving the trainer waiting for it for group_timeout_s (300 s here); then the same
+    server takes a push."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = small_vocab_model(tmp_path / "model")
+    wide = LlamaConfig.from_pretrained(model)  # 40 MB of weights: more than loopback sockets hold
+    wide.hidden_size, wide.intermediate_size, wide.num_hidden_layers = 512, 1024, 4
+    LlamaForCausalLM(wide).save_pretrained(str(model))
+    args = ["--backend", "hf", "--model-path", str(model), "--dtype", "float32", "--num-threads", "1"]
+    with reference_server(args) as url:
+        refuses_join = RecordingProxy(url, refuse={"/init_weights_update_group": 500})
+        refuses_update = RecordingProxy(url, refuse={"/update_weights_from_distributed": 400})
+        try:
+            urls = [refuses_join.url, refuses_update.url, url]
+            run_ranks(
+                HERE / "dist_worker.py", ["refused", str(tmp_path), str(model), *urls], world=2, timeout=240
+            )
+        finally:
+            refuses_join.close()
+            refuses_update.close()
+    r0, r1 = (json.loads((tmp_path / f"refused{r}.json").read_text()) for r in (0, 1))
+    assert r0["connect"].startswith(f"{refuses_join.url}/init_weights_update_group answered 500"), r0
+    assert r0["push"].startswith(f"{refuses_update.url}/update_weights_from_distributed answered 400"), r0
+    assert r1["push"] == "weight push failed on rank 0 (see its log)", r1
+    # at once: the 300 s bound is what the trainer waited before
+    assert r0["connect_s"] < 60 and r0["push_s"] < 60, r0
+    assert r0["version_after"] == "2", r0
