@@ -45,7 +45,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -125,6 +125,22 @@ def _in_thread(fn: Callable[..., Any], **kwargs: Any) -> Future:
     return fut
 
 
+def _finished(work: Any) -> Future:
+    """A future set when the collective ``work`` ends (with its error, if it failed)."""
+    fut: Future = Future()
+
+    def settle(done: Any) -> None:
+        try:
+            done.value()
+        except BaseException as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+
+    work.get_future().add_done_callback(settle)
+    return fut
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -200,28 +216,17 @@ class WeightPusher:
     def _wait(self, futures: list[Future]) -> list[Any]:
         return [f.result(timeout=self.cfg.http_timeout_s) for f in futures]
 
-    def _while_servers_answer(self, done: Callable[[], bool], posts: list[Future], what: str) -> None:
-        """Wait until ``done()`` (rank 0's side of a collective with the servers) while watching
-        ``posts``, the requests that tell the servers to take part. A server that refuses, or whose
-        request fails, will not join in: its error is raised at once, instead of the collective
-        waiting for it until ``group_timeout_s``."""
-        deadline = time.monotonic() + self.cfg.group_timeout_s
-        pause = 0.001
-        while not done():
+    def _while_servers_answer(self, collective: Future, posts: list[Future]) -> Any:
+        """The result of ``collective`` (rank 0's side of a collective with the servers, bounded by
+        ``group_timeout_s``), while watching ``posts``, the requests that tell the servers to take
+        part. A server that refuses, or whose request fails, will not join
+        in: its error is raised at once, instead of the collective waiting for it until then."""
+        while not collective.done():
             for f in posts:
                 if f.done() and f.exception() is not None:
                     raise cast(BaseException, f.exception())
-            if time.monotonic() > deadline:
-                raise WeightPushError(
-                    f"{what}: not done within trainer.push.group_timeout_s={self.cfg.group_timeout_s:g}"
-                )
-            pending = [f for f in posts if not f.done()]
-            # short waits first: most collectives end within milliseconds of the call
-            if pending:
-                wait(pending, timeout=pause, return_when=FIRST_EXCEPTION)
-            else:
-                time.sleep(pause)
-            pause = min(2 * pause, 0.05)
+            wait([collective, *(f for f in posts if not f.done())], return_when=FIRST_COMPLETED)
+        return collective.result()
 
     # ---- group -------------------------------------------------------------------------------
     def connect(
@@ -278,10 +283,9 @@ class WeightPusher:
                 group_name=self.group_name,
                 timeout_s=self.cfg.group_timeout_s,
             )
-            # a server that refused leaves the thread waiting for it (until group_timeout_s, on a
-            # port nobody uses again); the push goes on without it
-            self._while_servers_answer(joined.done, futures, f"forming weight-update group {self.group_name}")
-            self.group = joined.result()
+            # a server that refused leaves that thread waiting for it (until group_timeout_s, on a
+            # port nobody uses again)
+            self.group = self._while_servers_answer(joined, futures)
             self._wait(futures)
         finally:
             dist.barrier()
@@ -544,9 +548,10 @@ class WeightPusher:
         t0 = time.perf_counter()
         works, posts = inflight
         with TRACE.phase("broadcast"):
-            for w in works:
-                self._while_servers_answer(w.is_completed, posts, "broadcasting a bucket")
-                w.wait()  # done: raises what failed it
+            if works:  # a server that does not receive holds up the last broadcast too: watch that one
+                self._while_servers_answer(_finished(works[-1]), posts)
+                for w in works:
+                    w.wait()  # done, or about to be: raises what failed it
             self._wait(posts)
         self._timing["wait_s"] += time.perf_counter() - t0
 
