@@ -13,13 +13,11 @@ import contextlib
 import dataclasses
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +27,7 @@ import httpx
 import pytest
 
 from tests.cluster.test_cli import one_node_config
+from tests.e2e.live_run import Output, rlactors_stack
 from tests.e2e.test_recipe import RECIPE, ROOT, SMALL, rows
 from tests.helpers import forked
 from tests.helpers.proxy import RecordingProxy
@@ -38,9 +37,8 @@ pytestmark = pytest.mark.slow
 # A replacement serves the current version within this of its server's death: two missed health
 # probes (2 s), a reference server's start-up with the tiny model, and the next publish.
 REPLACEMENT_BOUND_S = 60.0
-# Each phase's next line comes within this (a phase takes about 10 s here), well before pytest's
-# timeout: a stalled run fails with its stacks.
-UNTIL_S = 150.0
+# Each phase's next line comes within this (a phase takes about 10 s here)
+PHASE_S = 150.0
 
 
 def step_lines(output: str) -> list[str]:
@@ -77,59 +75,6 @@ def start_reference_server(model: Path, log: Path) -> tuple[subprocess.Popen[byt
         time.sleep(0.2)  # the server loads its model; no readiness signal but /health
     proc.kill()
     raise AssertionError(f"reference server did not start: {log.read_text()[-2000:]}")
-
-
-class Output:
-    """A run's stdout, read by a thread of its own so that :meth:`until` can give up on time: a run
-    that stalls fails the test with what each of its processes was doing (``rlactors stack``), not
-    at pytest's timeout with nothing to go on."""
-
-    def __init__(self, proc: forked.Process, env: dict[str, str], err: Path) -> None:
-        assert proc.stdout is not None
-        self.proc, self.env, self.err = proc, env, err
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stdout: Any) -> None:
-        for line in stdout:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def until(self, prefix: str, timeout_s: float = UNTIL_S) -> str:
-        """The next line that starts with ``prefix``; the run ending first, or no such line within
-        ``timeout_s``, fails the test with its output, logs and stacks."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                raise AssertionError(
-                    f"the run ended before {prefix!r}: {self.text()[-3000:]}\n{run_logs(self.err)}"
-                )
-            self.lines.append(line)
-            if line.startswith(prefix):
-                return line
-        stacks = cli(["stack"], self.env)
-        raise AssertionError(
-            f"no line starting {prefix!r} within {timeout_s:g} s: {self.text()[-3000:]}\n{run_logs(self.err)}\n"
-            f"--- rlactors stack:\n{stacks.stdout[-12000:]}{stacks.stderr[-2000:]}"
-        )
-
-    def rest(self, timeout_s: float) -> str:
-        """Everything up to the run's exit (which must come within ``timeout_s``)."""
-        self.proc.wait(timeout=timeout_s)
-        self._thread.join(timeout=30)
-        while not self._queue.empty():
-            line = self._queue.get_nowait()
-            self.lines.append(line or "")  # None: the end of stdout
-        return self.text()
-
-    def text(self) -> str:
-        return "".join(self.lines)
 
 
 def run_logs(err: Path | None) -> str:
@@ -239,8 +184,11 @@ def pool_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolRun]:
             args = [f"run.out_dir={run.out}", "run.steps=400", "run.checkpoint_every=400", "run.eval_every=0",
                     "trainer.n_ranks=1"]  # fmt: skip
             proc = start_run(args, cfg, env, err)
-            out = Output(proc, env, err)
-            until = out.until
+            out = Output(proc, logs=lambda: run_logs(err), stacks=lambda: rlactors_stack([], env))
+
+            def until(prefix: str) -> str:  # the four phases share one pytest timeout (300 s)
+                return out.until(prefix, PHASE_S)
+
             # the server to add starts while the run does: no steps spent waiting for it later
             joiner, url = start_reference_server(ensure_tiny_checkpoint(), tmp / "joiner.log")
             proxy = RecordingProxy(url)

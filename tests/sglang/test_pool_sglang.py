@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_pool import Output, cli, run_logs, start_run, stop, up_cluster
+from tests.e2e.live_run import Output, rlactors_stack
+from tests.e2e.test_pool import cli, run_logs, start_run, stop, up_cluster
 from tests.e2e.test_recipe import rows
 from tests.helpers.proxy import RecordingProxy
 from tests.sglang.conftest import CHANGES_IT, ExportedServer
@@ -50,7 +51,7 @@ def test_a_real_sglang_server_joins_a_run_through_the_pool(
         with up_cluster(tmp_path) as (cfg, env):
             try:
                 proc = start_run(args, cfg, env, err)
-                run_stdout = Output(proc, env, err)
+                run_stdout = Output(proc, logs=lambda: run_logs(err), stacks=lambda: rlactors_stack([], env))
                 run_stdout.until("step 1/")  # it joins a running run
                 add = cli(["pool", "add", proxy.url], env)
                 assert add.returncode == 0, add.stderr
