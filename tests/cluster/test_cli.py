@@ -70,7 +70,6 @@ def test_up_status_down_with_two_local_hosts(tmp_path: Path, cli_env: dict[str, 
 [head]
 host = "127.0.0.1"
 port = {port}
-node_timeout = 3.0
 
 [cluster]
 secret_file = "{tmp_path}/secret"
