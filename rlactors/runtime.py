@@ -85,8 +85,9 @@ class RuntimeClient:
         self._events_task: asyncio.Task[None] | None = None
         self._beat_task: asyncio.Task[None] | None = None  # refreshes what the beats carry
         self._beats: HeadBeats | None = None  # heartbeats to the head, from their own thread
-        self._beat_payload: dict[str, Any] = {}
-        self._noted_at = time.monotonic()  # when this loop last noted what the beats carry
+        # what the beats carry, as this loop last noted it, and when (one tuple: read from the
+        # beats' thread, it is never half updated)
+        self._noted: tuple[dict[str, Any], float] = ({}, time.monotonic())
         self._events: StreamCall | None = None  # the current subscription to the head's events
         self._synced = asyncio.Event()
         self.head: Connection | None = None
@@ -161,16 +162,14 @@ class RuntimeClient:
         A worker's are asked from its own loop."""
         calls = [] if "RLACTORS_ACTOR_ID" in os.environ else self.outgoing_calls()
         calls.sort(key=lambda c: -c["age_s"])
-        self._beat_payload = {"calls": calls[:MAX_BEAT_CALLS]} if calls else {}
-        self._noted_at = time.monotonic()
+        self._noted = ({"calls": calls[:MAX_BEAT_CALLS]} if calls else {}, time.monotonic())
 
     def _beat_now(self) -> dict[str, Any]:
         """The last note, with its age (``noted_s``), for the beat the beats' thread sends now: a loop
         blocked since (synchronous code in the driver) has not noted again, and a call noted then
         may have been answered since."""
-        if not self._beat_payload:
-            return {}
-        return dict(self._beat_payload, noted_s=round(time.monotonic() - self._noted_at, 3))
+        payload, at = self._noted
+        return dict(payload, noted_s=round(time.monotonic() - at, 3)) if payload else {}
 
     async def _note_beats(self, interval: float) -> None:
         """Keep what the next heartbeat carries current (rlactors.beats sends it from its thread)."""
