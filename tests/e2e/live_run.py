@@ -19,6 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tests.cluster.test_cli import run_cli
 from tests.helpers import forked
 from tests.helpers.processes import cmdline, descendants
 
@@ -31,10 +32,7 @@ UNTIL_S = 240.0
 def rlactors_stack(args: list[str], env: dict[str, str]) -> str:
     """``rlactors stack ARGS`` in ``env``: its output, or why there is none."""
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "rlactors.cli", "stack", *args],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        done = run_cli(["stack", *args], env, timeout=60)
     except subprocess.TimeoutExpired:
         return "rlactors stack did not answer within 60 s"
     return done.stdout[-12000:] + done.stderr[-2000:]

@@ -73,6 +73,19 @@ def server_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
     return out
 
 
+def attempted(seen: dict, key: str, fn, error: type[Exception]) -> float:
+    """``fn()``; ``seen[key]``: None, or the message of the ``error`` it raised. Returns its seconds."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        fn()
+        seen[key] = None
+    except error as e:
+        seen[key] = str(e)
+    return time.monotonic() - t0
+
+
 def push_scenario(trainer, model: str, out: Path, url: str) -> None:
     """Train, then push under each case with requests in flight; rank 0 records what it saw."""
     import time
@@ -182,8 +195,6 @@ def refused_scenario(trainer, model: str, out: Path, urls: list[str]) -> None:
     pushing to the second (it never receives the broadcast: one bucket, the whole model, more than
     the sockets hold), fail at once naming the server, not after ``group_timeout_s``; then the
     server, asked directly, takes a push. Each rank records what it saw."""
-    import time
-
     import httpx
 
     from nodes.trainer.weights import PushConfig, WeightPusher, WeightPushError
@@ -191,19 +202,9 @@ def refused_scenario(trainer, model: str, out: Path, urls: list[str]) -> None:
     refuses_join, refuses_update, direct = urls
     pusher = WeightPusher(trainer.model, PushConfig(group_timeout_s=300), model_config_dir=model)
     seen: dict = {}
-
-    def attempt(step: str, fn) -> None:
-        t0 = time.monotonic()
-        try:
-            fn()
-            seen[step] = "went through"
-        except WeightPushError as e:
-            seen[step] = str(e)
-        seen[f"{step}_s"] = time.monotonic() - t0
-
-    attempt("connect", lambda: pusher.connect([refuses_join]))
+    seen["connect_s"] = attempted(seen, "connect", lambda: pusher.connect([refuses_join]), WeightPushError)
     pusher.connect([refuses_update])
-    attempt("push", lambda: pusher.push(1))
+    seen["push_s"] = attempted(seen, "push", lambda: pusher.push(1), WeightPushError)
     pusher.connect([direct])
     pusher.push(2)
     if dist.get_rank() == 0:
@@ -293,11 +294,7 @@ def nonfinite_scenario(trainer, out: Path) -> None:
     seen: dict = {}
 
     def attempt(key: str, fn) -> None:
-        try:
-            fn()
-            seen[key] = None
-        except NonFiniteError as e:
-            seen[key] = str(e)
+        attempted(seen, key, fn, NonFiniteError)
 
     train(trainer, batch(1))
     embed = trainer.model.get_input_embeddings().weight
