@@ -58,7 +58,7 @@ PUSH_CASES = [  # (method, pause mode, flattened buckets)
     ("tensor", "retract", True),  # by reference: rank 0's buckets through shared memory (CPU)
     ("disk", "retract", True),
 ]
-LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
 
 
 def server_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -71,6 +71,16 @@ def server_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
             r.raise_for_status()
             out[n] = torch.tensor(r.json(), dtype=torch.float32)
     return out
+
+
+def wait_for_load(client, url: str, key: str, n: int, timeout_s: float = 60.0) -> None:
+    """Poll the server's ``/v1/loads`` until ``key`` reaches ``n``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (seen := client.get(url + "/v1/loads").json()["loads"][0][key]) < n:
+        assert time.monotonic() < deadline, f"{key} stayed at {seen}, not {n}, for {timeout_s}s"
+        time.sleep(0.005)
 
 
 def attempted(seen: dict, key: str, fn, error: type[Exception]) -> float:
@@ -107,16 +117,18 @@ def push_scenario(trainer, model: str, out: Path, url: str) -> None:
         cfg.method, cfg.pause_mode, cfg.flattened_bucket = method, mode, flat
         futs = []
         if rank == 0:
+            # posted while the server is paused, so both start in the same step: posted to a running
+            # server, one may finish before a loaded machine's second post arrives
+            client.post(url + "/pause_generation", json={"mode": "in_place"}).raise_for_status()
             futs = [
                 pool.submit(
                     client.post, url + "/generate", json={"input_ids": [5, 6, 7 + j], "sampling_params": LONG}
                 )
                 for j in range(2)
             ]
-            deadline = time.monotonic() + 60
-            while client.get(url + "/v1/loads").json()["loads"][0]["num_running_reqs"] < 2:  # both running
-                assert time.monotonic() < deadline, "requests never started"
-                time.sleep(0.005)
+            wait_for_load(client, url, "num_waiting_reqs", 2)
+            client.post(url + "/continue_generation", json={}).raise_for_status()
+            wait_for_load(client, url, "num_running_reqs", 2)
         stats = pusher.push(trainer.version)
         full = trainer.full_state_dict()
         if rank == 0:

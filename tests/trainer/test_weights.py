@@ -17,7 +17,7 @@ import torch
 from nodes.inference.models import ensure_tiny_checkpoint
 from tests.helpers.proxy import RecordingProxy
 from tests.helpers.servers import reference_server
-from tests.trainer.dist_worker import PUSH_CASES
+from tests.trainer.dist_worker import LONG, PUSH_CASES
 from tests.trainer.launch import run_ranks
 
 HERE = Path(__file__).parent
@@ -76,11 +76,11 @@ def test_push_to_reference_server_under_each_pause_mode(tmp_path):
         if r["mode"] == "abort":
             # in-flight requests came back early with what they had
             assert r["finish"] == ["abort", "abort"], case
-            assert all(n < 400 for n in r["completion_tokens"]), case
+            assert all(n < LONG["max_new_tokens"] for n in r["completion_tokens"]), case
         else:
             # retract / in_place: requests survived the push and finished under the new version
             assert r["finish"] == ["length", "length"], case
-            assert r["completion_tokens"] == [400, 400], case
+            assert r["completion_tokens"] == [LONG["max_new_tokens"]] * 2, case
             assert r["gen_versions"] == [str(r["version"])] * 2, case
     versions = [r["version"] for r in results]
     assert versions == sorted(set(versions))  # every push carried a new version
