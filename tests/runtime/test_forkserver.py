@@ -184,13 +184,19 @@ async def test_a_node_agent_forks_the_workers_of_its_packages(monkeypatch: pytes
         assert await execd.add(2) == 2
 
 
-def test_the_tests_fork_server_runs_what_subprocess_would(tmp_path: Path) -> None:
+def test_the_tests_fork_server_runs_what_subprocess_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """tests/helpers/forked.py, which the tests' drivers, ranks and servers start through: the same
     result as :mod:`subprocess`, from a forked child; a timeout kills it."""
     from tests.helpers import forked
 
+    def room(n: int) -> None:  # the tests this worker ran before may have started all it keeps
+        monkeypatch.setattr(forked, "MAX_SERVERS", len(forked._servers) + n)
+
     script = str(ROOT / "tests" / "runtime" / "fork_probe.py")
     env = probe_env(RLACTORS_PROBE_CODE="4", RLACTORS_PROBE_VAR="v")
+    room(1)
     for args in ([sys.executable, script, "x"], [sys.executable, "-m", PROBE, "x"]):
         got = forked.run(args, env=env, cwd=tmp_path, timeout=NO_HANG)
         want = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=NO_HANG)
@@ -210,7 +216,13 @@ def test_the_tests_fork_server_runs_what_subprocess_would(tmp_path: Path) -> Non
     with pytest.raises(subprocess.TimeoutExpired):
         forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"), timeout=0.5)
     # an environment that differs where a child cannot: a fork server of its own, started in it
+    room(1)
     other = forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_VAR="w", PROBE_OTHER="1"))
     seen_other = json.loads(other.stdout)
     assert seen_other["var"] == "w" and "rlactors.forkserver" in cmdline(seen_other["ppid"])
     assert seen_other["ppid"] != mine["ppid"]
+    # yet another, with no room left: exec'd, as subprocess would
+    room(0)
+    third = forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_VAR="x", PROBE_OTHER="2"))
+    seen_third = json.loads(third.stdout)
+    assert seen_third["var"] == "x" and seen_third["ppid"] == os.getpid()
