@@ -135,6 +135,151 @@ def _seq_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return (x * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
+@dataclass
+class ClippedObjective:
+    """The PPO term per token, ``max(-A r, -A clip(r, lo, hi))`` (dual clip: ``min(l, c |A|)``),
+    with the ratio it used and the tokens each clip bound."""
+
+    loss: torch.Tensor  # per token, zero off the mask
+    ratio: torch.Tensor  # r per token (GSPO: the sequence's ratio on each of its tokens)
+    seq_ratio: torch.Tensor | None  # GSPO: per sequence; None otherwise
+    clipped: torch.Tensor  # tokens where the clipped term was taken
+    dual_clipped: torch.Tensor  # tokens the dual clip bound
+
+    def report(self, out: LossSums, mask: torch.Tensor) -> None:
+        """Its statistics into ``out``."""
+        import torch
+
+        r, inf = self.ratio.detach(), torch.full_like(self.ratio, math.inf)
+        out.sums |= {
+            "clip_frac": self.clipped.sum(),
+            "dual_clip_frac": self.dual_clipped.sum(),
+            "ratio": r.sum(),
+        }
+        out.maxes["ratio_max"] = torch.where(mask, r, -inf).max()
+        out.mins["ratio_min"] = torch.where(mask, r, inf).min()
+        if self.seq_ratio is not None:
+            _seq_extremes(out, "seq_ratio", self.seq_ratio, mask)
+
+
+def clipped_objective(
+    logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> ClippedObjective:
+    """The PPO ratio ``pi / pi_prox`` (GSPO's sequence ratio with ``fn_args.seq_ratio``), clipped as
+    ``cfg`` says, times the advantage."""
+    import torch
+
+    corr = _corrections(cfg)
+    seq_ratio = None
+    if corr.seq_ratio:
+        log_s = _seq_mean(logp - prox_logp, mask.to(logp.dtype))
+        seq_ratio = log_s.detach().exp()
+        ratio = torch.exp(log_s.detach().unsqueeze(-1) + logp - logp.detach())
+        lo, hi = 1.0 - corr.seq_eps_clip, 1.0 + corr.seq_eps_clip_higher
+    else:
+        ratio = torch.exp(logp - prox_logp)
+        hi_eps = cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher
+        lo, hi = 1.0 - cfg.eps_clip, 1.0 + hi_eps
+    ratio = torch.where(mask, ratio, torch.zeros_like(logp))
+    loss1, loss2 = -advantages * ratio, -advantages * ratio.clamp(lo, hi)
+    pg = torch.maximum(loss1, loss2)
+    clipped = (loss1.detach() < loss2.detach()) & mask
+    dual = torch.zeros_like(mask)
+    if cfg.c_clip is not None:
+        if cfg.c_clip <= 1.0:
+            raise ValueError(f"c_clip must be > 1, got {cfg.c_clip}")
+        bound = cfg.c_clip * advantages.abs()  # binds only where the advantage is negative
+        dual = (bound < pg.detach()) & mask
+        pg = torch.minimum(pg, bound)
+    return ClippedObjective(torch.where(mask, pg, torch.zeros_like(pg)), ratio, seq_ratio, clipped, dual)
+
+
+@dataclass
+class BehaviourWeight:
+    """The staleness correction of every token: the behaviour weight ``w = pi_prox / pi_behave``,
+    the weight the loss applies (``w``, capped by TIS, 0 where a mask took the token), and what
+    each mask took."""
+
+    log_w: torch.Tensor  # log w per token
+    w: torch.Tensor
+    applied: torch.Tensor  # the weight each token's loss is multiplied by
+    keep: torch.Tensor  # loss tokens no mask took
+    mis_drop: torch.Tensor  # tokens token MIS / IcePop masked
+    geo: torch.Tensor  # per sequence: the geometric-mean w
+    geo_drop: torch.Tensor  # tokens of sequences the geometric-mean mask took
+    truncated: torch.Tensor  # tokens whose w TIS capped
+
+    def report(self, out: LossSums, mask: torch.Tensor, corr: MismatchCorrections) -> None:
+        """Its statistics into ``out`` (those of a correction only when it is on)."""
+        import torch
+
+        out.sums |= {
+            "behave_imp_weight": self.applied.sum(),
+            "behave_approx_kl": (self.log_w * self.keep).sum(),
+            "behave_masked_frac": (mask & ~self.keep).sum(),
+        }
+        out.maxes["behave_imp_weight_max"] = torch.where(mask, self.w, -math.inf).max()
+        if corr.tis_cap is not None:
+            out.sums["tis_truncated_frac"] = self.truncated.sum()
+        if corr.mis_low is not None or corr.mis_high is not None:
+            out.sums["mis_masked_frac"] = self.mis_drop.sum()
+        if corr.geo_low is not None or corr.geo_high is not None:
+            out.sums["geo_masked_frac"] = self.geo_drop.sum()
+            _seq_extremes(out, "geo_ratio", self.geo, mask)
+
+
+def behaviour_weight(
+    prox_logp: torch.Tensor, behave_logp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> BehaviourWeight:
+    """Decoupled PPO's behaviour weight with ``behav_imp_weight_cap`` and the corrections of
+    ``cfg.fn_args`` (token TIS, token MIS / IcePop, the geometric-mean sequence mask) applied."""
+    import torch
+
+    corr = _corrections(cfg)
+    log_w = prox_logp - behave_logp
+    w = log_w.exp()
+    none = torch.zeros_like(mask)
+    cap_drop = none if cfg.behav_imp_weight_cap is None else mask & (w > cfg.behav_imp_weight_cap)
+    mis_drop = none
+    if corr.mis_low is not None:
+        mis_drop = mis_drop | (mask & (w < corr.mis_low))
+    if corr.mis_high is not None:
+        mis_drop = mis_drop | (mask & (w > corr.mis_high))
+    geo = _seq_mean(log_w, mask.to(log_w.dtype)).exp()  # per sequence
+    seq_drop = torch.zeros_like(geo, dtype=torch.bool)
+    if corr.geo_low is not None:
+        seq_drop = seq_drop | (geo < corr.geo_low)
+    if corr.geo_high is not None:
+        seq_drop = seq_drop | (geo > corr.geo_high)
+    geo_drop = mask & seq_drop.unsqueeze(-1)
+    keep = mask & ~cap_drop & ~mis_drop & ~geo_drop
+    truncated = none if corr.tis_cap is None else mask & (w > corr.tis_cap)
+    weight = w if corr.tis_cap is None else w.clamp(max=corr.tis_cap)
+    applied = torch.where(keep, weight, torch.zeros_like(weight))
+    return BehaviourWeight(log_w, w, applied, keep, mis_drop, geo, geo_drop, truncated)
+
+
+def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate of KL(pi || pi_ref) per token (unbiased, >= 0), zero off the mask."""
+    import torch
+
+    d = ref_logp.detach() - logp
+    return torch.where(mask, d.exp() - d - 1.0, torch.zeros_like(d))
+
+
+def _corrections(cfg: LossConfig) -> MismatchCorrections:
+    return cfg.fn_args if isinstance(cfg.fn_args, MismatchCorrections) else MismatchCorrections()
+
+
+def _seq_extremes(out: LossSums, name: str, per_seq: torch.Tensor, mask: torch.Tensor) -> None:
+    """``<name>_max`` and ``<name>_min`` of a per-sequence statistic over the sequences with loss tokens."""
+    import torch
+
+    has_tokens = mask.any(-1)
+    out.maxes[f"{name}_max"] = torch.where(has_tokens, per_seq, -math.inf).max()
+    out.mins[f"{name}_min"] = torch.where(has_tokens, per_seq, math.inf).min()
+
+
 def decoupled_ppo_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -169,64 +314,19 @@ def decoupled_ppo_loss(
       its gradient is GSPO's. The behaviour weight stays per token (decoupled PPO).
 
     The cap, MIS and the sequence mask all mask; masked tokens still count in the denominator.
+    The terms are :func:`clipped_objective`, :func:`behaviour_weight` and :func:`reference_kl`.
     """
     import torch
 
-    corr = cfg.fn_args if isinstance(cfg.fn_args, MismatchCorrections) else MismatchCorrections()
     mask = loss_mask.bool()
     m = mask.to(logp.dtype)
     prox_logp, behave_logp = prox_logp.detach(), behave_logp.detach()
-    seq_ratio = None
-    if corr.seq_ratio:
-        log_s = _seq_mean(logp - prox_logp, m)
-        seq_ratio = log_s.detach().exp()
-        ratio = torch.exp(log_s.detach().unsqueeze(-1) + logp - logp.detach())
-        lo, hi = 1.0 - corr.seq_eps_clip, 1.0 + corr.seq_eps_clip_higher
-    else:
-        ratio = torch.exp(logp - prox_logp)
-        lo, hi = (
-            1.0 - cfg.eps_clip,
-            1.0 + (cfg.eps_clip if cfg.eps_clip_higher is None else cfg.eps_clip_higher),
-        )
-    ratio = torch.where(mask, ratio, torch.zeros_like(logp))
-    clipped = ratio.clamp(lo, hi)
-    loss1, loss2 = -advantages * ratio, -advantages * clipped
-    pg = torch.maximum(loss1, loss2)
-    clip_mask = (loss1.detach() < loss2.detach()) & mask
-    dual_mask = torch.zeros_like(mask)
-    if cfg.c_clip is not None:
-        if cfg.c_clip <= 1.0:
-            raise ValueError(f"c_clip must be > 1, got {cfg.c_clip}")
-        bound = cfg.c_clip * advantages.abs()  # binds only where the advantage is negative
-        dual_mask = (bound < pg.detach()) & mask
-        pg = torch.minimum(pg, bound)
-
-    behave_kl = prox_logp - behave_logp  # log w
-    w = behave_kl.exp()
-    none = torch.zeros_like(mask)
-    cap_drop = none if cfg.behav_imp_weight_cap is None else mask & (w > cfg.behav_imp_weight_cap)
-    mis_drop = none
-    if corr.mis_low is not None:
-        mis_drop = mis_drop | (mask & (w < corr.mis_low))
-    if corr.mis_high is not None:
-        mis_drop = mis_drop | (mask & (w > corr.mis_high))
-    geo = _seq_mean(behave_kl, m).exp()  # per sequence
-    seq_drop = torch.zeros_like(geo, dtype=torch.bool)
-    if corr.geo_low is not None:
-        seq_drop = seq_drop | (geo < corr.geo_low)
-    if corr.geo_high is not None:
-        seq_drop = seq_drop | (geo > corr.geo_high)
-    geo_drop = mask & seq_drop.unsqueeze(-1)
-    keep = mask & ~cap_drop & ~mis_drop & ~geo_drop
-    truncated = none if corr.tis_cap is None else mask & (w > corr.tis_cap)
-    weight = w if corr.tis_cap is None else w.clamp(max=corr.tis_cap)
-    behave_w = torch.where(keep, weight, torch.zeros_like(weight))
-    token_loss = torch.where(mask, pg * behave_w, torch.zeros_like(pg))
-
+    pg = clipped_objective(logp, prox_logp, advantages, mask, cfg)
+    bw = behaviour_weight(prox_logp, behave_logp, mask, cfg)
+    token_loss = pg.loss * bw.applied
     ref_kl = None
     if ref_logp is not None and cfg.kl_coef:
-        d = ref_logp.detach() - logp
-        ref_kl = torch.where(mask, d.exp() - d - 1.0, torch.zeros_like(d))  # k3, unbiased, >= 0
+        ref_kl = reference_kl(logp, ref_logp, mask)
         token_loss = token_loss + cfg.kl_coef * ref_kl
 
     loss_sum, mean_over = aggregate(token_loss, m, cfg)
@@ -234,39 +334,15 @@ def decoupled_ppo_loss(
     with torch.no_grad():  # stats stay tensors: no device sync per micro-batch
         out.sums = {
             "token_loss": token_loss.detach().sum(),
-            "clip_frac": clip_mask.sum(),
-            "dual_clip_frac": dual_mask.sum(),
-            "ratio": ratio.detach().sum(),
             "approx_kl": ((logp.detach() - prox_logp) * m).sum(),
-            "behave_imp_weight": behave_w.sum(),
-            "behave_approx_kl": (behave_kl * keep).sum(),
-            "behave_masked_frac": (mask & ~keep).sum(),
             "advantage": (advantages * m).sum(),
         }
         if entropy is not None:
             out.sums["entropy"] = (entropy.detach() * m).sum()
         if ref_kl is not None:
             out.sums["ref_kl"] = ref_kl.detach().sum()
-        inf = torch.full_like(ratio, math.inf)
-        r = ratio.detach()
-        out.maxes = {
-            "ratio_max": torch.where(mask, r, -inf).max(),
-            "behave_imp_weight_max": torch.where(mask, w, -inf).max(),
-        }
-        out.mins = {"ratio_min": torch.where(mask, r, inf).min()}
-        if corr.tis_cap is not None:
-            out.sums["tis_truncated_frac"] = truncated.sum()
-        if corr.mis_low is not None or corr.mis_high is not None:
-            out.sums["mis_masked_frac"] = mis_drop.sum()
-        has_tokens = mask.any(-1)
-        seq_inf = torch.full_like(geo, math.inf)
-        if corr.geo_low is not None or corr.geo_high is not None:
-            out.sums["geo_masked_frac"] = geo_drop.sum()
-            out.maxes["geo_ratio_max"] = torch.where(has_tokens, geo, -seq_inf).max()
-            out.mins["geo_ratio_min"] = torch.where(has_tokens, geo, seq_inf).min()
-        if seq_ratio is not None:
-            out.maxes["seq_ratio_max"] = torch.where(has_tokens, seq_ratio, -seq_inf).max()
-            out.mins["seq_ratio_min"] = torch.where(has_tokens, seq_ratio, seq_inf).min()
+        pg.report(out, mask)
+        bw.report(out, mask, _corrections(cfg))
     return out
 
 
