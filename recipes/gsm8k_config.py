@@ -12,8 +12,8 @@ the recipe's own: the model, how many servers and where, the data, the run, the 
 Loaded from TOML (recipes/configs/*.toml) with ``section.key=value`` overrides; a bad key, a
 wrong type or a value outside its range (declared on the field, rlactors/tomlconf.py) is an error
 naming the key, the file (or the command line) and what is allowed; a misspelt key also names the
-closest valid one. Reward, advantage, loss and workflow are import paths, checked when the config
-loads.
+closest valid one. Reward, advantage, loss, workflow and an agent are import paths, each checked
+when the config loads.
 
 Each field's meaning is the ``#`` comment on it (or right above it), in one place: :func:`render_config`
 (``gsm8k_grpo.py --print-config``, and ``<run.out_dir>/config.toml``) shows every key with its value,
@@ -23,6 +23,7 @@ from the same comments.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -142,17 +143,26 @@ class RecipeConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # where the metrics go beyond metrics.jsonl
 
 
+def _import_paths(obj: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """``(key, value)`` of every set import-path field (``import_path()`` metadata) in ``obj``'s
+    tables: reward, advantage, loss, workflow, and any a workflow's settings declare (an agent's)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), prefix + RENAMES_BACK.get(f.name, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _import_paths(value, key + ".")
+        elif f.metadata.get("import_path") and value:
+            out.append((key, value))
+    return out
+
+
 def _check_algorithm(cfg: RecipeConfig, source: str) -> None:
-    """The reward, advantage and loss import paths name functions (the workflow's path is checked
-    when its settings are built)."""
+    """Every import path in the config names something callable (a function, or a workflow's
+    class), so a misspelt one fails ``--print-config`` and the run's start, not a rollout actor."""
     from nodes.plugins import resolve
 
     try:
-        for key, path in (
-            ("reward.fn", cfg.reward.fn),
-            ("advantage.fn", cfg.advantage.fn),
-            ("trainer.loss.fn", cfg.trainer.loss.fn),
-        ):
+        for key, path in _import_paths(cfg):
             if not callable(resolve(path, key)):
                 raise ValueError(f"'{key}' = {path!r} is not a function")
     except ValueError as e:
@@ -175,6 +185,7 @@ def _check_online(cfg: RecipeConfig, source: str) -> None:
 
 # TOML tables whose Python field is spelt otherwise: ``async`` is a keyword
 RENAMES = {"async": "async_"}
+RENAMES_BACK = {v: k for k, v in RENAMES.items()}
 
 
 def load_config(path: str | None, overrides: list[str]) -> RecipeConfig:

@@ -74,8 +74,9 @@ def within(lo: float, hi: float, *, open_: bool = False) -> dict[str, Check]:
 
 
 def import_path() -> dict[str, Check]:
-    """Field metadata: the value must look like ``module:name`` (resolved where it is used)."""
-    return {"check": (lambda v: ":" in v, "an import path 'module:name'")}
+    """Field metadata: the value must look like ``module:name`` (resolved where it is used; a
+    config loader can find every such field by its ``import_path`` flag)."""
+    return {"check": (lambda v: ":" in v, "an import path 'module:name'"), "import_path": True}
 
 
 def check_ranges(obj: Any) -> None:

@@ -153,6 +153,22 @@ def test_algorithm_paths_are_checked_when_the_config_loads(override: str, messag
     assert message in str(e.value)
 
 
+def test_an_agents_import_path_is_checked_when_the_config_loads() -> None:
+    """A workflow's own import paths (the agent's) are checked as the recipe's are: a misspelt agent
+    fails --print-config and the run's start, not each episode in a rollout actor."""
+    agent = ["rollout.workflow=nodes.rollout.agents:AgentWorkflow"]
+    with pytest.raises(
+        recipe_module().ConfigError,
+        match=r"'rollout\.workflow_args\.agent' = 'recipes\.no_such:run': cannot import",
+    ):
+        recipe_module().load_config(None, [*agent, "rollout.workflow_args.agent=recipes.no_such:run"])
+    with pytest.raises(
+        recipe_module().ConfigError,
+        match=r"'rollout\.workflow_args\.agent' = 'nodes\.data:SYSTEM_PROMPT' is not a function",
+    ):
+        recipe_module().load_config(None, [*agent, "rollout.workflow_args.agent=nodes.data:SYSTEM_PROMPT"])
+
+
 def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
     from nodes.rollout.workflows import MultiTurnConfig
 
