@@ -20,35 +20,27 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   start=$(date +%s)
   "$VPY" -m pip install -q "uv>=0.5"
   # pip's package sources as uv's flags, one per line: `--find-links X`, `--index-url X`, ...
-  mapfile -t sources < <("$VPY" - <<'PYEOF'
-import ast, os, subprocess, sys
-
-listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
-                         capture_output=True, text=True).stdout  # lines: where.key='value'
-flags = {"find-links": "--find-links", "index-url": "--index-url",
-         "extra-index-url": "--extra-index-url", "constraint": "--constraint"}
-chosen: list[tuple[str, str]] = []
-for line in listing.splitlines():
-    key, _, value = line.partition("=")
-    flag = flags.get(key.rpartition(".")[2])
-    if flag is None or (flag == "--index-url" and any(f == flag for f, _ in chosen)):
-        continue  # one index URL: the first pip lists (its environment's, which pip prefers)
-    for item in ast.literal_eval(value).split():
-        if (flag, item) not in chosen and (flag != "--constraint" or os.path.exists(item)):
-            chosen.append((flag, item))
-for flag, item in chosen:
-    print(flag)
-    print(item)
-PYEOF
-)
+  mapfile -t sources < <("$VPY" scripts/install_sources.py sources)
   # unsafe-best-match: the newest fitting release from any index, as pip chooses (uv's default
   # takes a package from the first index that has it at all)
   uv=("$VPY" -m uv pip install -q --compile-bytecode --index-strategy unsafe-best-match
     --python "$VPY" "${sources[@]}")
-  # Pin torch first: an unpinned torch would pull the multi-GB CUDA build on CPU machines.
-  # On GPU machines set TORCH_SPEC (e.g. TORCH_SPEC="torch") to take a CUDA build instead.
-  echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}"
-  "${uv[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+  # torch first, the build that fits this machine (scripts/install_sources.py says how it chooses:
+  # the CPU build where nvidia-smi sees no GPU, the CUDA build where it does; TORCH_SPEC overrides),
+  # so that the extras' unpinned `torch>=` finds it installed and never pulls another build.
+  mapfile -t choice < <("$VPY" scripts/install_sources.py torch)
+  echo "[setup] torch: ${choice[0]}"
+  attempts=("${choice[@]:1}" --)
+  installed=0 attempt=() log=$(mktemp)
+  for arg in "${attempts[@]:1}"; do
+    if [ "$arg" != "--" ]; then attempt+=("$arg"); continue; fi
+    echo "[setup] installing ${attempt[*]}"
+    if "${uv[@]}" "${attempt[@]}" 2>"$log"; then installed=1; break; fi
+    echo "[setup] not found there: $(tail -n 1 "$log")"
+    attempt=()
+  done
+  if [ "$installed" = 0 ]; then cat "$log" >&2; rm -f "$log"; echo "[setup] could not install torch" >&2; exit 1; fi
+  rm -f "$log"
   echo "[setup] installing rlactors[all,docs,envs] (editable)"
   "${uv[@]}" -e ".[all,docs,envs]"  # envs: verifiers and OpenEnv environments (tests/envs)
   # The default small model ships as a GGUF file inside this package; we only read the file, so
