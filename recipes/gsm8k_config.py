@@ -81,7 +81,9 @@ class ServersConfig:
 
 @dataclass
 class RunConfig:
-    steps: int = field(default=10, metadata=at_least(1))  # training steps (policy versions) of the run
+    # training steps (policy versions) of the run; 0: until stopped (SIGTERM, Ctrl-C), as an online-mode
+    # service runs (a decaying trainer.lr_schedule then decays over trainer.total_steps)
+    steps: int = field(default=10, metadata=at_least(0))
     # steps between evaluations of the held-out problems; 0 = only before the first and after the last step
     eval_every: int = field(default=5, metadata=at_least(0))
     # the evaluation's sampling temperature; 0 = greedy: the interval then reflects the problems, not sampling
@@ -90,7 +92,8 @@ class RunConfig:
     checkpoint_every: int = field(default=5, metadata=at_least(0))
     # the run's folder: config, metrics, checkpoints, logs; one run at a time (--resume continues it)
     out_dir: str = "runs/gsm8k_grpo"
-    # waiting longer than this for a batch is an error
+    # waiting longer than this for a batch is an error; in online mode (data.source = "online") it is a
+    # quiet period: the run says it waits, every this many seconds, and waits on
     batch_timeout_s: float = field(default=900.0, metadata=above(0))
     # after SIGTERM: finish the step in progress and checkpoint it within this, else stop at once
     term_grace_s: float = field(default=120.0, metadata=above(0))

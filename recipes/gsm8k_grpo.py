@@ -72,7 +72,7 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
 
 
 async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | None, resume: bool) -> None:
-    """The run: bring the plane up, then step until ``run.steps``."""
+    """The run: bring the plane up, then step until ``run.steps`` (0: until stopped)."""
     state, model, train_items, eval_items = await asyncio.to_thread(prepare, cfg, out, resume)
     term = Termination(cfg.run.term_grace_s)
     c = await (rlactors.init() if cluster is None else rlactors.connect(cluster[0], secret_file=cluster[1]))
@@ -117,11 +117,15 @@ async def loop(
     stall: StallWatchdog,
 ) -> None:
     """Asynchronous GRPO: batch -> rewards -> advantages -> train -> publish -> log (eval, checkpoint)."""
-    B, steps = cfg.async_.batch_size, cfg.run.steps
-    while state.step < steps:
+    B, steps = cfg.async_.batch_size, cfg.run.steps  # steps 0: until SIGTERM or Ctrl-C
+    online = cfg.data.source == "online"  # a service: a quiet period without sessions is a wait, not a stall
+    while not steps or state.step < steps:
         started, t_wait = time.time(), time.monotonic()
-        stall.begin(state.step + 1)  # a step past run.stall_after_s leaves a report naming what it waits on
-        batch = await term.wait(plane.get_batch(B, state.version, cfg.run.batch_timeout_s))
+        if not online:  # a step past run.stall_after_s leaves a report naming what it waits on
+            stall.begin(state.step + 1)
+        batch = await term.wait(plane.get_batch(B, state.version, cfg.run.batch_timeout_s, idle=online))
+        if online:
+            stall.begin(state.step + 1)
         t_train = time.monotonic()
         rewards = shape_rewards(batch, cfg.advantage.shaping)  # [advantage.shaping] bias, scale, clip
         batch.advantages = batch_advantages(batch, rewards, cfg.advantage)  # [advantage] fn (GRPO)
@@ -141,7 +145,7 @@ async def loop(
             if cfg.run.eval_every and state.step % cfg.run.eval_every == 0:
                 await evaluator.start(plane.sync.live, state.version)
         metrics.log(state.step, m)
-        print(format_step_line(state.step, steps, m), flush=True)
+        print(format_step_line(state.step, steps or None, m), flush=True)
         await plane.record_step(state.step, started, times)  # the run's timeline (run.trace)
         if state.checkpoint_due(cfg.run.checkpoint_every, steps):
             await state.save(plane.ranks)
@@ -154,8 +158,10 @@ async def announce_sessions(c: rlactors.Cluster, cfg: RecipeConfig, plane: Plane
     """Online mode: where the session APIs listen and their key, in ``<out>/sessions.json`` (mode 600)."""
     from nodes.rollout.sessions import session_urls
 
+    # the APIs start with the rollout actors' first episodes; a short run.batch_timeout_s (in online
+    # mode how often an idle run says it waits) must not cut that short
     urls = await session_urls(
-        c, [f"rollout-{i}" for i in range(cfg.rollout.n_actors)], cfg.run.batch_timeout_s
+        c, [f"rollout-{i}" for i in range(cfg.rollout.n_actors)], max(cfg.run.batch_timeout_s, 120.0)
     )
     path = out / "sessions.json"
     fd = os.open(

@@ -64,7 +64,8 @@ def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
     return dataclasses.replace(
         t,
         model_path=str(model),
-        total_steps=max(1, cfg.run.steps * t.n_minibatches),
+        # run.steps = 0 (until stopped): the decaying schedules' length is trainer.total_steps
+        total_steps=max(1, cfg.run.steps * t.n_minibatches or t.total_steps),
         push=dataclasses.replace(t.push, disk_dir=t.push.disk_dir or str(out / "weights")),
     )
 
@@ -170,17 +171,26 @@ class Plane:
     restarts: int = 0  # rollout-actor restarts reported so far
     servers_seen: tuple[int, int] = (0, 0)  # sync.joined, sync.left at the last step
 
-    async def get_batch(self, size: int, version: int, timeout: float) -> Batch:
-        """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed)."""
-        try:
-            return await self.buffer.get_batch(size, version, timeout)
-        except TimeoutError:
-            stats = await asyncio.gather(*(r.stats() for r in self.rollouts))
-            failures = [s["failure"] for s in stats if s.get("failure")]
-            why = f"rollout failed: {failures}" if failures else f"buffer: {await self.buffer.stats()}"
-            raise RuntimeError(
-                f"no batch of {size} groups within {timeout:.0f}s at version {version}; {why}"
-            ) from None
+    async def get_batch(self, size: int, version: int, timeout: float, idle: bool = False) -> Batch:
+        """The next batch; if none comes in time, say why (a rollout actor's dispatch may have failed).
+        ``idle`` (online mode, a service): no batch in time is a quiet period, logged every ``timeout``
+        s while the wait goes on; still an error once a rollout actor has failed."""
+        waited = 0.0
+        while True:
+            try:
+                return await self.buffer.get_batch(size, version, timeout)
+            except TimeoutError:
+                stats = await asyncio.gather(*(r.stats() for r in self.rollouts))
+                failures = [s["failure"] for s in stats if s.get("failure")]
+                if idle and not failures:
+                    waited += timeout
+                    print(f"online: waiting for sessions: no batch of {size} groups for {waited:.0f}s "
+                          f"at version {version}", flush=True)  # fmt: skip
+                    continue
+                why = f"rollout failed: {failures}" if failures else f"buffer: {await self.buffer.stats()}"
+                raise RuntimeError(
+                    f"no batch of {size} groups within {timeout:.0f}s at version {version}; {why}"
+                ) from None
 
     async def step_metrics(
         self, batch: Any, train: dict[str, Any], push: dict[str, Any], times: dict[str, float], bound: int

@@ -180,7 +180,7 @@ def test_print_config_prints_the_resolved_config_and_starts_nothing(tmp_path: Pa
     assert res.stdout == render_config(
         load_config(str(ROOT / "recipes/configs/gpu.toml"), ["run.steps=3", f"run.out_dir={out_dir}"])
     )
-    assert "\n[run]\n" in res.stdout and "\nsteps = 3  # >= 1\n" in res.stdout
+    assert "\n[run]\n" in res.stdout and "\nsteps = 3  # >= 0\n" in res.stdout
     assert not out_dir.exists()  # nothing started, nothing written
 
 
@@ -188,7 +188,7 @@ def test_print_config_prints_the_resolved_config_and_starts_nothing(tmp_path: Pa
     ("override", "message"),
     [
         ("trainer.lrr=1", "unknown key 'trainer.lrr' (did you mean 'lr'?)"),
-        ("run.steps=0", "command line: 'run.steps' must be >= 1, got 0"),
+        ("run.steps=-1", "command line: 'run.steps' must be >= 0, got -1"),
     ],
 )
 def test_print_config_with_a_bad_override_is_a_one_line_error(override: str, message: str) -> None:
