@@ -42,8 +42,8 @@ import orjson
 from nodes.rollout.chunks import parse_chunk, token_versions
 from nodes.rollout.client import GenResult
 from nodes.rollout.workflows import Sample
-from protocols import codec
 from protocols.rl import Batch, Trajectory, TrajectoryGroup
+from protocols.runtime import codec
 
 PROMPT = 128  # prompt tokens of each trajectory; the rest is generated
 K = 4  # trajectories per group
@@ -159,8 +159,8 @@ def bench_group(tokens: int, repeats: int) -> list[dict[str, Any]]:
 
 
 def bench_buffer_and_driver(n_groups: int, tokens: int, repeats: int) -> list[dict[str, Any]]:
-    from nodes.advantage import AdvantageConfig, batch_advantages, shape_rewards
-    from nodes.buffer import TrajectoryBuffer
+    from nodes.driver.advantage import AdvantageConfig, batch_advantages, shape_rewards
+    from nodes.plane.buffer import TrajectoryBuffer
 
     rng = np.random.default_rng(1)
     groups = [make_group(f"g{i}", tokens, rng) for i in range(n_groups)]

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from nodes.metrics import read_metrics
+from nodes.driver.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"

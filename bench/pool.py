@@ -28,10 +28,10 @@ import time
 import httpx
 
 import rlactors
+from nodes.driver.policy_sync import PolicySync
 from nodes.inference.launcher import ReferenceServerConfig
 from nodes.inference.models import ensure_smollm2_checkpoint, ensure_tiny_checkpoint
 from nodes.inference.pool import POOL_NAME, InferencePool, PoolConfig
-from nodes.policy_sync import PolicySync
 from nodes.trainer.config import PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
 

@@ -3,7 +3,7 @@
 Ours: an embedded ``rlactors.init()`` cluster with a GovernorActor, a BufferActor and N RolloutActors
 (each a process, sharding the prompt source and, with ``--shard-servers``, the servers), and a driver
 loop that does what recipes/gsm8k_grpo.py does with the trainer taken out: ``buffer.get_batch`` ->
-every ``--pause-every`` steps the publish sequence as nodes/policy_sync.py does it (rollouts
+every ``--pause-every`` steps the publish sequence as nodes/driver/policy_sync.py does it (rollouts
 ``pause`` -> servers ``/pause_generation`` (abort) -> [``--push-s``] -> governor and rollouts
 ``set_version`` -> rollouts ``resume``, which returns once each server with held requests has one
 re-posted, held by the paused server -> ``/continue_generation``; ``--orders continue-first`` continues
@@ -56,14 +56,14 @@ import psutil
 from simfarm import Farm, flush_caches, probe_stats  # bench/simfarm.py, beside this script
 
 import rlactors
-from nodes.buffer import BufferActor, BufferConfig
-from nodes.governor import GovernorActor, GovernorConfig
+from nodes.plane.buffer import BufferActor, BufferConfig
+from nodes.plane.governor import GovernorActor, GovernorConfig
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import ClientConfig, RolloutConfig
 from nodes.rollout.prompts import arithmetic_items
 from nodes.rollout.reward import RewardConfig
 from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow, WorkflowSpec
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"

@@ -1,4 +1,4 @@
-"""What the run's timeline costs (nodes/trace.py), against the step time of a real run.
+"""What the run's timeline costs (nodes/common/trace.py), against the step time of a real run.
 
     python bench/trace_overhead.py runs/gsm8k_grpo      # a run made with run.trace = true (the default)
 
@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from nodes.trace import TraceBuffer, TraceWriter, read_trace
+from nodes.common.trace import TraceBuffer, TraceWriter, read_trace
 
 
 def per_event_us(n: int = 200_000) -> dict[str, float]:

@@ -11,6 +11,8 @@ Conventions (shared with nodes/trainer):
 - ``logprobs`` are the behaviour policy's log-probs, 0.0 where ``loss_mask`` is 0.
 - ``versions`` is the policy version that produced each token, -1 where ``loss_mask`` is 0.
 - ``temperature`` is what the tokens were sampled at: the trainer's log-probs use the same.
+- ``teacher_logprobs`` (on-policy distillation only, else None) are a teacher model's log-probs of
+  the same tokens at the same temperature, 0.0 where ``loss_mask`` is 0.
 - ``Batch.advantages`` holds one advantage per trajectory, set on the driver before training.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.codec import array_metadata, register
+from protocols.runtime.codec import array_metadata, register
 
 __all__ = ["Batch", "Trajectory", "TrajectoryError", "TrajectoryGroup"]
 
@@ -61,17 +63,30 @@ class Trajectory:
     prompt_len: int
     meta: dict[str, Any] = field(default_factory=dict)
     temperature: float = 1.0  # sampling temperature (0 = greedy, scored at 1)
+    # distillation: the teacher's log-probs of these tokens (float32 array, 0 off the loss mask); else None
+    teacher_logprobs: Any = None
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not Trajectory:
             return NotImplemented
-        return (self.reward, self.group_id, self.prompt_len, self.meta, self.temperature) == (
-            other.reward,
-            other.group_id,
-            other.prompt_len,
-            other.meta,
-            other.temperature,
-        ) and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _PER_TOKEN)
+        return (
+            (self.reward, self.group_id, self.prompt_len, self.meta, self.temperature)
+            == (
+                other.reward,
+                other.group_id,
+                other.prompt_len,
+                other.meta,
+                other.temperature,
+            )
+            and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _PER_TOKEN)
+            and (
+                (self.teacher_logprobs is None) == (other.teacher_logprobs is None)
+                and (
+                    self.teacher_logprobs is None
+                    or np.array_equal(self.teacher_logprobs, other.teacher_logprobs)
+                )
+            )
+        )
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like any dataclass with eq
 
@@ -125,6 +140,8 @@ class Trajectory:
             "logprobs": len(self.logprobs),
             "versions": len(self.versions),
         }
+        if self.teacher_logprobs is not None:
+            lens["teacher_logprobs"] = len(self.teacher_logprobs)
         bad = {k: v for k, v in lens.items() if v != n}
         if bad:
             raise TrajectoryError(f"trajectory {self.group_id!r}: len(input_ids)={n} but {bad}")

@@ -16,8 +16,8 @@ The loop (:func:`loop`; everything else runs concurrently in actors):
     then log, evaluate, checkpoint
 
 Reward, advantage estimator, loss and workflow are import paths in the config: change one there,
-or change the loop here. recipes/gsm8k_plane.py builds what the loop drives; nodes/policy_sync.py
-publishes a version, nodes/evaluator.py evaluates, nodes/run_state.py keeps the step, the version
+or change the loop here. recipes/gsm8k_plane.py builds what the loop drives; nodes/driver/policy_sync.py
+publishes a version, nodes/driver/evaluator.py evaluates, nodes/driver/run_state.py keeps the step, the version
 and the data position and writes checkpoints.
 
 Synchronous training is ``async.max_staleness=0``. A rollout actor that dies is restarted while
@@ -40,34 +40,40 @@ from pathlib import Path
 from typing import Any
 
 import rlactors
-from nodes.advantage import batch_advantages, shape_rewards
-from nodes.data import DataError, load_data
-from nodes.evaluator import Evaluator
-from nodes.metrics import MetricsLogger, format_step_line
-from nodes.run_state import RunLockedError, RunState, Terminated, Termination
+from nodes.driver.advantage import batch_advantages, shape_rewards
+from nodes.driver.data import DataError, load_data
+from nodes.driver.evaluator import Evaluator
+from nodes.driver.metrics import MetricsLogger, format_step_line
+from nodes.driver.run_state import RunLockedError, RunState, Terminated, Termination
+from nodes.driver.watchdog import StallWatchdog
+from nodes.rollout.failures import RepeatedFailureError
 from nodes.trainer.manifest import CheckpointError
-from nodes.watchdog import StallWatchdog
-from recipes.gsm8k_config import ConfigError, RecipeConfig, load_config, render_config
-from recipes.gsm8k_plane import Plane, eval_spec, resolve_model, start_plane, with_lora
-
-# `python recipes/gsm8k_grpo.py` puts recipes/ first on sys.path, where its folders would shadow installed
-# packages of the same names (openai-agents' package is `agents`, as recipes/agents is), here and in every
-# actor (they inherit sys.path); the recipe's own modules are imported as recipes.*
-if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
-    del sys.path[0]
+from recipes.gsm8k_config import ConfigError, RecipeConfig, describe_run, load_config, render_config
+from recipes.gsm8k_plane import (
+    Plane,
+    check_teacher_tokenizer,
+    eval_spec,
+    resolve_model,
+    start_plane,
+    with_lora,
+)
 
 
 def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path, list[Any], list[Any]]:
     """What is decided before any process starts: where the run resumes (a missing or corrupt
     checkpoint is an error now), the output folder, the model, the training and held-out data.
-    Bad data (:class:`~nodes.data.DataError`) is found first, before anything is written."""
+    Bad data (:class:`~nodes.driver.data.DataError`) is found first, before anything is written."""
     data = load_data(cfg.data, cfg.rollout.workflow_args)  # source = "env": the environment's datasets
+    model = resolve_model(cfg.model)
+    check_teacher_tokenizer(cfg, model)  # distillation compares token ids: one tokenizer for both
     state = RunState(out, resume)  # the folder is this run's alone from here (out/.lock)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     (out / "config.toml").write_text(render_config(cfg))  # the same, readable: every key with its meaning
     state.n_items = len(data.train)
-    model = resolve_model(cfg.model)
-    print(f"data: {data.train_about}\neval: {data.eval_about}\nmodel: {model}")
+    print(
+        f"data: {data.train_about} (data.source = {cfg.data.source!r})\neval: {data.eval_about}\nmodel: {model}"
+    )
+    print("\n".join(describe_run(cfg)), flush=True)
     return state, model, data.train, data.eval
 
 
@@ -176,7 +182,7 @@ def cluster_address(target: str | None) -> tuple[str, str | None] | None:
     """``(head address, secret file)`` of ``--cluster`` (a cluster.toml or an address); None: local."""
     if target is None or not target.endswith(".toml"):
         return None if target is None else (target, None)
-    from rlactors.config import load_cluster_config
+    from rlactors.launch.config import load_cluster_config
 
     cc = load_cluster_config(target)
     return cc.address, str(Path(cc.cluster.secret_file).expanduser())
@@ -201,8 +207,8 @@ def report(out: Path, plots: bool = True) -> None:
             f"done: metrics {out / 'metrics.jsonl'} | plot - ({why}) | checkpoint {last_checkpoint(out) or '-'}"
         )
         return
-    from nodes.metrics import plot_run
-    from nodes.trace import plot_timeline
+    from nodes.common.trace import plot_timeline
+    from nodes.driver.metrics import plot_run
 
     png = plot_run(out / "metrics.jsonl", out / "run.png")
     print(f"done: metrics {out / 'metrics.jsonl'} | plot {png} | checkpoint {last_checkpoint(out) or '-'}")
@@ -253,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(train(cfg, out, cluster_address(args.cluster), args.resume))
         report(out, cfg.metrics.plots)
     except (ConfigError, DataError, FileNotFoundError, CheckpointError, RunLockedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RepeatedFailureError as e:  # a reward, environment or agent that fails again and again
         print(f"error: {e}", file=sys.stderr)
         return 2
     except rlactors.ClusterError as e:  # e.g. no cluster at the given address

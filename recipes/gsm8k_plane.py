@@ -16,25 +16,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import rlactors
-from nodes.buffer import BufferActor
-from nodes.governor import GovernorActor
-from nodes.policy_sync import PolicySync
+from nodes.common.trace import TRACE, TraceWriter
+from nodes.driver.policy_sync import PolicySync
+from nodes.driver.run_state import RunState
+from nodes.plane.buffer import BufferActor
+from nodes.plane.governor import GovernorActor
 from nodes.rollout.actor import RolloutActor, RolloutHandle
 from nodes.rollout.prompts import PromptSpec
 from nodes.rollout.workflows import WorkflowSpec
-from nodes.run_state import RunState
-from nodes.trace import TRACE, TraceWriter
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.rank import TrainerRank
-from protocols.auth import ServerKeys
+from protocols.http.auth import ServerKeys
 from protocols.rl import Batch
-from recipes.gsm8k_config import ModelConfig, RecipeConfig
+from recipes.gsm8k_config import ConfigError, ModelConfig, RecipeConfig, ServersConfig
 
 if TYPE_CHECKING:
-    from nodes.inference.pool import InferencePool
+    from nodes.inference.pool import InferencePool, PoolConfig
 
 __all__ = [
-    "Plane", "eval_spec", "resolve_model", "start_plane", "start_pool", "start_workflow_actors", "with_keys",
+    "Plane", "check_teacher_tokenizer", "eval_spec", "pool_config", "resolve_model", "start_model_pools", "start_plane", "start_pool", "start_workflow_actors", "with_keys",
     "with_lora", "workflow_actors",
 ]  # fmt: skip
 
@@ -57,6 +57,32 @@ def resolve_model(cfg: ModelConfig) -> Path:
     return ensure_smollm2_checkpoint()
 
 
+def check_teacher_tokenizer(cfg: RecipeConfig, model: Path) -> None:
+    """``[distill] teacher``'s tokenizer is the policy's, or a ConfigError (one line): the teacher
+    scores the policy's token ids, which mean the same text only under the same tokenizer. A
+    teacher at ``urls`` (servers already running) is not checked: its folder is not at hand."""
+    teacher = cfg.models.get(cfg.distill.teacher) if cfg.distill.teacher else None
+    if teacher is None or not teacher.path:
+        return
+    from transformers import AutoTokenizer
+
+    path = Path(teacher.path).expanduser()
+    try:
+        ours, theirs = AutoTokenizer.from_pretrained(str(model)), AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"models.{cfg.distill.teacher}.path = {str(path)!r}: no tokenizer to load ({e})"
+        ) from None
+    a, b = ours.get_vocab(), theirs.get_vocab()
+    if a != b or ours.eos_token_id != theirs.eos_token_id:
+        differ = len(set(a.items()) ^ set(b.items())) // 2 or "none"
+        raise ConfigError(
+            f"distill.teacher = {cfg.distill.teacher!r}: its tokenizer ({path}) is not the policy's ({model}): "
+            f"{len(b)} tokens against {len(a)}, {differ} ids mapped differently, eos {theirs.eos_token_id} against "
+            f"{ours.eos_token_id}; the teacher scores the policy's token ids, so it needs the same tokenizer"
+        )
+
+
 def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
     """``[trainer]`` with what the run decides: the model, the schedule's length, and where the
     disk push writes."""
@@ -67,13 +93,14 @@ def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
         # run.steps = 0 (until stopped): the decaying schedules' length is trainer.total_steps
         total_steps=max(1, cfg.run.steps * t.n_minibatches or t.total_steps),
         push=dataclasses.replace(t.push, disk_dir=t.push.disk_dir or str(out / "weights")),
+        distill=cfg.distill,  # the loss's distillation weights
     )
 
 
 def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
     """Evaluation: the training workflow (or the one it names as its ``eval_workflow``) with its
     settings, one sample per prompt at ``run.eval_temperature``."""
-    from nodes.plugins import resolve
+    from nodes.common.plugins import resolve
 
     workflow = getattr(
         resolve(cfg.rollout.workflow, "rollout.workflow"), "eval_workflow", cfg.rollout.workflow
@@ -85,37 +112,66 @@ def eval_spec(cfg: RecipeConfig, model: Path) -> WorkflowSpec:
     return WorkflowSpec(workflow, str(model), cfg.reward, settings)
 
 
+def pool_config(s: ServersConfig, model_path: str, out: Path, model: str = "") -> PoolConfig:
+    """How a pool launches and watches its servers, from ``[servers]`` (the policy's) or a
+    ``[models.<name>]`` table (``model``: its name; never pushed weights)."""
+    from nodes.inference.pool import PoolConfig
+
+    server = s.reference if s.kind == "reference" else s.sglang
+    return PoolConfig(
+        server=dataclasses.replace(server, model_path=model_path) if model_path else server,
+        env={"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {},
+        gpus_per_server=s.gpus_per_server,
+        startup_timeout_s=s.startup_timeout_s,
+        log_dir=str(out / "servers"),
+        replace_dead=s.replace_dead,
+        max_replacements=s.max_replacements,
+        model=model,
+        pushed=not model,
+    )
+
+
 async def start_pool(
     cluster: rlactors.Cluster, cfg: RecipeConfig, model: Path, out: Path
 ) -> tuple[rlactors.ActorHandle[InferencePool], list[str]]:
     """The ``inference-pool`` actor and its first servers, each healthy; each server writes its log
     to ``<out>/servers/server-<i>.log`` on its host. Servers join, leave and are replaced through
     the pool during the run (``rlactors pool``)."""
-    from nodes.inference.pool import POOL_NAME, InferencePool, PoolConfig
+    from nodes.inference.pool import POOL_NAME, InferencePool
 
-    s = cfg.servers
-    server = s.reference if s.kind == "reference" else s.sglang
     pool = await cluster.spawn(
         InferencePool,
-        PoolConfig(
-            server=dataclasses.replace(server, model_path=str(model)),
-            env={"OMP_NUM_THREADS": str(s.threads)} if s.gpus_per_server == 0 else {},
-            gpus_per_server=s.gpus_per_server,
-            startup_timeout_s=s.startup_timeout_s,
-            log_dir=str(out / "servers"),
-            replace_dead=s.replace_dead,
-            max_replacements=s.max_replacements,
-        ),
+        pool_config(cfg.servers, str(model), out),
         name=POOL_NAME,
         control=True,  # the pool spawns its servers' actors: it needs the control credential
     )
-    return pool, await pool.start(s.n)
+    return pool, await pool.start(cfg.servers.n)
+
+
+async def start_model_pools(
+    cluster: rlactors.Cluster, cfg: RecipeConfig, out: Path
+) -> dict[str, rlactors.ActorHandle[InferencePool]]:
+    """A pool per ``[models.<name>]`` (``inference-pool-<name>``), its servers healthy: launched
+    from its ``path`` (logs ``<out>/servers/<name>-server-<i>.log``) or taken at its ``urls``."""
+    from nodes.inference.pool import InferencePool, pool_name
+
+    pools = {}
+    for name, m in cfg.models.items():
+        pool = await cluster.spawn(
+            InferencePool, pool_config(m, m.path, out, model=name), name=pool_name(name), control=True
+        )
+        if m.path:
+            await pool.start(m.n)
+        for url in m.urls:
+            await pool.add(url)
+        pools[name] = pool
+    return pools
 
 
 def workflow_actors(cfg: RecipeConfig) -> Any:
     """The workflow's ``start_actors(cluster, workflow_args)``, if it has actors of its own (e.g.
     OpenEnvWorkflow's environment servers ``env-0``, ...), else None."""
-    from nodes.plugins import resolve
+    from nodes.common.plugins import resolve
 
     return getattr(resolve(cfg.rollout.workflow, "rollout.workflow"), "start_actors", None)
 
@@ -222,6 +278,7 @@ class Plane:
             ],  # [buffer] drop_no_signal
             **_workflow_counters(roll),
             **_episode_info(trajs),
+            **_model_metrics(trajs, train, roll),
             **{f"train/{k}": float(v) for k, v in train.items() if isinstance(v, (int, float))},
             **{f"push/{k}": float(v) for k, v in push.items() if isinstance(v, (int, float))},
             "data/groups": ",".join(g.group_id for g in batch.groups),
@@ -296,6 +353,8 @@ async def start_plane(
     )
     await cluster.collective_group(list(ranks), backend="nccl" if gpu else "gloo")
     pool, urls = await start_pool(cluster, cfg, model, state.out)
+    models = await start_model_pools(cluster, cfg, state.out)  # teachers, judges: never pushed to
+    await pool.attach_models(models)  # `rlactors pool ls` shows theirs too
     await ranks.setup()
     if state.resume_from is not None:
         print(await state.load(ranks))
@@ -331,6 +390,8 @@ async def start_plane(
                 shard=i,
                 num_shards=n,
                 version=state.version,
+                first_batch=-(-cfg.async_.batch_size // n),  # this actor's share of the first batch
+                teacher=cfg.distill.teacher,  # on-policy distillation: the teacher scores each group
                 name=f"rollout-{i}",
                 max_restarts=ROLLOUT_MAX_RESTARTS,
             ),
@@ -352,6 +413,21 @@ def _workflow_counters(roll: list[dict[str, Any]]) -> dict[str, float]:
     """The workflows' own counters (``workflow_<name>`` in the rollout actors' stats), summed."""
     keys = {k for r in roll for k in r if k.startswith("workflow_")}
     return {f"rollout/{k[len('workflow_') :]}": float(sum(r.get(k, 0) for r in roll)) for k in sorted(keys)}
+
+
+def _model_metrics(trajs: list[Any], train: dict[str, Any], roll: list[dict[str, Any]]) -> dict[str, float]:
+    """Other models' metrics, when they are used: ``distill/reverse_kl`` (the trainer's, per loss
+    token) and ``distill/teacher_time_s`` (mean seconds of a trajectory's teacher call, this batch);
+    ``reward/judge_errors`` and ``reward/judge_calls`` (an LLM judge's, since the start)."""
+    out: dict[str, float] = {}
+    if "distill_reverse_kl" in train:
+        times = [t.meta["teacher_time_s"] for t in trajs if "teacher_time_s" in t.meta]
+        out["distill/reverse_kl"] = float(train["distill_reverse_kl"])
+        out["distill/teacher_time_s"] = sum(times) / len(times) if times else 0.0
+    if any("reward_judge_calls" in r for r in roll):
+        out["reward/judge_errors"] = float(sum(r.get("reward_judge_errors", 0) for r in roll))
+        out["reward/judge_calls"] = float(sum(r.get("reward_judge_calls", 0) for r in roll))
+    return out
 
 
 def _episode_info(trajs: list[Any]) -> dict[str, float]:

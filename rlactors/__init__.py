@@ -7,11 +7,13 @@
 Importing this package does not import torch.
 """
 
-from protocols.codec import register
-from rlactors.actor import Actor, ActorContext, get_context
-from rlactors.cluster import Cluster, PlacementGroup, connect, init
-from rlactors.collective import CollectiveGroup
-from rlactors.errors import (
+from protocols.runtime.codec import register
+from rlactors.api.actor import Actor, ActorContext, get_context
+from rlactors.api.cluster import Cluster, PlacementGroup, connect, init
+from rlactors.api.collective import CollectiveGroup
+from rlactors.api.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod, drain
+from rlactors.api.stacks import StacksReport
+from rlactors.base.errors import (
     ActorDiedError,
     ActorNotFoundError,
     ActorUnreachableError,
@@ -21,9 +23,7 @@ from rlactors.errors import (
     RemoteError,
     RuntimeShutdownError,
 )
-from rlactors.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod, drain
-from rlactors.methods import backpressure, blocking
-from rlactors.stacks import StacksReport
+from rlactors.wire.methods import backpressure, blocking
 
 __version__ = "0.1.0"
 

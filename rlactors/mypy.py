@@ -3,7 +3,7 @@
 ``h.add`` on an ``ActorHandle[Counter]`` is found by the handle's ``__getattr__`` at run time, which
 no type checker can follow; this plugin gives it the type of ``Counter.add`` seen from the caller:
 ``ActorMethod[(k: int), int]`` (``await h.add(2)`` is an ``int``, ``h.add.submit(2)`` an
-``asyncio.Future[int]``), a :class:`~rlactors.handle.StreamMethod` for a generator method, and a
+``asyncio.Future[int]``), a :class:`~rlactors.api.handle.StreamMethod` for a generator method, and a
 ``GroupMethod[(k: int), int]`` on an ``ActorGroup[Counter]``, and ``(k: int) -> Coroutine[Any, Any,
 int]`` on a subclass of ``HandleProxy[Counter]``. A name the class has no public method for is an
 error, as it is at run time. Enable it in the mypy configuration::
@@ -26,9 +26,9 @@ from mypy.types import AnyType, CallableType, Instance, Parameters, Type, TypeOf
 
 __all__ = ["plugin"]
 
-HANDLE = "rlactors.handle.ActorHandle"
-GROUP = "rlactors.handle.ActorGroup"
-PROXY = "rlactors.handle.HandleProxy"
+HANDLE = "rlactors.api.handle.ActorHandle"
+GROUP = "rlactors.api.handle.ActorGroup"
+PROXY = "rlactors.api.handle.HandleProxy"
 
 
 class RlactorsPlugin(Plugin):
@@ -86,8 +86,8 @@ def _method_type(ctx: AttributeContext, *, name: str, owner: str) -> Type:
 
 
 def _instance(ctx: AttributeContext, name: str, args: list[Type]) -> Type:
-    """``rlactors.handle.<name>[args]`` (looked up in the module: the package's names may not list it)."""
-    module = ctx.api.modules.get("rlactors.handle")  # type: ignore[attr-defined]
+    """``rlactors.api.handle.<name>[args]`` (looked up in the module: the package's names may not list it)."""
+    module = ctx.api.modules.get("rlactors.api.handle")  # type: ignore[attr-defined]
     sym = module.names.get(name) if module is not None else None
     if sym is None or not isinstance(sym.node, TypeInfo):
         return ctx.default_attr_type
@@ -95,7 +95,7 @@ def _instance(ctx: AttributeContext, name: str, args: list[Type]) -> Type:
 
 
 def _kind(actor: Instance, name: str) -> str:
-    """As rlactors.methods.method_kind says at run time, from the definition."""
+    """As rlactors.wire.methods.method_kind says at run time, from the definition."""
     node = actor.type.get_method(name)
     fn = node.func if isinstance(node, Decorator) else node
     if not isinstance(fn, FuncDef):

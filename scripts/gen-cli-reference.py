@@ -28,9 +28,9 @@ OUT = ROOT / "docs" / "reference" / "cli.md"
 
 # (title, how it is run, module, the call that builds and parses its command line)
 COMMANDS: list[tuple[str, str, Callable[[], Any]]] = [
-    ("`rlactors`", "rlactors.cli", lambda m: m.main([])),
+    ("`rlactors`", "rlactors.launch.cli", lambda m: m.main([])),
     ("The recipe: `python recipes/gsm8k_grpo.py`", "recipes.gsm8k_grpo", lambda m: m.main([])),
-    ("`python -m recipes.evaluate`", "recipes.evaluate", lambda m: m.main([])),
+    ("`python -m recipes.gsm8k_eval`", "recipes.gsm8k_eval", lambda m: m.main([])),
     (
         "The reference server: `python -m nodes.inference.server`",
         "nodes.inference.server",
@@ -48,7 +48,7 @@ INTRO = """\
 
 # Command lines
 
-Every command's arguments, as its `--help` gives them. The recipe and `recipes.evaluate` also take
+Every command's arguments, as its `--help` gives them. The recipe and `recipes.gsm8k_eval` also take
 `section.key=value` overrides of any [config key](config.md). `rlactors export` is also
 `python -m nodes.trainer.export`, with the same arguments.
 """

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/gen-config-reference.py           # (re)write it
     .venv/bin/python scripts/gen-config-reference.py --check   # exit 1 when it is stale
 
-Each key's meaning is the ``#`` comment on its field (rlactors.tomlconf.field_docs), so the reference,
+Each key's meaning is the ``#`` comment on its field (rlactors.base.tomlconf.field_docs), so the reference,
 ``--print-config`` and a run's config.toml say the same thing; change a meaning there, then run this.
 """
 
@@ -20,7 +20,7 @@ from generated_page import write_or_check  # noqa: E402
 
 from nodes.rollout.config import workflow_settings  # noqa: E402
 from recipes.gsm8k_config import RENAMES, load_config  # noqa: E402
-from rlactors.tomlconf import render_markdown  # noqa: E402
+from rlactors.base.tomlconf import render_markdown  # noqa: E402
 
 OUT = ROOT / "docs" / "reference" / "config.md"
 
@@ -29,6 +29,8 @@ OTHER_WORKFLOWS = [
     "nodes.rollout.workflows:MultiTurnWorkflow",
     "nodes.rollout.agents:AgentWorkflow",
     "nodes.rollout.sessions:OnlineWorkflow",
+    "nodes.rollout.environments.verifiers_env:VerifiersWorkflow",
+    "nodes.rollout.environments.openenv_env:OpenEnvWorkflow",
 ]
 
 INTRO = """\

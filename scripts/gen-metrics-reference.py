@@ -116,6 +116,22 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
                 "online mode: groups not filled within `group_timeout_s` (trained as they were, or dropped)",
             ),
             ("rollout/groups_dropped", 'online mode: partial groups dropped (`partial_groups = "drop"`)'),
+            (
+                "rollout/http_slow_clients",
+                "online mode's API server: connections closed (408) because a request's head or body arrived slower than `http.head_timeout_s` / `http.body_timeout_s` allow",
+            ),
+            (
+                "rollout/http_refused_connections",
+                "online mode's API server: connections refused (503) past `http.max_connections`",
+            ),
+            (
+                "rollout/http_bad_requests",
+                "online mode's API server: requests refused and their connections closed: malformed or smuggling-shaped HTTP, a head or body over its limit (400, 413, 414, 431, 501, 505)",
+            ),
+            (
+                "rollout/http_unauthorized",
+                "online mode's API server: requests refused 401 from their headers (a missing or wrong key), their bodies unread",
+            ),
             ("servers/live", "inference servers in routing after this step's publish"),
             ("servers/joined", "servers that joined routing since the previous step"),
             ("servers/left", "servers that left routing since the previous step (removed or dead)"),
@@ -236,7 +252,7 @@ INTRO = """\
 Each step appends one JSON object to `<run.out_dir>/metrics.jsonl`; the same numbers go to
 TensorBoard (`<run.out_dir>/tensorboard`) and to W&B when `[metrics.wandb]` is set
 ([Monitoring](../operate/monitoring.md)). A value that is not finite is written as `null`.
-`nodes.metrics.read_metrics(path)` reads the file back, one dict per step.
+`nodes.driver.metrics.read_metrics(path)` reads the file back, one dict per step.
 A name with `<...>` stands for a family whose members come from data; the known members follow it.
 """
 

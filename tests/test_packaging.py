@@ -39,16 +39,16 @@ def declared() -> dict[str, set[str]]:
 
 # Modules whose users are not their folder's extra: each import must be declared by every user.
 USERS = {
-    "protocols/sglang.py": [["", "inference"], ["", "rl"]],  # the server's and the client's schemas
-    "protocols/openai.py": [["", "rl"]],  # the agent endpoint's request schema (nodes/rollout)
-    "nodes/weight_group.py": [["", "inference"], ["", "train"]],  # both ends of the weight push
-    "nodes/tensor_ipc.py": [["", "inference"], ["", "train"]],  # likewise
+    "protocols/http/sglang.py": [["", "inference"], ["", "rl"]],  # the server's and the client's schemas
+    "protocols/http/openai.py": [["", "rl"]],  # the agent endpoint's request schema (nodes/rollout)
+    "nodes/common/weight_group.py": [["", "inference"], ["", "train"]],  # both ends of the weight push
+    "nodes/common/tensor_ipc.py": [["", "inference"], ["", "train"]],  # likewise
 }
 # Imports reached only with what they import already in hand (a tensor to encode, a torch group to
 # form, mypy loading its plugin): not a requirement of the module's extra.
 ONLY_WITH = {
-    ("protocols/codec.py", "torch"),
-    ("rlactors/collective.py", "torch"),
+    ("protocols/runtime/codec.py", "torch"),
+    ("rlactors/api/collective.py", "torch"),
     ("rlactors/mypy.py", "mypy"),
 }
 ALIASES = {"pydantic-core": "pydantic"}  # imported directly, required (and pinned) by pydantic
@@ -67,7 +67,7 @@ def extras_of(path: Path) -> list[str]:
         return ["", "inference"]
     if rel.startswith("nodes/trainer/"):
         return ["", "train"]
-    if rel.startswith(("nodes/rollout/environments/", "recipes/envs/")):
+    if rel.startswith(("nodes/rollout/environments/", "recipes/toy_envs/")):
         return ["", "rl", "envs"]
     if rel.startswith("nodes/"):
         return ["", "rl"]

@@ -2,7 +2,7 @@
 (prompts x ``n``, each with its rid and seed) within the server's limits (``--max-n``,
 ``--max-batch-size``, ``--max-logprob-entries``), its context length and vocabulary, and the
 features the server was launched with. The body itself is parsed and checked by
-:class:`protocols.sglang.GenerateRequest`; what needs this server's state is checked here, in
+:class:`protocols.http.sglang.GenerateRequest`; what needs this server's state is checked here, in
 SGLang's words where SGLang checks it. Every refusal is a :class:`ProtocolError` (HTTP 400).
 """
 
@@ -15,7 +15,7 @@ from typing import Any, cast
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import Engine
 from nodes.inference.settings import ServerArgs
-from protocols.sglang import GenerateRequest, ProtocolError, SamplingParams
+from protocols.http.sglang import GenerateRequest, ProtocolError, SamplingParams
 
 __all__ = ["ask_logprobs", "build_seqs", "per_prompt", "refuse_unlaunched_features"]
 

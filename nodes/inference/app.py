@@ -3,7 +3,7 @@
 The app is Starlette (the layer FastAPI is built on, without FastAPI's dependency solving and
 middleware, which cost about a third of a sim server's CPU per ``/generate``); an unknown route or
 method gets FastAPI's ``{"detail": ...}`` body, as SGLang's FastAPI app sends it. A route reads the
-body (:func:`read_json`), parses it with its schema from :mod:`protocols.sglang` (unknown or
+body (:func:`read_json`), parses it with its schema from :mod:`protocols.http.sglang` (unknown or
 ill-typed fields -> 400 naming the field), checks what needs this server's state
 (:mod:`nodes.inference.admission`), hands the work to :class:`~nodes.inference.engine.Engine`, and
 answers in SGLang's shapes and status codes (:mod:`nodes.inference.render`, where every error body
@@ -15,7 +15,7 @@ sequences per ``/generate`` get 400, text prompts are tokenized off the event lo
 fails while it runs gets 500 with the reason; if the scheduler loop dies, requests get 503 and so
 does ``/health``.
 
-Authentication is SGLang 0.5.23's (:mod:`protocols.auth`, :class:`KeyCheck`): ``--api-key`` guards
+Authentication is SGLang 0.5.23's (:mod:`protocols.http.auth`, :class:`KeyCheck`): ``--api-key`` guards
 normal routes, ``--admin-api-key`` the admin ones (weight updates, pause, abort, flush, ...),
 ``/health*`` stays open, and a refused request gets 401 ``{"error": "Unauthorized"}``.
 """
@@ -43,8 +43,8 @@ from nodes.inference.admission import ask_logprobs, build_seqs, per_prompt, refu
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import VERSION, Engine
 from nodes.inference.scheduler import SchedulerStopped
-from protocols.auth import ServerKeys, decide
-from protocols.sglang import (
+from protocols.http.auth import ServerKeys, decide
+from protocols.http.sglang import (
     AbortRequest,
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
@@ -64,7 +64,7 @@ from protocols.sglang import (
     UpdateWeightVersionRequest,
     lora_update_body,
 )
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 __all__ = ["BodyTooLarge", "KeyCheck", "Routes", "create_app", "read_json"]
 
@@ -72,7 +72,7 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 
 
 class KeyCheck:
-    """ASGI middleware: SGLang's key check (:func:`protocols.auth.decide`) before any route runs.
+    """ASGI middleware: SGLang's key check (:func:`protocols.http.auth.decide`) before any route runs.
     Pure ASGI, as SGLang's, so a client's disconnect still reaches a running ``/generate``."""
 
     def __init__(self, app: Any, keys: ServerKeys) -> None:

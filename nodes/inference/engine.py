@@ -18,14 +18,14 @@ from typing import Any
 
 import structlog
 
-from nodes import tensor_ipc
+from nodes.common import tensor_ipc
+from nodes.common.weight_group import gpu_uuid
 from nodes.inference import weight_sync
 from nodes.inference.backends.base import Backend
 from nodes.inference.radix import RadixCache
 from nodes.inference.scheduler import Scheduler
 from nodes.inference.settings import ServerArgs
-from nodes.weight_group import gpu_uuid
-from protocols.sglang import (
+from protocols.http.sglang import (
     InitWeightsUpdateGroupRequest,
     ProtocolError,
     UpdateWeightsFromDiskRequest,
@@ -232,7 +232,7 @@ class Engine:
         return ok, message
 
     async def update_from_tensor(self, req: UpdateWeightsFromTensorRequest) -> tuple[bool, str]:
-        """Copy tensors handed over by reference (nodes/tensor_ipc.py) into the live model. As in
+        """Copy tensors handed over by reference (nodes/common/tensor_ipc.py) into the live model. As in
         SGLang 0.5.23, only inside a weight-update session (with ``strict_weight_update_session``)."""
         if self.args.strict_weight_update_session and not self.session_open:
             return (

@@ -1,7 +1,13 @@
-"""The inference pool: one named actor (``inference-pool``) that owns the set of inference servers.
+"""The inference pool: one named actor per model that owns the set of its inference servers.
 
-Servers join, leave and die during a run; the pool keeps the set and its states, and
-:class:`~nodes.policy_sync.PolicySync` applies them at each publish:
+The policy's pool (``inference-pool``) serves the rollout and takes weight pushes. Every other
+model of a run (``[models.<name>]``: a teacher, a judge) has a pool of the same class
+(``inference-pool-<name>``, :func:`pool_name`) with ``PoolConfig.pushed = False``: its servers are
+started with the run, placed, health-checked and replaced the same way, but never pushed weights,
+so a server goes ``live`` as soon as it is healthy and ``leaving`` ends when it has drained.
+
+The policy's servers join, leave and die during a run; the pool keeps the set and its states, and
+:class:`~nodes.driver.policy_sync.PolicySync` applies them at each publish:
 
 - ``joining``: running and healthy, not yet serving. At the next publish the weight-update group
   is re-formed with it, the push gives it the current weights, and once it reports the published
@@ -14,6 +20,8 @@ Servers join, leave and die during a run; the pool keeps the set and its states,
 
 A server that stops answering ``/health`` is dropped; with ``replace_dead`` one the pool launched
 is launched again on its node (at most ``max_replacements`` times in all) and joins as above.
+The policy's pool reports the other models' pools too (:meth:`InferencePool.attach_models`), so
+``rlactors pool ls`` shows every model's servers.
 """
 
 from __future__ import annotations
@@ -34,15 +42,20 @@ from nodes.inference.launcher import (
     SGLangServerConfig,
     cluster_keys,
 )
-from protocols.auth import ServerKeys
-from protocols.codec import register
-from rlactors.aio import wait_for
+from protocols.http.auth import ServerKeys
+from protocols.runtime.codec import register
+from rlactors.base.aio import wait_for
 
-__all__ = ["POOL_NAME", "InferencePool", "Member", "PoolConfig"]
+__all__ = ["POOL_NAME", "InferencePool", "Member", "PoolConfig", "pool_name"]
 
 log = structlog.get_logger(__name__)
 
 POOL_NAME = "inference-pool"
+
+
+def pool_name(model: str = "") -> str:
+    """The pool actor's name of ``model`` (a ``[models.<name>]`` table); the policy's without one."""
+    return f"{POOL_NAME}-{model}" if model else POOL_NAME
 
 
 @register
@@ -63,6 +76,11 @@ class PoolConfig:
     dead_after: int = 2
     health_timeout_s: float = 40.0
     drain_timeout_s: float = 120.0  # a removed server's requests may run this long before it stops
+    # the model's name ("" = the policy): its servers are "<model>-server-<i>"
+    model: str = ""
+    # the policy's pool: servers join at a weight publish. False: a model never pushed to (teacher,
+    # judge): a server is live once healthy, and one removed stops once drained
+    pushed: bool = True
 
 
 @register
@@ -89,6 +107,7 @@ class InferencePool(rlactors.Actor):
         self.members: dict[str, Member] = {}
         self.actors: dict[str, Any] = {}  # url -> InferenceServerActor handle (launched ones)
         self.rollouts: list[Any] = []
+        self.models: dict[str, Any] = {}  # the other models' pools (the policy's pool reports them)
         self.replacements = 0
         self.events: list[str] = []  # what happened, for the driver's report (drained by plan())
         self._next = 0  # the next server-<i> index
@@ -115,16 +134,20 @@ class InferencePool(rlactors.Actor):
     # -- the public API ------------------------------------------------------------------------
 
     async def start(self, n: int) -> list[str]:
-        """Launch the run's first ``n`` servers, live at once: they start with the base weights,
-        which are policy version 0, and join the group when it is first formed."""
+        """Launch the run's first ``n`` servers, live at once: the policy's start with the base
+        weights, which are policy version 0, and join the group when it is first formed."""
         urls = await self._launch(n, None)
         for u in urls:
-            self._set(u, "live", version=0)
+            self._set(u, "live", version=0 if self.config.pushed else None)
         return urls
 
     def attach(self, rollouts: list[Any]) -> None:
         """The rollout actors (handles) to tell when a server must get no new requests."""
         self.rollouts = list(rollouts)
+
+    def attach_models(self, pools: dict[str, Any]) -> None:
+        """The other models' pools (handles by model name), reported by :meth:`status`."""
+        self.models = dict(pools)
 
     async def add(self, url: str) -> dict[str, Any]:
         """Take a server already running at ``url`` (SGLang or ours); it serves from the next publish."""
@@ -133,15 +156,15 @@ class InferencePool(rlactors.Actor):
             return self._row(self.members[url])
         if not await self._healthy(url):
             raise ValueError(f"{url}/health does not answer 200: start the server first, or check the URL")
-        self.members[url] = Member(url, "joining", launched=False, since=time.time())
-        self._event(f"server added: {url} (joins at the next publish)")
+        self.members[url] = Member(url, self._new_state, launched=False, since=time.time())
+        self._event(f"server added: {url} ({self._joins})")
         return self._row(self.members[url])
 
     async def launch(self, n: int = 1, node: str | None = None) -> list[str]:
         """Start ``n`` servers with the configured launcher (on ``node``, or where resources are
         free); they serve from the next publish."""
         urls = await self._launch(n, node)
-        self._event(f"servers launched: {urls} (join at the next publish)")
+        self._event(f"servers launched: {urls} ({self._joins})")
         return urls
 
     async def remove(self, url: str, drain: bool = True) -> dict[str, Any]:
@@ -162,19 +185,33 @@ class InferencePool(rlactors.Actor):
         self._event(f"server leaving: {url}")
         if drain:
             await self._drained(url, self.config.drain_timeout_s)
+        if not self.config.pushed:  # no publish to wait for: it is done with once drained
+            row = self._row(m)
+            await self._forget(url)
+            return {**row, "state": "removed"}
         return self._row(m)
 
     def urls(self) -> list[str]:
         """The live servers (those the rollout actors route to)."""
         return [u for u, m in self.members.items() if m.state == "live"]
 
-    def status(self) -> dict[str, Any]:
-        """Every server with its state, and the pool's counters."""
-        return {
+    async def status(self) -> dict[str, Any]:
+        """Every server with its state, and the pool's counters; the policy's pool adds each other
+        model's status under ``models``."""
+        out: dict[str, Any] = {
+            "model": self.config.model,
             "servers": [self._row(m) for m in self.members.values()],
             "replacements": self.replacements,
             "max_replacements": self.config.max_replacements if self.config.replace_dead else 0,
         }
+        if self.models:
+            names = list(self.models)
+            answers = await asyncio.gather(*(self.models[n].status() for n in names), return_exceptions=True)
+            out["models"] = {
+                n: a if not isinstance(a, BaseException) else {"error": str(a)}
+                for n, a in zip(names, answers, strict=True)
+            }
+        return out
 
     # -- for PolicySync ------------------------------------------------------------------------
 
@@ -202,7 +239,8 @@ class InferencePool(rlactors.Actor):
     async def _launch(self, n: int, node: str | None) -> list[str]:
         cluster = rlactors.get_context().cluster
         c = self.config
-        names = [f"server-{self._next + i}" for i in range(n)]
+        prefix = f"{c.model}-server" if c.model else "server"
+        names = [f"{prefix}-{self._next + i}" for i in range(n)]
         self._next += n
         handles = [
             await cluster.spawn(
@@ -226,16 +264,31 @@ class InferencePool(rlactors.Actor):
             self.actors[u] = h
             node_id = await cluster.node_of(h)
             self.members[u] = Member(
-                u, "joining", launched=True, name=name, node_id=node_id, since=time.time()
+                u, self._new_state, launched=True, name=name, node_id=node_id, since=time.time()
             )
         return urls
+
+    @property
+    def _new_state(self) -> str:
+        """A new server's state: the policy's join at the next publish, other models' serve at once."""
+        return "joining" if self.config.pushed else "live"
+
+    @property
+    def _joins(self) -> str:
+        return "joins at the next publish" if self.config.pushed else "serving"
 
     def _set(self, url: str, state: str, version: int | None = None) -> None:
         m = self.members[url]
         m.state, m.since = state, time.time()
         if version is not None:
             m.version = version
-        log.info("pool.server_state", server=url, state=state, version=m.version)
+        log.info(
+            "pool.server_state",
+            model=self.config.model or "policy",
+            server=url,
+            state=state,
+            version=m.version,
+        )
 
     def _row(self, m: Member) -> dict[str, Any]:
         return {"url": m.url, "state": m.state, "launched": m.launched, "name": m.name, "node": m.node_id,
@@ -316,4 +369,4 @@ class InferencePool(rlactors.Actor):
         self.replacements += 1
         self._event(f"servers down: {[url]}; launching a replacement on {m.node_id or 'any node'}")
         urls = await self._launch(1, m.node_id or None)
-        self._event(f"replacement for {url}: {urls[0]} (joins at the next publish)")
+        self._event(f"replacement for {url}: {urls[0]} ({self._joins})")

@@ -15,7 +15,7 @@ import orjson
 from starlette.responses import JSONResponse as _StarletteJSON
 
 from nodes.inference.scheduler import Scheduler
-from protocols.sglang import GenerateResult, ProtocolError, error_body, success_body
+from protocols.http.sglang import GenerateResult, ProtocolError, error_body, success_body
 
 __all__ = [
     "HEAVY_ENTRIES",

@@ -35,7 +35,7 @@ import structlog
 
 from nodes.inference.backends.base import Backend, Sample, Seq
 from nodes.inference.radix import RadixCache
-from protocols.sglang import (
+from protocols.http.sglang import (
     ABORT_RUNNING_MESSAGE,
     ABORT_WAITING_MESSAGE,
     GenerateResult,

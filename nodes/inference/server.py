@@ -9,7 +9,7 @@ with its meaning and default); the app is :func:`nodes.inference.app.create_app`
 backend is ``hf`` (a real model through transformers); ``--backend sim`` simulates one for tests
 and benchmarks (its ``--sim-...`` flags).
 
-The keys (SGLang's ``--api-key`` and ``--admin-api-key``, :mod:`protocols.auth`) are not settings:
+The keys (SGLang's ``--api-key`` and ``--admin-api-key``, :mod:`protocols.http.auth`) are not settings:
 ``/server_info`` lists the settings and must not show them. They may come from the environment
 instead (``RLACTORS_SERVER_API_KEY``, ``RLACTORS_SERVER_ADMIN_API_KEY``), which other users cannot
 read the way they read a command line; the launcher passes them so.
@@ -25,10 +25,10 @@ import structlog
 from nodes.inference.app import create_app
 from nodes.inference.engine import Engine
 from nodes.inference.settings import ServerArgs, add_flags, from_namespace
-from protocols.auth import ServerKeys
+from protocols.http.auth import ServerKeys
 
 # What a server imports as it loads its model (the default's architecture, Llama, included), imported
-# once by its node's fork server when a launcher starts it there (rlactors.forkserver).
+# once by its node's fork server when a launcher starts it there (rlactors.node.forkserver).
 FORK_PRELOAD = (
     "nodes.inference.models",
     "transformers.modeling_utils",

@@ -6,7 +6,7 @@
 :func:`add_flags` and :func:`to_argv`. A field ``name`` is the flag ``--name`` (underscores as
 hyphens; SGLang's spelling where SGLang has the setting); a field of the nested simulator settings
 is ``--sim-name``. A field's meaning is the ``#`` comment on or directly above it
-(:func:`rlactors.tomlconf.field_docs`).
+(:func:`rlactors.base.tomlconf.field_docs`).
 
 No torch, no web framework here: the launcher and the recipe's config import this module.
 """
@@ -19,8 +19,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from protocols.codec import register
-from rlactors.tomlconf import field_docs
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import field_docs
 
 __all__ = ["ServerArgs", "ServerSettings", "SimSettings", "add_flags", "from_namespace", "to_argv"]
 

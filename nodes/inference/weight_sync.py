@@ -1,7 +1,7 @@
 """Receiving weights: from a safetensors folder, or by broadcast over a weight-update group.
 
 The group is joined the way SGLang's ``init_custom_process_group`` joins it
-(:mod:`nodes.weight_group`). The trainer is rank 0; this server is ``rank_offset``
+(:mod:`nodes.common.weight_group`). The trainer is rank 0; this server is ``rank_offset``
 (tensor-parallel rank 0). A flattened bucket arrives as SGLang's ``FlattenedTensorBucket``
 sends it: the tensors' bytes back to back in one uint8 tensor, dtypes may differ. Everything
 here blocks, so the server calls it from a worker thread. torch is imported lazily.
@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from nodes.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
+from nodes.common.weight_group import broadcast, destroy_weight_update_group, init_weight_update_group
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +43,7 @@ def join_group(
     backend: str,
     timeout_s: float = 300.0,
 ) -> UpdateGroup:
-    """Join the trainer's weight-update group as SGLang does (see nodes/weight_group.py)."""
+    """Join the trainer's weight-update group as SGLang does (see nodes/common/weight_group.py)."""
     pg = init_weight_update_group(
         backend=backend,
         master_address=master_address,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,18 +28,19 @@ from typing import Any
 import structlog
 
 import rlactors
+from nodes.common.trace import TRACE
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
+from nodes.rollout.failures import MIN_FIRST, FailureWatch, RewardTally, reward_tally
 from nodes.rollout.prompts import PromptSpec, prompt_source
 from nodes.rollout.workflows import Workflow, WorkflowSpec, build_workflow
-from nodes.trace import TRACE
-from rlactors.aio import wait_for
-from rlactors.handle import HandleProxy
-from rlactors.logging import Throttle
-from rlactors.runtime import current_client
+from rlactors.api.handle import HandleProxy
+from rlactors.base.aio import wait_for
+from rlactors.base.logging import Throttle
+from rlactors.wire.runtime import current_client
 
 # What a rollout actor imports as it starts (its tokenizer's), imported once by its node's fork
-# server (rlactors.forkserver).
+# server (rlactors.node.forkserver).
 FORK_PRELOAD = ("transformers.models.auto.tokenization_auto", "transformers.tokenization_utils_fast")
 
 __all__ = ["Rollout", "RolloutActor", "RolloutConfig", "RolloutHandle"]
@@ -65,11 +67,22 @@ class Rollout:
         governor: Any,
         buffer: Any,
         config: RolloutConfig | None = None,
+        name: str = "",
+        first_batch: int = 0,
     ) -> None:
+        """``name``: the workflow's, in the line a run stops with; ``first_batch``: the episodes of
+        this actor's share of the first batch (at least ``MIN_FIRST`` are judged)."""
         self.holder_id = holder_id
         self.client, self.workflow, self.prompts = client, workflow, prompts
         self.governor, self.buffer = governor, buffer
         self.config = config or RolloutConfig()
+        self.name = name or f"workflow {type(workflow).__name__}"
+        self.watch = FailureWatch(max(first_batch, MIN_FIRST), self.config.failure_window,
+                                  self.config.max_failure_share)  # fmt: skip
+        self.stop_line: str | None = None  # set when failures that repeat stop the run
+        # on-policy distillation: a nodes.rollout.teacher.TeacherScorer adds the teacher's log-probs
+        # to every group before it goes to the buffer (None: no teacher)
+        self.teacher: Any = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._dispatch = asyncio.Event()
         self._dispatch.set()
@@ -127,6 +140,10 @@ class Rollout:
         elapsed = time.monotonic() - self._started_at if self._started_at else 0.0
         out: dict[str, Any] = {**self.counters, **{f"client_{k}": v for k, v in self.client.counters.items()}}
         out.update({f"workflow_{k}": v for k, v in getattr(self.workflow, "counters", {}).items()})
+        if self.teacher is not None:
+            out.update(teacher_calls=self.teacher.calls, teacher_time_s=self.teacher.seconds)
+        if judge := sys.modules.get("nodes.rollout.judge"):  # an LLM judge's counters, if one runs here
+            out.update({f"reward_{k}": v for k, v in judge.COUNTERS.items()})
         out.update(inflight=len(self._tasks), paused=not self._dispatch.is_set(), version=self.client.version,
                    exhausted=self._exhausted, elapsed_s=elapsed,
                    episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
@@ -142,7 +159,7 @@ class Rollout:
         self._started_at = time.monotonic()
         lag = asyncio.get_running_loop().create_task(self._watch_lag(), name="rollout-loop-lag")
         try:
-            while not self._stopping and not self._exhausted:
+            while not self._stopping and not self._exhausted and self.stop_line is None:
                 if not self._dispatch.is_set():
                     await self._dispatch.wait()
                     continue
@@ -266,16 +283,29 @@ class Rollout:
 
     async def _episode(self, gid: str, item: Any) -> None:
         started = time.time()
+        rewards = RewardTally()
+        reward_tally.set(rewards)  # this task's context: its reward calls count here
         try:
             try:
                 group = await self.workflow.arun_episode(self.client, item, gid)
+                if self.teacher is not None:  # its calls overlap the other episodes' generation
+                    await self.teacher.score(group)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self.counters["episodes_failed"] += 1
-                log.warning("rollout.episode_failed", group=gid, error=f"{type(e).__name__}: {e}")
+                await self._judge(self.watch.failure(self.name, e, item, gid))
                 await self._abandon(gid)
                 return
+            if rewards.calls and rewards.errors == rewards.calls and rewards.first is not None:
+                # every sample's reward raised: its zeros are no signal to train on
+                self.counters["episodes_failed"] += 1
+                await self._judge(
+                    self.watch.failure(f"reward function {rewards.name}", rewards.first, item, gid)
+                )
+                await self._abandon(gid)
+                return
+            self.watch.ok()
             try:
                 await self._put(gid, group)
             except Exception as e:  # the put did not land (or its answer was lost): settle the lease
@@ -289,6 +319,19 @@ class Rollout:
             self._tasks.pop(gid, None)
             self._slot_freed.set()
             TRACE.async_span("episode", f"{gid}#{started}", started, time.time(), TRACE.track, group=gid)
+
+    async def _judge(self, line: str | None) -> None:
+        """Failures that repeat stop the run: dispatch ends, and the buffer's ``get_batch`` raises
+        :class:`~nodes.rollout.failures.RepeatedFailureError` with ``line`` (once)."""
+        if line is None or self.stop_line is not None:
+            return
+        self.stop_line = line
+        self._slot_freed.set()
+        log.error("rollout.repeated_failure", error=line)
+        try:
+            await _aw(self.buffer.fail(line))
+        except Exception as e:  # the buffer gone: the run is ending anyway
+            log.error("rollout.repeated_failure_not_delivered", error=repr(e))
 
     async def _put(self, gid: str, group: Any) -> None:
         for attempt in range(self.config.put_retries + 1):
@@ -358,9 +401,13 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         num_shards: int = 1,
         version: int = 0,
         autostart: bool = True,
+        first_batch: int = 0,
+        teacher: str = "",
     ) -> None:
+        """``teacher``: on-policy distillation's teacher model (its pool actor ``inference-pool-<teacher>``)."""
         self._args = dict(servers=servers, governor=governor, buffer=buffer, prompts=prompts, workflow=workflow,
-                          config=config or RolloutConfig(), shard=shard, num_shards=num_shards, version=version)  # fmt: skip
+                          config=config or RolloutConfig(), shard=shard, num_shards=num_shards, version=version,
+                          first_batch=first_batch, teacher=teacher)  # fmt: skip
         self._autostart = autostart
         self._run: asyncio.Task | None = None
         self.failure: str | None = None
@@ -386,7 +433,16 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         workflow = await asyncio.to_thread(build_workflow, a["workflow"])  # may load a tokenizer
         client = SGLangClient(a["servers"], a["config"].client, version=version)
         prompts = prompt_source(a["prompts"], a["shard"], a["num_shards"], skip=accepted)
-        super().__init__(holder_id, client, workflow, prompts, governor, buffer, a["config"])
+        name = f"workflow {a['workflow'].workflow}"
+        super().__init__(
+            holder_id, client, workflow, prompts, governor, buffer, a["config"], name, a["first_batch"]
+        )
+        if a["teacher"]:
+            from nodes.rollout.models import ModelClient
+            from nodes.rollout.teacher import TeacherScorer
+
+            pool = await ctx.cluster.get_actor(f"inference-pool-{a['teacher']}")
+            self.teacher = TeacherScorer(ModelClient(a["teacher"], pool, a["config"].client))
         if self._autostart:
             self.start()
 
@@ -406,7 +462,7 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
             log.error("rollout.dispatch_failed", error=self.failure)
 
     def drain_trace(self) -> list[dict[str, Any]]:
-        """This process's timeline events since the last call (nodes/trace.py); recording starts
+        """This process's timeline events since the last call (nodes/common/trace.py); recording starts
         with the first call."""
         return TRACE.drain()
 
@@ -416,8 +472,10 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
 
     def stats(self) -> dict[str, Any]:
         """Counters of this incarnation: throughput, aborts, resumes, cached tokens, ...; ``restarts``
-        (how many incarnations came before it), and ``failure`` if dispatch died."""
-        return {**super().stats(), "restarts": rlactors.get_context().restarts, "failure": self.failure}
+        (how many incarnations came before it), ``failure`` if dispatch died, ``stop_line`` if
+        failures that repeat stopped it."""
+        return {**super().stats(), "restarts": rlactors.get_context().restarts, "failure": self.failure,
+                "stop_line": self.stop_line}  # fmt: skip
 
     async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the prompt source is exhausted and every episode finished; the final stats."""
@@ -428,11 +486,13 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
     async def on_stop(self) -> None:
         await self.stop()
         await self.client.aclose()
+        if getattr(self, "teacher", None) is not None:  # on_start may have failed before setting it
+            await self.teacher.client.aclose()
 
 
 class RolloutHandle(HandleProxy[RolloutActor]):
     """A driver's handle to a rollout actor spawned with ``max_restarts``: ``await r.stats()``, typed
-    from :class:`RolloutActor`'s methods by the mypy plugin (:class:`rlactors.handle.HandleProxy`).
+    from :class:`RolloutActor`'s methods by the mypy plugin (:class:`rlactors.api.handle.HandleProxy`).
 
     A call that the actor's death interrupted is made again, and reaches the restarted
     incarnation (a call made while it restarts waits for it); once its restarts are spent, a call

@@ -31,14 +31,14 @@ from typing import Any, ClassVar, Literal
 
 import structlog
 
-from nodes.plugins import resolve
+from nodes.common.plugins import resolve
 from nodes.rollout.agent_runner import ProcessRunner, in_thread, run_agent
 from nodes.rollout.openai_endpoint import ChatEndpoint
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
-from protocols.codec import register
 from protocols.rl import TrajectoryGroup
-from rlactors.tomlconf import above, at_least, check_ranges, import_path
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import above, at_least, check_ranges, import_path
 
 __all__ = ["AgentConfig", "AgentError", "AgentWorkflow"]
 

@@ -243,7 +243,7 @@ TOOL_PARSERS = {
 def tool_parser(name: str) -> Any:
     """The tool-call parser named ``name``: ``hermes`` (also ``qwen25``, SGLang's name for the same
     format), or your own ``fn(text) -> (content, [ToolCall])`` by import path ``module:fn``."""
-    from nodes.plugins import resolve
+    from nodes.common.plugins import resolve
 
     if name not in TOOL_PARSERS and ":" not in name:
         raise ValueError(

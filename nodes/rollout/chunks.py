@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from protocols.sglang import WEIGHT_VERSIONS
+from protocols.http.sglang import WEIGHT_VERSIONS
 
 __all__ = [
     "GenerationError",

@@ -35,6 +35,7 @@ import numpy as np
 import orjson
 import structlog
 
+from nodes.common.trace import TRACE
 from nodes.rollout.chunks import (
     GenerationError,
     StreamedChunk,
@@ -45,11 +46,10 @@ from nodes.rollout.chunks import (
 )
 from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, Wire, WireError
-from nodes.trace import TRACE
-from protocols.sglang import AbortRequest, GenerateBody, lora_name, request_body
-from rlactors.aio import wait_for
-from rlactors.forensics import waiting
-from rlactors.logging import Throttle
+from protocols.http.sglang import AbortRequest, GenerateBody, lora_name, request_body
+from rlactors.base.aio import wait_for
+from rlactors.base.forensics import waiting
+from rlactors.base.logging import Throttle
 
 __all__ = [
     "ClientConfig",
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
-# a request held over a pause, as cluster.stacks() labels it (rlactors.forensics.waiting)
+# a request held over a pause, as cluster.stacks() labels it (rlactors.base.forensics.waiting)
 PAUSED_BY_DESIGN = "requests held while the trainer pushes weights"
 
 
@@ -247,7 +247,7 @@ class SGLangClient:
 
     def waiting(self) -> dict[str, dict[str, float]]:
         """Per server with requests running: how many, and how long the oldest has run (s); what
-        a stall watchdog asks (nodes/watchdog.py)."""
+        a stall watchdog asks (nodes/driver/watchdog.py)."""
         now, out = time.monotonic(), dict[str, dict[str, float]]()
         for rid, url in self._active.items():
             w = out.setdefault(url, {"requests": 0, "oldest_s": 0.0})

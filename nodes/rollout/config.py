@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from nodes.plugins import resolve
-from protocols.auth import ServerKeys
-from protocols.codec import register
-from rlactors.tomlconf import above, at_least, check_ranges, import_path
+from nodes.common.plugins import resolve
+from protocols.http.auth import ServerKeys
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import above, at_least, check_ranges, import_path
 
 __all__ = ["ClientConfig", "RolloutConfig", "workflow_settings"]
 
@@ -104,6 +104,13 @@ class RolloutConfig:
     )
     # the rollout actors' SGLang client: timeouts, retries, connection pools
     client: ClientConfig = field(default_factory=ClientConfig)
+    # failures that repeat stop the run (exit 2, one line naming what failed): every episode of the
+    # first batch failing (its workflow, environment or agent raised, or its reward function raised on
+    # every sample), or this share of a rollout actor's last failure_window episodes; 1: only the former
+    max_failure_share: float = field(default=0.9, metadata={"check": (lambda v: 0 < v <= 1, "in (0, 1]")})
+    failure_window: int = field(
+        default=64, metadata=at_least(1)
+    )  # the episodes max_failure_share is judged over
 
     def __post_init__(self) -> None:
         check_ranges(self)

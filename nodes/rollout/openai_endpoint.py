@@ -6,15 +6,19 @@ nodes/rollout/chat.py), generates through an :class:`~nodes.rollout.client.SGLan
 resumes, sticky routing, per-token policy versions, retries and failover as for any episode), reads
 tool calls back from the output (Hermes ``<tool_call>`` blocks) and answers as OpenAI does, streamed
 (SSE chunks, tool-call deltas included) or not (nodes/rollout/chat_completions.py).
-``/v1/responses`` (OpenAI's Responses API, what the OpenAI Agents SDK calls) is served by the same
-turns, token-exact too (nodes/rollout/responses.py). ``/v1/models`` lists the model.
+``/v1/responses`` (OpenAI's Responses API, what the OpenAI Agents SDK calls) and ``/v1/messages``
+(Anthropic's Messages API, what the Anthropic SDK calls; its ``/v1/messages/count_tokens`` too) are
+served by the same turns, token-exact too (nodes/rollout/responses.py, nodes/rollout/messages.py).
+``/v1/models`` lists the model.
 
 Each episode has its own base_url (``/episodes/<id>/v1``; the standalone server's is ``/v1``), and
 is one token sequence, continuation by continuation (nodes/rollout/turns.py: an agent that edits
 its history starts another). This module is the HTTP side: the server, its routes, the key, paths
 mounted beside them (online mode's session API), the episodes' base_urls and the standalone command
 line. Errors are OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with its status
-codes (nodes/rollout/openai_http.py); no request stops the endpoint.
+codes (nodes/rollout/openai_http.py), Anthropic's (``{"type": "error", "error": {"type", "message"}}``)
+on the Messages API's routes; no request stops the endpoint. The key, when set, is accepted as
+``Authorization: Bearer <key>`` or as Anthropic's ``x-api-key: <key>``.
 
 Standalone, in front of any SGLang or reference server::
 
@@ -34,18 +38,24 @@ from typing import Any
 import structlog
 
 from nodes.rollout.chat_completions import answer_chat
-from nodes.rollout.http1 import HTTPServer, Request, Response
-from nodes.rollout.openai_http import EndpointError, bearer_is, json_response
+from nodes.rollout.http1 import HTTPLimits, HTTPServer, Request, Response
+from nodes.rollout.http1.server import internal_error
+from nodes.rollout.messages import answer_count_tokens, answer_messages
+from nodes.rollout.openai_http import EndpointError, api_key_is, json_response
 from nodes.rollout.responses import answer_responses
 from nodes.rollout.turns import DEFAULT_MAX_TOKENS, ChatRequest, Episode, Turn, Turns
-from protocols.auth import ServerKeys
+from protocols.http.auth import ServerKeys
 
 __all__ = ["ChatEndpoint", "ChatRequest", "EndpointArgs", "EndpointError", "Episode", "Turn"]
 
 log = structlog.get_logger(__name__)
 
 # what each route serves: [/episodes/<id>]/v1/...
-ROUTES = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/models": "GET"}
+ROUTES = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/messages": "POST",
+          "/v1/messages/count_tokens": "POST", "/v1/models": "GET"}  # fmt: skip
+# what answers each POST route: (turns, request, episode, client, model name) -> its answer
+ANSWERS = {"/v1/chat/completions": answer_chat, "/v1/responses": answer_responses, "/v1/messages": answer_messages,
+           "/v1/messages/count_tokens": answer_count_tokens}  # fmt: skip
 
 
 class ChatEndpoint:
@@ -62,11 +72,16 @@ class ChatEndpoint:
         default_temperature: float = 1.0,
         tool_parser: str = "hermes",
         api_key: str = "",
+        limits: HTTPLimits | None = None,
+        counters: dict[str, int] | None = None,
     ) -> None:
         """``default_*``: what a request that does not say gets (OpenAI's temperature is 1);
         ``tool_parser``: how tool calls are read from the output (nodes/rollout/chat.py);
-        ``api_key``: when set, every request must carry ``Authorization: Bearer <api_key>`` (else 401),
-        as the session API of online mode needs (nodes/rollout/sessions.py)."""
+        ``api_key``: when set, every request must carry ``Authorization: Bearer <api_key>`` or
+        ``x-api-key: <api_key>`` (else 401, from its headers, before any of its body is read), as the
+        session API of online mode needs (nodes/rollout/sessions.py); ``limits``: the server's bounds
+        (:class:`~nodes.rollout.http1.HTTPLimits`); ``counters``: where the server counts what it
+        refused (``http_*``)."""
         self.api_key = api_key
         self.mounts: dict[str, Callable[[Request], Awaitable[Response | None]]] = {}
         self.client, self.tokenizer, self.model = client, tokenizer, model
@@ -75,7 +90,9 @@ class ChatEndpoint:
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
         self.url = ""
-        self._server = HTTPServer(self._handle, lambda status, msg: EndpointError(status, msg).response())
+        self._server = HTTPServer(self._handle, lambda status, msg: EndpointError(status, msg).response(),
+                                  limits, self._gate, counters)  # fmt: skip
+        self.counters = self._server.counters
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0: a free port); returns the root URL."""
@@ -91,8 +108,9 @@ class ChatEndpoint:
         self.mounts[prefix] = handler
 
     def open_episode(self, episode_id: str | None = None, client: Any = None) -> tuple[Episode, str]:
-        """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``); its
-        completions generate through ``client`` (default: the endpoint's)."""
+        """A new episode and its base_url (give it to ``openai.AsyncOpenAI(base_url=...)``; the
+        Anthropic SDK's ``base_url`` is the same without its ``/v1``); its completions generate
+        through ``client`` (default: the endpoint's)."""
         ep = Episode(episode_id or uuid.uuid4().hex, client=client)
         self.episodes[ep.id] = ep
         return ep, f"{self.url}/episodes/{ep.id}/v1"
@@ -102,13 +120,12 @@ class ChatEndpoint:
         return self.episodes.pop(episode_id)
 
     async def _handle(self, request: Request) -> Response | None:
-        """Route ``request``: ``[/episodes/<id>]/v1/chat/completions`` and ``.../v1/responses``
-        (POST: nodes/rollout/chat_completions.py, nodes/rollout/responses.py), ``.../v1/models``
-        (GET), the mounted paths. Every failure is OpenAI's error body; none stops the endpoint."""
+        """Route ``request``: ``[/episodes/<id>]/v1/chat/completions``, ``.../v1/responses`` and
+        ``.../v1/messages[/count_tokens]`` (POST: :data:`ANSWERS`), ``.../v1/models`` (GET), the
+        mounted paths (the key was checked from the head: :meth:`_gate`). Every failure is OpenAI's
+        error body (Anthropic's on the Messages API's paths; a 500's names the id its log line
+        carries); none stops the endpoint."""
         try:
-            if self.api_key and not bearer_is(request.headers.get("authorization"), self.api_key):
-                raise EndpointError(401, "a missing or wrong API key: send Authorization: Bearer <the run's key>",
-                                    code="invalid_api_key")  # fmt: skip
             for prefix, handler in self.mounts.items():
                 if request.path.startswith(prefix):
                     return await handler(request)
@@ -133,17 +150,30 @@ class ChatEndpoint:
             if ep is self.default and self.client is None:  # e.g. online mode's: sessions only
                 raise EndpointError(404, "this endpoint serves episodes only: use an episode's (a session's) base_url",
                                     code="episode_not_found")  # fmt: skip
-            answer = answer_responses if route == "/v1/responses" else answer_chat
+            answer = ANSWERS[route]
             ep.inflight += 1
             try:
                 return await answer(self.turns, request, ep, ep.client or self.client, self.model)
             finally:
                 ep.inflight -= 1
         except EndpointError as e:
-            return e.response()
-        except Exception as e:
-            log.exception("openai_endpoint.error", path=request.path)
-            return EndpointError(500, f"internal error: {type(e).__name__}: {e}").response()
+            return e.response(_shape(request.path))
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("openai_endpoint.error", path=request.path, error_id=error_id)
+            return EndpointError(500, internal_error(error_id)).response(_shape(request.path))
+
+    def _gate(self, request: Request) -> Response | None:
+        """The key, checked from the request's head: the server calls this before reading its body."""
+        if self.api_key and not api_key_is(request.headers, self.api_key):
+            return EndpointError(401, "a missing or wrong API key: send Authorization: Bearer <the run's key>",
+                                 code="invalid_api_key").response(_shape(request.path))  # fmt: skip
+        return None
+
+
+def _shape(path: str) -> str:
+    """The error shape a path's clients read: Anthropic's on the Messages API's, else OpenAI's."""
+    return "anthropic" if "/v1/messages" in path else "openai"
 
 
 @dataclass

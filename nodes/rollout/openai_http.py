@@ -1,5 +1,6 @@
-"""What the OpenAI-compatible endpoint's routes share over HTTP: OpenAI's error body as an answer
-(:class:`EndpointError`), JSON answers, the API key's check and the ids of what it answers."""
+"""What the OpenAI-compatible endpoint's routes share over HTTP: OpenAI's (or, on the Messages API's
+routes, Anthropic's) error body as an answer (:class:`EndpointError`), JSON answers, the API key's
+check and the ids of what it answers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 import orjson
 
 from nodes.rollout.http1 import Request, Response
-from protocols.openai import error_body
+from protocols.http import anthropic
+from protocols.http.openai import error_body
 
-__all__ = ["EndpointError", "bearer_is", "json_response", "new_id", "read_json"]
+__all__ = ["EndpointError", "api_key_is", "bearer_is", "json_response", "new_id", "read_json"]
 
 
 class EndpointError(Exception):
@@ -25,8 +27,14 @@ class EndpointError(Exception):
         self.type = "invalid_request_error" if status < 500 else "server_error"
         self.headers: dict[str, str] = {}  # e.g. Retry-After on a 429
 
-    def response(self) -> Response:
-        out = json_response(error_body(str(self), self.type, self.param, self.code), self.status)
+    def response(self, shape: str = "openai") -> Response:
+        """The answer: OpenAI's error body, or Anthropic's (``shape="anthropic"``:
+        ``{"type": "error", "error": {"type", "message"}}``, the type from the status)."""
+        if shape == "anthropic":
+            body = anthropic.error_body(self.status, str(self))
+        else:
+            body = error_body(str(self), self.type, self.param, self.code)
+        out = json_response(body, self.status)
         out.headers.update(self.headers)
         return out
 
@@ -39,6 +47,15 @@ def bearer_is(header: str | None, key: str) -> bool:
     """``Authorization: Bearer <key>``, compared in constant time (as SGLang's servers compare theirs)."""
     scheme, _, token = (header or "").partition(" ")
     return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+
+
+def api_key_is(headers: dict[str, str], key: str) -> bool:
+    """Whether a request carries ``key``: ``Authorization: Bearer <key>`` (OpenAI's SDK, the
+    session API's clients) or ``x-api-key: <key>`` (Anthropic's SDK), compared in constant time."""
+    if bearer_is(headers.get("authorization"), key):
+        return True
+    given = headers.get("x-api-key")
+    return given is not None and secrets.compare_digest(given.strip().encode(), key.encode())
 
 
 def new_id(prefix: str, sep: str = "_") -> str:

@@ -98,7 +98,7 @@ class ServerPool:
     def __init__(self, url: str, cfg: ClientConfig, wire: Wire) -> None:
         """Posts go through ``wire``, the connections every server of a client shares."""
         self.url = url.rstrip("/")
-        self._keys = cfg.keys  # each post carries the key its route needs (protocols.auth)
+        self._keys = cfg.keys  # each post carries the key its route needs (protocols.http.auth)
         self._wire = wire
         wire.pool(self.url)  # a bad URL fails here, when the client is made, not at its first post
         self.inflight = 0

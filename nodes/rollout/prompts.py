@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from nodes.plugins import resolve
-from protocols.codec import register
+from nodes.common.plugins import resolve
+from protocols.runtime.codec import register
 
 __all__ = ["PromptSpec", "arithmetic_items", "prompt_source", "trained_position"]
 

@@ -6,11 +6,12 @@
 
 :class:`RewardRunner` calls any reward function, sync or async, with a timeout; sync ones
 run in a worker thread (or a process pool) so a slow checker never stalls the rollout
-loop. A timeout or an exception scores 0 and is counted.
+loop. A timeout or an exception scores 0 and is counted; an exception whose ``drops_group`` is
+true (a judge's, nodes/rollout/judge.py) fails the episode instead, so its group is dropped.
 
 :class:`RewardConfig` names the reward function by import path (``[reward]``) and holds its own
 settings (``[reward.fn_args]``); shaping the reward
-for the advantage estimator is the driver's (nodes/advantage.py, ``[advantage.shaping]``).
+for the advantage estimator is the driver's (nodes/driver/advantage.py, ``[advantage.shaping]``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from typing import Any, Literal, cast
 
 import structlog
 
-from nodes.plugins import NoSettings, function_settings, resolve
-from protocols.codec import register
-from rlactors.aio import wait_for
-from rlactors.tomlconf import above, check_ranges, import_path
+from nodes.common.plugins import NoSettings, function_settings, resolve
+from nodes.rollout.failures import reward_tally
+from protocols.runtime.codec import register
+from rlactors.base.aio import wait_for
+from rlactors.base.tomlconf import above, check_ranges, import_path
 
 __all__ = [
     "RewardConfig",
@@ -228,7 +230,10 @@ _SYMBOLIC = _SymbolicChecker()
 
 
 class RewardRunner:
-    """Run a reward function with a timeout, off the event loop; failures score 0 and are counted."""
+    """Run a reward function with a timeout, off the event loop; failures score 0 and are counted,
+    the first of each kind logged with its stack. Each call also counts in the episode's
+    :class:`~nodes.rollout.failures.RewardTally`, where a rollout actor set one: an episode whose
+    every reward call failed is a failed episode (nodes/rollout/failures.py)."""
 
     def __init__(
         self,
@@ -236,8 +241,11 @@ class RewardRunner:
         timeout_s: float = RewardConfig.timeout_s,
         executor: Literal["thread", "process"] = "thread",
         max_workers: int = 4,
+        name: str = "",
     ) -> None:
         self.fn = fn
+        self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
+        self._logged: set[str] = set()  # the kinds of failure logged (each once)
         self.timeout_s = timeout_s
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None)  # noqa: B004 - async callable objects
@@ -254,6 +262,10 @@ class RewardRunner:
     async def __call__(self, completion: str, item: Any) -> float:
         """The reward, or 0.0 on timeout or error."""
         self.counters["calls"] += 1
+        tally = reward_tally.get()
+        if tally is not None:
+            tally.calls += 1
+            tally.name = self.name
         try:
             if self._is_async:
                 # _is_async: fn returns an awaitable
@@ -267,12 +279,22 @@ class RewardRunner:
             return float(value)
         except TimeoutError:
             self.counters["timeouts"] += 1
-            log.warning("reward.timeout", timeout_s=self.timeout_s)
+            self._failed(TimeoutError(f"took longer than reward.timeout_s = {self.timeout_s:g} s"), tally)
             return 0.0
         except Exception as e:  # a broken checker must not kill the episode
+            if getattr(e, "drops_group", False):  # the function asks for its group to be dropped (a judge)
+                raise
             self.counters["errors"] += 1
-            log.warning("reward.error", error=f"{type(e).__name__}: {e}")
+            self._failed(e, tally)
             return 0.0
+
+    def _failed(self, e: BaseException, tally: Any) -> None:
+        if tally is not None:
+            tally.failed(e)
+        if (kind := type(e).__name__) not in self._logged:  # later ones are counted (counters)
+            self._logged.add(kind)
+            log.warning("reward.error", fn=self.name, error=f"{kind}: {e}", exc_info=e,
+                        note="logged once per kind; later ones are counted")  # fmt: skip
 
     def close(self) -> None:
         """Stop the worker pool (threads finish their current call; processes are not waited for)."""

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 __all__ = ["Result", "run_python"]
 

@@ -39,12 +39,13 @@ from typing import Any, ClassVar, Literal
 import orjson
 import structlog
 
-from nodes.rollout.http1 import Request, Response
+from nodes.rollout.http1 import HTTPLimits, Request, Response
+from nodes.rollout.http1.server import COUNTERS as HTTP_COUNTERS
 from nodes.rollout.openai_endpoint import ChatEndpoint, EndpointError, Episode
 from nodes.rollout.reward import RewardRunner
-from protocols.codec import register
 from protocols.rl import TrajectoryGroup
-from rlactors.tomlconf import above, at_least, check_ranges
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import above, at_least, check_ranges
 
 __all__ = ["SESSIONS_KV", "OnlineConfig", "OnlineError", "OnlineWorkflow", "SessionAPI"]
 
@@ -85,12 +86,15 @@ class OnlineConfig:
     temperature: float = field(default=1.0, metadata=at_least(0))
     model_name: str = "policy"  # what /v1/models lists; any name is accepted in requests
     tool_parser: str = "hermes"  # how tool calls are read: hermes (= qwen25), or module:fn
+    # the bounds of the API's HTTP server, which faces clients outside the cluster (request sizes,
+    # deadlines, connections; the table: docs/operate/http-limits.md)
+    http: HTTPLimits = field(default_factory=HTTPLimits)
 
     def __post_init__(self) -> None:
         check_ranges(self)
 
     def online_data(self, data: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str, str]:
-        """``[data] source = "online"`` (nodes/data.py): one placeholder item, repeated for ever (each
+        """``[data] source = "online"`` (nodes/driver/data.py): one placeholder item, repeated for ever (each
         admitted episode is a slot for a group of sessions), and nothing held out."""
         return [{}], [], "online: episodes from the session API's clients", "none (online mode)"
 
@@ -276,7 +280,11 @@ class OnlineWorkflow:
     def __init__(self, tokenizer: Any, reward: RewardRunner, config: OnlineConfig | None = None) -> None:
         self.tokenizer, self.config = tokenizer, config or OnlineConfig()
         self.counters = dict.fromkeys(("sessions_opened", "sessions_rewarded", "sessions_timed_out",
-                                       "sessions_refused", "groups_partial", "groups_dropped", "history_edits"), 0)  # fmt: skip
+                                       "sessions_refused", "groups_partial", "groups_dropped", "history_edits",
+                                       # the API's HTTP server's refusals (nodes/rollout/http1/server.py)
+                                       "http_slow_clients", "http_refused_connections", "http_bad_requests",
+                                       "http_unauthorized"), 0)  # fmt: skip
+        assert set(HTTP_COUNTERS) <= set(self.counters)
         self.api: SessionAPI | None = None
         self._started: asyncio.Future[SessionAPI] | None = None
 
@@ -292,7 +300,8 @@ class OnlineWorkflow:
         key = api_key if api_key is not None else getattr(getattr(client, "config", None), "keys", None)
         key = getattr(key, "api_key", key) or ""
         endpoint = ChatEndpoint(None, self.tokenizer, c.model_name, default_max_tokens=c.max_new_tokens,
-                                default_temperature=c.temperature, tool_parser=c.tool_parser, api_key=key)  # fmt: skip
+                                default_temperature=c.temperature, tool_parser=c.tool_parser, api_key=key,
+                                limits=c.http, counters=self.counters)  # fmt: skip
         api = SessionAPI(endpoint, c, self.counters)
         await endpoint.start(c.host, c.port)
         self.api = api

@@ -31,7 +31,7 @@ from nodes.rollout.chunks import TokensCallback
 from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.openai_http import EndpointError
 from nodes.rollout.workflows import Sample
-from protocols.openai import ChatCompletionRequest, OpenAIError
+from protocols.http.openai import ChatCompletionRequest, OpenAIError
 from protocols.rl import IDS_DTYPE, Trajectory
 
 __all__ = ["ChatRequest", "Episode", "Turn", "Turns"]
@@ -64,7 +64,7 @@ class ChatRequest:
 
     @classmethod
     def parse(cls, body: Any, defaults: dict[str, Any]) -> ChatRequest:
-        """Check ``body`` (:class:`protocols.openai.ChatCompletionRequest`; 400 naming the field);
+        """Check ``body`` (:class:`protocols.http.openai.ChatCompletionRequest`; 400 naming the field);
         ``defaults`` gives max_new_tokens and temperature when it does not."""
         try:
             req = ChatCompletionRequest.from_json(body)
@@ -134,6 +134,9 @@ class Episode:
     )
     # stored /v1/responses answers (nodes/rollout/responses.py): response id -> its conversation
     responses: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
+    # call id -> the arguments text a call was served with, where an API that sends a call back as
+    # an object (Anthropic's tool_use input: nodes/rollout/messages.py) would not give that text
+    tool_arguments: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
     def trajectories(self, reward: float, group_id: str, **meta: Any) -> list[Trajectory]:
         """Its samples as trajectories rewarded ``reward`` (their meta updated with ``meta``), but
@@ -180,6 +183,12 @@ class Episode:
         self.responses[response_id] = conversation
         while len(self.responses) > KEPT_COMPLETIONS:
             self.responses.popitem(last=False)
+
+    def keep_tool_arguments(self, call_id: str, arguments: str) -> None:
+        """Keep the arguments text a tool call was served with (see ``tool_arguments``)."""
+        self.tool_arguments[call_id] = arguments
+        while len(self.tool_arguments) > KEPT_COMPLETIONS:
+            self.tool_arguments.popitem(last=False)
 
     def keep(self, c: _Completion) -> None:
         self._completions[self._next] = c
@@ -240,7 +249,7 @@ class Turns:
         else:
             ep.counters["new_samples"] += 1
             base = ep.add_sample(
-                Sample(await self._prompt_ids(req.messages, tools), req.sampling["temperature"])
+                Sample(await self.prompt_ids(req.messages, tools), req.sampling["temperature"])
             )
         forced = self._forced_prefix(req)
         samples = [base] + [ep.add_sample(base.fork()) for _ in range(req.n - 1)]
@@ -249,7 +258,7 @@ class Turns:
                 s.add_context(forced)
         return Turn(samples, forced, tools)
 
-    async def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> np.ndarray:
+    async def prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> np.ndarray:
         """The prompt's ids (read-only: a :class:`Sample` copies them), from
         :data:`FIRST_PROMPTS_KEPT` when these messages and tools were rendered before."""
         key = orjson.dumps([messages, tools])

@@ -30,13 +30,13 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import structlog
 
-from nodes.plugins import resolve
+from nodes.common.plugins import resolve
 from nodes.rollout.chat import ChatError, continuation_ids
 from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.reward import RewardConfig, RewardFn, RewardRunner
-from protocols.codec import register
 from protocols.rl import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE, VERSIONS_DTYPE, Trajectory, TrajectoryGroup
-from rlactors.tomlconf import at_least, check_ranges, within
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import at_least, check_ranges, within
 
 __all__ = [
     "ByteChatTokenizer",
@@ -403,6 +403,8 @@ class WorkflowSpec:
 def build_workflow(spec: WorkflowSpec) -> Workflow:
     """The workflow ``spec`` names, with its tokenizer, reward and settings."""
     cls = resolve(spec.workflow, "rollout.workflow")
-    reward = RewardRunner(spec.reward.function(), spec.reward.timeout_s)  # its settings bound
+    reward = RewardRunner(
+        spec.reward.function(), spec.reward.timeout_s, name=spec.reward.fn
+    )  # settings bound
     config = spec.config if spec.config is not None else cls.config_class()
     return cls(_load_tokenizer(spec.tokenizer), reward, config)

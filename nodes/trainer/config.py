@@ -11,12 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nodes.plugins import function_settings
-from protocols.auth import ServerKeys
-from protocols.codec import register
-from rlactors.tomlconf import above, at_least, check_ranges, import_path, within
+from nodes.common.plugins import function_settings
+from protocols.http.auth import ServerKeys
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import above, at_least, check_ranges, import_path, within
 
-__all__ = ["LoraConfig", "LossConfig", "MismatchCorrections", "PushConfig", "TrainConfig", "loss_settings"]
+__all__ = [
+    "DistillConfig",
+    "LoraConfig",
+    "LossConfig",
+    "MismatchCorrections",
+    "PushConfig",
+    "TrainConfig",
+    "loss_settings",
+]
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -179,6 +187,30 @@ class LoraConfig:
 
 @register
 @dataclass
+class DistillConfig:
+    """On-policy distillation (``[distill]``): a teacher model scores every sampled token, and the
+    loss's advantage per token becomes ``reward_coef * A + coef * (log pi_teacher - log pi)``, the
+    negative reverse KL to the teacher as a dense reward (``pi``: the proximal policy, the weights
+    at the start of the step), under the same clip and staleness corrections as the rest
+    (nodes/trainer/loss.py, :func:`~nodes.trainer.loss.distill_advantages`)."""
+
+    # the teacher: a model of [models.<name>] whose servers score the samples; "" = no distillation
+    teacher: str = ""
+    coef: float = field(default=1.0, metadata=at_least(0))  # weight of the reverse-KL advantage
+    # weight of the reward's (group) advantage beside it; 0 = pure distillation
+    reward_coef: float = field(default=1.0, metadata=at_least(0))
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a teacher is named."""
+        return bool(self.teacher)
+
+
+@register
+@dataclass
 class TrainConfig:
     """Everything a trainer rank needs; defaults are the CPU recipe's.
 
@@ -212,6 +244,8 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     push: PushConfig = field(default_factory=PushConfig)  # how new weights reach the servers after each step
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning
+    # on-policy distillation's loss weights (the recipe sets it from [distill])
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         self.betas = (float(self.betas[0]), float(self.betas[1]))  # a list after msgpack or TOML

@@ -26,11 +26,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from nodes.plugins import resolve
-from nodes.trace import TRACE
+from nodes.common.plugins import resolve
+from nodes.common.trace import TRACE
 from nodes.trainer.balance import plan_batch, split_across_ranks
 from nodes.trainer.config import TrainConfig
-from nodes.trainer.loss import LossSums, gather_logprobs, gather_logprobs_entropy
+from nodes.trainer.loss import LossSums, distill_advantages, gather_logprobs, gather_logprobs_entropy
 from nodes.trainer.microbatch import MicroBatch, build_microbatch
 
 __all__ = [
@@ -178,14 +178,14 @@ class FSDPTrainer:
         with ``version``: the policy version the weights are at after the step.
 
         ``batch.advantages`` has one value per trajectory of ``batch.trajectories``
-        (nodes/advantage.py), put on each of its loss tokens.
+        (nodes/driver/advantage.py), put on each of its loss tokens.
         """
         t0, wall0 = time.perf_counter(), time.time()
         trajs = batch.trajectories
         if len(batch.advantages) != len(trajs):
             raise ValueError(
                 f"{len(batch.advantages)} advantages for a batch of {len(trajs)} trajectories "
-                "(set batch.advantages with nodes.advantage.batch_advantages)"
+                "(set batch.advantages with nodes.driver.advantage.batch_advantages)"
             )
         adv = [float(a) for a in batch.advantages]
         plan = self.plan(batch)
@@ -284,16 +284,29 @@ class FSDPTrainer:
             zero = logits.sum() * 0.0
             return LossSums(loss_sum=zero, n_tokens=torch.zeros((), dtype=torch.long))
         logp, entropy = gather_logprobs_entropy(logits, mb.labels, mb.temperature)
-        return self.loss_fn(
+        advantages, reverse_kl = mb.advantages, None
+        if self.cfg.distill.enabled:  # on-policy distillation: the teacher's term joins the advantage
+            if mb.teacher_logp is None or mb.prox_logp is None:
+                raise ValueError(
+                    f"[distill] teacher = {self.cfg.distill.teacher!r} but the batch's trajectories have "
+                    "no teacher log-probs: the rollout actors were started without the teacher"
+                )
+            advantages, reverse_kl = distill_advantages(
+                mb.advantages, mb.teacher_logp, mb.prox_logp, mb.loss_mask, self.cfg.distill
+            )
+        out = self.loss_fn(
             logp=logp,
             prox_logp=mb.prox_logp,
             behave_logp=mb.behave_logp,
-            advantages=mb.advantages,
+            advantages=advantages,
             loss_mask=mb.loss_mask,
             cfg=self.cfg.loss,
             entropy=entropy,
             ref_logp=mb.ref_logp,
         )
+        if reverse_kl is not None:  # per loss token, once reduced: the step's distill/reverse_kl
+            out.sums["distill_reverse_kl"] = reverse_kl.sum()
+        return out
 
     def _clip_grads(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

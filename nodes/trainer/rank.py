@@ -17,11 +17,11 @@ from typing import Any
 import structlog
 
 import rlactors
-from nodes.trace import TRACE
+from nodes.common.trace import TRACE
 from nodes.trainer.config import TrainConfig
 from protocols.rl import Batch  # imported here so this worker can decode the batches it is sent
 
-# What a rank imports as it starts, imported once by its node's fork server (rlactors.forkserver).
+# What a rank imports as it starts, imported once by its node's fork server (rlactors.node.forkserver).
 FORK_PRELOAD = (
     "nodes.trainer.fsdp",
     "nodes.trainer.weights",
@@ -134,7 +134,7 @@ class TrainerRank(rlactors.Actor):
         return dataclasses.asdict(checkpoint.load(self._need(), path))
 
     def drain_trace(self) -> list[dict[str, Any]]:
-        """This rank's timeline events since the last call (nodes/trace.py); recording starts with
+        """This rank's timeline events since the last call (nodes/common/trace.py); recording starts with
         the first call. Not collective."""
         return TRACE.drain()
 

@@ -3,7 +3,7 @@
 Two paths:
 
 - **distributed**: rank 0 and every server form a weight-update group, built as SGLang builds it
-  (see nodes/weight_group.py; rank 0 hosts the store, server ``i`` joins as ranks
+  (see nodes/common/weight_group.py; rank 0 hosts the store, server ``i`` joins as ranks
   ``rank_offset + tp_rank``). A flattened bucket travels as its bytes (uint8), as SGLang
   receives it.
   Every rank hands its shards of a bucket to rank 0 (shared memory on rank 0's host, else
@@ -11,7 +11,7 @@ Two paths:
   rank 0 announces each bucket with ``/update_weights_from_distributed`` to every server and
   broadcasts it, while all ranks already gather the next bucket (one bucket in flight).
 - **tensor**: the same buckets, handed over by reference with ``/update_weights_from_tensor``
-  (nodes/tensor_ipc.py): on a GPU a CUDA IPC handle to rank 0's bucket buffer, which the server
+  (nodes/common/tensor_ipc.py): on a GPU a CUDA IPC handle to rank 0's bucket buffer, which the server
   copies from on the GPU; on CPU a shared-memory copy of it. For servers on rank 0's host; on
   rank 0's own GPU, where a group has to use gloo (NCCL refuses two ranks on one GPU), it is the
   fast way: no copy through host memory (bench/gpu_push.py; bench/RESULTS.md, "GPU check").
@@ -22,7 +22,7 @@ Under LoRA every path sends merged weights under the base model's names (nodes/t
 the servers load them as they load a full fine-tune's. With ``[trainer.lora] push = "adapter"`` a
 push sends the adapter alone instead: every rank all-gathers it (collective), rank 0 writes it
 as a PEFT folder under ``disk_dir`` while the servers pause, each server loads it with
-``/load_lora_adapter`` as ``<name>-v<version>`` (:func:`protocols.sglang.lora_name`), and its
+``/load_lora_adapter`` as ``<name>-v<version>`` (:func:`protocols.http.sglang.lora_name`), and its
 ``weight_version`` is set with ``/update_weight_version``; the rollout client names that adapter
 in every ``/generate`` it posts from then on. Before the pause, versions older than the
 ``keep`` newest are unloaded (SGLang's unload waits for the requests that still use one, so it
@@ -33,7 +33,7 @@ Around either: optional ``/pause_generation`` (abort | retract | in_place) and
 0.5.23 refuses distributed updates outside such a session), and the servers' ``weight_version``
 set to the trainer's version. All methods are collective over the trainer's default group;
 only rank 0 talks HTTP. HTTP calls run in a small thread pool so they overlap the broadcasts.
-Every body is one of protocols/sglang.py's request models, checked as the server checks it.
+Every body is one of protocols/http/sglang.py's request models, checked as the server checks it.
 """
 
 from __future__ import annotations
@@ -54,14 +54,19 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from nodes.tensor_ipc import serialize_named_tensors
-from nodes.trace import TRACE
+from nodes.common.tensor_ipc import serialize_named_tensors
+from nodes.common.trace import TRACE
+from nodes.common.weight_group import (
+    broadcast,
+    destroy_weight_update_group,
+    gpu_uuid,
+    init_weight_update_group,
+)
 from nodes.trainer.config import LoraConfig, PushConfig
 from nodes.trainer.disk_weights import prune_versions, write_version
 from nodes.trainer.gather import ParamGatherer
 from nodes.trainer.lora import adapter_state, merge_state_dict, write_adapter
-from nodes.weight_group import broadcast, destroy_weight_update_group, gpu_uuid, init_weight_update_group
-from protocols.sglang import (
+from protocols.http.sglang import (
     BeginWeightUpdateRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,

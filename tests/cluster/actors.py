@@ -57,7 +57,7 @@ class Prober(rlactors.Actor):
 
     async def generate(self, urls: list[str], version: int, keys: tuple[str, str] = ("", "")) -> dict:
         from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
-        from protocols.auth import ServerKeys
+        from protocols.http.auth import ServerKeys
 
         client = SGLangClient(urls, ClientConfig(keys=ServerKeys(*keys)), version=version)
         try:
@@ -86,6 +86,6 @@ class Blob(rlactors.Actor):
         time.sleep(seconds)  # noqa: ASYNC251 (the point: it blocks the loop)
 
     async def bound(self) -> int:
-        from rlactors.transport import max_message_bytes
+        from rlactors.wire.transport import max_message_bytes
 
         return max_message_bytes()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
-import rlactors.security
+import rlactors.wire.security
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlactors.cli", *args],
+        [sys.executable, "-m", "rlactors.launch.cli", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -172,7 +172,7 @@ python = "/nonexistent/python3"
 
 
 def test_agent_commands_for_ssh_and_slurm(tmp_path: Path) -> None:
-    from rlactors.config import agent_command, load_cluster_config
+    from rlactors.launch.config import agent_command, load_cluster_config
 
     cfg_path = write_config(
         tmp_path,
@@ -198,7 +198,8 @@ workdir = "/scratch/run"
     ssh = agent_command(cfg, cfg.nodes[0], "/s/secret", "/s/logs")
     assert ssh[:6] == ["ssh", "-tt", "-o", "BatchMode=yes", "-p", "2222"] and ssh[6] == "gpu-a"
     assert (
-        "/opt/venv/bin/python -m rlactors.daemons agent --head tcp://10.0.0.1:7000 --node-id gpu-a" in ssh[7]
+        "/opt/venv/bin/python -m rlactors.launch.daemons agent --head tcp://10.0.0.1:7000 --node-id gpu-a"
+        in ssh[7]
     )
     assert "--env NCCL_DEBUG=WARN" in ssh[7] and "'{\"gpu\": 8.0}'" in ssh[7]
     srun = agent_command(cfg, cfg.nodes[1], "/s/secret", "/s/logs")
@@ -230,7 +231,7 @@ workdir = "/scratch/run"
     ],
 )
 def test_bad_cluster_toml_errors_name_the_key_and_file(tmp_path: Path, body: str, message: str) -> None:
-    from rlactors.config import ConfigError, load_cluster_config
+    from rlactors.launch.config import ConfigError, load_cluster_config
 
     p = write_config(tmp_path, body)
     with pytest.raises(ConfigError) as info:
@@ -260,11 +261,12 @@ def test_an_unreadable_cluster_record_is_reported_and_down_clears_it(
 
 def test_down_with_a_dead_head_stops_the_agents_at_once(tmp_path: Path, cli_env: dict[str, str]) -> None:
     secret = tmp_path / "secret"
-    rlactors.security.new_secret_file(secret)
-    # Stand-ins for agents whose head is gone (their command line names rlactors.daemons).
+    rlactors.wire.security.new_secret_file(secret)
+    # Stand-ins for agents whose head is gone (their command line names rlactors.launch.daemons).
     agents = [
         subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(600)", "rlactors.daemons"], start_new_session=True
+            [sys.executable, "-c", "import time; time.sleep(600)", "rlactors.launch.daemons"],
+            start_new_session=True,
         )
         for _ in range(5)
     ]

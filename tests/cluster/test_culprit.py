@@ -16,9 +16,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import rlactors
-from nodes.watchdog import StallWatchdog
-from rlactors.aio import wait_for
-from rlactors.stacks import StacksReport
+from nodes.driver.watchdog import StallWatchdog
+from rlactors.api.stacks import StacksReport
+from rlactors.base.aio import wait_for
 
 
 class Rank(rlactors.Actor):
@@ -106,7 +106,7 @@ async def stack_from_outside(run_dir: Path, waits: str, within: float = 60.0) ->
     while True:
         r = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "rlactors.cli", "stack", "--run", str(run_dir)],
+            [sys.executable, "-m", "rlactors.launch.cli", "stack", "--run", str(run_dir)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr

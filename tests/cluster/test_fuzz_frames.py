@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 import rlactors
-from protocols import wire
-from rlactors.security import Security, load_secret
+from protocols.runtime import wire
+from rlactors.wire.security import Security, load_secret
 from tests.runtime.actors import Counter
 
 MESSAGES = 200  # per target and peer

@@ -12,14 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = [
-    ["rlactors.cli"],
-    ["rlactors.cli", "up"],
-    ["rlactors.cli", "status"],
-    ["rlactors.cli", "down"],
-    ["rlactors.cli", "secret"],
-    ["rlactors.daemons"],
-    ["rlactors.daemons", "head"],
-    ["rlactors.daemons", "agent"],
+    ["rlactors.launch.cli"],
+    ["rlactors.launch.cli", "up"],
+    ["rlactors.launch.cli", "status"],
+    ["rlactors.launch.cli", "down"],
+    ["rlactors.launch.cli", "secret"],
+    ["rlactors.launch.daemons"],
+    ["rlactors.launch.daemons", "head"],
+    ["rlactors.launch.daemons", "agent"],
     ["nodes.inference.server"],
 ]
 

@@ -43,7 +43,7 @@ def slurm_cluster(tmp_path: Path) -> Iterator[Slurm]:
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlactors.cli", *args],
+        [sys.executable, "-m", "rlactors.launch.cli", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -88,7 +88,7 @@ start_timeout = 60.0
 def agent_pids(node_id: str) -> list[int]:
     """The agent processes themselves (python), not the ssh/srun clients whose argv also names them."""
     pids = []
-    for pid in pids_with("rlactors.daemons agent --head"):
+    for pid in pids_with("rlactors.launch.daemons agent --head"):
         with contextlib.suppress(OSError):
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if argv[0].decode() == sys.executable and node_id.encode() in argv:

@@ -18,10 +18,10 @@ import pytest
 import zmq
 
 import rlactors
-from rlactors import transport
-from rlactors.aio import wait_for
-from rlactors.errors import MessageTooLargeError
-from rlactors.security import new_secret_file
+from rlactors.base.aio import wait_for
+from rlactors.base.errors import MessageTooLargeError
+from rlactors.wire import transport
+from rlactors.wire.security import new_secret_file
 from tests.cluster.actors import Blob
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def head(tmp_path: Path) -> Iterator[tuple[str, str, int]]:
         [
             sys.executable,
             "-m",
-            "rlactors.daemons",
+            "rlactors.launch.daemons",
             "head",
             "--bind",
             "tcp://127.0.0.1:0",

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
-from rlactors.security import new_secret_file
+from rlactors.base.aio import wait_for
+from rlactors.wire.security import new_secret_file
 from tests.cluster.actors import Member
 from tests.cluster.netns import Hosts, hosts_fixture, skip_module_without_netns
 
@@ -43,7 +43,7 @@ class Cluster2:
             [
                 sys.executable,
                 "-m",
-                "rlactors.daemons",
+                "rlactors.launch.daemons",
                 "head",
                 "--bind",
                 self.address,
@@ -60,7 +60,7 @@ class Cluster2:
             *self.hosts.exec_prefix(i),
             sys.executable,
             "-m",
-            "rlactors.daemons",
+            "rlactors.launch.daemons",
             "agent",
             "--head",
             self.address,
@@ -224,7 +224,7 @@ def _running(pid: int) -> bool:
 DRIVER = """
 import asyncio, sys
 import rlactors
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.cluster.actors import Member
 
 async def main():

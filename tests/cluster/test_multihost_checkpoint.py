@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 import rlactors
+from nodes.driver.run_state import RunState
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.run_state import RunState
 from nodes.trainer.config import TrainConfig
 from nodes.trainer.manifest import CheckpointError
 from nodes.trainer.rank import TrainerRank
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.cluster.netns import Hosts, hosts_fixture, skip_module_without_netns
 from tests.cluster.test_multihost import Cluster2, _wait_nodes
 from tests.helpers.synthetic import synthetic_batch, with_advantages
@@ -56,7 +56,7 @@ class DiskHosts(Cluster2):
         self.mounts = mounts
 
     def _popen(self, cmd: list[str], name: str) -> subprocess.Popen[bytes]:
-        if name.startswith("agent-h"):  # cmd: ip netns exec <ns> python -m rlactors.daemons agent ...
+        if name.startswith("agent-h"):  # cmd: ip netns exec <ns> python -m rlactors.launch.daemons agent ...
             binds = [
                 f"mount --bind {shlex.quote(str(d))} {shlex.quote(str(at))}"
                 for d, at in self.mounts[int(name[7:])]

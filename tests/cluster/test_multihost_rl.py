@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 import rlactors
+from nodes.driver.policy_sync import PolicySync
 from nodes.inference.launcher import InferenceServerActor, ReferenceServerConfig, cluster_keys
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.policy_sync import PolicySync
 from nodes.trainer.config import PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.cluster.actors import Prober
 from tests.cluster.netns import Hosts, hosts_fixture, skip_module_without_netns
 from tests.cluster.test_multihost import Cluster2, _wait_nodes

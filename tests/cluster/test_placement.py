@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 import rlactors
-from rlactors.placement import NodeResources, choose_node, plan_bundles
+from rlactors.head.placement import NodeResources, choose_node, plan_bundles
 from tests.cluster.actors import Member
 
 

@@ -175,7 +175,7 @@ def test_a_name_held_by_a_live_run_is_an_error_naming_that_run_and_how_to_end_it
 
 def test_a_driver_whose_loop_is_blocked_past_client_timeout_keeps_its_run(up: dict[str, str]) -> None:
     """Silence is a process gone or stopped, not a busy loop: a driver that blocks its event loop in
-    synchronous code for longer than the head's client_timeout still beats (rlactors.beats), so the
+    synchronous code for longer than the head's client_timeout still beats (rlactors.wire.beats), so the
     head leaves its run alone and its actors answer afterwards. Meanwhile `rlactors stack` says the
     driver's loop has not run, and blames no actor for the call it last saw the driver wait on
     (victim.nap, answered just before the loop blocked)."""

@@ -14,14 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from rlactors.runs import RECORD, SECRET
+from rlactors.api.runs import RECORD, SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def rlactors_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlactors.cli", *args], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "rlactors.launch.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

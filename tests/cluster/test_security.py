@@ -11,10 +11,10 @@ import zmq
 import zmq.asyncio
 
 import rlactors
-from protocols import wire
-from rlactors import transport
-from rlactors.aio import wait_for
-from rlactors.security import Security
+from protocols.runtime import wire
+from rlactors.base.aio import wait_for
+from rlactors.wire import transport
+from rlactors.wire.security import Security
 from tests.runtime.actors import Counter
 
 NO_REPLY_WINDOW = 1.0  # how long we listen for a reply that must never come
@@ -145,7 +145,7 @@ async def test_plain_mechanism_authenticates_without_encryption() -> None:
 
 
 class _Warnings:
-    """Stands in for rlactors.transport's logger: keeps warnings, ignores the rest."""
+    """Stands in for rlactors.wire.transport's logger: keeps warnings, ignores the rest."""
 
     def __init__(self) -> None:
         self.lines: list[tuple[str, dict[str, object]]] = []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rlactors.config import load_cluster_config
+from rlactors.launch.config import load_cluster_config
 from tests.cluster import sysdaemons
 from tests.cluster.sysdaemons import Slurm, free_port, wait_until
 from tests.cluster.test_launchers import agent_pids, check_status_then_down, cli_env, cluster_up, use_node
@@ -147,10 +147,10 @@ def test_the_sbatch_brings_the_cluster_up_runs_the_recipe_on_it_and_takes_it_dow
     run = tmp_path / "run"
     write_, up, recipe, down = calls(tmp_path)
     assert write_.startswith("scripts/slurm/cluster_toml.py gpu[07-08]") and "--port 24242" in write_
-    assert up == f"-m rlactors.cli up {run}/cluster.toml"
+    assert up == f"-m rlactors.launch.cli up {run}/cluster.toml"
     assert recipe == (f"recipes/gsm8k_grpo.py --config recipes/configs/gpu.toml --cluster {run}/cluster.toml "
                       f"servers.n=8 trainer.n_ranks=8 run.out_dir={run}/out run.steps=5")  # fmt: skip
-    assert down == "-m rlactors.cli down"  # after a failed recipe too
+    assert down == "-m rlactors.launch.cli down"  # after a failed recipe too
     cfg = load_cluster_config(run / "cluster.toml")
     assert [n.host for n in cfg.nodes] == ["gpu07", "gpu08"] and cfg.head.port == 24242
 
@@ -170,7 +170,7 @@ def test_slurms_sigterm_reaches_the_recipe_and_down_waits_for_it(tmp_path: Path)
         if job.poll() is None:
             job.kill()
     assert job.returncode == 143, out
-    assert calls(tmp_path)[-2:] == ["terminated", "-m rlactors.cli down"], calls(tmp_path)
+    assert calls(tmp_path)[-2:] == ["terminated", "-m rlactors.launch.cli down"], calls(tmp_path)
 
 
 def test_the_written_cluster_toml_starts_an_agent_with_srun_holding_the_nodes_cpus(

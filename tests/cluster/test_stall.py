@@ -1,5 +1,5 @@
 """A stalled head still declares dead a node that really died meanwhile, within its bound, and
-only that node: silence is counted over time the head was awake (rlactors.awake)."""
+only that node: silence is counted over time the head was awake (rlactors.base.awake)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.cluster.test_cli import free_port, run_cli, write_config
 
 ROOT = Path(__file__).resolve().parents[2]

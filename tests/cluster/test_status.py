@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from rlactors.config import load_cluster_config
-from rlactors.head import Head
-from rlactors.registry import ActorRecord
+from rlactors.head.head import Head
+from rlactors.head.registry import ActorRecord
+from rlactors.launch.config import load_cluster_config
 from tests.cluster.actors import Blob
 from tests.cluster.test_cli import one_node_config, run_cli, write_config
 from tests.helpers.processes import cmdline
@@ -78,7 +78,7 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
             del os.environ["RLACTORS_STATE_DIR"]
 
     asyncio.run(populate())
-    stopped_pid = next(pid for pid in pids.values() if "rlactors.worker stopped" in cmdline(pid))
+    stopped_pid = next(pid for pid in pids.values() if "rlactors.node.worker stopped" in cmdline(pid))
     os.kill(stopped_pid, signal.SIGSTOP)
     try:
         status = _status(up)
@@ -120,7 +120,7 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
 
 def test_status_watch_prints_a_json_line_per_refresh_until_interrupted(up: dict[str, str]) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlactors.cli", "status", "--json", "--watch", "0.2"],
+        [sys.executable, "-m", "rlactors.launch.cli", "status", "--json", "--watch", "0.2"],
         env=up,
         cwd=ROOT,
         stdout=subprocess.PIPE,

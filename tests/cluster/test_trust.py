@@ -8,10 +8,10 @@ import zmq
 import zmq.asyncio
 
 import rlactors
-from protocols import wire
-from rlactors.aio import wait_for
-from rlactors.config import agent_command, load_cluster_config
-from rlactors.security import Security, load_secret, module_allowed
+from protocols.runtime import wire
+from rlactors.base.aio import wait_for
+from rlactors.launch.config import agent_command, load_cluster_config
+from rlactors.wire.security import Security, load_secret, module_allowed
 from tests.runtime.actors import Counter
 
 ADDRESSES = {
@@ -97,7 +97,7 @@ async def test_an_allow_list_refuses_other_modules_naming_the_class_and_the_list
 def test_module_prefixes_match_whole_dotted_names() -> None:
     assert module_allowed("anything", None) and module_allowed("anything", [])
     for prefixes in (["nodes"], ["nodes."]):
-        assert module_allowed("nodes", prefixes) and module_allowed("nodes.buffer", prefixes)
+        assert module_allowed("nodes", prefixes) and module_allowed("nodes.plane.buffer", prefixes)
         assert not module_allowed("nodes_evil", prefixes) and not module_allowed("os", prefixes)
     assert not module_allowed("__main__", ["nodes", "recipes"])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.cluster.test_multihost import hosts, two_hosts  # noqa: F401 (fixtures)
 from tests.cluster.test_trust import Spawner
 from tests.runtime.actors import Counter

@@ -14,7 +14,7 @@ import contextlib
 
 import httpx
 
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.conformance.conftest import MAX_RUNNING
 from tests.helpers.servers import wait_decoding, wait_load, wait_until
 

@@ -5,7 +5,7 @@ SGLang's side is its unchanged ``srt/utils/auth.py`` middleware in front of ever
 ``srt/entrypoints`` declare, at the level each is decorated with (tests/conformance/sglang_auth_app.py,
 run by SGLang's venv: seconds, where its full server takes minutes on CPU). Wherever SGLang's venv
 is present (``scripts/sglang-setup.sh``; the SGLang stage), every answer's 401-or-not is compared
-with the reference server's; without it, with :func:`protocols.auth.decide`, itself checked against
+with the reference server's; without it, with :func:`protocols.http.auth.decide`, itself checked against
 SGLang there. A full SGLang server with keys runs in tests/sglang/test_recipe_sglang.py.
 """
 
@@ -23,14 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nodes.inference.launcher import (
-    ReferenceServerConfig,
-    ServerSupervisor,
-    SGLangServerConfig,
-    free_port,
-    wants_keys,
-)
-from protocols.auth import ServerKeys, decide
+from nodes.common.procs import free_port
+from nodes.inference.launcher import ReferenceServerConfig, ServerSupervisor, SGLangServerConfig, wants_keys
+from protocols.http.auth import ServerKeys, decide
 from tests.helpers.servers import start_reference_server, stop_server
 
 HERE = Path(__file__).resolve().parent
@@ -171,8 +166,8 @@ def test_the_levels_spelled_out(servers: dict) -> None:
 
 @pytest.mark.skipif(not HAVE_SGLANG, reason=f"SGLang 0.5.23 not installed at {SGLANG_PYTHON}")
 def test_our_admin_routes_are_sglangs() -> None:
-    """protocols.auth.ADMIN_ROUTES holds exactly the routes SGLang decorates admin among those it lists."""
-    from protocols.auth import ADMIN_ROUTES
+    """protocols.http.auth.ADMIN_ROUTES holds exactly the routes SGLang decorates admin among those it lists."""
+    from protocols.http.auth import ADMIN_ROUTES
 
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import sglang_auth_app as m; " + (
         "print('\\n'.join(p for p, _, level in m.declared_routes() if level))"

@@ -59,7 +59,7 @@ def held(pid: int, sig: signal.Signals) -> bool:
 @pytest.fixture(params=["exec", "fork"])
 def owner_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
     """The owner's environment. It starts its server exec'd, or forked from a fork server
-    (rlactors.forkserver), as in a worker its node agent forked: the variables that name the
+    (rlactors.node.forkserver), as in a worker its node agent forked: the variables that name the
     server say so. The fork server runs with the same environment, or it would not fork."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if request.param == "exec":
@@ -67,7 +67,7 @@ def owner_env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[s
         return
     path = tmp_path / "fork.sock"
     server = subprocess.Popen(
-        [sys.executable, "-m", "rlactors.forkserver", str(path), str(os.getpid())],
+        [sys.executable, "-m", "rlactors.node.forkserver", str(path), str(os.getpid())],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

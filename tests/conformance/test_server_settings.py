@@ -121,7 +121,7 @@ def test_help_lists_every_flag_with_its_meaning() -> None:
         check=True,
     ).stdout
     text = " ".join(out.split())
-    from rlactors.tomlconf import field_docs
+    from rlactors.base.tomlconf import field_docs
 
     for flag, (cls, name) in flags_of(ServerArgs).items():
         meaning = field_docs(cls)[name]
@@ -141,7 +141,7 @@ def test_the_endpoint_command_line_is_its_settings_class(monkeypatch: Any) -> No
     from nodes.inference.settings import to_argv
     from nodes.rollout import openai_endpoint
     from nodes.rollout.openai_endpoint import EndpointArgs
-    from rlactors.tomlconf import field_docs
+    from rlactors.base.tomlconf import field_docs
 
     chosen = EndpointArgs(
         server_url=["http://127.0.0.1:1", "http://127.0.0.1:2"], model_path="/m", model_name="n",

@@ -22,8 +22,9 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
+from nodes.common.procs import free_port
 from nodes.inference.engine import Engine
-from nodes.inference.launcher import REPO_ROOT, free_port
+from nodes.inference.launcher import REPO_ROOT
 from nodes.inference.server import create_app
 from nodes.inference.settings import ServerArgs, SimSettings
 

@@ -8,7 +8,7 @@ A page is read as a user reads it, from the repository's root: ``recipes/``, ``s
 - ``python``: run (``exec``); a fragment with a top-level ``await`` is compiled only.
 - ``toml``: parsed; a table of the recipe's config is loaded as the recipe loads it.
 - ``bash``: each command runs, or, where running it means training, serving or a cluster, is
-  checked as far as it goes without that: the recipe's and ``recipes.evaluate``'s command lines
+  checked as far as it goes without that: the recipe's and ``recipes.gsm8k_eval``'s command lines
   are parsed by their own parsers and their config loaded (with ``data.source = "local"`` its data
   read too), ``rlactors``, the server's and the endpoint's command lines parsed.
   ``python -c``, ``python FILE.py`` and ``cat`` run. Anything else fails the test.
@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from rlactors.tomlconf import ConfigError
+from rlactors.base.tomlconf import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "get-started").glob("*.md")) + sorted(
@@ -67,9 +67,9 @@ CLI = _load_script("gen-cli-reference")  # its capture(): the parser a command's
 
 def parser_of(module: str) -> argparse.ArgumentParser:
     calls = {
-        "rlactors.cli": lambda m: m.main([]),
+        "rlactors.launch.cli": lambda m: m.main([]),
         "recipes.gsm8k_grpo": lambda m: m.main([]),
-        "recipes.evaluate": lambda m: m.main([]),
+        "recipes.gsm8k_eval": lambda m: m.main([]),
         "nodes.inference.server": lambda m: m.parser(),
         "nodes.rollout.openai_endpoint": lambda m: m.parse_args([]),
     }
@@ -93,7 +93,7 @@ def commands(script: str) -> list[list[str]]:
 
 
 def load_recipe_config(config: str | None, overrides: list[str]) -> Any:
-    from nodes.data import load_data
+    from nodes.driver.data import load_data
     from recipes.gsm8k_config import load_config
 
     cfg = load_config(config, overrides)
@@ -148,8 +148,8 @@ def check_command(argv: list[str], where: str, folder: Path) -> None:
         if args[:1] == ["recipes/gsm8k_grpo.py"]:
             ns = parser_of("recipes.gsm8k_grpo").parse_args(args[1:])
             load_recipe_config(ns.config, ns.overrides)
-        elif args[:2] == ["-m", "recipes.evaluate"]:
-            ns = parser_of("recipes.evaluate").parse_args(args[2:])
+        elif args[:2] == ["-m", "recipes.gsm8k_eval"]:
+            ns = parser_of("recipes.gsm8k_eval").parse_args(args[2:])
             load_recipe_config(ns.config, ns.overrides)
         elif args[:2] in (["-m", "nodes.inference.server"], ["-m", "nodes.rollout.openai_endpoint"]):
             parser_of(args[1]).parse_args(args[2:])
@@ -164,7 +164,7 @@ def check_command(argv: list[str], where: str, folder: Path) -> None:
                 f"{where}: no rule runs {shlex.join(argv)}: add one, or mark the block an illustration"
             )
     elif prog in ("rlactors", ".venv/bin/rlactors"):
-        parser_of("rlactors.cli").parse_args(args)
+        parser_of("rlactors.launch.cli").parse_args(args)
     elif prog == "cat":
         assert all((folder / a).is_file() for a in args), f"{where}: {shlex.join(argv)}: no such file"
     else:
@@ -218,7 +218,7 @@ def test_a_misspelt_config_key_fails_the_page() -> None:
 def test_a_page_builds_its_config_block_by_block() -> None:
     """A later block adds to the earlier ones: the workflow first, more of its settings after."""
     page: list[str] = []
-    first = '[rollout]\nworkflow = "nodes.rollout.agents:AgentWorkflow"\n[rollout.workflow_args]\nagent = "recipes.agents.python_tool:run"\n'
+    first = '[rollout]\nworkflow = "nodes.rollout.agents:AgentWorkflow"\n[rollout.workflow_args]\nagent = "recipes.sdk_agents.python_tool:run"\n'
     check_toml(first, "page.md:1", page)
     check_toml("[rollout.workflow_args]\nepisode_timeout_s = 60.0\n", "page.md:5", page)  # an agent's setting
     with pytest.raises(pytest.fail.Exception, match="n_samples"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nodes.data import (
+from nodes.driver.data import (
     PROMPT_SUFFIX,
     SYSTEM_PROMPT,
     DataConfig,
@@ -140,7 +140,7 @@ def test_auto_falls_back_when_connection_refused(monkeypatch: pytest.MonkeyPatch
 def test_easy_source_is_deterministic_disjoint_and_answers_are_right() -> None:
     import re
 
-    from nodes.data import load_gsm8k
+    from nodes.driver.data import load_gsm8k
 
     train, desc = load_gsm8k("train", source="easy", seed=0)
     test, _ = load_gsm8k("test", source="easy", limit=64, seed=0)

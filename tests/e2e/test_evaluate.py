@@ -1,4 +1,4 @@
-"""``python -m recipes.evaluate``: a checkpoint or an exported folder evaluated with the run's own
+"""``python -m recipes.gsm8k_eval``: a checkpoint or an exported folder evaluated with the run's own
 evaluator, on the config's held-out items or on data of your choice, by servers it starts or a
 server already running; per-item results and a summary on disk."""
 
@@ -27,7 +27,7 @@ SCORED = [*SMALL, "servers.n=1", "trainer.n_ranks=1", "reward.fn=tests.e2e.learn
 
 def evaluate(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return forked.run(
-        [sys.executable, "-m", "recipes.evaluate", *args],
+        [sys.executable, "-m", "recipes.gsm8k_eval", *args],
         preload=forked.DRIVER,
         cwd=ROOT,
         timeout=timeout,
@@ -92,9 +92,9 @@ def test_an_exported_folder_on_your_data_through_a_running_server(trained: Path,
 
 
 def test_bad_inputs_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The first case as a user meets it (``python -m recipes.evaluate``: the exit status the shell
+    """The first case as a user meets it (``python -m recipes.gsm8k_eval``: the exit status the shell
     sees); the others through the same ``main`` in this process, without a process start-up each."""
-    from recipes.evaluate import main
+    from recipes.gsm8k_eval import main
 
     out = ["--out", str(tmp_path / "out")]
     res = evaluate(["--model", str(tmp_path), *out], timeout=120)

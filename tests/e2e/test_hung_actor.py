@@ -25,7 +25,7 @@ def test_run_finishes_after_the_rollout_actor_hangs_for_15_s(tmp_path: Path) -> 
     args = [*SMALL, "servers.n=1", "trainer.n_ranks=1", "run.steps=4", f"run.out_dir={out}"]
     with LiveRun(args, tmp_path / "err") as run:
         run.until("step 1/4")
-        rollout = run.processes("rlactors.worker rollout-0")
+        rollout = run.processes("rlactors.node.worker rollout-0")
         assert len(rollout) == 1, run.output()
         os.kill(rollout[0], signal.SIGSTOP)
         deadline = time.monotonic() + STOPPED_S

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nodes.metrics import MetricsLogger, format_step_line, plot_run, read_metrics
+from nodes.driver.metrics import MetricsLogger, format_step_line, plot_run, read_metrics
 
 
 def _step_metrics(step: int) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def test_step_line_shows_the_values() -> None:
 
 
 def test_accuracy_interval_is_wilsons() -> None:
-    from nodes.metrics import accuracy_interval
+    from nodes.driver.metrics import accuracy_interval
 
     lo, hi = accuracy_interval(0, 10)
     assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-3)  # not zero-wide at 0

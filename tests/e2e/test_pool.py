@@ -53,7 +53,7 @@ def free_port() -> int:
 
 def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlactors.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "rlactors.launch.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
 
@@ -125,7 +125,7 @@ def server_pid(url: str) -> int:
         if d.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):  # gone, or no --port
                 # split on spaces too: a server forked from its node's fork server names itself with
-                # one string (rlactors.forkserver)
+                # one string (rlactors.node.forkserver)
                 argv = (d / "cmdline").read_bytes().replace(b"\0", b" ").split()
                 if b"nodes.inference.server" in argv and argv[argv.index(b"--port") + 1] == port.encode():
                     found.append(int(d.name))

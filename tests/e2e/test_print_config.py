@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from recipes.gsm8k_config import RecipeConfig, load_config, render_config
-from rlactors.tomlconf import field_docs, render_markdown, render_toml
+from rlactors.base.tomlconf import field_docs, render_markdown, render_toml
 from tests.helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,7 +246,7 @@ def test_the_reference_lists_every_key_with_its_meaning() -> None:
     assert '### `[rollout] workflow = "nodes.rollout.agents:AgentWorkflow"`' in text
 
 
-# -- the generic parts (rlactors/tomlconf.py) on a class of their own ---------------------------
+# -- the generic parts (rlactors/base/tomlconf.py) on a class of their own ---------------------------
 
 
 @dataclasses.dataclass
@@ -340,7 +340,7 @@ def test_overrides_go_before_and_after_the_flags() -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout == render_config(load_config(None, ["run.steps=3", "trainer.lr=2e-05"]))
     evaluate = forked.run(
-        [sys.executable, "-m", "recipes.evaluate", "--model", "m", "run.steps=2", "--limit", "1", "trainer.lrr=1"],
+        [sys.executable, "-m", "recipes.gsm8k_eval", "--model", "m", "run.steps=2", "--limit", "1", "trainer.lrr=1"],
         preload=forked.DRIVER, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert evaluate.returncode == 2

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from nodes.trace import read_trace
+from nodes.common.trace import read_trace
 from tests.e2e.live_run import LiveRun
 from tests.helpers import forked
 from tests.helpers.processes import cmdline
@@ -129,7 +129,7 @@ def stopped(finished: Finished) -> Stopped:
     args = [*ONE_RANK, "run.steps=50", "run.checkpoint_every=50", f"run.out_dir={out}", "--resume"]
     with LiveRun(args, out.parent / "stopped.err") as run:
         run.until("step 4/50")
-        left = sorted({*run.processes("rlactors.worker"), *run.processes("nodes.inference")})
+        left = sorted({*run.processes("rlactors.node.worker"), *run.processes("nodes.inference")})
         run.proc.send_signal(signal.SIGTERM)
         returncode = run.finish(timeout_s=120)  # never a hang
     return Stopped(run, returncode, left, rows(out))
@@ -257,7 +257,7 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Faulted:
     out = tmp_path_factory.mktemp("faulted") / "run"
     with LiveRun([*ONE_RANK, "run.steps=5", f"run.out_dir={out}"], out.parent / "err") as run:
         run.until("step 1/5")
-        rollout = run.processes("rlactors.worker rollout-0")
+        rollout = run.processes("rlactors.node.worker rollout-0")
         assert len(rollout) == 1, run.output()
         os.kill(rollout[0], signal.SIGKILL)
         run.until("step 2/5")
@@ -299,8 +299,8 @@ def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Pat
     args = [*SMALL, "servers.n=1", "run.steps=50", "run.checkpoint_every=50", f"run.out_dir={out}"]
     with LiveRun(args, tmp_path / "err") as run:
         run.until("step 1/50")
-        workers = run.processes("rlactors.worker")
-        ranks = [p for p in workers if "rlactors.worker trainer-1" in cmdline(p)]
+        workers = run.processes("rlactors.node.worker")
+        ranks = [p for p in workers if "rlactors.node.worker trainer-1" in cmdline(p)]
         assert len(ranks) == 1
         os.kill(ranks[0], signal.SIGKILL)
         returncode = run.finish(timeout_s=300)  # never a hang
@@ -309,4 +309,4 @@ def test_kill_9_of_a_trainer_rank_stops_the_run_with_a_clear_error(tmp_path: Pat
     assert "error: actor trainer-1" in err and "SIGKILL" in err and "--resume" in err
     # Nothing of the run is left behind: every worker it had is gone.
     assert len(workers) >= 5  # 2 trainer ranks, a server actor, governor, buffer, rollout
-    assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.worker" in cmdline(p)]
+    assert not [p for p in workers if Path(f"/proc/{p}").exists() and "rlactors.node.worker" in cmdline(p)]

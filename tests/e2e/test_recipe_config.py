@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from nodes.trainer.manifest import hash_files, write_manifest
-from protocols.codec import register
+from protocols.runtime.codec import register
 from tests.helpers import forked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,10 +89,10 @@ def test_every_number_of_the_recipes_sections_has_a_range_and_the_defaults_are_i
 
 def test_component_sections_are_the_components_own_classes() -> None:
     """One config form: what the recipe loads is what the actors get."""
-    from nodes.advantage import AdvantageConfig
-    from nodes.buffer import BufferConfig
-    from nodes.governor import GovernorConfig
+    from nodes.driver.advantage import AdvantageConfig
     from nodes.inference.launcher import ReferenceServerConfig, SGLangServerConfig
+    from nodes.plane.buffer import BufferConfig
+    from nodes.plane.governor import GovernorConfig
     from nodes.rollout.config import RolloutConfig
     from nodes.rollout.reward import RewardConfig
     from nodes.rollout.workflows import RLVRConfig
@@ -119,7 +119,7 @@ def test_the_buffer_section_reaches_the_buffer() -> None:
 
 
 def test_dynamic_sampling_is_off_by_default_and_reaches_the_buffer_from_toml(tmp_path: Path) -> None:
-    from nodes.buffer import TrajectoryBuffer
+    from nodes.plane.buffer import TrajectoryBuffer
 
     r = recipe_module()
     assert not r.load_config(None, []).buffer.drop_no_signal
@@ -166,7 +166,9 @@ def test_an_agents_import_path_is_checked_when_the_config_loads() -> None:
         recipe_module().ConfigError,
         match=r"'rollout\.workflow_args\.agent' = 'nodes\.data:SYSTEM_PROMPT' is not a function",
     ):
-        recipe_module().load_config(None, [*agent, "rollout.workflow_args.agent=nodes.data:SYSTEM_PROMPT"])
+        recipe_module().load_config(
+            None, [*agent, "rollout.workflow_args.agent=nodes.driver.data:SYSTEM_PROMPT"]
+        )
 
 
 def test_multi_turn_settings_reach_the_workflow(tmp_path: Path) -> None:
@@ -245,7 +247,7 @@ def test_a_value_out_of_range_in_a_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_cluster_example_is_a_valid_cluster_toml() -> None:
-    from rlactors.config import load_cluster_config
+    from rlactors.launch.config import load_cluster_config
 
     cfg = load_cluster_config(ROOT / "recipes" / "cluster.example.toml")
     assert [n.launch for n in cfg.nodes] == ["local", "ssh"]
@@ -347,7 +349,7 @@ def test_a_bad_resume_point_is_an_error_before_anything_starts(
 
 
 def test_eval_summary_says_whether_the_change_is_outside_the_intervals() -> None:
-    from nodes.evaluator import eval_summary
+    from nodes.driver.evaluator import eval_summary
 
     def ev(acc: float, low: float, high: float, version: int) -> dict[str, float]:
         return {
@@ -384,9 +386,9 @@ bonus_reward.config_class = BonusSettings
 
 def test_reward_advantage_and_loss_carry_their_own_settings() -> None:
     """``fn_args`` is typed by the function ``fn`` names: filled, checked, and handed to it."""
-    from nodes.plugins import NoSettings
+    from nodes.common.plugins import NoSettings
     from nodes.trainer.config import MismatchCorrections
-    from protocols.codec import decode, encode
+    from protocols.runtime.codec import decode, encode
 
     r = recipe_module()
     here = "tests.e2e.test_recipe_config"

@@ -72,7 +72,7 @@ def stalls(tmp_path_factory: pytest.TempPathFactory) -> Stalls:
         command = workflow_line.rstrip().split("; stacks now: ", 1)[1]
         assert command.startswith("rlactors stack --run ") and Path(command.split()[-1]) == out, workflow_line
         stack = subprocess.run(
-            [sys.executable, "-m", "rlactors.cli", *command.split()[1:], "rollout-0"],
+            [sys.executable, "-m", "rlactors.launch.cli", *command.split()[1:], "rollout-0"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         alive = run.proc.poll() is None  # it kills nothing and keeps watching

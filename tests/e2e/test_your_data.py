@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nodes.data import DataConfig, DataError, load_data
+from nodes.driver.data import DataConfig, DataError, load_data
 from tests.e2e.test_recipe import SMALL, recipe, rows
 
 ROWS = [{"q": f"How many apples are {i} and one more?", "a": f"{i} + 1 = {i + 1}\n#### {i + 1}",

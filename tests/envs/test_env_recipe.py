@@ -67,7 +67,7 @@ def single_turn(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
 @pytest.fixture(scope="module")
 def tool_env(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run(tmp_path_factory.mktemp("tool"), [
-        VERIFIERS, "rollout.workflow_args.env=recipes.envs.calculator",
+        VERIFIERS, "rollout.workflow_args.env=recipes.toy_envs.calculator",
         "rollout.workflow_args.env_args={max_turns = 2, limit = 16}", "data.source=env",
         "rollout.workflow_args.tool_parser=tests.envs.always_multiply:parse",
     ])  # fmt: skip
@@ -118,7 +118,7 @@ def test_an_openenv_server_process_trains_and_its_death_does_not_stop_the_run(op
     assert metrics[-1]["rollout/env_errors"] >= 1  # the group on the dying server was dropped
     # the server is the actor env-0's (its worker started it); the runtime replaced the actor when its
     # server died (a new worker started the next server); the run's end left no server running
-    assert len(servers) == 2 and all("rlactors.worker env-0" in s["parent"] for s in servers)
+    assert len(servers) == 2 and all("rlactors.node.worker env-0" in s["parent"] for s in servers)
     assert servers[0]["parent_pid"] != servers[1]["parent_pid"]
     assert all_gone([s["pid"] for s in servers])
 
@@ -146,7 +146,7 @@ def test_an_environment_that_cannot_start_is_one_line_and_exit_2(
 
 @pytest.mark.slow
 def test_evaluate_starts_the_workflows_environment_servers(tmp_path: Path) -> None:
-    """``python -m recipes.evaluate`` with an OpenEnv ``env_app`` starts the environment's servers as
+    """``python -m recipes.gsm8k_eval`` with an OpenEnv ``env_app`` starts the environment's servers as
     the run does (the actor env-0 owning a server process), evaluates through them, and leaves none."""
     from nodes.inference.models import ensure_tiny_checkpoint
     from tests.e2e.test_evaluate import evaluate
@@ -168,5 +168,5 @@ def test_evaluate_starts_the_workflows_environment_servers(tmp_path: Path) -> No
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2
     servers = servers_noted(marker)  # the episodes ran on a server started by env-0's worker
-    assert len(servers) == 1 and "rlactors.worker env-0" in servers[0]["parent"]
+    assert len(servers) == 1 and "rlactors.node.worker env-0" in servers[0]["parent"]
     assert all_gone([s["pid"] for s in servers])

@@ -143,7 +143,7 @@ async def test_a_started_server_is_an_actor_replaced_when_it_dies_and_only_its_g
         servers = servers_noted(marker)
         # two server processes, each started by a worker of the actor env-0: the first and its replacement
         assert len(servers) == 2 and servers[0]["pid"] == int(marker.read_text())
-        assert all("rlactors.worker env-0" in s["parent"] for s in servers)
+        assert all("rlactors.node.worker env-0" in s["parent"] for s in servers)
         assert servers[0]["parent_pid"] != servers[1]["parent_pid"]
     assert wf.counters["env_errors"] == 1
     assert all_gone([s["pid"] for s in servers])  # the cluster's end stopped the server with its actor

@@ -41,7 +41,7 @@ def first_item(wf: VerifiersWorkflow) -> dict[str, Any]:
 
 
 async def test_a_single_turn_env_is_scored_by_its_rubric(tokenizer: Any) -> None:  # noqa: F811
-    wf = workflow(tokenizer, "recipes.envs.easy_sums", n_samples=2)
+    wf = workflow(tokenizer, "recipes.toy_envs.easy_sums", n_samples=2)
     item = first_item(wf)
     gen = Scripted(tokenizer, [f"It is \\boxed{{{item['answer']}}}.", "It is 99."])
     try:
@@ -60,7 +60,7 @@ async def test_a_single_turn_env_is_scored_by_its_rubric(tokenizer: Any) -> None
 
 
 async def test_a_tool_env_runs_its_tool_and_each_episode_is_one_token_sequence(tokenizer: Any) -> None:  # noqa: F811
-    wf = workflow(tokenizer, "recipes.envs.calculator", n_samples=2, env_args={"limit": 4})
+    wf = workflow(tokenizer, "recipes.toy_envs.calculator", n_samples=2, env_args={"limit": 4})
     item = first_item(wf)
     assert item["question"] == "What is 656 * 31?"
     gen = ByTurn(tokenizer, CALL, ["\\boxed{20336}", "\\boxed{20000}"])
@@ -128,7 +128,7 @@ def test_an_environment_that_cannot_load_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="load_environment failed: RuntimeError: no such dataset here"):
         load_config(None, [*base, "rollout.workflow_args.env=tests.envs.sample_env",
                            'rollout.workflow_args.env_args={kind = "load_fails"}'])  # fmt: skip
-    cfg = load_config(None, [*base, "rollout.workflow_args.env=recipes.envs.easy_sums"])
+    cfg = load_config(None, [*base, "rollout.workflow_args.env=recipes.toy_envs.easy_sums"])
     assert isinstance(cfg.rollout.workflow_args, VerifiersConfig)
 
 
@@ -140,7 +140,7 @@ def test_a_hub_id_loads_the_installed_package_as_a_module_path_does(
     monkeypatch.syspath_prepend(str(tmp_path))
     by_id = VerifiersConfig(env="someone/my-hub-env", env_args={"kind": "ok"})
     by_path = VerifiersConfig(env="tests.envs.sample_env", env_args={"kind": "ok"})
-    from nodes.data import DataConfig
+    from nodes.driver.data import DataConfig
 
     cfg = DataConfig(source="env", eval_size=4)
     train, held, about, held_about = by_id.env_data(cfg)

@@ -2,7 +2,7 @@
 
 A test that runs ``python SCRIPT ...`` or ``python -m MODULE ...`` (a recipe driver, trainer ranks,
 a reference server) pays for importing torch and transformers in every process, as a node agent's
-workers did before they were forked (:mod:`rlactors.forkserver`). Here the test process starts a
+workers did before they were forked (:mod:`rlactors.node.forkserver`). Here the test process starts a
 fork server at its first such call, which imports what the commands name in ``preload`` once, and
 each command is forked from it: what the child sees is what exec would have given it (the fork
 server's tests check that field by field). A child can have only some variables of its own (ranks,
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from rlactors.forkserver import SAFE_ENV, SAFE_ENV_PREFIXES, ForkedProcess, ForkServer
+from rlactors.node.forkserver import SAFE_ENV, SAFE_ENV_PREFIXES, ForkedProcess, ForkServer
 
 REPO = Path(__file__).resolve().parents[2]
 # What the commands tests fork import before their first line: the trainer rank's modules (torch,

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from nodes.inference.launcher import free_port
+from nodes.common.procs import free_port
 
 __all__ = ["RecordingProxy"]
 

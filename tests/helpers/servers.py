@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from nodes.inference.launcher import REPO_ROOT, free_port
+from nodes.common.procs import free_port
+from nodes.inference.launcher import REPO_ROOT
 from tests.helpers import forked
 
 
@@ -190,7 +191,7 @@ class Trainer:
 
     def join(self) -> None:
         """Host the store and form the group; blocks until the server joins."""
-        from nodes.weight_group import init_weight_update_group
+        from nodes.common.weight_group import init_weight_update_group
 
         self.pg = init_weight_update_group(
             backend="gloo",
@@ -204,7 +205,7 @@ class Trainer:
 
     def broadcast(self, tensors: list[Any]) -> None:
         """Broadcast each tensor from rank 0."""
-        from nodes.weight_group import broadcast
+        from nodes.common.weight_group import broadcast
 
         assert self.pg is not None
         for t in tensors:
@@ -212,7 +213,7 @@ class Trainer:
 
     def close(self) -> None:
         """Leave the group."""
-        from nodes.weight_group import destroy_weight_update_group
+        from nodes.common.weight_group import destroy_weight_update_group
 
         if self.pg is not None:
             destroy_weight_update_group(self.pg)

@@ -68,9 +68,9 @@ def synthetic_batch(
 
 
 def grpo_advantages(batch: Batch) -> list[float]:
-    """GRPO advantages of the batch's unshaped rewards (nodes/advantage.py), one per trajectory:
+    """GRPO advantages of the batch's unshaped rewards (nodes/driver/advantage.py), one per trajectory:
     what tests and benchmarks that drive a trainer directly train with."""
-    from nodes.advantage import AdvantageConfig, batch_advantages
+    from nodes.driver.advantage import AdvantageConfig, batch_advantages
 
     return batch_advantages(batch, [g.rewards for g in batch.groups], AdvantageConfig())
 

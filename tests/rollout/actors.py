@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from nodes.buffer import BufferActor
+from nodes.plane.buffer import BufferActor
 
 
 class SlowBeginBuffer(BufferActor):

@@ -16,7 +16,7 @@ import httptools
 import orjson
 import pytest
 
-from protocols.sglang import weight_version_spans
+from protocols.http.sglang import weight_version_spans
 
 HOST = "127.0.0.1"
 

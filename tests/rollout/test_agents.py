@@ -21,7 +21,7 @@ def workflow(tok: Any, agent: str, **kw: Any) -> AgentWorkflow:
 
 
 async def test_the_python_tool_agent_is_one_trajectory_per_run(tokenizer: Any) -> None:  # noqa: F811
-    wf = workflow(tokenizer, "recipes.agents.python_tool:run", n_samples=2)
+    wf = workflow(tokenizer, "recipes.sdk_agents.python_tool:run", n_samples=2)
     gen = Scripted(tokenizer, [CALL, CALL, "It is \\boxed{28454}.", "It is \\boxed{28000}."])
     try:
         group = await wf.arun_episode(gen, {"question": "What is 347 * 82?", "answer": "28454"}, "g/e0/1")
@@ -47,7 +47,7 @@ async def test_the_python_tool_agent_is_one_trajectory_per_run(tokenizer: Any) -
 async def test_the_guided_agent_shows_its_example_and_makes_the_first_completion_call(
     tokenizer: Any,  # noqa: F811
 ) -> None:
-    wf = workflow(tokenizer, "recipes.agents.python_tool:run_guided", n_samples=1)
+    wf = workflow(tokenizer, "recipes.sdk_agents.python_tool:run_guided", n_samples=1)
     rest = CALL.removeprefix("<tool_call>\n")  # the endpoint writes the opening (tool_choice required)
     gen = Scripted(tokenizer, [rest, "347 * 82 = \\boxed{28454}"])
     try:

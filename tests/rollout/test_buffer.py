@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from nodes.buffer import BufferConfig, TrajectoryBuffer, has_reward_variance
-from nodes.governor import GovernorConfig, StalenessGovernor
+from nodes.plane.buffer import BufferConfig, TrajectoryBuffer, has_reward_variance
+from nodes.plane.governor import GovernorConfig, StalenessGovernor
 from protocols.rl import Trajectory, TrajectoryGroup
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 
 def group(gid: str, version: int = 0, n: int = 2) -> TrajectoryGroup:

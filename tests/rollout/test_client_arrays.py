@@ -14,9 +14,9 @@ from nodes.rollout.chunks import parse_chunk, token_versions
 from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import Sample
-from protocols import codec
+from protocols.http.sglang import weight_version_spans
 from protocols.rl import IDS_DTYPE, LOGPROBS_DTYPE, MASK_DTYPE, VERSIONS_DTYPE
-from protocols.sglang import weight_version_spans
+from protocols.runtime import codec
 from tests.rollout.scripted import Answer, Script, Serve, reply
 from tests.rollout.test_client_mock import FAST
 from tests.rollout.test_openai_endpoint import Scripted, tokenizer  # noqa: F401 - the fixture

@@ -17,7 +17,7 @@ from nodes.rollout.client import (
     NoServerAvailableError,
     SGLangClient,
 )
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.rollout.scripted import DROP, Answer, Script, Serve, answer, reply
 
 FAST = ClientConfig(backoff_base_s=0.001, backoff_max_s=0.002, max_retries=2)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.helpers.servers import (
     hung_server,
     load,
@@ -143,7 +143,7 @@ async def test_resume_after_flush_reports_no_cache_hit(server_url: str, admin: h
 
 
 async def test_hung_and_dead_servers_fail_over_to_a_live_one(server_url: str) -> None:
-    from nodes.inference.launcher import free_port
+    from nodes.common.procs import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = ClientConfig(request_timeout_s=0.5, max_retries=1, backoff_base_s=0.01)

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from nodes.rollout.client import ClientConfig, GenerationError, GenRequest, SGLangClient
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.helpers.servers import reference_server, wait_decoding
 from tests.rollout.scripted import Script, Serve, reply, sse
 from tests.rollout.test_client_mock import FAST

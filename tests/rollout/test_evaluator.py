@@ -3,7 +3,7 @@ an accuracy of 0 over 0 items."""
 
 from __future__ import annotations
 
-from nodes.evaluator import Evaluator
+from nodes.driver.evaluator import Evaluator
 
 
 async def test_no_items_no_evaluation() -> None:

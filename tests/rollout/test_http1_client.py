@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from nodes.rollout.http1 import ClientError, ClientPool
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 HOST = "127.0.0.1"
 

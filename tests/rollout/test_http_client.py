@@ -12,16 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nodes.buffer import BufferActor
-from nodes.governor import GovernorActor, GovernorConfig
-from nodes.inference.launcher import free_port
+from nodes.common.procs import free_port
+from nodes.plane.buffer import BufferActor
+from nodes.plane.governor import GovernorActor, GovernorConfig
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.client import ClientConfig, GenerationError, GenRequest, SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
-from protocols.auth import ServerKeys
-from rlactors.aio import wait_for
-from rlactors.tomlconf import ConfigError, load_toml
+from protocols.http.auth import ServerKeys
+from rlactors.base.aio import wait_for
+from rlactors.base.tomlconf import ConfigError, load_toml
 from tests.helpers.servers import hung_server, reference_server, wait_until
 
 KEYS = ServerKeys("plain-key-1", "admin-key-2")

@@ -1,4 +1,4 @@
-"""The chat-completions body as protocols/openai.py reads it: each malformed field refused with
+"""The chat-completions body as protocols/http/openai.py reads it: each malformed field refused with
 OpenAI's message and ``param``, and a good body read into what the endpoint generates with."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from nodes.rollout.openai_endpoint import ChatRequest, EndpointError
-from protocols.openai import ChatCompletionRequest, OpenAIError
+from protocols.http.openai import ChatCompletionRequest, OpenAIError
 
 U = [{"role": "user", "content": "x"}]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds", "parameters": {}}}]

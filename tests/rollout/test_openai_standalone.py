@@ -23,7 +23,7 @@ import pytest
 from nodes.inference.launcher import REPO_ROOT
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.rollout.chat import continuation_ids, prompt_ids
-from protocols.auth import ServerKeys
+from protocols.http.auth import ServerKeys
 from tests.helpers.servers import reference_server
 
 KEYS = ServerKeys("plain-key", "admin-key")

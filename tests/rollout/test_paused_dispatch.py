@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from nodes.driver.watchdog import StallWatchdog
 from nodes.rollout.client import PAUSED_BY_DESIGN, ClientConfig, GenRequest, SGLangClient
-from nodes.watchdog import StallWatchdog
-from rlactors.aio import wait_for
-from rlactors.forensics import noted_waits
+from rlactors.base.aio import wait_for
+from rlactors.base.forensics import noted_waits
 from tests.rollout.scripted import Answer, Posted, Serve, reply
 
 

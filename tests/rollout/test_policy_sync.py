@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nodes.policy_sync import PolicySync
+from nodes.driver.policy_sync import PolicySync
 
 
 async def paused(url: str) -> bool:

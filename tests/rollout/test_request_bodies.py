@@ -1,4 +1,4 @@
-"""The bodies our side sends are built from protocols/sglang.py's types and read back by them."""
+"""The bodies our side sends are built from protocols/http/sglang.py's types and read back by them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pydantic
 import pytest
 
 from nodes.rollout.client import GenRequest, SGLangClient
-from protocols.sglang import (
+from protocols.http.sglang import (
     GenerateBody,
     GenerateRequest,
     PauseGenerationRequest,

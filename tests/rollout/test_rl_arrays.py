@@ -9,8 +9,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocols import codec
 from protocols.rl import Batch, Trajectory, TrajectoryError, TrajectoryGroup
+from protocols.runtime import codec
 
 N_GEN = 600  # enough tokens that every per-token field is over the codec's inline limit
 

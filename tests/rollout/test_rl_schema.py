@@ -61,7 +61,7 @@ def test_group_and_batch():
 
 
 def test_batch_round_trips_through_the_codec():
-    from protocols import codec
+    from protocols.runtime import codec
 
     b = Batch([TrajectoryGroup("g1", [traj("g1"), traj("g1", (5,))])], version=5)
     frames = codec.encode(b)

@@ -7,14 +7,14 @@ import time
 
 import httpx
 
-from nodes.buffer import BufferConfig, TrajectoryBuffer
-from nodes.governor import GovernorConfig, StalenessGovernor
+from nodes.plane.buffer import BufferConfig, TrajectoryBuffer
+from nodes.plane.governor import GovernorConfig, StalenessGovernor
 from nodes.rollout.actor import Rollout
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.prompts import prompt_source
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 WORKFLOW = WorkflowSpec(config=RLVRConfig(n_samples=2, max_new_tokens=24))
 

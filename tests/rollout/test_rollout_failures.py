@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from nodes.buffer import BufferConfig, TrajectoryBuffer
-from nodes.governor import GovernorConfig, StalenessGovernor
+from nodes.plane.buffer import BufferConfig, TrajectoryBuffer
+from nodes.plane.governor import GovernorConfig, StalenessGovernor
 from nodes.rollout.actor import Rollout
 from nodes.rollout.client import ClientConfig, GenerationError, GenRequest, SGLangClient
 from nodes.rollout.config import RolloutConfig
@@ -28,7 +28,7 @@ from nodes.rollout.workflows import (
     sample_rid,
 )
 from protocols.rl import Trajectory, TrajectoryGroup
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.rollout.scripted import Answer, Posted, Serve, answer, reply
 
 

@@ -11,13 +11,13 @@ import httpx
 import pytest
 
 import rlactors
-from nodes.buffer import BufferActor
-from nodes.governor import GovernorActor, GovernorConfig
+from nodes.plane.buffer import BufferActor
+from nodes.plane.governor import GovernorActor, GovernorConfig
 from nodes.rollout.actor import Rollout, RolloutActor, RolloutHandle
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.helpers.cluster import worker_pid
 from tests.helpers.servers import wait_until
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import httpx
 
-from nodes.buffer import BufferActor
-from nodes.governor import GovernorActor, GovernorConfig
+from nodes.plane.buffer import BufferActor
+from nodes.plane.governor import GovernorActor, GovernorConfig
 from nodes.rollout.actor import RolloutActor
 from nodes.rollout.config import RolloutConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.helpers.servers import wait_load
 from tests.rollout.actors import SlowBeginBuffer
 

@@ -20,8 +20,8 @@ import pytest
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.rollout.client import GenRequest, GenResult, SGLangClient
 from nodes.rollout.sessions import OnlineConfig, OnlineError, OnlineWorkflow
-from protocols.auth import ServerKeys
-from rlactors.aio import wait_for
+from protocols.http.auth import ServerKeys
+from rlactors.base.aio import wait_for
 from tests.helpers.servers import wait_decoding
 
 KEY = "sk-test-key"

@@ -38,10 +38,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from nodes.buffer import BufferConfig, TrajectoryBuffer
-from nodes.governor import GovernorConfig, StalenessGovernor
+from nodes.plane.buffer import BufferConfig, TrajectoryBuffer
+from nodes.plane.governor import GovernorConfig, StalenessGovernor
 from protocols.rl import Trajectory, TrajectoryGroup
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 
 def make_group(gid: str, versions: list[int], signal: bool = True) -> TrajectoryGroup:

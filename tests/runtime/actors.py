@@ -10,8 +10,8 @@ import time
 import numpy as np
 
 import rlactors
-from protocols import codec
-from rlactors.aio import wait_for
+from protocols.runtime import codec
+from rlactors.base.aio import wait_for
 
 
 class Counter(rlactors.Actor):

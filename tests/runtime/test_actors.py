@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, LoopLedger, Printer, Tricky
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ async def test_unpicklable_argument_fails_at_the_caller(cluster) -> None:
 
 
 def test_import_rlactors_does_not_import_torch() -> None:
-    code = "import sys, rlactors, protocols.wire, protocols.codec; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, rlactors, protocols.runtime.wire, protocols.runtime.codec; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 

@@ -22,11 +22,11 @@ import zmq.asyncio
 from structlog.testing import capture_logs
 
 import rlactors
-from protocols import wire
-from protocols.wire import Kind
-from rlactors import transport
-from rlactors.aio import wait_for
-from rlactors.service import Service
+from protocols.runtime import wire
+from protocols.runtime.wire import Kind
+from rlactors.base.aio import wait_for
+from rlactors.wire import transport
+from rlactors.wire.service import Service
 from tests.runtime.actors import Counter
 
 MiB = 1 << 20
@@ -339,7 +339,7 @@ async def test_messages_to_a_peer_that_vanished_with_a_backlog_are_reported(
 async def test_the_bound_comes_from_cluster_toml_or_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rlactors.config import agent_command, load_cluster_config
+    from rlactors.launch.config import agent_command, load_cluster_config
 
     path = tmp_path / "cluster.toml"
     path.write_text(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import rlactors
-from protocols import codec, wire
+from protocols.runtime import codec, wire
 
 BIG = codec.INLINE_LIMIT + 1
 

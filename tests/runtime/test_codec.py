@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocols import codec, wire
-from rlactors.errors import RemoteError, exception_from_payload
+from protocols.runtime import codec, wire
+from rlactors.base.errors import RemoteError, exception_from_payload
 
 
 @codec.register
@@ -206,7 +206,7 @@ def test_sent_buffers_are_released_once_the_frames_are_dropped(no_cyclic_gc: Non
 
 PROBE = """
 import dataclasses
-from protocols import codec
+from protocols.runtime import codec
 IMPORTED = True
 
 @codec.register
@@ -257,7 +257,7 @@ def test_the_wire_contract_types_decode_where_their_module_was_never_imported() 
 
     script = (
         "import msgpack, sys\n"
-        "from protocols import codec\n"
+        "from protocols.runtime import codec\n"
         "assert 'protocols.rl' not in sys.modules\n"
         "body = msgpack.packb(msgpack.ExtType(codec.EXT_DATACLASS, msgpack.packb(['protocols.rl:Batch', {}])))\n"
         "try:\n"

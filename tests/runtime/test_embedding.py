@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

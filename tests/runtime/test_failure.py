@@ -13,10 +13,11 @@ import zmq
 import zmq.asyncio
 
 import rlactors
-from protocols import codec, wire
-from rlactors import head, service
-from rlactors.aio import wait_for
-from rlactors.runtime import RuntimeClient
+from protocols.runtime import codec, wire
+from rlactors.base.aio import wait_for
+from rlactors.head.head import head
+from rlactors.wire import service
+from rlactors.wire.runtime import RuntimeClient
 from tests.runtime.actors import Counter, Watcher
 
 # Generous bound that turns a hang into a failure; the 1 s target is measured in bench/rpc.py.
@@ -27,7 +28,7 @@ async def test_kill_9_fails_pending_and_later_calls(cluster) -> None:
     c = await cluster.spawn(Counter, name="victim")
     pid = await c.pid()
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()  # noqa: ASYNC240
-    assert "rlactors.worker victim" in cmdline
+    assert "rlactors.node.worker victim" in cmdline
     pending = [c.sleep(60) for _ in range(5)]
     os.kill(pid, signal.SIGKILL)
     for fut in pending:
@@ -223,7 +224,7 @@ async def test_the_head_keeps_a_bounded_number_of_dead_actors(monkeypatch) -> No
 async def test_session_folders_of_killed_processes_are_removed_by_the_next_session() -> None:
     import tempfile
 
-    from rlactors.local import _pid_namespace
+    from rlactors.launch.local import _pid_namespace
 
     dead = await asyncio.create_subprocess_exec("true")  # a pid whose process has exited
     await dead.wait()

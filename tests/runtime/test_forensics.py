@@ -13,9 +13,7 @@ from typing import Any
 import pytest
 
 import rlactors
-from rlactors import forensics
-from rlactors.aio import wait_for
-from rlactors.stacks import (
+from rlactors.api.stacks import (
     ActorStacks,
     IncomingCall,
     NotedWait,
@@ -25,6 +23,8 @@ from rlactors.stacks import (
     build_report,
     dump_loop_thread,
 )
+from rlactors.base import forensics
+from rlactors.base.aio import wait_for
 
 
 class Ping(rlactors.Actor):

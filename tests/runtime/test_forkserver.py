@@ -1,4 +1,4 @@
-"""The fork server (rlactors.forkserver): a forked child sees what an exec'd one would; exit codes
+"""The fork server (rlactors.node.forkserver): a forked child sees what an exec'd one would; exit codes
 and signals read as asyncio's do; children die with their owner and with the server; it declines
 what it cannot fork faithfully or safely; a node agent forks the workers of the packages it preloads
 and execs the others."""
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
-from rlactors.forkserver import PIPE, ForkedProcess, ForkServer
+from rlactors.base.aio import wait_for
+from rlactors.node.forkserver import PIPE, ForkedProcess, ForkServer
 from tests.helpers.processes import gone
 from tests.runtime.actors import Counter
 
@@ -172,8 +172,8 @@ async def test_a_node_agent_forks_the_workers_of_its_packages(monkeypatch: pytes
     async with rlactors.init() as cluster:
         forked = await cluster.spawn(Counter, 5, name="forked")
         pid = await forked.pid()
-        assert parent(pid) != os.getpid() and "rlactors.forkserver" in cmdline(parent(pid))
-        assert "rlactors.worker forked" in cmdline(pid)
+        assert parent(pid) != os.getpid() and "rlactors.node.forkserver" in cmdline(parent(pid))
+        assert "rlactors.node.worker forked" in cmdline(pid)
         assert await forked.add(1) == 6
         monkeypatch.setenv("RLACTORS_FORK_PACKAGES", "")
         execd = await cluster.spawn(Counter, name="execd")
@@ -202,7 +202,7 @@ def test_the_tests_fork_server_runs_what_subprocess_would(
         want = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=NO_HANG)
         assert got.returncode == want.returncode == 4 and got.stderr == want.stderr == ""
         mine, theirs = json.loads(got.stdout), json.loads(want.stdout)
-        assert "rlactors.forkserver" in cmdline(mine["ppid"])  # forked, not exec'd
+        assert "rlactors.node.forkserver" in cmdline(mine["ppid"])  # forked, not exec'd
         same = ("argv", "main", "path0", "spec", "cwd", "var", "cmdline")
         assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
     proc = forked.popen([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"),
@@ -219,7 +219,7 @@ def test_the_tests_fork_server_runs_what_subprocess_would(
     room(1)
     other = forked.run([sys.executable, script], env=probe_env(RLACTORS_PROBE_VAR="w", PROBE_OTHER="1"))
     seen_other = json.loads(other.stdout)
-    assert seen_other["var"] == "w" and "rlactors.forkserver" in cmdline(seen_other["ppid"])
+    assert seen_other["var"] == "w" and "rlactors.node.forkserver" in cmdline(seen_other["ppid"])
     assert seen_other["ppid"] != mine["ppid"]
     # yet another, with no room left: exec'd, as subprocess would
     room(0)

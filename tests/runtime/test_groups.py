@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.runtime.actors import Counted, Counter, Member
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
-from rlactors.runtime import current_client
-from rlactors.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from rlactors.base.aio import wait_for
+from rlactors.wire.runtime import current_client
+from rlactors.wire.transport import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from tests.runtime.actors import Counter
 
 NODE_TIMEOUT = 1.0

@@ -17,16 +17,16 @@ PACKAGES = ("rlactors", "protocols")
 EVERY_PACKAGE = ("protocols", "rlactors", "nodes", "recipes")
 
 # The user-facing API: nothing below it may import these.
-USER_API = {"rlactors", "rlactors.actor", "rlactors.cluster", "rlactors.handle"}
+USER_API = {"rlactors", "rlactors.api.actor", "rlactors.api.cluster", "rlactors.api.handle"}
 # Wire, sockets and serving: the floors the user-facing API stands on.
 LOWER_FLOORS = {
-    "protocols.codec",
-    "protocols.wire",
-    "rlactors.transport",
-    "rlactors.client",
-    "rlactors.service",
-    "rlactors.methods",
-    "rlactors.runtime",
+    "protocols.runtime.codec",
+    "protocols.runtime.wire",
+    "rlactors.wire.transport",
+    "rlactors.wire.client",
+    "rlactors.wire.service",
+    "rlactors.wire.methods",
+    "rlactors.wire.runtime",
 }
 
 
@@ -42,7 +42,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from rlactors import logging` imports the module rlactors.logging, not the package
+            # `from rlactors.base import logging` imports the module rlactors.base.logging, not the package
             names = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules]
             names = names or [node.module]
         else:
@@ -119,7 +119,10 @@ def test_the_graph_sees_deferred_and_type_checking_imports(tmp_path: Path) -> No
     src = tmp_path / "m.py"
     src.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from rlactors.cluster import Cluster\n"
-        "def f():\n    from rlactors import logging\n"
+        "if TYPE_CHECKING:\n    from rlactors.api.cluster import Cluster\n"
+        "def f():\n    from rlactors.base import logging\n"
     )
-    assert _imports(src, {"rlactors.cluster", "rlactors.logging"}) == {"rlactors.cluster", "rlactors.logging"}
+    assert _imports(src, {"rlactors.api.cluster", "rlactors.base.logging"}) == {
+        "rlactors.api.cluster",
+        "rlactors.base.logging",
+    }

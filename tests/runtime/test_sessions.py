@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import rlactors
-from rlactors.aio import wait_for
-from rlactors.runtime import RuntimeClient
+from rlactors.base.aio import wait_for
+from rlactors.wire.runtime import RuntimeClient
 from tests.runtime.actors import Counter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRIVER = """
 import asyncio, sys
 import rlactors
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 from tests.runtime.actors import Counter
 
 async def main():

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlactors.aio import wait_for
-from rlactors.awake import SLACK_S, TICK_S, AwakeClock, awake_clock
+from rlactors.base.aio import wait_for
+from rlactors.base.awake import SLACK_S, TICK_S, AwakeClock, awake_clock
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_TIMEOUT = 2.5  # the stop below (3x) also outlasts ZeroMQ's own 7 s heartbeat timeout

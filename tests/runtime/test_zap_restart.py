@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import zmq
 
-from rlactors.security import _start_authenticator
+from rlactors.wire.security import _start_authenticator
 
 
 def test_an_authenticator_starts_right_after_another_stopped() -> None:

@@ -27,7 +27,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nodes.inference.launcher import SGLANG_CPU_SHIM, free_port
+from nodes.common.procs import free_port
+from nodes.inference.launcher import SGLANG_CPU_SHIM
 from nodes.inference.models import ensure_tiny_checkpoint
 from tests.helpers.servers import reference_server
 from tests.trainer.launch import run_ranks

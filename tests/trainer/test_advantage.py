@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from nodes.advantage import (
+from nodes.driver.advantage import (
     AdvantageConfig,
     ShapingConfig,
     batch_advantages,
@@ -86,12 +86,12 @@ def test_batch_normalize_weights_by_tokens():
 def test_batch_advantages_calls_the_named_estimator_and_flattens():
     batch = synthetic_batch(2, 3, seed=4)
     rewards = [[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]
-    out = batch_advantages(batch, rewards, AdvantageConfig(fn="nodes.advantage:leave_one_out"))
+    out = batch_advantages(batch, rewards, AdvantageConfig(fn="nodes.driver.advantage:leave_one_out"))
     assert out == pytest.approx([1.0, -0.5, -0.5, -0.5, -0.5, 1.0])
     out = batch_advantages(batch, rewards, AdvantageConfig(fn="tests.trainer.test_advantage:constant"))
     assert out == [0.25] * 6
     with pytest.raises(ValueError, match=r"advantage\.fn.*has no 'nope'"):
-        batch_advantages(batch, rewards, AdvantageConfig(fn="nodes.advantage:nope"))
+        batch_advantages(batch, rewards, AdvantageConfig(fn="nodes.driver.advantage:nope"))
     with pytest.raises(ValueError, match="other sizes"):
         batch_advantages(batch, rewards, AdvantageConfig(fn="tests.trainer.test_advantage:too_few"))
 

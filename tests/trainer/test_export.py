@@ -5,6 +5,7 @@ is one line and exit code 2 through the real command; a failed export leaves no 
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import subprocess
@@ -193,7 +194,7 @@ def test_the_reference_server_serves_the_export_as_transformers_runs_it(fp32_exp
 def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
     """``rlactors export ARGS`` through the command's own ``main`` in this process: its exit code
     and what it wrote, as :func:`cli` returns them, without a process start (torch's import) each."""
-    from rlactors.cli import main
+    from rlactors.launch.cli import main
 
     capsys.readouterr()
     with pytest.raises(SystemExit) as ended:
@@ -288,7 +289,8 @@ def test_the_command_is_listed_by_rlactors_help() -> None:
 
 
 def test_an_export_that_fails_while_writing_leaves_no_folder(monkeypatch, tmp_path) -> None:
-    """A single-process checkpoint (no torch.distributed at all: DCP writes one rank's shards)."""
+    """A single-process checkpoint (no torch.distributed at all: DCP writes one rank's shards); a
+    write that fails, one that fails for space (one line), one the disk has no room for."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -308,6 +310,22 @@ def test_an_export_that_fails_while_writing_leaves_no_folder(monkeypatch, tmp_pa
     out = tmp_path / "hf"
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", crash)
     with pytest.raises(OSError, match="disk full"):
+        export_checkpoint(ckpt, out, dtype="fp32")
+    assert not out.exists() and not (tmp_path / "hf.tmp").exists()
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        (tmp_path / "hf.tmp" / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", no_space)
+    with pytest.raises(ExportError, match=rf"^export {out}: the disk is full at {tmp_path}: it needs about [\d,]+ "
+                       r"bytes, [\d,]+ are free; the partial hf.tmp was removed$"):  # fmt: skip
+        export_checkpoint(ckpt, out, dtype="fp32")
+    assert not out.exists() and not (tmp_path / "hf.tmp").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr("nodes.common.disk.free_bytes", lambda folder: 1000)  # smaller than the weights
+    with pytest.raises(ExportError, match=rf"^export {out}: the disk is full at {tmp_path}: it needs about "
+                       r"[\d,]+ bytes, 1,000 are free; nothing was written$"):  # fmt: skip
         export_checkpoint(ckpt, out, dtype="fp32")
     assert not out.exists() and not (tmp_path / "hf.tmp").exists()
     monkeypatch.undo()

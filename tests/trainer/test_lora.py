@@ -17,7 +17,7 @@ from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.config import LoraConfig, TrainConfig
 from nodes.trainer.lora import apply_lora, merge_state_dict, served_parameters
 from recipes.gsm8k_config import load_config
-from rlactors.tomlconf import ConfigError
+from rlactors.base.tomlconf import ConfigError
 from tests.trainer.launch import run_ranks
 
 HERE = Path(__file__).parent

@@ -18,7 +18,7 @@ import torch
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.config import LoraConfig
 from nodes.trainer.lora import adapter_state, write_adapter
-from protocols.sglang import lora_name
+from protocols.http.sglang import lora_name
 from tests.helpers.servers import serving, start_reference_server
 from tests.trainer.test_lora import adapted
 
@@ -145,7 +145,7 @@ def test_adapter_state_has_peft_names_and_matches_the_model() -> None:
 
 def test_push_and_keep_come_from_the_config_and_are_checked() -> None:
     from recipes.gsm8k_config import load_config
-    from rlactors.tomlconf import ConfigError
+    from rlactors.base.tomlconf import ConfigError
 
     cfg = load_config(None, ["trainer.lora.enabled=true", "trainer.lora.push=adapter", "trainer.lora.keep=3"])
     assert (cfg.trainer.lora.push, cfg.trainer.lora.keep) == ("adapter", 3)
@@ -180,7 +180,7 @@ def test_the_recipe_launches_servers_with_lora_and_clients_name_the_adapter() ->
 
 async def test_the_client_names_the_adapter_of_its_version_and_labels_tokens_with_it() -> None:
     from nodes.rollout.client import ClientConfig, GenRequest, SGLangClient
-    from rlactors.aio import wait_for
+    from rlactors.base.aio import wait_for
     from tests.rollout.scripted import Answer, Script, Servers, reply
 
     aborted = asyncio.Event()

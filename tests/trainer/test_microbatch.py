@@ -7,8 +7,8 @@ import random
 import torch
 
 from nodes.trainer.microbatch import build_microbatch
-from protocols import codec
 from protocols.rl import Trajectory, TrajectoryGroup
+from protocols.runtime import codec
 
 
 def trajectories(seed: int = 0) -> list[Trajectory]:

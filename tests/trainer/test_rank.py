@@ -10,7 +10,7 @@ import rlactors
 from nodes.inference.models import ensure_tiny_checkpoint
 from nodes.trainer.config import LossConfig, PushConfig, TrainConfig
 from nodes.trainer.rank import TrainerRank
-from protocols.codec import decode, encode
+from protocols.runtime.codec import decode, encode
 from tests.helpers.synthetic import synthetic_batch, with_advantages
 
 

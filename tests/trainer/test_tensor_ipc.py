@@ -1,4 +1,4 @@
-"""Tensors handed over by reference (nodes/tensor_ipc.py), SGLang's ``/update_weights_from_tensor``.
+"""Tensors handed over by reference (nodes/common/tensor_ipc.py), SGLang's ``/update_weights_from_tensor``.
 
 On CPU a tensor travels as the name of a shared-memory file: another process sees the sender's
 memory, not a copy. The receiver builds tensors and nothing else: a payload naming any other
@@ -21,14 +21,14 @@ import httpx
 import pytest
 import torch
 
+from nodes.common.tensor_ipc import PayloadError, deserialize_named_tensors, serialize_named_tensors
 from nodes.inference.models import ensure_tiny_checkpoint
-from nodes.tensor_ipc import PayloadError, deserialize_named_tensors, serialize_named_tensors
 from tests.helpers.servers import reference_server
 
 REPO = Path(__file__).resolve().parents[2]
 READ = """
 import sys
-from nodes.tensor_ipc import deserialize_named_tensors
+from nodes.common.tensor_ipc import deserialize_named_tensors
 named = deserialize_named_tensors(sys.stdin.readline().strip())
 print([(n, t.dtype, t.tolist()) for n, t in named], flush=True)
 sys.stdin.readline()  # the sender has written again

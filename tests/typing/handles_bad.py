@@ -4,7 +4,7 @@ reported by mypy with that error code, and no other line may be."""
 from __future__ import annotations
 
 import rlactors
-from rlactors.handle import HandleProxy
+from rlactors.api.handle import HandleProxy
 
 
 class Counter(rlactors.Actor):

@@ -8,7 +8,7 @@ from typing import Any, assert_type
 
 import rlactors
 from rlactors import ActorGroup, ActorHandle
-from rlactors.handle import HandleProxy
+from rlactors.api.handle import HandleProxy
 
 
 class Counter(rlactors.Actor):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nodes.inference.radix import KVOps
-from protocols.sglang import SamplingParams
+from protocols.http.sglang import SamplingParams
 
 
 @dataclass(eq=False)

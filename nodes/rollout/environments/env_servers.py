@@ -23,16 +23,16 @@ import itertools
 import os
 import sys
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx  # the environment servers' client: another role than the inference servers' wire
 import structlog
 
 import rlactors
-from nodes.inference.launcher import HOLD_SIGTERM, child_setup, free_port, stop_process_group
+from nodes.common.procs import HOLD_SIGTERM, child_setup, free_port, stop_process_group
 from nodes.rollout.environments.episodes import EnvError
-from rlactors.aio import wait_for
-from rlactors.runtime import current_client
+from rlactors.base.aio import wait_for
+from rlactors.wire.runtime import current_client
 
 __all__ = ["ENV_ACTOR", "EnvServerActor", "EnvServers", "ServerSettings", "health", "start_env_servers"]
 
@@ -69,11 +69,18 @@ async def health(url: str, client: httpx.AsyncClient | None = None) -> str | Non
 
 class EnvServerActor(rlactors.Actor):
     """One OpenEnv server of ``app`` (``module:app``) on this actor's node; see the module docstring.
-    Its worker exits when the server has died, so that the runtime replaces the actor."""
+    Its worker exits when the server has died, so that the runtime replaces the actor.
+
+    A server may be several processes (a verifiers v1 environment's: its env server and the bridge
+    in front of it, nodes/rollout/environments/verifiers_v1.py): :meth:`commands` says which; one
+    ending is the server's death."""
+
+    label = "OpenEnv server"  # how logs and errors name the server
 
     def __init__(self, app: str, start_timeout_s: float = 120.0) -> None:
         self.app, self.start_timeout_s = app, start_timeout_s
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: asyncio.subprocess.Process | None = None  # the process that answers /health
+        self.procs: list[asyncio.subprocess.Process] = []  # all of the server's, self.proc among them
         self._started: asyncio.Task[str] | None = None
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
@@ -100,10 +107,10 @@ class EnvServerActor(rlactors.Actor):
         assert self._started is not None
         url = await asyncio.shield(self._started)
         assert self.proc is not None
-        if self.proc.returncode is None and await health(url) is not None:
-            with contextlib.suppress(TimeoutError):  # dead, or only slow: the process says which
-                await wait_for(asyncio.shield(self.proc.wait()), HEALTH_TIMEOUT_S)
-        if self.proc.returncode is not None and not self._stopping:
+        if not self._ended() and await health(url) is not None:
+            with contextlib.suppress(TimeoutError):  # dead, or only slow: the processes say which
+                await wait_for(asyncio.shield(self._any_exit()), HEALTH_TIMEOUT_S)
+        if self._ended() and not self._stopping:
             await asyncio.Event().wait()  # until the watcher's os._exit: this URL is not to be used
         return url
 
@@ -113,27 +120,46 @@ class EnvServerActor(rlactors.Actor):
         assert self.proc is not None
         return self.proc.pid
 
+    def commands(self, host: str, port: int) -> tuple[list[list[str]], dict[str, str]]:
+        """The server's processes (the last answers ``/health`` on ``host:port``) and what their
+        environment adds: here one ``uvicorn <app>``."""
+        return [[sys.executable, "-m", "uvicorn", self.app, "--host", host, "--port", str(port),
+                 "--log-level", "warning"]], {}  # fmt: skip
+
+    def _ended(self) -> bool:
+        return any(p.returncode is not None for p in self.procs)
+
+    async def _any_exit(self) -> None:
+        waits = [asyncio.ensure_future(p.wait()) for p in self.procs]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
     async def _start(self) -> str:
         host = await _node_host()
         port = free_port(host)
-        cmd = [sys.executable, "-m", "uvicorn", self.app, "--host", host, "--port", str(port),
-               "--log-level", "warning"]  # fmt: skip
-        # its own session, SIGTERM held, killed when this worker dies: as an inference server
-        self.proc = await asyncio.create_subprocess_exec(
-            *HOLD_SIGTERM, *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            preexec_fn=functools.partial(child_setup, os.getpid()),
-        )  # fmt: skip
+        cmds, env = self.commands(host, port)
+        for cmd in cmds:
+            # its own session, SIGTERM held, killed when this worker dies: as an inference server
+            self.procs.append(await asyncio.create_subprocess_exec(
+                *HOLD_SIGTERM, *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                preexec_fn=functools.partial(child_setup, os.getpid()), env={**os.environ, **env},
+            ))  # fmt: skip
+        self.proc = self.procs[-1]
         url = f"http://{host}:{port}"
         deadline = time.monotonic() + self.start_timeout_s
         async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
             while (why := await health(url, client)) is not None:
-                if self.proc.returncode is not None or time.monotonic() > deadline:
+                if self._ended() or time.monotonic() > deadline:
                     await self._kill()
-                    raise RuntimeError(
-                        f"OpenEnv server {self.app} did not start ({why}; exit {self.proc.returncode})"
-                    )
+                    codes = [p.returncode for p in self.procs]
+                    raise RuntimeError(f"{self.label} {self.app} did not start ({why}; exit {codes})")
                 await asyncio.sleep(0.2)  # polling a starting process: nothing to wait on but its port
-        log.info("openenv.server_started", app=self.app, url=url, pid=self.proc.pid)
+        log.info(
+            "env.server_started", server=self.label, app=self.app, url=url, pids=[p.pid for p in self.procs]
+        )
         self._watch = asyncio.create_task(self._watch_server(url), name="env-server-watch")
         return url
 
@@ -144,9 +170,9 @@ class EnvServerActor(rlactors.Actor):
         async with httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S) as client:
             while misses < DEAD_AFTER:
                 with contextlib.suppress(TimeoutError):
-                    await wait_for(asyncio.shield(self.proc.wait()), HEALTH_EVERY_S)  # the probe period
-                if self.proc.returncode is not None:
-                    why = f"its process exited ({self.proc.returncode})"
+                    await wait_for(asyncio.shield(self._any_exit()), HEALTH_EVERY_S)  # the probe period
+                if self._ended():
+                    why = f"its processes exited ({[p.returncode for p in self.procs]})"
                     break
                 if (failed := await health(url, client)) is None:
                     misses = 0
@@ -154,15 +180,13 @@ class EnvServerActor(rlactors.Actor):
                     misses, why = misses + 1, f"/health failed {DEAD_AFTER} times: {failed}"
         if self._stopping:
             return
-        log.warning("openenv.server_died", app=self.app, url=url, why=why)
+        log.warning("env.server_died", server=self.label, app=self.app, url=url, why=why)
         await self._kill()
         os._exit(1)  # the runtime replaces this actor: a fresh incarnation, a fresh server
 
     async def _kill(self) -> None:
-        """:func:`~nodes.inference.launcher.stop_process_group` of the server."""
-        proc = self.proc
-        if proc is not None and proc.returncode is None:
-            await stop_process_group(proc, 5.0)
+        """:func:`~nodes.common.procs.stop_process_group` of the server's processes."""
+        await asyncio.gather(*(stop_process_group(p, 5.0) for p in self.procs if p.returncode is None))
 
 
 async def _node_host() -> str:
@@ -174,16 +198,22 @@ async def _node_host() -> str:
     return "127.0.0.1"
 
 
-async def start_env_servers(cluster: rlactors.Cluster, config: ServerSettings) -> list[str]:
-    """Spawn the run's ``n_envs`` :class:`EnvServerActor` of ``env_app`` (``env-0``, ...), each
-    replaced up to ``max_replacements`` times when its server dies; their URLs once all answer."""
+async def start_env_servers(
+    cluster: rlactors.Cluster,
+    config: ServerSettings,
+    actor: type[EnvServerActor] = EnvServerActor,
+    *args: Any,
+) -> list[str]:
+    """Spawn the run's ``n_envs`` ``actor`` (:class:`EnvServerActor`) of ``env_app`` (``env-0``, ...),
+    each replaced up to ``max_replacements`` times when its server dies; their URLs once all answer.
+    ``args`` follow ``start_timeout_s`` in the actor's arguments."""
     c = config
-    spawn = functools.partial(cluster.spawn, EnvServerActor, c.env_app, c.start_timeout_s)
+    spawn = functools.partial(cluster.spawn, actor, c.env_app, c.start_timeout_s, *args)
     handles = [await spawn(name=f"{ENV_ACTOR}-{i}", max_restarts=c.max_replacements) for i in range(c.n_envs)]
     try:
         return list(await asyncio.gather(*(wait_for(h.url(), config.start_timeout_s + 10) for h in handles)))
     except (rlactors.RemoteError, TimeoutError) as e:
-        raise RuntimeError(f"OpenEnv server {c.env_app!r} did not start: {e}") from None
+        raise RuntimeError(f"{actor.label} {c.env_app!r} did not start: {e}") from None
 
 
 class EnvServers:

@@ -15,7 +15,9 @@ run goes on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,13 +25,16 @@ from typing import Any
 
 import structlog
 
-from nodes.rollout.openai_endpoint import ChatEndpoint, Episode
+from nodes.rollout.http1 import Request, Response
+from nodes.rollout.openai_endpoint import ChatEndpoint, EndpointError, Episode
 from protocols.rl import Trajectory
-from rlactors.tomlconf import above, at_least, check_ranges
+from rlactors.base.tomlconf import above, at_least, check_ranges
 
 __all__ = ["EnvEpisodes", "EnvError", "EpisodeSettings", "finite_reward", "sdk_client"]
 
 log = structlog.get_logger(__name__)
+
+SESSIONS = "/sessions/"  # sessions(): the endpoint's paths that split a run by X-Session-ID
 
 
 class EnvError(RuntimeError):
@@ -83,6 +88,9 @@ class EnvEpisodes:
         self.endpoint = ChatEndpoint(None, tokenizer, s.model_name, default_max_tokens=s.max_new_tokens,
                                      default_temperature=s.temperature, tool_parser=s.tool_parser)  # fmt: skip
         self._started: asyncio.Future[str] | None = None
+        self._routes: dict[
+            str, tuple[Any, dict[str, Episode]]
+        ] = {}  # sessions(): run -> its client, episodes
         self.counters = dict.fromkeys(("env_episodes", "env_errors", "env_timeouts", "history_edits"), 0)
         self._logged: set[str] = set()
 
@@ -101,6 +109,38 @@ class EnvEpisodes:
             yield ep, url
         finally:
             self.endpoint.close_episode(ep.id)
+
+    @asynccontextmanager
+    async def sessions(self, client: Any) -> AsyncIterator[tuple[dict[str, Episode], str]]:
+        """A base_url (``.../v1``) whose requests make one episode per ``X-Session-ID`` they carry (a
+        verifiers v1 episode's agents each send their trace's id), and those episodes by that id,
+        generating through ``client``."""
+        await self._start()
+        if not self._routes:
+            self.endpoint.mount(SESSIONS, self._route)
+        run = uuid.uuid4().hex
+        self._routes[run] = (client, {})
+        try:
+            yield self._routes[run][1], f"{self.endpoint.url}{SESSIONS}{run}/v1"
+        finally:
+            _, eps = self._routes.pop(run)
+            for ep in eps.values():
+                self.endpoint.close_episode(ep.id)
+
+    async def _route(self, request: Request) -> Response | None:
+        """``/sessions/<run>/v1/...``: the request served as its session's episode's."""
+        run, _, rest = request.path[len(SESSIONS) :].partition("/")
+        if run not in self._routes:
+            return EndpointError(404, f"no run {run!r} is open here", code="episode_not_found").response()
+        client, eps = self._routes[run]
+        sid = request.headers.get("x-session-id", "")
+        if sid not in eps:
+            eps[sid] = self.endpoint.open_episode(client=client)[0]
+            self.counters["env_episodes"] += 1
+        # the endpoint's own routing, as the episode's base_url would reach it
+        return await self.endpoint._handle(
+            dataclasses.replace(request, path=f"/episodes/{eps[sid].id}/{rest}")
+        )
 
     async def guard(self, aw: Any, gid: str) -> Any:
         """Await ``aw`` (one item's episodes and their scoring) within ``n_samples`` episode timeouts

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 import structlog
 
 import rlactors
-from nodes.plugins import resolve
+from nodes.common.plugins import resolve
 from nodes.rollout.environments.env_servers import EnvServers, start_env_servers
 from nodes.rollout.environments.episodes import (
     EnvEpisodes,
@@ -37,9 +37,9 @@ from nodes.rollout.environments.episodes import (
 )
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
-from protocols.codec import register
 from protocols.rl import TrajectoryGroup
-from rlactors.tomlconf import above, at_least
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import above, at_least
 
 __all__ = ["OpenEnvConfig", "OpenEnvWorkflow", "default_action", "default_messages"]
 

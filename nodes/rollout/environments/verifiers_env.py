@@ -2,7 +2,7 @@
 
 ``[rollout] workflow = "nodes.rollout.environments:VerifiersWorkflow"`` with
 ``[rollout.workflow_args] env = "<module or Hub id>"`` and ``env_args = {...}``: the environment is
-``verifiers.load_environment(env, **env_args)`` (a module path such as ``recipes.envs.easy_sums``, or
+``verifiers.load_environment(env, **env_args)`` (a module path such as ``recipes.toy_envs.easy_sums``, or
 the id of a Hub environment installed with pip, e.g. ``primeintellect/gsm8k`` -> module ``gsm8k``),
 a ``vf.Environment`` (``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv``, ...) with its own dataset,
 parser and rubric. ``[data] source = "env"`` trains on its dataset and evaluates on its eval dataset
@@ -41,8 +41,8 @@ from nodes.rollout.environments.episodes import (
 )
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
-from protocols.codec import register
 from protocols.rl import TrajectoryGroup
+from protocols.runtime.codec import register
 
 __all__ = ["VerifiersConfig", "VerifiersWorkflow", "env_data", "load_verifiers_env"]
 
@@ -69,7 +69,7 @@ class VerifiersConfig(EpisodeSettings):
         if not self.env:
             raise ValueError(
                 "'env' must name a verifiers environment: a module exporting load_environment "
-                "(e.g. recipes.envs.easy_sums) or an installed Hub environment's id"
+                "(e.g. recipes.toy_envs.easy_sums) or an installed Hub environment's id"
             )
         load_verifiers_env(self.env, self.env_args)  # a bad environment stops the run before it starts
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import httptools
 
-from rlactors.aio import wait_for
+from rlactors.base.aio import wait_for
 
 __all__ = ["ClientError", "ClientPool", "LineSink"]
 

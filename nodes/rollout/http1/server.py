@@ -1,20 +1,34 @@
-"""The server side: what the OpenAI-compatible endpoint serves on, over asyncio transports and
-httptools' request parser.
+"""The server side: what the OpenAI-compatible endpoint and online mode's session API serve on, over
+asyncio transports and httptools' request parser (llhttp, strict).
 
 Each chat call the endpoint serves costs its process one HTTP exchange on top of the generation it
 wraps, and that exchange is most of what the endpoint may add: this layer costs less CPU per call
 than an aiohttp web server or uvicorn with a bare ASGI app (measured side by side in
 bench/RESULTS.md, "OpenAI-compatible endpoint"). It does what the endpoint needs and no more:
 keep-alive and pipelined requests (answered in order), ``Content-Length`` and chunked request
-bodies up to a size cap, ``Expect: 100-continue``, whole responses and chunked streams
-(server-sent events) with write back-pressure, an idle timeout. Malformed HTTP is answered 400 and
-the connection closed; nothing a client sends stops the server.
+bodies, ``Expect: 100-continue``, whole responses and chunked streams (server-sent events) with
+write back-pressure.
+
+It faces clients outside the cluster, so every resource a client can make it spend is bounded
+(:class:`HTTPLimits`, each bound a setting; the table is docs/operate/http-limits.md): the size of
+a request's head and its number of headers (414/431), the time its head and its body may take
+(408, the connection closed, the peer counted and logged once a minute), the body's size (413), the
+open connections (past the cap a new one is answered 503 and closed), the requests parsed ahead of
+the one being answered. ``gate`` sees each request's head before any of its body is read (the API
+key's check: a refused request costs its head, never its body). Malformed HTTP and every request
+smuggling shape (llhttp refuses them: Content-Length with Transfer-Encoding, two Content-Lengths,
+obsolete line folding, bare LF or CR, invalid chunk sizes; this layer, a transfer coding other than
+``chunked`` and versions other than HTTP/1.0 and 1.1) is answered 400 (501, 505) and the connection
+closed. No error body carries exception text: a handler that raised gets a 500 naming an id that
+the server's log line carries. Nothing a client sends stops the server or delays another client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
+import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,13 +38,56 @@ from typing import Any
 import httptools
 import structlog
 
-__all__ = ["ErrorBody", "HTTPServer", "Handler", "Request", "Response", "Stream"]
+from protocols.runtime.codec import register
+from rlactors.base.tomlconf import above, at_least, check_ranges
+
+__all__ = ["ErrorBody", "Gate", "HTTPLimits", "HTTPServer", "Handler", "Request", "Response", "Stream"]
 
 log = structlog.get_logger(__name__)
 
-IDLE_TIMEOUT_S = 75.0  # a keep-alive connection with no request this long is closed (aiohttp's)
-MAX_QUEUED = 16  # pipelined requests read ahead of the one being answered; then reading pauses
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+LOG_EVERY_S = 60.0  # a peer's refusals are logged at most once in this long (each is counted)
+_LINGERING = 256  # refused connections kept open for their answer to be read; past it they are closed at once
+_LINGER_S = 1.0  # how long a refused connection stays open (not read) for its answer to be read
+_FD_SPARE = 256  # file descriptors kept for what the process opens besides connections
+
+# the counters an HTTPServer keeps (HTTPServer.counters): what it refused, by reason
+COUNTERS = ("http_slow_clients", "http_refused_connections", "http_bad_requests", "http_unauthorized")
+
+
+@register
+@dataclass
+class HTTPLimits:
+    """The bounds of an HTTP server that takes requests from outside the cluster (the table:
+    docs/operate/http-limits.md)."""
+
+    # request line and headers together (bytes, without optional whitespace): past it 414 for the
+    # request line, else 431; the connection is closed
+    max_head_bytes: int = field(default=16384, metadata=at_least(256))
+    max_headers: int = field(default=100, metadata=at_least(1))  # header lines in one request: past it 431
+    max_body_bytes: int = field(default=32 << 20, metadata=at_least(0))  # a request body: past it 413
+    # from a request's first byte to the end of its head; past it 408, the connection closed, the
+    # peer counted (http_slow_clients) and logged at most once a minute
+    head_timeout_s: float = field(default=30.0, metadata=above(0))
+    # a body's deadline, from the end of its head: this, plus its length at body_min_rate (a
+    # chunked body's grows as it arrives); past it as head_timeout_s
+    body_timeout_s: float = field(default=30.0, metadata=above(0))
+    body_min_rate: int = field(default=65536, metadata=at_least(1))  # bytes/s a body's deadline allows for
+    idle_timeout_s: float = field(
+        default=75.0, metadata=above(0)
+    )  # a keep-alive connection idle this long is closed
+    # open connections; past it a new one is answered 503 with Retry-After and closed (the open
+    # ones are served as before)
+    max_connections: int = field(default=4096, metadata=at_least(1))
+    # requests of one read parsed while an earlier one is answered (the rest is not parsed, the
+    # connection is closed after their answers); what arrives meanwhile is not read
+    max_pipelined: int = field(default=8, metadata=at_least(1))
+    retry_after_s: int = field(
+        default=1, metadata=at_least(0)
+    )  # the Retry-After of a 503 past max_connections
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 @dataclass(slots=True)
@@ -45,8 +102,8 @@ class Response:
 
 @dataclass(slots=True)
 class Request:
-    """One request, its body read whole. ``stream`` starts a streamed answer instead of returning
-    a :class:`Response` from the handler."""
+    """One request, its body read whole (empty while ``gate`` sees its head). ``stream`` starts a
+    streamed answer instead of returning a :class:`Response` from the handler."""
 
     method: str
     path: str  # without the query string
@@ -61,7 +118,8 @@ class Request:
 
 
 Handler = Callable[[Request], Awaitable[Response | None]]
-ErrorBody = Callable[[int, str], Response]  # an answer of the server's own (400, 413, 500)
+ErrorBody = Callable[[int, str], Response]  # an answer of the server's own (400, 413, 500, ...)
+Gate = Callable[[Request], Response | None]  # a request's head, before its body: a refusal, or None
 
 
 class Stream:
@@ -87,8 +145,21 @@ class Stream:
                 self._conn.write(b"0\r\n\r\n")
 
 
-class _TooLarge(Exception):
-    pass
+class _Refusal(Exception):
+    """Raised from a parser callback: answer ``status`` (or ``response``) and close."""
+
+    def __init__(self, status: int, message: str, counter: str = "http_bad_requests",
+                 response: Response | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.counter, self.response = status, message, counter, response
+
+
+class _Stop(Exception):
+    """Raised from a parser callback: parse no further (max_pipelined requests are queued)."""
+
+
+# the connection's deadline, by what it waits for
+_IDLE, _HEAD, _BODY = 1, 2, 3
 
 
 class _Connection(asyncio.Protocol):
@@ -96,48 +167,127 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, server: HTTPServer) -> None:
         self.server = server
-        self.loop = asyncio.get_running_loop()
+        self.limits = server.limits
+        self.loop = server._loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.peer = ""
         self.gone = False
-        self._url = b""
+        self.refused = False  # past max_connections: answered 503, closing
+        self._url: list[bytes] = []
+        self._url_size = 0
         self._headers: dict[str, str] = {}
+        self._head_size = 0  # the request line's and headers' bytes so far (exact, parsed)
+        self._head_read = 0  # bytes of reads spent wholly on the current head (its unparsed part too)
+        self._n_headers = 0
+        self._in_message = False  # a request has begun and not ended
+        self._head_done = False  # ... and its head is complete
+        self._begun = 0  # requests begun in the read being parsed
+        self._req: Request | None = None
         self._body: list[bytes] = []
         self._size = 0
         self._queue: deque[tuple[Request, bool, bool]] = deque()  # (request, keep-alive, HTTP/1.0)
+        self._overflow = False  # max_pipelined reached: close once the queued ones are answered
+        self._stash: bytes = b""  # read while a request was answered: parsed after its answer
         self._http10 = False  # the request being answered is HTTP/1.0 (no chunks, no keep-alive)
         self._task: asyncio.Task[None] | None = None  # the request being answered
         self._paused_reading = False
         self._drained: asyncio.Future[None] | None = None  # set while the transport's buffer is full
-        self._idle: asyncio.TimerHandle | None = None
         self._streaming: Stream | None = None
+        # one timer per connection: it fires at or before _deadline and acts on _waiting then
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._waiting = 0  # _IDLE, _HEAD, _BODY; 0: no deadline (a request is being answered)
+        self._body_start = 0.0
+
+    # -- deadlines ---------------------------------------------------------------------------
+
+    def _arm(self, waiting: int, delay: float) -> None:
+        self._waiting, self._deadline = waiting, self.loop.time() + delay
+        if self._timer is None or self._timer.when() > self._deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._waiting or self.gone:
+            return
+        if self.loop.time() < self._deadline:  # moved on since the timer was set: wait again
+            self._timer = self.loop.call_at(self._deadline, self._expire)
+            return
+        if self._waiting == _IDLE:
+            self.close()
+            return
+        what = "head" if self._waiting == _HEAD else "body"
+        self.server.note("http_slow_clients", self.peer, f"the request's {what} arrived too slowly")
+        self._refuse(408, f"the request's {what} did not arrive in time", counted=True)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.server._connections.add(self)
-        self._idle = self.loop.call_later(IDLE_TIMEOUT_S, self.close)
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "")
+        server = self.server
+        if len(server._connections) >= self.limits.max_connections:
+            self.refused = True
+            server.note("http_refused_connections", self.peer, "over max_connections")
+            resp = server.error_body(503, "the server has as many connections as it takes: retry later")
+            resp.headers["Retry-After"] = str(self.limits.retry_after_s)
+            self._send(resp, keep_alive=False)
+            self._close_soon()
+            return
+        server._connections.add(self)
+        self._arm(_IDLE, self.limits.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        if self.refused:
+            return  # discarded until the linger ends
+        if self._task is not None:  # a request is being answered: the rest waits, unparsed
+            self._stash += data
+            self._pause()
+            return
+        idle = not self._in_message
+        in_head = idle or not self._head_done
+        self._begun = 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
-            if isinstance(e.__context__, _TooLarge):
-                self._refuse(413, f"the request body is larger than {self.server.max_body} bytes")
-            else:
+            cause = e.__context__
+            if isinstance(cause, _Stop):
+                self._overflow = True
+                self._pause()
+            elif isinstance(cause, _Refusal):
+                self._refuse(cause.status, cause.message, cause.counter, cause.response)
+                return
+            else:  # a callback of ours failed: a defect, logged; the client gets a 400
+                log.error("http1.parser_callback_failed", exc_info=cause)
                 self._refuse(400, "bad HTTP request")
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
-            self._refuse(400, f"bad HTTP request: {e}")
+                return
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "bad HTTP request: protocol upgrades are not served")
+            return
+        except httptools.HttpParserError:
+            self._refuse(400, "bad HTTP request: malformed or ambiguous (the connection is closed)")
+            return
+        if self._in_message and not self._head_done and in_head and self._begun <= idle:
+            # the read was all this head's (it began before the read, or the read began with it):
+            # its unparsed part (a header httptools still gathers) counts as well
+            self._head_read += len(data)
+            if self._head_read > self.limits.max_head_bytes:
+                self._refuse(*self._too_large_head())
+                return
+        if self._queue and self._task is None:
+            self._next()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         self.server._connections.discard(self)
-        if self._idle is not None:
-            self._idle.cancel()
+        self.server._lingering.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)  # drain() raises on waking, as the connection is gone
 
@@ -152,54 +302,103 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._url, self._headers, self._body, self._size = b"", {}, [], 0
+        if len(self._queue) >= self.limits.max_pipelined:
+            raise _Stop
+        self._begun += 1
+        self._in_message, self._head_done = True, False
+        self._url, self._url_size, self._headers, self._body, self._size = [], 0, {}, [], 0
+        self._head_size, self._head_read, self._n_headers = 0, 0, 0  # _head_size: set by on_url
+        if self._task is None and not self._queue:  # reading, not answering: the head's deadline runs
+            self._arm(_HEAD, self.limits.head_timeout_s)
 
     def on_url(self, url: bytes) -> None:
-        self._url += url
+        self._url_size += len(url)
+        # "METHOD SP url SP HTTP/1.1 CRLF", and the CRLF that ends the head
+        self._head_size = len(self.parser.get_method()) + self._url_size + 14
+        if self._head_size > self.limits.max_head_bytes:
+            raise _Refusal(414, f"the request line is longer than {self.limits.max_head_bytes - 2} bytes")
+        self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._n_headers += 1
+        self._head_size += len(name) + len(value) + 4  # "name: value CRLF"
+        if self._n_headers > self.limits.max_headers or self._head_size > self.limits.max_head_bytes:
+            raise _Refusal(*self._too_large_head())
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def _too_large_head(self) -> tuple[int, str]:
+        lim = self.limits
+        if self._n_headers > lim.max_headers:
+            return 431, f"the request has more than {lim.max_headers} headers"
+        return 431, f"the request's line and headers are larger than {lim.max_head_bytes} bytes"
+
     def on_headers_complete(self) -> None:
-        length = self._headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.server.max_body:
-            raise _TooLarge
-        if self._headers.get("expect", "").lower() == "100-continue":
+        self._head_done = True
+        lim, headers, parser = self.limits, self._headers, self.parser
+        method = parser.get_method().decode()
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise _Refusal(505, "only HTTP/1.1 and HTTP/1.0 are served")
+        coding = headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            raise _Refusal(501, "the only transfer coding of a request served is chunked")
+        path, _, query = b"".join(self._url).decode("latin-1").partition("?")
+        self._req = Request(method, path, query, headers, b"", self)
+        if self.server.gate is not None and (refusal := self.server.gate(self._req)) is not None:
+            raise _Refusal(
+                refusal.status, "refused", "http_unauthorized" if refusal.status == 401 else "", refusal
+            )
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > lim.max_body_bytes:
+            raise _Refusal(413, f"the request body is larger than {lim.max_body_bytes} bytes")
+        if headers.get("expect", "").lower() == "100-continue":
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if coding is not None or (length.isdigit() and int(length)):  # a body follows
+            self._body_start = self.loop.time()
+            expected = int(length) if coding is None else 0
+            self._deadline_body(expected)
+
+    def _deadline_body(self, received: int) -> None:
+        if self._task is None and not self._queue:
+            lim = self.limits
+            delay = self._body_start + lim.body_timeout_s + received / lim.body_min_rate - self.loop.time()
+            self._arm(_BODY, delay)
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
-        if self._size > self.server.max_body:
-            raise _TooLarge
+        if self._size > self.limits.max_body_bytes:
+            raise _Refusal(413, f"the request body is larger than {self.limits.max_body_bytes} bytes")
         self._body.append(body)
+        if "transfer-encoding" in self._headers:  # a chunked body's deadline grows as it arrives
+            self._deadline_body(self._size)
 
     def on_message_complete(self) -> None:
-        path, _, query = self._url.decode("latin-1").partition("?")
-        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        req = Request(self.parser.get_method().decode(), path, query, self._headers, body, self)
+        req = self._req
+        assert req is not None
+        self._req, self._in_message, self._waiting = None, False, 0
+        req.body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        self._body = []
         self._queue.append((req, self.parser.should_keep_alive(), self.parser.get_http_version() == "1.0"))
-        if self._task is None:
-            self._next()
-        elif len(self._queue) >= MAX_QUEUED and not self._paused_reading and self.transport is not None:
-            self._paused_reading = True
-            self.transport.pause_reading()
 
     # -- answering ---------------------------------------------------------------------------
 
+    def _pause(self) -> None:
+        if not self._paused_reading and self.transport is not None and not self.transport.is_closing():
+            self._paused_reading = True
+            self.transport.pause_reading()
+
     def _next(self) -> None:
         req, keep_alive, self._http10 = self._queue.popleft()
-        if self._paused_reading and len(self._queue) < MAX_QUEUED // 2 and self.transport is not None:
-            self._paused_reading = False
-            self.transport.resume_reading()
+        self._waiting = 0
         self._task = self.loop.create_task(self._answer(req, keep_alive))
 
     async def _answer(self, req: Request, keep_alive: bool) -> None:
-        keep_alive = keep_alive and not self._http10
+        keep_alive = keep_alive and not self._http10 and not (self._overflow and not self._queue)
         try:
             resp = await self.server.handler(req)
-        except Exception as e:
-            log.exception("http1.handler_error", path=req.path)
-            resp = None if self._streaming else self.server.error_body(500, f"{type(e).__name__}: {e}")
+        except Exception:
+            error_id = secrets.token_hex(6)
+            log.exception("http1.handler_error", path=req.path, error_id=error_id)
+            resp = None if self._streaming else self.server.error_body(500, internal_error(error_id))
         if self._streaming is not None:
             with contextlib.suppress(ConnectionError):
                 await self._streaming.end()
@@ -214,7 +413,20 @@ class _Connection(asyncio.Protocol):
         elif self._queue:
             self._next()
         elif not self.gone:
-            self._idle = self.loop.call_later(IDLE_TIMEOUT_S, self.close)
+            stash, self._stash = self._stash, b""
+            if self._paused_reading and self.transport is not None:
+                self._paused_reading = False
+                self.transport.resume_reading()
+            if self._in_message:  # a request begun in the read of the last: its deadline runs now
+                if self._head_done:
+                    self._body_start = self.loop.time()
+                    self._deadline_body(self._size)
+                else:
+                    self._arm(_HEAD, self.limits.head_timeout_s)
+            else:
+                self._arm(_IDLE, self.limits.idle_timeout_s)
+            if stash:
+                self.data_received(stash)
 
     def _head(self, status: int, headers: dict[str, str], extra: bytes) -> bytes:
         lines = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers.items())
@@ -246,34 +458,94 @@ class _Connection(asyncio.Protocol):
         if self.gone:
             raise ConnectionResetError("the client closed the connection")
 
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer a request the parser could not take, and close: its bytes cannot be skipped."""
+    def _refuse(self, status: int, message: str, counter: str = "http_bad_requests",
+                response: Response | None = None, counted: bool = False) -> None:  # fmt: skip
+        """Answer a request the server will not take, and close: its bytes cannot be skipped (nor,
+        for one refused by its head, read)."""
         self._queue.clear()
+        self._waiting = 0
+        if not counted and counter:
+            self.server.note(counter, self.peer, f"{status}: {message}")
         with contextlib.suppress(ConnectionError):
             if self._task is None and self._streaming is None:
-                self._send(self.server.error_body(status, message), keep_alive=False)
-        self.close()
+                self._send(response or self.server.error_body(status, message), keep_alive=False)
+        self._close_soon()
+
+    def _close_soon(self) -> None:
+        """Close once the answer written has had time to be read, reading nothing more: closed at
+        once with unread bytes, the connection would be reset, and its client might lose the answer."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if len(self.server._lingering) >= _LINGERING:
+            self.close()
+            return
+        self.server._lingering.add(self)
+        self._waiting = 0
+        self._pause()
+        with contextlib.suppress(OSError, NotImplementedError, RuntimeError):
+            t.write_eof()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(_LINGER_S, self.close)
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
 
-class HTTPServer:
-    """Serves ``handler`` (a request in, a :class:`Response` out, or ``None`` after streaming);
-    ``error_body`` shapes the answers the server gives itself (bad HTTP, a body over ``max_body``
-    bytes, a handler that raised)."""
+def internal_error(error_id: str) -> str:
+    """A 500's message: no exception text, the id the server's log line carries."""
+    return f"internal error (error_id {error_id}): the server's log has its details"
 
-    def __init__(self, handler: Handler, error_body: ErrorBody, max_body: int = 32 << 20) -> None:
-        self.handler, self.error_body, self.max_body = handler, error_body, max_body
+
+class HTTPServer:
+    """Serves ``handler`` (a request in, a :class:`Response` out, or ``None`` after streaming)
+    within ``limits``; ``error_body`` shapes the answers the server gives itself (bad HTTP, a
+    request over a limit, a handler that raised); ``gate`` sees each request's head before its body
+    is read (a :class:`Response` refuses it, and closes the connection). ``counters`` (given or
+    made) counts the refusals (:data:`COUNTERS`)."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        error_body: ErrorBody,
+        limits: HTTPLimits | None = None,
+        gate: Gate | None = None,
+        counters: dict[str, int] | None = None,
+    ) -> None:
+        self.handler, self.error_body, self.gate = handler, error_body, gate
+        self.limits = limits or HTTPLimits()
+        self.counters = counters if counters is not None else {}
+        for key in COUNTERS:
+            self.counters.setdefault(key, 0)
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
+        self._lingering: set[_Connection] = set()
+        self._noted: dict[str, float] = {}  # peer -> when its last refusal was logged
+        self._loop: asyncio.AbstractEventLoop
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); returns the port."""
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        self._loop = asyncio.get_running_loop()
+        _room_for(self.limits.max_connections + _LINGERING + _FD_SPARE)
+        self._server = await self._loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True
+        )
         return int(self._server.sockets[0].getsockname()[1])
+
+    def note(self, counter: str, peer: str, why: str) -> None:
+        """Count a refusal; log it unless this peer's last was logged under LOG_EVERY_S ago."""
+        if counter:
+            self.counters[counter] = self.counters.get(counter, 0) + 1
+        now = self._loop.time()
+        if now - self._noted.get(peer, -LOG_EVERY_S) < LOG_EVERY_S:
+            return
+        if len(self._noted) >= 4096:  # forget the peers not logged within the minute
+            self._noted = {p: t for p, t in self._noted.items() if now - t < LOG_EVERY_S}
+        self._noted[peer] = now
+        log.warning("http1.refused", peer=peer, why=why, counter=counter,
+                    note=f"further refusals of this peer are counted, not logged, for {LOG_EVERY_S:.0f} s")  # fmt: skip
 
     async def aclose(self) -> None:
         """Stop listening, drop every connection, cancel the answers in progress."""
@@ -281,9 +553,20 @@ class HTTPServer:
             return
         self._server.close()
         tasks: list[Any] = [c._task for c in self._connections if c._task is not None]
-        for c in list(self._connections):
+        for c in [*self._connections, *self._lingering]:
             c.close()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._server = None
+
+
+def _room_for(files: int) -> None:
+    """Raise this process's soft limit on open files to ``files`` if it is lower (up to the hard
+    limit): each connection is one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < files:
+        want = files if hard == resource.RLIM_INFINITY else min(files, hard)
+        if want > soft:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))

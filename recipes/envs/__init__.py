@@ -1,1 +1,0 @@
-"""verifiers environments shipped with the recipe (``[rollout.workflow_args] env = "recipes.envs.<name>"``)."""

@@ -1,0 +1,2 @@
+"""Below the sockets, in every runtime process: errors, the loop's helpers, awake time, logging,
+forensics, typed TOML, class paths."""

@@ -1,0 +1,1 @@
+"""The head process: the cluster's control plane (registry, placement, sessions)."""

@@ -1,0 +1,672 @@
+"""ZeroMQ sockets driven directly by the asyncio event loop.
+
+Each socket is non-blocking and watched with ``loop.add_reader`` on its ZeroMQ file
+descriptor (edge-triggered: after every wake-up or send we drain until ``EAGAIN``).
+Outgoing envelopes queued during one turn of the loop are coalesced into one multipart
+message per peer (see :mod:`protocols.runtime.wire`), which is where most of the throughput comes
+from when many calls are in flight.
+
+Nothing is dropped silently. ROUTER sockets set ``ROUTER_MANDATORY``, so ZeroMQ neither drops a
+message to a peer that is gone nor one past a peer's high-water mark: the send fails with
+``EHOSTUNREACH`` or ``EAGAIN`` instead. A message to a vanished peer is reported to the socket's
+``on_undeliverable`` (the service logs a warning naming the actor and the methods whose replies
+were lost). What ZeroMQ had already queued to a peer when its connection drops is discarded with
+the connection, unseen here; the caller's side fails those calls (a DEALER's ``on_link``). A message past the high-water mark (:data:`SNDHWM` messages per peer held by ZeroMQ,
+whose own queue counts messages, not bytes) waits in a per-peer backlog, in order, and is retried;
+a peer that is slow or stopped holds up only its own messages. The backlog is bounded:
+:meth:`AsyncSocket.full` says when a peer's backlog holds ``send_backlog_bytes`` or
+:data:`SEND_BACKLOG_MESSAGES` messages, and senders that can wait (a service's replies and stream
+items) ``await`` :meth:`AsyncSocket.room` before sending more, which holds them back until the peer
+reads again (down to half the bound), or is disconnected (a stopped peer misses its heartbeats),
+or the socket closes. ``send`` itself never refuses: a message sent past the bound by a sender that
+cannot wait is queued too (the small control messages, errors, and a client's calls, whose callers
+are held back by awaiting their results). The bound: ``RLACTORS_SEND_BACKLOG_BYTES`` (default
+256 MiB per peer), ``send_backlog_bytes`` in cluster.toml's ``[cluster]``, or :func:`set_send_backlog`
+for this process and the workers it starts.
+
+Message size: every TCP socket sets ``ZMQ_MAXMSGSIZE`` to :data:`FRAME_BYTES` (plus CURVE's
+overhead), so a peer that has not authenticated can make this process hold at most one such
+frame before its handshake fails: a frame header declaring 4 GiB closes the connection at once.
+Larger buffers travel as several frames of at most :data:`FRAME_BYTES` and are joined again on
+arrival (a marker frame says how; one copy). Over ipc, whose sockets live in a folder only their
+user can enter, frames travel whole (no copy). A whole message is bounded by ``max_message_bytes``
+(``RLACTORS_MAX_MESSAGE_BYTES``, default 1 GiB): the sender refuses a bigger one with
+:class:`~rlactors.base.errors.MessageTooLargeError`, and so does a receiver with a smaller bound.
+
+Every connection carries ZMTP heartbeats (answered by ZeroMQ's I/O thread, not the event
+loop): a peer silent for ``HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS`` is disconnected, and
+a DEALER's ``on_link`` callback hears of it, which is how callers notice a partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import operator
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import msgpack
+import numpy as np
+import structlog
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from protocols.runtime import wire
+from rlactors.base.errors import MessageTooLargeError
+from rlactors.base.logging import Throttle
+from rlactors.wire.security import Security
+
+log = structlog.get_logger("rlactors.wire.transport")
+
+# High-water marks, in messages per peer (each a batch of envelopes). ZeroMQ's queue to a peer counts
+# messages, not bytes: it holds at most SNDHWM, then a bounded backlog of ours (see send_backlog_bytes).
+SNDHWM = 100
+HWM = 100_000  # receiving; callers also bound their in-flight calls
+# A peer's backlog is full at this many messages (or send_backlog_bytes); senders that can wait
+# resume at half of both.
+SEND_BACKLOG_MESSAGES = 10_000
+DEFAULT_SEND_BACKLOG_BYTES = 256 << 20
+SEND_BACKLOG_BYTES_ENV = "RLACTORS_SEND_BACKLOG_BYTES"
+RETRY_MIN_S = 0.001  # a full peer is retried after this, doubling while it makes no progress,
+RETRY_MAX_S = 0.05  # up to this (it may be stopped until its heartbeats time out)
+# Messages read per wake-up before yielding to other callbacks (fairness).
+DRAIN_BUDGET = 512
+HEARTBEAT_IVL_MS = 1000  # ZMTP ping to every peer this often
+HEARTBEAT_TIMEOUT_MS = 6000  # a connection silent this long after a ping is dropped
+REJECT_LOG_EVERY_S = 10.0  # peers refused by authentication: one log line per this many seconds
+# The largest frame on the wire, and so the most memory a peer gets before authenticating; bigger
+# buffers are cut into frames of this size. ZMQ_MAXMSGSIZE also counts CURVE's 33 bytes per frame.
+FRAME_BYTES = 8 << 20
+_MAXMSGSIZE = FRAME_BYTES + 64
+_CHUNKED = b"\xc1"  # first byte of the marker frame of a message with cut frames (never starts msgpack)
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+MAX_MESSAGE_BYTES_ENV = "RLACTORS_MAX_MESSAGE_BYTES"
+
+
+def _bound_from_env() -> int:
+    raw = os.environ.get(MAX_MESSAGE_BYTES_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_MAX_MESSAGE_BYTES
+    except ValueError:
+        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be a number of bytes, got {raw!r}") from None
+    if value < 1 << 20:
+        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be at least 1 MiB (1048576), got {value}")
+    return value
+
+
+_max_message_bytes = _bound_from_env()
+
+
+def max_message_bytes() -> int:
+    """The largest message this process sends or accepts from an authenticated peer, in bytes."""
+    return _max_message_bytes
+
+
+def set_max_message_bytes(n: int) -> None:
+    """Set the bound for this process and the workers it starts (through the environment)."""
+    global _max_message_bytes
+    os.environ[MAX_MESSAGE_BYTES_ENV] = str(int(n))
+    _max_message_bytes = _bound_from_env()
+
+
+def _backlog_from_env() -> int:
+    raw = os.environ.get(SEND_BACKLOG_BYTES_ENV, "")
+    try:
+        value = int(raw) if raw else DEFAULT_SEND_BACKLOG_BYTES
+    except ValueError:
+        raise ValueError(f"{SEND_BACKLOG_BYTES_ENV} must be a number of bytes, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{SEND_BACKLOG_BYTES_ENV} must be positive, got {value}")
+    return value
+
+
+_send_backlog_bytes = _backlog_from_env()
+
+
+def reload_from_env() -> None:
+    """Read both bounds from the environment again (a process forked after this module was
+    imported, with an environment of its own: see rlactors.node.forkserver)."""
+    global _max_message_bytes, _send_backlog_bytes
+    _max_message_bytes, _send_backlog_bytes = _bound_from_env(), _backlog_from_env()
+
+
+def send_backlog_bytes() -> int:
+    """How many bytes may wait, per peer, past ZeroMQ's queue before senders are held back."""
+    return _send_backlog_bytes
+
+
+def set_send_backlog(n_bytes: int) -> None:
+    """Set the per-peer backlog bound for this process and the workers it starts (through the
+    environment); sockets made later use it."""
+    global _send_backlog_bytes
+    os.environ[SEND_BACKLOG_BYTES_ENV] = str(int(n_bytes))
+    _send_backlog_bytes = _backlog_from_env()
+
+
+def nbytes(frame: Any) -> int:
+    """Size of one outgoing or received frame."""
+    if isinstance(frame, bytes):
+        return len(frame)
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    if isinstance(frame, zmq.Frame):
+        return len(frame)
+    return memoryview(frame).nbytes
+
+
+def message_bytes(frames: Sequence[Any]) -> int:
+    return sum(nbytes(f) for f in frames)
+
+
+def check_size(frames: Sequence[Any], what: str) -> None:
+    """Raise MessageTooLargeError if ``frames`` (one envelope) exceed ``max_message_bytes``."""
+    size = message_bytes(frames)
+    if size > _max_message_bytes:
+        raise MessageTooLargeError(too_large(what, size, _max_message_bytes))
+
+
+def too_large(what: str, size: int, bound: int) -> str:
+    return (
+        f"{what} is {size / 2**20:.1f} MiB, over max_message_bytes ({bound / 2**20:.1f} MiB); "
+        f"send less per call, or raise the bound on every process of the cluster "
+        f"({MAX_MESSAGE_BYTES_ENV}, or max_message_bytes in cluster.toml's [cluster])"
+    )
+
+
+def _cut(frames: Sequence[Any]) -> list[Any]:
+    """Frames larger than FRAME_BYTES as pieces, after a marker frame listing the pieces of each."""
+    for f in frames:
+        if nbytes(f) > FRAME_BYTES:
+            break
+    else:
+        return list(frames)
+    sizes = [nbytes(f) for f in frames]
+    counts, out = [], []
+    for f, size in zip(frames, sizes, strict=True):
+        if size <= FRAME_BYTES:
+            counts.append(1)
+            out.append(f)
+            continue
+        view = memoryview(f.buffer if isinstance(f, zmq.Frame) else f).cast("B")
+        pieces = [view[i : i + FRAME_BYTES] for i in range(0, size, FRAME_BYTES)]
+        counts.append(len(pieces))
+        out.extend(pieces)
+    return [_CHUNKED + msgpack.packb(counts), *out]
+
+
+def _join(frames: list[Any]) -> list[Any]:
+    """Undo :func:`_cut`: raises WireError if the marker does not match the frames."""
+    try:
+        counts = msgpack.unpackb(frames[0].bytes[1:])
+    except Exception as e:
+        raise wire.WireError(f"malformed frame marker: {type(e).__name__}") from e
+    if (
+        not isinstance(counts, list)
+        or not all(isinstance(c, int) and c >= 1 for c in counts)
+        or sum(counts) != len(frames) - 1
+    ):
+        raise wire.WireError("frame marker does not match the frames")
+    out: list[Any] = []
+    i = 1
+    for c in counts:
+        if c == 1:
+            out.append(frames[i])
+        else:  # one copy, into memory the decoded values may keep (np.concatenate: the fastest here)
+            out.append(np.concatenate([np.frombuffer(f.buffer, np.uint8) for f in frames[i : i + c]]).data)
+        i += c
+    return out
+
+
+_ctx: zmq.Context | None = None
+
+
+def context() -> zmq.Context:
+    """The process-wide ZeroMQ context."""
+    global _ctx
+    if _ctx is None or _ctx.closed:
+        _ctx = zmq.Context.instance()
+    return _ctx
+
+
+OnMessage = Callable[[list[Any]], None]
+# Told of messages to a peer that is gone: the peer's identity and the labels of their envelopes.
+OnUndeliverable = Callable[[bytes | None, list[Any]], None]
+
+_SENT, _FULL, _GONE = 0, 1, 2
+
+
+class _Backlog:
+    """One peer's messages waiting past ZeroMQ's high-water mark, in order."""
+
+    __slots__ = ("messages", "nbytes", "waiters")
+
+    def __init__(self) -> None:
+        self.messages: collections.deque[tuple[list[Any], Sequence[Any] | None, int]] = collections.deque()
+        self.nbytes = 0
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def add(self, frames: list[Any], about: Sequence[Any] | None) -> None:
+        size = message_bytes(frames)
+        self.messages.append((frames, about, size))
+        self.nbytes += size
+
+    def full(self, max_bytes: int) -> bool:
+        return self.nbytes >= max_bytes or len(self.messages) >= SEND_BACKLOG_MESSAGES
+
+    def roomy(self, max_bytes: int) -> bool:
+        return self.nbytes <= max_bytes // 2 and len(self.messages) <= SEND_BACKLOG_MESSAGES // 2
+
+
+class AsyncSocket:
+    """A ZeroMQ socket served by the running loop, with batched sends.
+
+    ``on_message`` receives each incoming multipart message (a list of ``zmq.Frame``).
+    For ROUTER sockets the first frame is the peer identity.
+
+    Sending: see the module's docstring. ``on_undeliverable(peer, labels)`` hears of messages
+    to a peer that is gone (ROUTER only), with the labels (``about``) they were sent with;
+    without it they are logged at warning.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        on_message: OnMessage,
+        *,
+        name: str = "",
+        on_too_large: Callable[[list[Any], str], None] | None = None,
+        whole_frames: bool = False,
+    ) -> None:
+        self.sock = sock
+        self.name = name
+        self._on_message = on_message
+        # Told of a message over max_message_bytes (its frames, joined, and why), instead of on_message.
+        self._on_too_large = on_too_large
+        self.on_undeliverable: OnUndeliverable | None = None
+        self._skip = 1 if sock.type == zmq.ROUTER else 0  # the peer's identity frame
+        self._whole = whole_frames  # send frames uncut (ipc: no stranger can connect)
+        self._size_log = Throttle(log, "refused a message over max_message_bytes", REJECT_LOG_EVERY_S)
+        self._loop = asyncio.get_running_loop()
+        self._fd = sock.fileno()
+        # Per peer (its identity; None for a DEALER's one peer), only while it has a backlog.
+        self._backlogs: dict[bytes | None, _Backlog] = {}
+        self.backlog_bytes = _send_backlog_bytes  # a peer's backlog is full at this many bytes
+        self._retry_handle: asyncio.TimerHandle | None = None
+        self._retry_s = RETRY_MIN_S
+        self._drain_scheduled = False
+        self.closed = False
+        self.monitor: AsyncSocket | None = None  # failed handshakes of a secured ROUTER (watch_handshakes)
+        self._loop.add_reader(self._fd, self._on_readable)
+        # Messages may already be queued before we started watching.
+        self._schedule_drain()
+
+    # --- receiving -----------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        if self._backlogs:
+            self._flush_backlog()
+        self._drain()
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and not self.closed:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._scheduled_drain)
+
+    def _scheduled_drain(self) -> None:
+        self._drain_scheduled = False
+        self._drain()
+
+    def _drain(self) -> None:
+        sock = self.sock
+        for _ in range(DRAIN_BUDGET):
+            if self.closed:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:
+                if self.closed:
+                    return
+                log.warning("recv failed", socket=self.name, error=str(e))
+                return
+            try:
+                self._receive(frames)
+            except Exception:
+                log.exception("message handler failed; message dropped", socket=self.name)
+        # Budget spent: come back after other callbacks had their turn.
+        self._schedule_drain()
+
+    def _receive(self, frames: list[Any]) -> None:
+        k = self._skip
+        size = 0
+        if self._whole or (len(frames) - k) * _MAXMSGSIZE > _max_message_bytes:  # else within the bound
+            size = message_bytes(frames[k:])
+        if len(frames) > k and len(frames[k]) and frames[k].buffer[0] == _CHUNKED[0]:
+            try:
+                frames = frames[:k] + _join(frames[k:])
+            except wire.WireError as e:
+                self._size_log(socket=self.name, why=str(e))
+                return
+        if size > _max_message_bytes:
+            why = too_large("the message", size, _max_message_bytes)
+            self._size_log(socket=self.name, why=why)
+            if self._on_too_large is not None:
+                self._on_too_large(frames, why)
+            return
+        self._on_message(frames)
+
+    # --- sending -------------------------------------------------------------------------------
+
+    def send(self, frames: Sequence[Any], about: Sequence[Any] | None = None) -> None:
+        """Send one multipart message now, or queue it behind the peer's backlog (never refused).
+
+        ``about``: labels of the message's envelopes, for ``on_undeliverable``.
+        """
+        if self.closed:
+            raise ConnectionError(f"socket {self.name} is closed")
+        if self._whole:
+            frames = list(frames)
+        elif self._skip:
+            frames = [frames[0], *_cut(frames[1:])]
+        else:
+            frames = _cut(frames)
+        if self._backlogs:
+            backlog = self._backlogs.get(frames[0] if self._skip else None)
+            if backlog is not None:  # keep the peer's order
+                backlog.add(frames, about)
+                return
+        outcome = self._try_send(frames)
+        if outcome == _FULL:
+            self._queue(frames, about)
+        elif outcome == _GONE:
+            self._undeliverable(frames[0], [about])
+
+    def full(self, to: bytes | None = None) -> bool:
+        """Whether the backlog to peer ``to`` (None: a DEALER's peer) is at its bound."""
+        if not self._backlogs:
+            return False
+        backlog = self._backlogs.get(to)
+        return backlog is not None and backlog.full(self.backlog_bytes)
+
+    async def room(self, to: bytes | None = None) -> None:
+        """Wait until the backlog to ``to`` is down to half its bound, the peer is gone, or the
+        socket closed. No timeout: a stopped peer misses its heartbeats and is disconnected."""
+        while not self.closed and self.full(to):
+            waiter = self._loop.create_future()
+            self._backlogs[to].waiters.append(waiter)
+            await waiter
+
+    def backlog(self, to: bytes | None = None) -> tuple[int, int]:
+        """(messages, bytes) waiting in the backlog to ``to``."""
+        b = self._backlogs.get(to)
+        return (len(b.messages), b.nbytes) if b is not None else (0, 0)
+
+    def _try_send(self, frames: Sequence[Any]) -> int:
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # the peer's high-water mark (ROUTER_MANDATORY says so rather than drop)
+            return _FULL
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: the peer has gone away
+                return _GONE
+            raise
+        finally:
+            # A send can consume the fd's edge for pending input: check explicitly.
+            if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # an int option
+                self._schedule_drain()
+        return _SENT
+
+    def _queue(self, frames: list[Any], about: Sequence[Any] | None) -> None:
+        key = frames[0] if self._skip else None
+        backlog = self._backlogs.get(key)
+        if backlog is None:
+            backlog = self._backlogs[key] = _Backlog()
+        backlog.add(frames, about)
+        self._arm_retry()
+
+    def _undeliverable(self, peer: bytes | None, abouts: list[Sequence[Any] | None]) -> None:
+        labels = [label for about in abouts if about is not None for label in about]
+        if self.on_undeliverable is not None:
+            self.on_undeliverable(peer, labels)
+        else:
+            log.warning("message not delivered: its peer is gone", socket=self.name, about=labels)
+
+    def _arm_retry(self) -> None:
+        if self._retry_handle is None and not self.closed:
+            self._retry_handle = self._loop.call_later(self._retry_s, self._retry)
+
+    def _retry(self) -> None:
+        self._retry_handle = None
+        self._flush_backlog()
+
+    def _flush_backlog(self) -> None:
+        """Send what each peer's backlog holds, in order, until its high-water mark."""
+        progress = False
+        for key, backlog in list(self._backlogs.items()):
+            messages = backlog.messages
+            while messages and not self.closed:
+                frames, _, size = messages[0]
+                outcome = self._try_send(frames)
+                if outcome == _FULL:
+                    break
+                progress = True
+                if outcome == _GONE:  # the rest cannot go either
+                    self._undeliverable(key, [m[1] for m in messages])
+                    messages.clear()
+                    backlog.nbytes = 0
+                    break
+                messages.popleft()
+                backlog.nbytes -= size
+            if not messages:
+                del self._backlogs[key]
+            if backlog.waiters and (not messages or backlog.roomy(self.backlog_bytes)):
+                _wake(backlog)
+        if self._backlogs:
+            self._retry_s = RETRY_MIN_S if progress else min(self._retry_s * 2, RETRY_MAX_S)
+            self._arm_retry()
+        else:
+            self._retry_s = RETRY_MIN_S
+
+    def close(self, linger: int = 0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._retry_handle is not None:
+            self._retry_handle.cancel()
+        for backlog in self._backlogs.values():
+            # Not a warning: the peers learn of the close (a client has failed its calls already).
+            log.info(
+                "socket closed with messages not sent",
+                socket=self.name,
+                messages=len(backlog.messages),
+                about=[label for m in backlog.messages if m[1] is not None for label in m[1]][:20],
+            )
+            _wake(backlog)
+        self._backlogs.clear()
+        try:
+            self._loop.remove_reader(self._fd)
+        except (RuntimeError, ValueError):  # loop already closed
+            pass
+        if self.monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self.monitor.close()
+        self.sock.close(linger=linger)
+
+
+def _wake(backlog: _Backlog) -> None:
+    for waiter in backlog.waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+    backlog.waiters.clear()
+
+
+class Outbox:
+    """Collects envelopes per destination during one loop turn and sends each batch once.
+
+    ``about`` labels an envelope (a service passes the method a reply answers); a message that
+    cannot be delivered reports its envelopes' labels to the socket's ``on_undeliverable``.
+    """
+
+    def __init__(self, asock: AsyncSocket, *, routed: bool) -> None:
+        self._asock = asock
+        self._routed = routed
+        self._pending: dict[bytes | None, tuple[list[list[Any]], list[Any]]] = {}
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
+
+    def put(self, envelope: list[Any], to: bytes | None = None, about: Any = None) -> None:
+        pending = self._pending.get(to)
+        if pending is None:
+            self._pending[to] = ([envelope], [about])
+        else:
+            pending[0].append(envelope)
+            pending[1].append(about)
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        pending, self._pending = self._pending, {}
+        if self._asock.closed:
+            if pending:  # put after its owner closed it (calls cancelled at shutdown answering)
+                log.debug("socket closed; messages not sent", socket=self._asock.name, messages=len(pending))
+            return
+        for to, (envelopes, abouts) in pending.items():
+            spans = _spans(envelopes)
+            if len(spans) == 1:  # the usual case: no copies of the lists
+                msg = wire.join_batch(envelopes)
+                self._asock.send([to, *msg] if self._routed else msg, abouts)
+                continue
+            for i, j in spans:
+                msg = wire.join_batch(envelopes[i:j])
+                self._asock.send([to, *msg] if self._routed else msg, abouts[i:j])
+
+
+def _spans(envelopes: list[list[Any]]) -> list[tuple[int, int]]:
+    """Slices of ``envelopes`` to send as one message each: at most MAX_ENVELOPES_PER_MESSAGE and,
+    where an envelope is large, at most max_message_bytes together (each alone was checked by its
+    sender)."""
+    if len(envelopes) == 1:
+        return [(0, 1)]
+    out: list[tuple[int, int]] = []
+    start = size = 0
+    for i, env in enumerate(envelopes):
+        n = message_bytes(env)
+        if i > start and (i - start == wire.MAX_ENVELOPES_PER_MESSAGE or size + n > _max_message_bytes):
+            out.append((start, i))
+            start, size = i, 0
+        size += n
+    out.append((start, len(envelopes)))
+    return out
+
+
+def _whole_frames(address: str) -> bool:
+    """Whether frames to and from ``address`` travel uncut: ipc only (see the module's docstring)."""
+    return address.startswith("ipc://")
+
+
+def _configure(sock: zmq.Socket, whole_frames: bool) -> None:
+    sock.setsockopt(zmq.SNDHWM, SNDHWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.LINGER, 0)
+    # Before authentication a peer can make us hold one frame: keep that small (see FRAME_BYTES).
+    # Over ipc only our own user can connect; max_message_bytes is checked on arrival.
+    sock.setsockopt(zmq.MAXMSGSIZE, -1 if whole_frames else _MAXMSGSIZE)
+    # ZMTP heartbeats are answered by ZeroMQ's I/O thread, so a busy event loop still answers them;
+    # a peer that stays silent is disconnected, which the caller turns into failed calls.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+
+
+def monitor(asock: AsyncSocket, events: int, on_event: Callable[[int, str], None]) -> None:
+    """Call ``on_event(event, endpoint)`` for the socket's connection ``events`` (ZeroMQ's monitor)."""
+
+    def handle(frames: list[Any]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        on_event(event["event"], event["endpoint"].decode(errors="replace"))
+
+    asock.monitor = AsyncSocket(asock.sock.get_monitor_socket(events), handle, name=f"{asock.name}-monitor")
+
+
+def bind_router(
+    address: str,
+    on_message: OnMessage,
+    security: Security | None,
+    *,
+    name: str,
+    on_too_large: Callable[[list[Any], str], None] | None = None,
+) -> tuple[AsyncSocket, str]:
+    """Bind a ROUTER socket; returns it and the concrete address (with the chosen port)."""
+    sock = context().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    whole = _whole_frames(address)
+    _configure(sock, whole)
+    if security is not None:
+        security.apply_server(sock)
+    if address.startswith("tcp://") and address.endswith(":0"):
+        address = address[:-2] + ":*"
+    sock.bind(address)
+    concrete = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole)
+    if security is not None:
+        _log_rejections(asock)
+    return asock, concrete
+
+
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "its handshake failed (wrong key or secret, or no security)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "its handshake failed",
+}
+
+
+def _log_rejections(asock: AsyncSocket) -> None:
+    """Log peers refused by authentication (ZeroMQ drops them silently), a few lines per flood."""
+    rejected = Throttle(log, "rejected a peer that did not authenticate", REJECT_LOG_EVERY_S)
+
+    def on_event(event: int, endpoint: str) -> None:
+        why = _HANDSHAKE_FAILED.get(event, "its handshake failed")
+        rejected(socket=asock.name, endpoint=endpoint, why=why)
+
+    monitor(asock, functools.reduce(operator.or_, _HANDSHAKE_FAILED), on_event)
+
+
+def connect_dealer(
+    address: str,
+    on_message: OnMessage,
+    security: Security | None,
+    *,
+    name: str,
+    on_link: Callable[[bool], None] | None = None,
+    on_too_large: Callable[[list[Any], str], None] | None = None,
+) -> AsyncSocket:
+    """Connect a DEALER socket to a ROUTER at ``address``.
+
+    ``on_link(True)`` is called when a connection is established (handshake done),
+    ``on_link(False)`` when it is lost (peer gone, or silent past the heartbeat timeout).
+    """
+    sock = context().socket(zmq.DEALER)
+    whole = _whole_frames(address)
+    _configure(sock, whole)
+    sock.setsockopt(zmq.IMMEDIATE, 0)
+    # A connection attempt into a partition gives up and retries, so the link is back soon after it heals.
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    if security is not None:
+        security.apply_client(sock)
+    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole)
+    if on_link is not None:
+        monitor(
+            asock,
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+            lambda event, _: on_link(event == zmq.EVENT_HANDSHAKE_SUCCEEDED),
+        )
+    sock.connect(address)
+    return asock
