@@ -1,0 +1,135 @@
+"""An environment's own Python environment: a virtual environment made with uv from a requirement
+set, so that an environment's packages never meet the trainer's (verifiers 0.4 pins ``openai<3``;
+the trainer's agents use openai 3).
+
+Made once per requirement set under ``<cache>/pyenvs/<hash>`` (the cache is ``$RLACTORS_CACHE``,
+else ``~/.cache/rlactors``: nodes/inference/models.py), so a second run finds it in a moment. A local
+path among the requirements counts by its files' names, sizes and times: editing the package makes
+a new environment. uv reads no pip configuration, so the package sources pip is configured with
+(find-links, index URLs, constraints: ``pip config list``) are passed to it, as scripts/setup.sh
+does for the trainer's own environment (both ask scripts/install_sources.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["ensure_pyenv", "pip_source_flags", "uv_source_env"]
+
+_DRAWING = "".join(map(chr, (0xD7, 0x2570, 0x2500, 0x25B6, 0x2502, 0x251C)))  # uv's report's marks
+READY = ".rlactors-ready"  # written last: an environment without it is incomplete
+SOURCES = Path(__file__).resolve().parents[3] / "scripts" / "install_sources.py"
+
+
+def pip_source_flags() -> list[str]:
+    """pip's package sources as uv's flags (``--find-links X``, ``--index-url X``, ...), as
+    scripts/setup.sh passes them when it installs the trainer (scripts/install_sources.py chooses)."""
+    done = subprocess.run(
+        [sys.executable, str(SOURCES), "sources"], capture_output=True, text=True, timeout=120
+    )
+    if done.returncode != 0:
+        raise ValueError(f"{SOURCES} failed: {done.stderr.strip()[-300:]}")
+    return [line for line in done.stdout.splitlines() if line]
+
+
+def uv_source_env(flags: list[str]) -> dict[str, str]:
+    """The same sources as uv's environment variables, for the uv that an environment's programs
+    run themselves (verifiers prepares a harness's PEP 723 script with ``uv sync --script
+    --no-config``, which reads these but no configuration file); no Python downloads."""
+    names = {"--find-links": "UV_FIND_LINKS", "--index-url": "UV_INDEX_URL",
+             "--extra-index-url": "UV_EXTRA_INDEX_URL", "--constraint": "UV_CONSTRAINT"}  # fmt: skip
+    env: dict[str, list[str]] = {}
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        env.setdefault(names[flag], []).append(value)
+    out = {k: ("," if k == "UV_FIND_LINKS" else " ").join(v) for k, v in env.items()}  # as uv splits them
+    return {**out, "UV_INDEX_STRATEGY": "unsafe-best-match", "UV_PYTHON_DOWNLOADS": "never"}
+
+
+def _identity(requirements: list[str]) -> str:
+    """The hash naming a requirement set's environment (local paths by their files)."""
+    h = hashlib.sha256(f"{sys.version_info[:2]}\n".encode())
+    for req in sorted(requirements):
+        h.update(req.encode() + b"\n")
+        path = Path(req)
+        if path.exists():
+            files = [path] if path.is_file() else sorted(
+                p for p in path.rglob("*") if p.is_file() and not _built(p.relative_to(path))
+            )  # fmt: skip
+            for p in files:
+                st = p.stat()
+                h.update(
+                    f"{p.relative_to(path) if p != path else p.name}:{st.st_size}:{st.st_mtime_ns}\n".encode()
+                )
+    return h.hexdigest()[:16]
+
+
+def _built(rel: Path) -> bool:
+    """A build's output inside a local package, not its source."""
+    return any(part in ("build", "__pycache__", ".git") or part.endswith(".egg-info") for part in rel.parts)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock: two runs making the same environment make it once."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_pyenv(requirements: list[str], timeout_s: float = 900.0, cache: Path | None = None) -> Path:
+    """The interpreter of the environment holding ``requirements`` (pip requirement specs or local
+    paths), made now unless it was made before. ``ValueError`` (one line: what failed to install)
+    when uv cannot make it."""
+    from nodes.inference.models import cache_root
+
+    reqs = [str(Path(r).resolve()) if _is_path(r) else r for r in requirements]
+    root = cache_root(cache) / "pyenvs"
+    root.mkdir(parents=True, exist_ok=True)
+    where = root / _identity(reqs)
+    python = where / "bin" / "python"
+    if (where / READY).exists():
+        return python
+    with _locked(root / f"{where.name}.lock"):
+        if (where / READY).exists():
+            return python
+        shutil.rmtree(where, ignore_errors=True)  # an earlier attempt's leftovers
+        uv = [sys.executable, "-m", "uv"]
+        start = time.monotonic()
+        _uv([*uv, "venv", "-q", "--python", sys.executable, str(where)], timeout_s, "create the environment")
+        flags = pip_source_flags()
+        _uv([*uv, "pip", "install", "-q", "--python", str(python), "--index-strategy", "unsafe-best-match",
+             *flags, *reqs], timeout_s - (time.monotonic() - start), f"install {' '.join(requirements)}")  # fmt: skip
+        (where / "requirements.txt").write_text("\n".join(reqs) + "\n")
+        (where / READY).write_text(f"{time.monotonic() - start:.1f}\n")
+    return python
+
+
+def _is_path(req: str) -> bool:
+    return req.startswith((".", "/", "~")) or Path(req).exists()
+
+
+def _uv(cmd: list[str], timeout_s: float, what: str) -> None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1.0))
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"could not {what}: uv ran past {timeout_s:.0f}s") from None
+    if done.returncode != 0:
+        # uv's report: its first line marked "error:" or a cross, then the cause beneath, tree-drawn
+        lines = [ln.strip().lstrip(_DRAWING).strip() for ln in done.stderr.splitlines() if ln.strip()]
+        lines = [ln for ln in lines if ln]
+        first = next(
+            (k for k, ln in enumerate(lines) if ln.startswith(("error:", "Because", "No solution"))), 0
+        )
+        detail = " ".join(lines[first : first + 3])
+        raise ValueError(f"could not {what}: {detail[:400]}")
