@@ -15,7 +15,11 @@ before any shard is written, rank 0 checks that it sees a marker from every rank
 otherwise the save fails on every rank with an error naming the path and the hosts.
 
 A checkpoint is written to ``<path>.tmp`` and renamed into place once every rank has finished,
-so a crash mid-save never leaves a checkpoint that looks complete. Weights or optimizer state
+so a crash mid-save never leaves a checkpoint that looks complete. Its size is estimated from
+every rank's shards and compared with the free space before anything is written; a write that
+still fails for space on any rank removes the partial folder and raises
+:class:`~nodes.common.disk.DiskFullError` on every rank (one line: folder, bytes needed and free),
+the checkpoints before it untouched. Weights or optimizer state
 holding inf/nan are refused at save, and files that do not match the manifest at load. DCP
 reshards on load, so a run may resume on a different number of ranks (RNG states then come
 from rank ``r % saved``).
@@ -39,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from nodes.common.disk import DiskFullError, free_bytes, full_line, is_disk_full
 from nodes.trainer.fsdp import NonFiniteError, name_list
 from nodes.trainer.manifest import (
     STATE_FILE,
@@ -51,7 +56,10 @@ from nodes.trainer.manifest import (
     write_manifest,
 )
 
-__all__ = ["CheckpointError", "TrainerState", "load", "save"]
+__all__ = ["CheckpointError", "DiskFullError", "TrainerState", "load", "save"]
+
+# Beyond the tensors' bytes: a rank's RNG and scheduler file, DCP's metadata, the manifest
+OVERHEAD_BYTES = 1 << 20
 
 log = structlog.get_logger(__name__)
 
@@ -118,13 +126,78 @@ def _check_shared(tmp: Path, path: Path, rank: int, world: int) -> None:
         raise CheckpointError(verdict[0])
 
 
+def _local_bytes(tree: Any) -> int:
+    """Bytes of this rank's part of the tensors in a (nested) state dict: a DTensor's local shard."""
+    if isinstance(tree, dict):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_local_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _agree(error: BaseException | None, tmp: Path, world: int) -> None:
+    """Collective: when any rank's write failed, remove the partial folder (on every rank: once
+    each has stopped writing) and raise on every rank, :class:`DiskFullError` when a disk was full."""
+    mine = ("", False, -1) if error is None else (*_reason(error), is_disk_full(error, tmp))
+    mine = (mine[1], mine[2], mine[0]) if error is not None else mine
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, mine)
+    failed = [(r if at < 0 else at, text, full) for r, (text, full, at) in enumerate(seen) if text]
+    if not failed:
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    shutil.rmtree(tmp, ignore_errors=True)  # a rank's late view of the shared folder
+    rank, text, _ = next((f for f in failed if f[2]), failed[0])
+    if any(full for _, _, full in failed):
+        raise DiskFullError(
+            f"{_space_line(tmp)}; rank {rank}: {text}; the partial {tmp.name} was removed, the checkpoints "
+            "before it are as they were"
+        ) from error
+    raise CheckpointError(f"checkpoint {tmp.with_suffix('')}: rank {rank} failed to write it: {text}; "
+                          f"the partial {tmp.name} was removed") from error  # fmt: skip
+
+
+def _reason(e: BaseException) -> tuple[int, str]:
+    """The rank whose write failed (-1: this one) and one line for ``e``: the innermost exception's
+    (a DCP CheckpointException, raised on every rank, carries the failing ranks' own)."""
+    at = -1
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        at, (e, _) = next(iter(failures.items()))
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return at, " ".join(f"{type(e).__name__}: {e}".split())
+
+
+_need: dict[str, int] = {}  # the estimate of the checkpoint being written, per folder, for its line
+
+
+def _space_line(tmp: Path) -> str:
+    return full_line(f"checkpoint {tmp.with_suffix('')}", tmp.parent, _need.get(str(tmp), 0))
+
+
+def _attempt(fn: Any) -> BaseException | None:
+    """Run ``fn``; the exception it raised (torch's CheckpointException is a BaseException), or None."""
+    try:
+        fn()
+    except (Exception, dcp.api.CheckpointException) as e:
+        return e
+    return None
+
+
 def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
     """Write a checkpoint of ``trainer`` (an FSDPTrainer) to ``path``; collective, all ranks call it.
 
     ``data_position`` is any JSON value that tells the data source where to continue (an index,
     a dict of counters). Raises :class:`~nodes.trainer.fsdp.NonFiniteError` on every rank, and
     writes nothing, when weights or optimizer state hold inf or nan; :class:`CheckpointError`, and
-    writes nothing, when rank 0 does not see the files other ranks write to ``path``.
+    writes nothing, when rank 0 does not see the files other ranks write to ``path``;
+    :class:`DiskFullError` when the checkpoint does not fit (estimated before writing, or a write
+    failing for space on any rank): the partial folder removed, the checkpoints before it untouched.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -139,22 +212,39 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
         tmp.mkdir(parents=True)
     _check_shared(tmp, path, rank, world)
     model_sd, optim_sd = _trained_state(trainer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict()}, tmp / f"rank{rank}.pt")
-    if rank == 0:
-        lora = asdict(trainer.cfg.lora) if trainer.cfg.lora.enabled else None
-        base = trainer.cfg.model_path  # a folder: absolute, so an export from anywhere finds it
-        base = str(Path(base).resolve()) if Path(base).is_dir() else base
-        state = TrainerState(trainer.version, trainer.optim_steps, data_position, world, base, lora)
-        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__))
-    dist.barrier()
+    needs: list[Any] = [None] * world  # every rank's shards: the checkpoint's size, before writing
+    dist.all_gather_object(needs, _local_bytes(model_sd) + _local_bytes(optim_sd) + OVERHEAD_BYTES)
+    _need[str(tmp)] = need = sum(needs)
+    verdict = [full_line(f"checkpoint {path}", path.parent, need, free) + "; nothing was written"
+               if rank == 0 and (free := free_bytes(tmp)) < need else ""]  # fmt: skip
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskFullError(verdict[0])
+
+    def rank_files() -> None:
+        torch.save({"rng": _rng_state(), "scheduler": trainer.scheduler.state_dict()}, tmp / f"rank{rank}.pt")
+        if rank == 0:
+            lora = asdict(trainer.cfg.lora) if trainer.cfg.lora.enabled else None
+            base = trainer.cfg.model_path  # a folder: absolute, so an export from anywhere finds it
+            base = str(Path(base).resolve()) if Path(base).is_dir() else base
+            state = TrainerState(trainer.version, trainer.optim_steps, data_position, world, base, lora)
+            (tmp / STATE_FILE).write_text(json.dumps(state.__dict__))
+
+    # DCP's save is collective and raises on every rank when one rank's writer fails
+    error = _attempt(lambda: dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp)))
+    _agree(error or _attempt(rank_files), tmp, world)
     hashes: list[Any] = [None] * world  # each rank hashes a share of the files
     dist.all_gather_object(hashes, hash_files(tmp, (rank, world)))
     if rank == 0:
-        write_manifest(tmp, {k: v for h in hashes for k, v in h.items()})
+        error = _attempt(lambda: write_manifest(tmp, {k: v for h in hashes for k, v in h.items()}))
+    _agree(error if rank == 0 else None, tmp, world)
+    if rank == 0:
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
+    _need.pop(str(tmp), None)
     dist.barrier()
     log.info("checkpoint_saved", path=str(path), version=trainer.version, rank=rank)
     return path

@@ -16,7 +16,8 @@ peft's ``merge_and_unload`` gives them; ``adapter`` writes a PEFT adapter folder
 (``adapter_config.json``, ``adapter_model.safetensors``) for ``PeftModel.from_pretrained`` on the
 base model, with the tokenizer and README. The checkpoint is checked against its manifest first,
 and the folder is written to ``<out>.tmp`` and renamed, so a failed export leaves nothing that
-looks complete. This module imports torch only when it exports: the ``rlactors`` command loads it
+looks complete; one that would not fit on its disk is refused before writing (one line: folder,
+bytes needed and free), and one that fails for space midway is removed and says the same. This module imports torch only when it exports: the ``rlactors`` command loads it
 for its ``--help``.
 """
 
@@ -34,6 +35,7 @@ from typing import Any, Literal
 
 import structlog
 
+from nodes.common.disk import DiskFullError, check_room, full_line, is_disk_full
 from nodes.trainer.manifest import MANIFEST, STATE_FILE, CheckpointError, verify
 
 __all__ = ["ExportError", "add_command", "export_checkpoint", "main"]
@@ -216,6 +218,14 @@ def export_checkpoint(
     }[mode]
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    # what it will write: the weights at dtype (the adapters alone for "adapter"), the tokenizer, a MiB
+    params = [p for n, p in model.named_parameters() if mode != "adapter" or "lora_" in n]
+    need = sum(p.numel() for p in params) * (2 if dtype == "bf16" else 4) + (1 << 20)
+    need += sum(f.stat().st_size for f in base.iterdir() if f.is_file() and TOKENIZER_FILES.fullmatch(f.name))
+    try:
+        check_room(f"export {out}", out.parent, need)
+    except DiskFullError as e:
+        raise ExportError(str(e)) from None
     tmp.mkdir(parents=True)
     try:
         say(f"writing {tmp} ({what}, {dtype})")
@@ -244,8 +254,11 @@ def export_checkpoint(
             shutil.rmtree(old)
         else:
             tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and is_disk_full(e, out.parent):
+            raise ExportError(full_line(f"export {out}", out.parent, need) + f"; the partial {tmp.name} was "
+                              "removed") from e  # fmt: skip
         raise
     say(f"done: {out} ({_folder_bytes(out) / 2**20:.1f} MiB)")
     return out

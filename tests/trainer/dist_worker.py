@@ -335,6 +335,62 @@ def nonfinite_scenario(trainer, out: Path) -> None:
     (out / f"nonfinite_{rank}.json").write_text(json.dumps(seen))
 
 
+def diskfull_scenario(trainer, out: Path) -> None:
+    """A checkpoint that does not fit: refused by its estimate before writing, then ENOSPC in rank
+    1's DCP writer, then in rank 0's own trainer_state.json. Each time every rank raises
+    DiskFullError, no partial folder is left, and step-1 (saved before) still loads."""
+    import errno
+    import pathlib
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from nodes.common.disk import DiskFullError
+    from nodes.trainer import checkpoint
+    from nodes.trainer.manifest import STATE_FILE, verify
+
+    rank = dist.get_rank()
+    seen: dict = {}
+    train(trainer, batch(1))
+    checkpoint.save(trainer, out / "step-1", data_position=1)
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def attempt(key: str) -> None:
+        attempted(seen, key, lambda: checkpoint.save(trainer, out / "step-2", data_position=2), DiskFullError)
+        dist.barrier()
+        seen[f"{key}_left"] = sorted(p.name for p in out.iterdir())
+
+    real_free = checkpoint.free_bytes
+    checkpoint.free_bytes = lambda folder: 4096
+    attempt("estimate")
+    checkpoint.free_bytes = real_free
+
+    real_write_item = dcp_fs._write_item
+
+    def write_item_full(*a, **kw):
+        raise full
+
+    if rank == 1:
+        dcp_fs._write_item = write_item_full
+    attempt("dcp_rank1")
+    dcp_fs._write_item = real_write_item
+
+    real_write_text = pathlib.Path.write_text
+
+    def write_text_full(self, *a, **kw):
+        if self.name == STATE_FILE:
+            raise full
+        return real_write_text(self, *a, **kw)
+
+    if rank == 0:
+        pathlib.Path.write_text = write_text_full
+    attempt("state_rank0")
+    pathlib.Path.write_text = real_write_text
+
+    verify(out / "step-1", (rank, 2))  # the checkpoint before is intact
+    seen["resumed_version"] = checkpoint.load(trainer, out / "step-1").version
+    (out / f"diskfull_{rank}.json").write_text(json.dumps(seen))
+
+
 AGG_CASES = {  # name: LossConfig keywords (the last: sequence-level corrections, row-local)
     "token-mean": {},
     "seq-mean-token-mean": {"agg": "seq-mean-token-mean"},
@@ -426,6 +482,8 @@ def run_scenario(scenario: str, out: Path, model: str, args: list[str]) -> None:
         nonfinite_scenario(trainer, out)
     elif scenario == "gather":
         gather_scenario(trainer, out)
+    elif scenario == "diskfull":
+        diskfull_scenario(trainer, out)
     elif scenario == "push":
         push_scenario(trainer, model, out, args[0])
     elif scenario == "refused":

@@ -70,7 +70,7 @@ def later_runs(fresh_run, tiny_model, tmp_path_factory) -> dict[str, Path]:
     """The scenarios after ``fresh_run``, in two launches (two ranks, one rank); their folders by
     scenario, and ``shard``: the file changed in the corrupted checkpoint."""
     tmp = tmp_path_factory.mktemp("fsdp_later")
-    dirs = {name: tmp / name for name in ("corrupt", "nonfinite", "agg", "schedule")}
+    dirs = {name: tmp / name for name in ("corrupt", "nonfinite", "agg", "schedule", "diskfull")}
     for d in dirs.values():
         d.mkdir()
     shard = corrupted_copy(fresh_run / "ckpt", dirs["corrupt"] / "ckpt")
@@ -81,6 +81,7 @@ def later_runs(fresh_run, tiny_model, tmp_path_factory) -> dict[str, Path]:
             ("resume", fresh_run, []),
             ("corrupt", dirs["corrupt"], []),
             ("nonfinite", dirs["nonfinite"], []),
+            ("diskfull", dirs["diskfull"], []),
             ("aggregation", dirs["agg"], ["two", "40"]),
         ],
     )
@@ -193,6 +194,26 @@ def test_inf_is_never_saved_or_pushed_and_stops_the_step(later_runs):
         assert seen["pushed"] is False
         assert "non-finite loss" in seen["step"] and seen["version_unchanged"]
     assert not (tmp_path / "bad_ckpt").exists() and not (tmp_path / "bad_ckpt.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_does_not_fit_is_one_line_and_leaves_the_last_one_intact(later_runs):
+    tmp_path = later_runs["diskfull"]
+    for rank in (0, 1):  # whichever rank's write failed, both raise the same line
+        seen = json.loads((tmp_path / f"diskfull_{rank}.json").read_text())
+        folder = tmp_path / "step-2"
+        assert seen["estimate"].startswith(
+            f"checkpoint {folder}: the disk is full at {tmp_path}: it needs about "
+        )
+        assert "4,096 are free; nothing was written" in seen["estimate"]
+        for case, who in (("dcp_rank1", "rank 1"), ("state_rank0", "rank 0")):
+            line = seen[case]
+            assert line.startswith(f"checkpoint {folder}: the disk is full at {tmp_path}: it needs about ")
+            assert f"{who}: " in line and "No space left on device" in line and "\n" not in line
+            assert "the partial step-2.tmp was removed, the checkpoints before it are as they were" in line
+        for case in ("estimate", "dcp_rank1", "state_rank0"):
+            assert seen[f"{case}_left"] == ["step-1"]  # no step-2, no step-2.tmp
+        assert seen["resumed_version"] == 1
 
 
 @pytest.mark.slow
