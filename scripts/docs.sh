@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Build the documentation site (mkdocs.yml, docs/) into build/site, strictly: a broken link, a
-# missing page or an unresolved API reference fails the build. Needs the `docs` extra
-# (scripts/setup.sh installs it).
+# Build the documentation site (mkdocs.yml, docs/) into build/site, strictly: a broken link or a
+# missing page fails the build. Needs the `docs` extra (scripts/setup.sh installs it).
 #   bash scripts/docs.sh            # strict build
 #   bash scripts/docs.sh --check    # the same, and the generated reference pages must be current
 #   bash scripts/docs.sh --serve    # preview at http://127.0.0.1:8000, rebuilt on every change
@@ -15,6 +14,7 @@ case "${1:-}" in
     "$PY" scripts/gen-config-reference.py --check
     "$PY" scripts/gen-cli-reference.py --check
     "$PY" scripts/gen-metrics-reference.py --check
+    "$PY" scripts/gen-page-regions.py --check
     ;;
   "") ;;
   *) echo "usage: bash scripts/docs.sh [--check | --serve]" >&2; exit 2 ;;
