@@ -152,6 +152,28 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
         ],
     ),
     (
+        "Teachers and judges",
+        "Written by the recipe when another model takes part (`[models.<name>]`): a teacher "
+        "(`[distill] teacher`) or an LLM judge (`[reward] fn = \"nodes.rollout.judge:judge\"`).",
+        [
+            (
+                "distill/reverse_kl",
+                "mean log π_prox - log π_teacher over the batch's loss tokens: the sampled estimate of the "
+                "reverse KL to the teacher that distillation lowers (0 when the teacher is the policy)",
+            ),
+            (
+                "distill/teacher_time_s",
+                "mean seconds of a trajectory's teacher call (its prefill), over the batch",
+            ),
+            (
+                "reward/judge_errors",
+                "judgements that failed or could not be parsed, since the start (scored as "
+                "`reward.fn_args.on_error` says)",
+            ),
+            ("reward/judge_calls", "batched calls to the judge's servers, since the start"),
+        ],
+    ),
+    (
         "Trainer",
         "Rank 0's statistics of the step's update (`[trainer.loss] fn` and the FSDP2 engine). The loss's "
         "sums are divided by the loss tokens; its maxima and minima are over every rank and micro-batch.",

@@ -7,12 +7,23 @@ edges on raw sockets and by a property-based fuzz of answers (tests/rollout/test
 """
 
 from nodes.rollout.http1.client import ClientError, ClientPool, LineSink
-from nodes.rollout.http1.server import ErrorBody, Handler, HTTPServer, Request, Response, Stream
+from nodes.rollout.http1.server import (
+    ErrorBody,
+    Gate,
+    Handler,
+    HTTPLimits,
+    HTTPServer,
+    Request,
+    Response,
+    Stream,
+)
 
 __all__ = [
     "ClientError",
     "ClientPool",
     "ErrorBody",
+    "Gate",
+    "HTTPLimits",
     "HTTPServer",
     "Handler",
     "LineSink",
