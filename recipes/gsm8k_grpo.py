@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import rlactors
+from nodes.common.disk import DiskFullError
 from nodes.driver.advantage import batch_advantages, shape_rewards
 from nodes.driver.data import DataError, load_data
 from nodes.driver.evaluator import Evaluator
@@ -232,7 +233,10 @@ def resume_hint(out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="TOML config (default: recipes/configs/cpu.toml's values, built in)")
+    ap.add_argument(
+        "--config",
+        help="TOML config (default: recipes/configs/cpu.toml's values, built in, without its shaping)",
+    )
     ap.add_argument(
         "--cluster", help="cluster.toml started with `rlactors up`, or a head address (default: local)"
     )
@@ -263,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RepeatedFailureError as e:  # a reward, environment or agent that fails again and again
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DiskFullError as e:  # a checkpoint, metrics or the trace did not fit; nothing earlier harmed
+        print(f"error: {e}; the run stopped; {resume_hint(out)} once there is room", file=sys.stderr)
         return 2
     except rlactors.ClusterError as e:  # e.g. no cluster at the given address
         if not isinstance(e, rlactors.ActorDiedError):

@@ -33,6 +33,15 @@ def test_cpu_config_is_the_default_and_gpu_config_loads() -> None:
     r = recipe_module()
     default = r.load_config(None, [])
     cpu = r.load_config(str(ROOT / "recipes" / "configs" / "cpu.toml"), [])
+    # but the shaping: none by default, AReaL's GSM8K values in the file (a user's reward is not reshaped)
+    assert (
+        default.advantage.shaping.bias,
+        default.advantage.shaping.scale,
+        default.advantage.shaping.clip,
+    ) == (0, 1, 0)
+    areal = dataclasses.replace(default.advantage.shaping, bias=-0.5, scale=10.0, clip=20.0)
+    assert cpu.advantage.shaping == areal
+    default = dataclasses.replace(default, advantage=dataclasses.replace(default.advantage, shaping=areal))
     assert dataclasses.asdict(cpu) == dataclasses.asdict(default)
     gpu = r.load_config(str(ROOT / "recipes" / "configs" / "gpu.toml"), [])
     assert gpu.servers.kind == "sglang" and gpu.trainer.device == "cuda" and gpu.async_.batch_size == 256
