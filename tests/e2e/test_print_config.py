@@ -142,6 +142,7 @@ def test_changed_and_unset_values_survive_the_round_trip(tmp_path: Path) -> None
             "buffer.max_staleness=1",  # an optional key set
             "trainer.loss.fn_args.tis_cap=2.0",
             "trainer.betas=[0.8, 0.95]",
+            "trainer.lora.enabled=true",  # its keys are read only then
             "trainer.lora.target_modules=['q_proj', 'v_proj']",
             'rollout.workflow_args.prompt_suffix="\\n\\t\\"quoted\\" \\\\ \\u007f é"',
             "rollout.workflow_args.sampling_params={top_p = 0.9, stop = ['\\n\\n']}",
