@@ -1,0 +1,341 @@
+"""Load held: many concurrent legitimate multi-turn sessions through ONE rollout actor's session API
+(online mode, nodes/rollout/sessions.py), alone and while hostile clients attack the same server.
+
+Three kinds of process, all on loopback:
+
+- the serving process (``--serve``): an :class:`OnlineWorkflow` as a rollout actor runs it, behind a
+  key, with its default HTTP limits (``[rollout.workflow_args.http]``), ``--sessions`` slots offered
+  again as each group (one session) ends, generating through an :class:`SGLangClient` in front of
+  sim reference servers (bench/simfarm.py, ``--servers`` of them);
+- the legitimate clients (this process): ``--sessions`` loops, each opening a session, making
+  ``--turns`` chat turns at its base_url (each turn continues the conversation), then posting its
+  reward, again and again; a 429 (no slot free this instant) is retried after its Retry-After;
+- the attackers (``--attack``, a process of their own): ``--tricklers`` clients that send a request
+  head one byte every 2 s (reconnecting when closed), and ``--abusers`` clients that each send, in
+  turn, a 32 MiB body without the key, a 64 KiB header, 100,000 headers and an 8 MiB URL, as fast as
+  they are answered.
+
+Two phases of ``--seconds`` each, after ``--warmup``: ``alone``, then ``attacked`` (the attackers
+started ``--warmup`` before it). Per phase: sessions/s completed, p50/p99/max latency of a chat turn
+and of any call, the serving process's CPU (psutil, user + system) per session and its share of one
+core, its memory (RSS) and the growth per open session over the idle process, errors, the attack's
+refusals as the server counted them (its ``http_*`` counters).
+
+Full size (the issue's)::
+
+    python bench/online_load.py --sessions 2000 --turns 3 --servers 4 --tricklers 200 --abusers 50 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.simfarm import Farm  # noqa: E402
+
+KEY = "sk-bench-online"
+NEW_TOKENS = 8
+SERVER_ARGS = ["--backend", "sim", "--sim-vocab-size", "49152", "--sim-eos-prob", "0",
+               "--sim-decode-s-base", "0.002", "--max-running-requests", "8192"]  # fmt: skip
+
+
+# -- the serving process ----------------------------------------------------------------------
+
+
+def serve(urls: list[str], slots: int) -> None:
+    """An OnlineWorkflow's session API in front of ``urls``, ``slots`` slots offered again as each
+    group ends; prints its base URL, then answers ``stats`` lines on stdin with its counters."""
+    import uvloop
+    from transformers import AutoTokenizer
+
+    from nodes.inference.models import ensure_tiny_checkpoint
+    from nodes.rollout.client import SGLangClient
+    from nodes.rollout.sessions import OnlineConfig, OnlineError, OnlineWorkflow
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_tiny_checkpoint()), local_files_only=True)
+
+    async def main() -> None:
+        client = SGLangClient(urls)
+        wf = OnlineWorkflow(tok, None, OnlineConfig(n_samples=1, max_new_tokens=NEW_TOKENS, temperature=0))  # type: ignore[arg-type]
+        api = await wf.start(client, api_key=KEY)
+        print(f"base_url: {api.base}", flush=True)
+
+        async def slot(i: int) -> None:
+            for n in itertools.count():
+                with contextlib.suppress(OnlineError):
+                    await wf.arun_episode(client, {}, f"slot{i}/{n}")
+
+        async def stats() -> None:
+            loop = asyncio.get_running_loop()
+            reader = asyncio.StreamReader()
+            await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+            while await reader.readline():
+                print("stats: " + json.dumps({**wf.counters, "open_sessions": len(api.sessions),
+                                              "connections": len(api.endpoint._server._connections)}), flush=True)  # fmt: skip
+
+        await asyncio.gather(stats(), *(slot(i) for i in range(slots)))
+
+    uvloop.run(main())
+
+
+# -- the attackers ----------------------------------------------------------------------------
+
+
+def attack(host: str, port: int, tricklers: int, abusers: int) -> None:
+    """``tricklers`` slow-head clients and ``abusers`` oversized/unauthenticated ones, until killed."""
+    import uvloop
+
+    counts = {"trickler_closed": 0, "abuse_answered": 0, "abuse_reset": 0}
+
+    async def trickler() -> None:
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(b"POST /rl/v1/sessions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                answered = asyncio.ensure_future(reader.read())  # until the server closes
+                while not answered.done():
+                    writer.write(b"a")
+                    await writer.drain()
+                    await asyncio.wait([answered], timeout=2.0)
+            except OSError:
+                pass
+            counts["trickler_closed"] += 1
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    shapes = [
+        b"POST /rl/v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (32 << 20),
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (64 << 10) + b"\r\n\r\n",
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"X: 1\r\n" * 100_000 + b"\r\n",
+        b"GET /" + b"a" * (8 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    ]
+    body = b"x" * (32 << 20)
+
+    async def abuser(i: int) -> None:
+        for n in itertools.count(i):
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(shapes[n % len(shapes)])
+                if n % len(shapes) == 0:
+                    writer.write(body)
+                got = await reader.read(1 << 16)
+                counts["abuse_answered" if got else "abuse_reset"] += 1
+                writer.transport.abort()
+            except OSError:
+                counts["abuse_reset"] += 1
+
+    async def main() -> None:
+        tasks = [asyncio.ensure_future(trickler()) for _ in range(tricklers)]
+        tasks += [asyncio.ensure_future(abuser(i)) for i in range(abusers)]
+        while True:
+            await asyncio.sleep(5)
+            print("attack: " + json.dumps(counts), flush=True)
+
+    uvloop.run(main())
+
+
+# -- the legitimate clients -------------------------------------------------------------------
+
+
+async def sessions_for(
+    root: str, n: int, turns: int, seconds: float, warmup: float, mark: dict[str, Any]
+) -> dict[str, Any]:
+    """``n`` session loops for ``warmup + seconds``; what was measured after the warm-up."""
+    import aiohttp
+
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+                                 headers={"Authorization": f"Bearer {KEY}"},
+                                 timeout=aiohttp.ClientTimeout(total=120))  # fmt: skip
+    turn_lat: list[float] = []
+    call_lat: list[float] = []
+    out = {"sessions": 0, "turns": 0, "retries_429": 0, "errors": 0}
+    start = time.monotonic()
+    measuring_from, until = start + warmup, start + warmup + seconds
+
+    async def call(url: str, body: dict[str, Any], is_turn: bool = False) -> tuple[int, Any]:
+        t0 = time.monotonic()
+        async with http.post(url, json=body) as r:
+            data = await r.json(content_type=None)
+            status, retry = r.status, r.headers.get("Retry-After")
+        t1 = time.monotonic()
+        if t0 >= measuring_from and t1 <= until:
+            call_lat.append(t1 - t0)
+            if is_turn:
+                turn_lat.append(t1 - t0)
+        if status == 429:
+            out["retries_429"] += 1
+            await asyncio.sleep(float(retry or 1))
+        return status, data
+
+    async def loop(i: int) -> None:
+        for k in itertools.count():
+            if time.monotonic() >= until:
+                return
+            try:
+                status, opened = await call(root + "/rl/v1/sessions", {"group": 1})
+                if status != 200:
+                    continue
+                history = [{"role": "user", "content": f"What is {i} + {k}?"}]
+                for _ in range(turns):
+                    body = {"model": "m", "messages": history, "max_tokens": NEW_TOKENS, "temperature": 0}
+                    status, answer = await call(opened["base_url"] + "/chat/completions", body, is_turn=True)
+                    assert status == 200, answer
+                    history = [
+                        *history,
+                        answer["choices"][0]["message"],
+                        {"role": "user", "content": "Go on."},
+                    ]
+                    if time.monotonic() >= measuring_from:
+                        out["turns"] += 1
+                status, _ = await call(f"{root}/rl/v1/sessions/{opened['id']}/reward", {"reward": 1.0})
+                assert status == 200
+                if measuring_from <= time.monotonic() <= until:
+                    out["sessions"] += 1
+            except Exception as e:  # counted and reported: a legitimate call must not fail
+                out["errors"] += 1
+                out.setdefault("first_error", repr(e)[:300])
+
+    async def sample() -> None:
+        # in a thread: the serving process's answers must not hold up this loop's clients
+        await asyncio.sleep(max(0.0, measuring_from - time.monotonic()))
+        await asyncio.to_thread(mark["begin"])
+        while time.monotonic() < until:
+            await asyncio.to_thread(mark["sample"])
+            await asyncio.sleep(1.0)
+        await asyncio.to_thread(mark["end"])
+
+    await asyncio.gather(sample(), *(loop(i) for i in range(n)))
+    await http.close()
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+    out.update(turn_p50_ms=pct(turn_lat, 0.5), turn_p99_ms=pct(turn_lat, 0.99), turn_max_ms=pct(turn_lat, 1.0),
+               call_p99_ms=pct(call_lat, 0.99), sessions_per_s=out["sessions"] / seconds)  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=2000, help="concurrent legitimate session loops")
+    ap.add_argument("--turns", type=int, default=3, help="chat turns per session")
+    ap.add_argument("--servers", type=int, default=4, help="sim servers (in 2 simfarm processes)")
+    ap.add_argument("--tricklers", type=int, default=200)
+    ap.add_argument("--abusers", type=int, default=50)
+    ap.add_argument("--seconds", type=float, default=60.0, help="each phase's measured time")
+    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--serve", nargs="+", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--attack", nargs=2, metavar=("HOST", "PORT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args.serve, args.sessions)
+    if args.attack:
+        return attack(args.attack[0], int(args.attack[1]), args.tricklers, args.abusers)
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    import psutil
+    import uvloop
+
+    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    farm = Farm(args.servers, 2, SERVER_ARGS)
+    procs: list[subprocess.Popen] = []
+    try:
+        farm.wait_ready()
+        cmd = [sys.executable, __file__, "--serve", *farm.urls, "--sessions", str(args.sessions)]
+        server = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  start_new_session=True)  # fmt: skip
+        procs.append(server)
+        line = ""
+        while not line.startswith("base_url: "):
+            line = server.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                raise RuntimeError("the serving process printed no base_url")
+        root = line.removeprefix("base_url: ").strip()
+        host, port = root.removeprefix("http://").rsplit(":", 1)
+        ps = psutil.Process(server.pid)
+
+        def counters() -> dict[str, Any]:
+            server.stdin.write("stats\n")  # type: ignore[union-attr]
+            server.stdin.flush()  # type: ignore[union-attr]
+            while not (line := server.stdout.readline()).startswith("stats: "):  # type: ignore[union-attr]
+                pass
+            return json.loads(line.removeprefix("stats: "))
+
+        idle_rss = ps.memory_info().rss
+        results = {}
+        for phase in ("alone", "attacked"):
+            if phase == "attacked":
+                att = subprocess.Popen([sys.executable, __file__, "--attack", host, port, "--tricklers",
+                                        str(args.tricklers), "--abusers", str(args.abusers)], cwd=ROOT,
+                                       stdout=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                procs.append(att)
+            m: dict[str, Any] = {"rss": [], "open": []}
+
+            def begin(m: dict[str, Any] = m) -> None:
+                m["cpu0"], m["t0"], m["c0"] = sum(ps.cpu_times()[:2]), time.monotonic(), counters()
+
+            def sample(m: dict[str, Any] = m) -> None:
+                m["rss"].append(ps.memory_info().rss)
+                m["open"].append(counters()["open_sessions"])
+
+            def end(m: dict[str, Any] = m) -> None:
+                m["cpu1"], m["t1"], m["c1"] = sum(ps.cpu_times()[:2]), time.monotonic(), counters()
+
+            r = uvloop.run(sessions_for(root, args.sessions, args.turns, args.seconds, args.warmup,
+                                        {"begin": begin, "sample": sample, "end": end}))  # fmt: skip
+            cpu = m["cpu1"] - m["cpu0"]
+            peak = max(m["rss"])
+            mean_open = sum(m["open"]) / len(m["open"])
+            r.update(
+                server_cpu_share=cpu / (m["t1"] - m["t0"]),
+                server_cpu_ms_per_session=1000 * cpu / max(1, r["sessions"]),
+                rss_idle_mib=idle_rss / 2**20,
+                rss_peak_mib=peak / 2**20,
+                rss_growth_mib=(peak - idle_rss) / 2**20,
+                open_sessions_mean=mean_open,
+                rss_kib_per_open_session=(peak - idle_rss) / 1024 / max(1.0, mean_open),
+                refused={k: m["c1"][k] - m["c0"][k] for k in m["c1"] if k.startswith("http_")},
+            )
+            results[phase] = r
+            print(f"{phase}: " + json.dumps(r), flush=True)
+        print("\n| phase | sessions/s | turn p50 ms | turn p99 ms | turn max ms | server CPU (cores) | CPU ms/session"
+              " | RSS idle→peak MiB | KiB/open session | errors |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for phase, r in results.items():
+            print(f"| {phase} | {r['sessions_per_s']:.0f} | {r['turn_p50_ms']:.0f} | {r['turn_p99_ms']:.0f} | "
+                  f"{r['turn_max_ms']:.0f} | {r['server_cpu_share']:.2f} | {r['server_cpu_ms_per_session']:.2f} | "
+                  f"{r['rss_idle_mib']:.0f}→{r['rss_peak_mib']:.0f} | {r['rss_kib_per_open_session']:.1f} | "
+                  f"{r['errors']} |")  # fmt: skip
+        print(f"attacked: the server refused {results['attacked']['refused']}")
+    finally:
+        for p in reversed(procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        farm.close()
+
+
+if __name__ == "__main__":
+    main()
