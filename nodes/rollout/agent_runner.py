@@ -8,8 +8,10 @@
   Python work is heavy enough to take the actor's GIL (the agent is imported there by its path; the
   item and the result must pickle).
 
-Every run gets its own ``openai.AsyncOpenAI`` on its episode's base_url. This module imports
-little (no rlactors, no tokenizer): a worker process imports it, then the agent.
+Every run gets its own client on its episode's base_url: an ``openai.AsyncOpenAI`` (``sdk =
+"openai"``) or an ``anthropic.AsyncAnthropic`` (``sdk = "anthropic"``: the same episode, its
+``/v1/messages``). This module imports little (no rlactors, no tokenizer): a worker process imports
+it, then the agent.
 """
 
 from __future__ import annotations
@@ -23,24 +25,40 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["AGENT_RUNNERS", "ProcessRunner", "in_thread", "run_agent"]
+__all__ = ["AGENT_RUNNERS", "AGENT_SDKS", "ProcessRunner", "in_thread", "run_agent", "sdk_client"]
 
 AGENT_RUNNERS = ("loop", "thread", "process")
+AGENT_SDKS = ("openai", "anthropic")
 
 
-async def run_agent(agent: Callable[..., Any], url: str, item: Any, timeout: float) -> Any:
-    """One run of ``agent(client, item)`` on the running loop, its client on ``url``; past
-    ``timeout`` seconds it is cancelled (TimeoutError)."""
+def sdk_client(url: str, sdk: str = "openai") -> Any:
+    """The client of an episode whose base_url is ``url`` (``.../v1``): ``openai.AsyncOpenAI`` on
+    it, or ``anthropic.AsyncAnthropic`` on it without its ``/v1`` (that SDK adds ``/v1/messages``).
+    No TLS to the endpoint: an SSL context without certificates (loading them costs milliseconds)."""
+    if sdk == "anthropic":
+        import anthropic
+
+        return anthropic.AsyncAnthropic(base_url=url.removesuffix("/v1"), api_key="rlactors", max_retries=0,
+                                        http_client=anthropic.DefaultAsyncHttpxClient(verify=False))  # fmt: skip
+    if sdk != "openai":
+        raise ValueError(f"agent sdk {sdk!r}: use {' or '.join(AGENT_SDKS)}")
     import openai
 
-    # no TLS to the endpoint: an SSL context without certificates (loading them costs milliseconds)
     http = openai.DefaultAsyncHttpxClient(verify=False)
-    sdk = openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0, http_client=http)
+    return openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0, http_client=http)
+
+
+async def run_agent(
+    agent: Callable[..., Any], url: str, item: Any, timeout: float, sdk: str = "openai"
+) -> Any:
+    """One run of ``agent(client, item)`` on the running loop, its client (:func:`sdk_client`) on
+    ``url``; past ``timeout`` seconds it is cancelled (TimeoutError)."""
+    client = sdk_client(url, sdk)
     try:
         async with asyncio.timeout(timeout):  # not asyncio.wait_for: it can lose a cancel on 3.11
-            return await agent(sdk, item)
+            return await agent(client, item)
     finally:
-        await sdk.close()
+        await client.close()
 
 
 # Threads that run agents, each with an event loop of its own that it keeps from run to run (a loop
@@ -64,7 +82,9 @@ def _thread_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-async def in_thread(agent: Callable[..., Any], url: str, item: Any, timeout: float) -> Any:
+async def in_thread(
+    agent: Callable[..., Any], url: str, item: Any, timeout: float, sdk: str = "openai"
+) -> Any:
     """:func:`run_agent` in a thread of its own (from a pool) on that thread's event loop: its
     blocking calls block only it. Cancelled or out of time, the run is cancelled in its loop; a call
     that blocks past that ends when it returns (a thread cannot be stopped), its result dropped."""
@@ -76,7 +96,7 @@ async def in_thread(agent: Callable[..., Any], url: str, item: Any, timeout: flo
 
     def body() -> Any:
         loop = _thread_loop()
-        task = loop.create_task(run_agent(agent, url, item, timeout))
+        task = loop.create_task(run_agent(agent, url, item, timeout, sdk))
         started.append((loop, task))
         if stop.is_set():
             task.cancel()
@@ -108,7 +128,7 @@ class ProcessRunner:
         self.workers = workers
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
-    async def run(self, agent: str, url: str, item: Any, timeout: float) -> Any:
+    async def run(self, agent: str, url: str, item: Any, timeout: float, sdk: str = "openai") -> Any:
         """One run of the agent at import path ``agent`` in a worker. A run still waiting for a
         worker when its time is up is withdrawn; one already running ends at its own timeout."""
         from concurrent.futures.process import BrokenProcessPool
@@ -121,7 +141,7 @@ class ProcessRunner:
                 self.workers, mp_context=multiprocessing.get_context("spawn")
             )
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-        fut = self._pool.submit(_process_run, agent, url, item, timeout)
+        fut = self._pool.submit(_process_run, agent, url, item, timeout, sdk)
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.wrap_future(fut)
@@ -138,10 +158,10 @@ class ProcessRunner:
             self._pool = None
 
 
-def _process_run(agent: str, url: str, item: Any, timeout: float) -> Any:
+def _process_run(agent: str, url: str, item: Any, timeout: float, sdk: str) -> Any:
     """One run in a worker process: the agent by its import path ``module:name``."""
     module, _, name = agent.partition(":")
     fn: Any = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
-    return asyncio.run(run_agent(fn, url, item, timeout))
+    return asyncio.run(run_agent(fn, url, item, timeout, sdk))

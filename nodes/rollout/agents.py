@@ -1,4 +1,4 @@
-"""Training agents written against the OpenAI SDK, unchanged.
+"""Training agents written against the OpenAI SDK or the Anthropic SDK, unchanged.
 
 ``[rollout] workflow = "nodes.rollout.agents:AgentWorkflow"`` with
 ``[rollout.workflow_args] agent = "my_pkg.my_agent:run"``, where::
@@ -6,6 +6,9 @@
     async def run(client: openai.AsyncOpenAI, item: dict) -> float | dict:
         ...  # chat.completions.create(...) with tools, running the tools itself, as any agent does
         return reward  # or {"reward": r, "turns": 3, ...}: the other numbers reach the metrics
+
+With ``sdk = "anthropic"`` the agent is given an ``anthropic.AsyncAnthropic`` on the same episode
+instead, and calls ``client.messages.create(...)`` (the endpoint's Messages API).
 
 Each of an item's ``n_samples`` runs of the agent is an episode with its own base_url on the rollout
 actor's OpenAI-compatible endpoint (nodes/rollout/openai_endpoint.py), so its completions are its
@@ -69,13 +72,17 @@ class AgentConfig:
     agent_runner: Literal["loop", "thread", "process"] = "thread"
     # "process": worker processes, one run each at a time (runs beyond wait, their time counting)
     agent_processes: int = field(default=4, metadata=at_least(1))
+    # the client the agent is given: "openai" (openai.AsyncOpenAI on its episode's base_url) or
+    # "anthropic" (anthropic.AsyncAnthropic on the same episode: its Messages API)
+    sdk: Literal["openai", "anthropic"] = "openai"
 
     def __post_init__(self) -> None:
         check_ranges(self)
 
 
 class AgentWorkflow:
-    """Runs an OpenAI-SDK agent ``n_samples`` times per item through the rollout actor's endpoint."""
+    """Runs an agent (on the OpenAI or the Anthropic SDK) ``n_samples`` times per item through the
+    rollout actor's endpoint."""
 
     config_class: ClassVar[type] = AgentConfig
 
@@ -126,11 +133,11 @@ class AgentWorkflow:
         c = self.config
         try:
             if c.agent_runner == "thread":
-                out = await in_thread(self.agent, url, item, c.episode_timeout_s)
+                out = await in_thread(self.agent, url, item, c.episode_timeout_s, c.sdk)
             elif c.agent_runner == "process":
-                out = await self.processes.run(c.agent, url, item, c.episode_timeout_s)
+                out = await self.processes.run(c.agent, url, item, c.episode_timeout_s, c.sdk)
             else:
-                out = await run_agent(self.agent, url, item, c.episode_timeout_s)
+                out = await run_agent(self.agent, url, item, c.episode_timeout_s, c.sdk)
         except TimeoutError:
             self.counters["agent_timeouts"] += 1
             raise AgentError(f"agent {self.config.agent} ran past {self.config.episode_timeout_s}s") from None

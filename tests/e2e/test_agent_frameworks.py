@@ -1,7 +1,7 @@
 """The agent framework examples (examples/agents/) trained unchanged: the OpenAI SDK's Responses
 API, an OpenAI Agents SDK agent through its Responses model and through
-``OpenAIChatCompletionsModel``, a LangGraph agent with ``ChatOpenAI(...).bind_tools(...)``, all with
-the real packages.
+``OpenAIChatCompletionsModel``, a LangGraph agent with ``ChatOpenAI(...).bind_tools(...)``, the
+Anthropic SDK's Messages API (``sdk = "anthropic"``), all with the real packages.
 
 First each against scripted model output (fast): the model calls the tool, the framework runs it
 and sends the result back, the model answers; the episode is one token sequence (the second request
@@ -33,13 +33,20 @@ AGENTS = {
     "openai_agents_chat": "examples.agents.openai_agents_sdk:run_chat",
     "langgraph": "examples.agents.langgraph_agent:run",
 }
+# examples given another SDK's client than OpenAI's (AgentConfig.sdk); not in the recipe run below
+OTHER_SDKS = {"anthropic_sdk": ("examples.agents.anthropic_sdk:run", "anthropic")}
 
 
-@pytest.mark.parametrize("name", list(AGENTS))
+def config(name: str, n_samples: int) -> AgentConfig:
+    if name in OTHER_SDKS:
+        agent, sdk = OTHER_SDKS[name]
+        return AgentConfig(agent=agent, n_samples=n_samples, sdk=sdk)  # type: ignore[arg-type]
+    return AgentConfig(agent=AGENTS[name], n_samples=n_samples)
+
+
+@pytest.mark.parametrize("name", [*AGENTS, *OTHER_SDKS])
 async def test_each_example_runs_the_tool_and_is_one_token_exact_episode(tokenizer: Any, name: str) -> None:  # noqa: F811
-    wf = AgentWorkflow(
-        tokenizer, RewardRunner(lambda c, i: 0.0), AgentConfig(agent=AGENTS[name], n_samples=1)
-    )
+    wf = AgentWorkflow(tokenizer, RewardRunner(lambda c, i: 0.0), config(name, 1))
     gen = Scripted(tokenizer, [CALL, "347 * 82 = \\boxed{28454}"])
     try:
         group = await wf.arun_episode(gen, ITEM, "g")
@@ -65,11 +72,9 @@ class Cut(Scripted):
         return res
 
 
-@pytest.mark.parametrize("name", list(AGENTS))
+@pytest.mark.parametrize("name", [*AGENTS, *OTHER_SDKS])
 async def test_an_answer_cut_at_the_token_limit_scores_zero_not_an_error(tokenizer: Any, name: str) -> None:  # noqa: F811
-    wf = AgentWorkflow(
-        tokenizer, RewardRunner(lambda c, i: 0.0), AgentConfig(agent=AGENTS[name], n_samples=2)
-    )
+    wf = AgentWorkflow(tokenizer, RewardRunner(lambda c, i: 0.0), config(name, 2))
     try:
         group = await wf.arun_episode(Cut(tokenizer, ["The answer is", "The answer is"]), ITEM, "g")
     finally:

@@ -365,3 +365,33 @@ async def test_a_completion_across_a_weight_push_is_aborted_resumed_and_trained_
         await asyncio.gather(*episodes, return_exceptions=True)
         await wf.aclose()
         await client.aclose()
+
+
+async def test_a_session_on_the_anthropic_sdk_sends_the_key_as_x_api_key(
+    online: tuple[OnlineWorkflow, Backend, str],
+) -> None:
+    """A client on Anthropic's SDK uses a session's base_url without its ``/v1``, the run's key as
+    its ``api_key`` (sent as ``x-api-key``); a wrong key is refused in Anthropic's error shape."""
+    import anthropic
+
+    wf, backend, url = online
+    episode = asyncio.ensure_future(wf.arun_episode(backend, {}, "g"))
+    await asyncio.sleep(0)
+    async with authed() as http:
+        s = (await http.post(url, json={"group": 1})).json()
+        root = s["base_url"].removesuffix("/v1")
+        async with anthropic.AsyncAnthropic(base_url=root, api_key="sk-wrong", max_retries=0) as wrong:
+            with pytest.raises(anthropic.AuthenticationError) as e:
+                await wrong.messages.create(
+                    model="policy", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]
+                )
+        assert e.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        async with anthropic.AsyncAnthropic(base_url=root, api_key=KEY, max_retries=0) as claude:
+            m = await claude.messages.create(
+                model="policy", max_tokens=8, messages=[{"role": "user", "content": "Hi"}]
+            )
+        assert m.content[0].text == "ok 1" and m.stop_reason == "end_turn"  # type: ignore[union-attr]
+        r = await http.post(f"{url}/{s['id']}/reward", json={"reward": 1.0})
+        assert r.status_code == 200 and r.json()["trajectories"] == 1
+    (t,) = (await wait_for(episode, 30)).trajectories
+    assert t.reward == 1.0 and 3 in t.versions

@@ -4,7 +4,8 @@ counted, logged and dropped.
 
 Each sample of an item runs in its own episode on the rollout actor's endpoint
 (nodes/rollout/openai_endpoint.py), exactly as an agent's run does (nodes/rollout/agents.py): the
-environment's model calls are chat completions against the episode's ``base_url``, and the endpoint
+environment's model calls are chat completions (or responses, or Anthropic messages: the same
+episode's ``/v1/messages``) against the episode's ``base_url``, and the endpoint
 keeps them as token sequences, a later turn continuing the earlier turn's ids, the model's tokens
 under the loss mask. An environment that raises, returns a reward that is not a finite number, or
 runs past ``episode_timeout_s`` drops the item's group: counted (``rollout/env_errors``,
@@ -25,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from nodes.rollout import agent_runner
 from nodes.rollout.http1 import Request, Response
 from nodes.rollout.openai_endpoint import ChatEndpoint, EndpointError, Episode
 from protocols.rl import Trajectory
@@ -67,14 +69,12 @@ def finite_reward(value: Any, what: str) -> float:
     return float(value)
 
 
-def sdk_client(url: str) -> Any:
-    """An ``openai.AsyncOpenAI`` on an episode's base_url, as an agent's (nodes/rollout/agent_runner.py):
-    no TLS to the endpoint, so an SSL context without certificates (loading them is most of an
-    episode's CPU otherwise)."""
-    import openai
-
-    http = openai.DefaultAsyncHttpxClient(verify=False)
-    return openai.AsyncOpenAI(base_url=url, api_key="rlactors", max_retries=0, http_client=http)
+def sdk_client(url: str, sdk: str = "openai") -> Any:
+    """A client on an episode's base_url, as an agent's (nodes/rollout/agent_runner.py):
+    ``openai.AsyncOpenAI``, or ``anthropic.AsyncAnthropic`` (``sdk = "anthropic"``: the episode's
+    Messages API), with no TLS to the endpoint (loading certificates is most of an episode's CPU
+    otherwise)."""
+    return agent_runner.sdk_client(url, sdk)
 
 
 class EnvEpisodes:
