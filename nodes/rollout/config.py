@@ -106,7 +106,7 @@ class RolloutConfig:
     client: ClientConfig = field(default_factory=ClientConfig)
     # failures that repeat stop the run (exit 2, one line naming what failed): every episode of the
     # first batch failing (its workflow, environment or agent raised, or its reward function raised on
-    # every sample), or this share of a rollout actor's last failure_window episodes; 1: only the former
+    # every sample), or this share of a rollout actor's last failure_window episodes (1: all of them)
     max_failure_share: float = field(default=0.9, metadata={"check": (lambda v: 0 < v <= 1, "in (0, 1]")})
     failure_window: int = field(
         default=64, metadata=at_least(1)

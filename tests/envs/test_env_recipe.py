@@ -145,6 +145,25 @@ def test_an_environment_that_cannot_start_is_one_line_and_exit_2(
 
 
 @pytest.mark.slow
+def test_an_environment_whose_rubric_fails_every_episode_stops_the_run_with_one_line(tmp_path: Path) -> None:
+    """A rubric that raises on every episode (seen with an upstream environment): exit 2 and one line
+    naming the environment, the rubric function and the exception within the first batch, instead of
+    a warning per episode until run.batch_timeout_s (set far beyond the test's own timeout here)."""
+    out = tmp_path / "run"
+    done = recipe([*COMMON, VERIFIERS, "rollout.workflow_args.env=tests.envs.sample_env",
+                   'rollout.workflow_args.env_args={kind = "raises_in_rubric"}', "data.source=env",
+                   "run.batch_timeout_s=3600", f"run.out_dir={out}"], timeout=600)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: workflow nodes.rollout.environments:VerifiersWorkflow failed on ")
+    assert (
+        "environment tests.envs.sample_env: rubric function raising_score raised ZeroDivisionError" in error
+    )
+    assert "first failing item: " in error and not (out / "metrics.jsonl").read_text()
+    assert (done.stdout + done.stderr).count("rollout.episode_failed") <= 1  # once per kind, then counted
+
+
+@pytest.mark.slow
 def test_evaluate_starts_the_workflows_environment_servers(tmp_path: Path) -> None:
     """``python -m recipes.gsm8k_eval`` with an OpenEnv ``env_app`` starts the environment's servers as
     the run does (the actor env-0 owning a server process), evaluates through them, and leaves none."""
