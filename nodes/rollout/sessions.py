@@ -6,7 +6,8 @@ the session API, behind the run's key (the servers' ``--api-key``: ``Authorizati
 
     POST /rl/v1/sessions                {"task_id"?: str, "group"?: int}
          -> 200 {"id", "task_id", "group_id", "base_url"}     429 + Retry-After: not admitting now
-    (chat completions or responses at base_url: any number of turns, token-exact as any episode's)
+    (chat completions, responses or Anthropic messages at base_url: any number of turns, token-exact
+     as any episode's; the Anthropic SDK takes base_url without its /v1 and sends the key as x-api-key)
     POST /rl/v1/sessions/{id}/reward    {"reward": number}
          -> 200 {"id", "task_id", "group_id", "reward", "trajectories"}   the session has ended
 
