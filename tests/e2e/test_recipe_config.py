@@ -173,7 +173,7 @@ def test_an_agents_import_path_is_checked_when_the_config_loads() -> None:
         recipe_module().load_config(None, [*agent, "rollout.workflow_args.agent=recipes.no_such:run"])
     with pytest.raises(
         recipe_module().ConfigError,
-        match=r"'rollout\.workflow_args\.agent' = 'nodes\.data:SYSTEM_PROMPT' is not a function",
+        match=r"'rollout\.workflow_args\.agent' = 'nodes\.driver\.data:SYSTEM_PROMPT' is not a function",
     ):
         recipe_module().load_config(
             None, [*agent, "rollout.workflow_args.agent=nodes.driver.data:SYSTEM_PROMPT"]
