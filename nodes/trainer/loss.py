@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from nodes.trainer.config import LossConfig, MismatchCorrections
+from nodes.trainer.config import DistillConfig, LossConfig, MismatchCorrections
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,7 @@ __all__ = [
     "MismatchCorrections",
     "aggregate",
     "decoupled_ppo_loss",
+    "distill_advantages",
     "gather_logprobs",
     "gather_logprobs_entropy",
 ]
@@ -265,6 +266,32 @@ def reference_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor)
 
     d = ref_logp.detach() - logp
     return torch.where(mask, d.exp() - d - 1.0, torch.zeros_like(d))
+
+
+def distill_advantages(
+    advantages: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: DistillConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation's advantage per token, ``reward_coef * A + coef * (log pi_teacher -
+    log pi_prox)``, and the reverse KL estimate per token, ``log pi_prox - log pi_teacher`` (both
+    zero off the mask).
+
+    The tokens were sampled from the policy, so ``log pi - log pi_teacher`` at each is a one-sample
+    estimate of the per-token reverse KL ``KL(pi || pi_teacher)``; its negative, as an advantage
+    under the policy gradient, lowers it (Agarwal et al. 2024, "On-Policy Distillation of Language
+    Models: Learning from Self-Generated Mistakes"; Thinking Machines, "On-Policy Distillation",
+    2025). It is a constant of the step (the proximal policy's, like the group advantage), so the
+    PPO clip and the behaviour weight apply to it as to the reward's: any loss function taking
+    ``advantages`` distils unchanged."""
+    import torch
+
+    mask = loss_mask.bool()
+    reverse_kl = torch.where(mask, prox_logp.detach() - teacher_logp.detach(), torch.zeros_like(prox_logp))
+    combined = cfg.reward_coef * advantages - cfg.coef * reverse_kl
+    return torch.where(mask, combined, torch.zeros_like(combined)), reverse_kl
 
 
 def _corrections(cfg: LossConfig) -> MismatchCorrections:

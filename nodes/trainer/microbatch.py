@@ -3,8 +3,8 @@
 Each micro-batch is padded only to its own longest sequence (padding stripped between
 micro-batches; right padding, so default position ids stay correct). Everything the loss needs
 per token is aligned with ``labels = input_ids[:, 1:]``: the log-prob at position ``t`` scores
-token ``t + 1``, so the loss mask, behaviour log-probs and versions are the trajectory's lists
-shifted left by one. Trajectories arrive with numpy arrays (protocols/rl.py), so building
+token ``t + 1``, so the loss mask, behaviour (and teacher) log-probs and versions are the
+trajectory's lists shifted left by one. Trajectories arrive with numpy arrays (protocols/rl.py), so building
 the tensors is a concatenation and a scatter per field.
 """
 
@@ -33,6 +33,7 @@ class MicroBatch:
     temperature: torch.Tensor  # [B, 1, 1] float32: each row's sampling temperature (logits / T)
     prox_logp: torch.Tensor | None = None  # [B, L-1], filled before the update
     ref_logp: torch.Tensor | None = None
+    teacher_logp: torch.Tensor | None = None  # [B, L-1] float32: distillation's teacher log-probs
 
     @property
     def labels(self) -> torch.Tensor:
@@ -61,6 +62,7 @@ class MicroBatch:
             mv(self.temperature),
             None if self.prox_logp is None else mv(self.prox_logp),
             None if self.ref_logp is None else mv(self.ref_logp),
+            None if self.teacher_logp is None else mv(self.teacher_logp),
         )
 
 
@@ -89,6 +91,14 @@ def build_microbatch(
     behave[real] = np.concatenate([np.asarray(t.logprobs, dtype=np.float32) for t in trajs])
     mask[:, 0] = False  # the first token has no prediction
     adv = np.asarray([float(advantages[i]) for i in seqs], dtype=np.float32)[:, None] * mask[:, 1:]
+    teacher = None
+    if any(t.teacher_logprobs is not None for t in trajs):  # on-policy distillation: every one has them
+        missing = [i for i, t in zip(seqs, trajs, strict=True) if t.teacher_logprobs is None]
+        if missing:
+            raise ValueError(f"trajectories {missing} have no teacher log-probs, others of the batch do")
+        teacher = np.zeros((B, L), dtype=np.float32)
+        teacher[real] = np.concatenate([np.asarray(t.teacher_logprobs, dtype=np.float32) for t in trajs])
+        teacher = torch.from_numpy(teacher[:, 1:].copy())
     return MicroBatch(
         list(seqs),
         torch.from_numpy(ids),
@@ -98,6 +108,7 @@ def build_microbatch(
         torch.from_numpy(adv),
         n_tokens=int(lens.sum()),
         temperature=torch.tensor([t.temperature or 1.0 for t in trajs], dtype=torch.float32).view(B, 1, 1),
+        teacher_logp=teacher,
     )
 
 
