@@ -203,3 +203,27 @@ def test_relative_links_work_on_github_and_on_the_site(page: Path) -> None:
             off_site.append(target)
     assert not broken, f"{rel(page)}: links to no file on disk (broken on GitHub): {broken}"
     assert not off_site, f"{rel(page)}: links out of docs/ the site does not carry: {off_site}"
+
+
+RUN_WRITERS = [
+    "recipes/gsm8k_grpo.py",
+    "recipes/gsm8k_plane.py",
+    "nodes/driver/metrics.py",
+    "nodes/driver/run_state.py",
+    "nodes/driver/watchdog.py",
+]
+
+
+def test_the_run_folder_page_names_everything_a_run_writes_there() -> None:
+    """Each name the recipe and the driver's parts join to the run folder (``out / "name"``), and
+    the embedded cluster's record of itself there, is on the run-folder page."""
+    from rlactors.api.runs import RECORD, SECRET
+
+    written = {RECORD, SECRET}
+    for path in RUN_WRITERS:
+        text = (ROOT / path).read_text()
+        written |= set(re.findall(r'\b(?:out|out_dir|state\.out)\s*/\s*"([^"]+)"', text))
+    assert {"sessions.json", "weights", "checkpoints", "metrics.jsonl", ".lock"} <= written
+    page = (DOCS / "reference" / "run-folder.md").read_text()
+    missing = sorted(name for name in written if f"`{name}`" not in page and f"`{name}/" not in page)
+    assert not missing, f"docs/reference/run-folder.md does not name: {missing}"
