@@ -18,7 +18,11 @@ loops posting one request after another for ``--seconds`` after ``--warmup``:
 - ``responses``: aiohttp posts of the same conversation to ``/v1/responses`` (``instructions`` and
   ``input``), as ``chat`` (target: the endpoint's CPU per call within 10% of ``chat``'s);
 - ``responses-episode``: two-turn episodes as ``chat-episode``, the second request sending the first
-  response's output items back with a follow-up.
+  response's output items back with a follow-up;
+- ``messages``: aiohttp posts of the same conversation to ``/v1/messages`` (Anthropic's Messages API:
+  ``system`` and ``messages``), as ``chat``;
+- ``messages-episode``: two-turn episodes as ``chat-episode``, the second request sending the first
+  message's content blocks back with a follow-up.
 
 ``--runners`` measures instead where an agent's code runs (``agent_runner``, nodes/rollout/agents.py):
 an :class:`AgentWorkflow` in this process with a generator that answers at once, groups of 4 runs
@@ -227,6 +231,43 @@ async def responses_episodes(base_url: str) -> tuple[Post, Callable[[], Awaitabl
     return post, session.close
 
 
+async def messages_aiohttp(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    body = {"model": "m", "system": MESSAGES[0]["content"], "messages": MESSAGES[1:], "max_tokens": NEW_TOKENS,
+            "temperature": 0}  # fmt: skip
+
+    async def post(i: int, n: int) -> None:
+        async with session.post(base_url + "/messages", json=body) as r:
+            r.raise_for_status()
+            assert (await r.json())["usage"]["output_tokens"] == NEW_TOKENS
+
+    return post, session.close
+
+
+async def messages_episodes(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
+    """As :func:`chat_episodes`: the odd calls send the first message's content blocks back."""
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    history: dict[int, list[dict[str, Any]]] = {}
+
+    async def post(i: int, n: int) -> None:
+        if n % 2 == 0:
+            history[i] = [{"role": "user", "content": f"What is {i} + {n}? Think step by step."}]
+        body = {"model": "m", "system": MESSAGES[0]["content"], "messages": history[i], "max_tokens": NEW_TOKENS,
+                "temperature": 0}  # fmt: skip
+        async with session.post(base_url + "/messages", json=body) as r:
+            r.raise_for_status()
+            answer = await r.json()
+        assert answer["usage"]["output_tokens"] == NEW_TOKENS
+        history[i] = [*history[i], {"role": "assistant", "content": answer["content"]},
+                      {"role": "user", "content": "Go on."}]  # fmt: skip
+
+    return post, session.close
+
+
 async def measure(
     make: Callable[[], Awaitable[tuple[Post, Callable[[], Awaitable[None]]]]],
     endpoint: Any,
@@ -278,7 +319,7 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["generate", "client", "chat", "chat-distinct", "chat-episode", "chat-sdk", "models",
-                 "responses", "responses-episode"],
+                 "responses", "responses-episode", "messages", "messages-episode"],
     )  # fmt: skip
     ap.add_argument("--runners", action="store_true", help="measure agent_runner loop | thread | process")
     ap.add_argument("--sessions", action="store_true", help="measure the session API's overhead per session")
@@ -318,6 +359,8 @@ def main() -> None:
         "models": lambda: models(base_url),
         "responses": lambda: responses_aiohttp(base_url),
         "responses-episode": lambda: responses_episodes(base_url),
+        "messages": lambda: messages_aiohttp(base_url),
+        "messages-episode": lambda: messages_episodes(base_url),
     }
     results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
     try:
@@ -340,14 +383,16 @@ def main() -> None:
 
     base, client = median("generate", "agent_us"), median("client", "agent_us")
     print(f"baseline: bare /generate (aiohttp) {base:.0f} us/call; SGLangClient {client:.0f}")
-    for name in ("chat", "chat-distinct", "chat-episode", "chat-sdk", "responses", "responses-episode"):
+    for name in ("chat", "chat-distinct", "chat-episode", "chat-sdk", "responses", "responses-episode", "messages",
+                 "messages-episode"):  # fmt: skip
         if name in results:
             ep, agent = median(name, "endpoint_us"), median(name, "agent_us")
             print(f"{name:13s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
                   f" target <= {TARGET_US:.0f}: {'met' if ep - base <= TARGET_US else 'MISSED'});"
                   f" its own work (minus its SGLangClient call) {ep - client:.0f} us; agent side {agent:.0f} us/call")  # fmt: skip
 
-    for name, like in (("responses", "chat"), ("responses-episode", "chat-episode")):
+    for name, like in (("responses", "chat"), ("responses-episode", "chat-episode"), ("messages", "chat"),
+                       ("messages-episode", "chat-episode")):  # fmt: skip
         if name in results and like in results:
             r, c = median(name, "endpoint_us"), median(like, "endpoint_us")
             print(f"{name} endpoint {r:.0f} us/call against {like} {c:.0f}: {100 * (r / c - 1):+.1f}%"
