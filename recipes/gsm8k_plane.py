@@ -422,11 +422,15 @@ def _model_metrics(trajs: list[Any], train: dict[str, Any], roll: list[dict[str,
     out: dict[str, float] = {}
     if "distill_reverse_kl" in train:
         times = [t.meta["teacher_time_s"] for t in trajs if "teacher_time_s" in t.meta]
-        out["distill/reverse_kl"] = float(train["distill_reverse_kl"])
-        out["distill/teacher_time_s"] = sum(times) / len(times) if times else 0.0
+        out |= {
+            "distill/reverse_kl": float(train["distill_reverse_kl"]),
+            "distill/teacher_time_s": sum(times) / len(times) if times else 0.0,
+        }
     if any("reward_judge_calls" in r for r in roll):
-        out["reward/judge_errors"] = float(sum(r.get("reward_judge_errors", 0) for r in roll))
-        out["reward/judge_calls"] = float(sum(r.get("reward_judge_calls", 0) for r in roll))
+        out |= {
+            "reward/judge_errors": float(sum(r.get("reward_judge_errors", 0) for r in roll)),
+            "reward/judge_calls": float(sum(r.get("reward_judge_calls", 0) for r in roll)),
+        }
     return out
 
 

@@ -432,11 +432,8 @@ def _render_table(obj: Any, path: list[str], out: list[str], renames: dict[str, 
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             tables.append((key, f.name, value))
             continue
-        if _table_of_tables(_hints(cls).get(f.name)):  # a table per name: [key.<name>]
+        if value and _table_of_tables(_hints(cls).get(f.name)):  # a table per name: [key.<name>]
             tables += [(f"{key}.{_toml_key(str(k))}", f.name, v) for k, v in value.items()]
-            if not value:
-                out.extend(_comment(docs[f.name]))
-                out.append(f"# [{'.'.join([*path, key])}.<name>]: none")
             continue
         out.extend(_comment(docs[f.name]))
         allowed = allowed_values(cls, f.name)

@@ -29,15 +29,13 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from rlactors.api.runs import NoSuchRun, live_runs, read_run
+from rlactors.api.runs import NoSuchRun, live_runs, read_run, read_state, state_file
 from rlactors.base.errors import ActorNotFoundError, ClusterError
 from rlactors.launch.config import (
     ClusterConfig,
     ConfigError,
     agent_command,
     load_cluster_config,
-    read_state,
-    state_file,
 )
 from rlactors.wire.security import new_secret_file
 
@@ -484,7 +482,9 @@ def cmd_pool(args: argparse.Namespace) -> int:
         out.print(f"{escape(row['url'])}: {row['state']} ({when})")
     elif args.action == "launch":
         urls = asyncio.run(_pool_call(where, "launch", args.n, args.node, model=model))
-        out.print(f"launched {', '.join(urls)}: {'joining (serve from the next weight publish)' if not model else 'live'}")
+        out.print(
+            f"launched {', '.join(urls)}: {'joining (serve from the next weight publish)' if not model else 'live'}"
+        )
     else:
         row = asyncio.run(_pool_call(where, "remove", args.url, not args.no_drain, model=model))
         gone = "it leaves at the next publish" if not model else "stopped once drained"
@@ -650,7 +650,8 @@ def main(argv: list[str] | None = None) -> None:
     rm.add_argument("--no-drain", action="store_true", help="return at once; running requests fail over")
     for p in (ls, add, la, rm):
         p.add_argument(
-            "--model", help="another model of the run ([models.<name>]: a teacher, a judge) instead of the policy"
+            "--model",
+            help="another model of the run ([models.<name>]: a teacher, a judge) instead of the policy",
         )
         p.add_argument("--address", help="the head's address (default: the cluster `rlactors up` started)")
         p.add_argument("--secret-file", help="the cluster secret (default: the one `rlactors up` recorded)")

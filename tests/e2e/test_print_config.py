@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,19 @@ def tables_of(cfg: Any, path: str = "") -> list[tuple[str, Any]]:
     out = [(path, cfg)]
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        name = "async" if f.name == "async_" else f.name
         if dataclasses.is_dataclass(value):
-            name = "async" if f.name == "async_" else f.name
             out += tables_of(value, f"{path}.{name}" if path else name)
+        elif _named_tables(value):  # [models.<name>]: a table per name
+            for k, v in value.items():
+                out += tables_of(v, f"{path}.{name}.{k}" if path else f"{name}.{k}")
     return out
+
+
+def _named_tables(value: Any) -> bool:
+    return (
+        isinstance(value, dict) and bool(value) and all(dataclasses.is_dataclass(v) for v in value.values())
+    )
 
 
 def comment_above(lines: list[str], pattern: str) -> str:
@@ -86,6 +96,9 @@ def test_every_key_is_printed_with_its_meaning(config: str | None, overrides: li
             value = getattr(table, f.name)
             if dataclasses.is_dataclass(value):
                 assert comment_above(lines, re.escape(f"[{key}]"))
+            elif _named_tables(value):
+                for name in value:
+                    assert comment_above(lines, re.escape(f"[{key}.{name}]"))
             elif value is None:
                 assert comment_above(own, rf"# {f.name} = \(unset\)(  # .*)?")
             else:
@@ -239,12 +252,23 @@ def test_the_reference_lists_every_key_with_its_meaning() -> None:
     for path, table in tables_of(RecipeConfig()):
         docs = field_docs(type(table))
         for f in dataclasses.fields(table):
+            if _named_tables_field(type(table), f.name):  # [models.<name>]: its keys' own section
+                continue
             if not dataclasses.is_dataclass(getattr(table, f.name)):
                 meaning = docs[f.name].replace("|", "\\|").replace("<", "&lt;")
                 assert re.search(rf"^\| `{f.name}` \|.*\| {re.escape(meaning)} \|$", sections[path], re.M), (
                     f"{path}.{f.name}"
                 )
     assert '### `[rollout] workflow = "nodes.rollout.agents:AgentWorkflow"`' in text
+    named = text.split("## `[models.<name>]`\n", 1)[1].split("\n## ", 1)[0]  # a teacher's, a judge's
+    assert re.search(r"^\| `path` \| str \|", named, re.M) and re.search(r"^\| `urls` \|", named, re.M)
+    assert '### `[reward] fn = "nodes.rollout.judge:judge"`' in text
+
+
+def _named_tables_field(cls: type, name: str) -> bool:
+    """Field ``name`` of ``cls`` is a ``dict[str, <dataclass>]``: a table per name."""
+    tp = typing.get_type_hints(cls)[name]
+    return typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1])
 
 
 # -- the generic parts (rlactors/base/tomlconf.py) on a class of their own ---------------------------
