@@ -54,6 +54,7 @@ def _doc(obj: Any) -> str:
     doc = inspect.getdoc(obj) or ""
     doc = ROLE.sub(r"`\1`", doc)
     doc = re.sub(r"``([^`]+)``", r"`\1`", doc)
+    doc = re.sub(r"(\S)::$", r"\1:", doc, flags=re.M)  # reST's "text::" before a literal block
     return doc.strip()
 
 
