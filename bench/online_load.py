@@ -113,6 +113,8 @@ def attack(host: str, port: int, tricklers: int, abusers: int) -> None:
                     await asyncio.wait([answered], timeout=2.0)
             except OSError:
                 pass
+            with contextlib.suppress(Exception):
+                answered.exception()  # a reset, once the server closed it unread: expected
             counts["trickler_closed"] += 1
             with contextlib.suppress(Exception):
                 writer.close()
@@ -152,9 +154,10 @@ def attack(host: str, port: int, tricklers: int, abusers: int) -> None:
 
 
 async def sessions_for(
-    root: str, n: int, turns: int, seconds: float, warmup: float, mark: dict[str, Any]
+    root: str, n: int, turns: int, think_s: float, seconds: float, warmup: float, mark: dict[str, Any]
 ) -> dict[str, Any]:
-    """``n`` session loops for ``warmup + seconds``; what was measured after the warm-up."""
+    """``n`` session loops for ``warmup + seconds`` (``think_s`` between a turn and the next call);
+    what was measured after the warm-up."""
     import aiohttp
 
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
@@ -201,13 +204,14 @@ async def sessions_for(
                     ]
                     if time.monotonic() >= measuring_from:
                         out["turns"] += 1
+                    await asyncio.sleep(think_s)  # the agent's own work between turns (a tool, a thought)
                 status, _ = await call(f"{root}/rl/v1/sessions/{opened['id']}/reward", {"reward": 1.0})
                 assert status == 200
                 if measuring_from <= time.monotonic() <= until:
                     out["sessions"] += 1
             except Exception as e:  # counted and reported: a legitimate call must not fail
                 out["errors"] += 1
-                out.setdefault("first_error", repr(e)[:300])
+                out.setdefault("first_error", f"{repr(e)[:300]} at {time.monotonic() - start:.1f} s")
 
     async def sample() -> None:
         # in a thread: the serving process's answers must not hold up this loop's clients
@@ -234,6 +238,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=2000, help="concurrent legitimate session loops")
     ap.add_argument("--turns", type=int, default=3, help="chat turns per session")
+    ap.add_argument(
+        "--think-s",
+        type=float,
+        default=2.0,
+        help="the client's time between a turn's answer and its next call",
+    )
     ap.add_argument("--servers", type=int, default=4, help="sim servers (in 2 simfarm processes)")
     ap.add_argument("--tricklers", type=int, default=200)
     ap.add_argument("--abusers", type=int, default=50)
@@ -280,17 +290,30 @@ def run(args: argparse.Namespace) -> None:
             return json.loads(line.removeprefix("stats: "))
 
         idle_rss = ps.memory_info().rss
+        # the other processes' CPU, to say what the load was limited by: the sim servers, this client
+        others = {"farm": [psutil.Process(p) for p in farm.pids()], "clients": [psutil.Process()]}
+
+        def cpu_of(procs: list[Any]) -> float:
+            total = 0.0
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    total += sum(p.cpu_times()[:2])
+            return total
+
         results = {}
         for phase in ("alone", "attacked"):
             if phase == "attacked":
                 att = subprocess.Popen([sys.executable, __file__, "--attack", host, port, "--tricklers",
                                         str(args.tricklers), "--abusers", str(args.abusers)], cwd=ROOT,
-                                       stdout=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       start_new_session=True)  # fmt: skip
                 procs.append(att)
+                others["attack"] = [psutil.Process(att.pid)]
             m: dict[str, Any] = {"rss": [], "open": []}
 
             def begin(m: dict[str, Any] = m) -> None:
                 m["cpu0"], m["t0"], m["c0"] = sum(ps.cpu_times()[:2]), time.monotonic(), counters()
+                m["others0"] = {k: cpu_of(v) for k, v in others.items()}
 
             def sample(m: dict[str, Any] = m) -> None:
                 m["rss"].append(ps.memory_info().rss)
@@ -298,8 +321,9 @@ def run(args: argparse.Namespace) -> None:
 
             def end(m: dict[str, Any] = m) -> None:
                 m["cpu1"], m["t1"], m["c1"] = sum(ps.cpu_times()[:2]), time.monotonic(), counters()
+                m["others1"] = {k: cpu_of(v) for k, v in others.items()}
 
-            r = uvloop.run(sessions_for(root, args.sessions, args.turns, args.seconds, args.warmup,
+            r = uvloop.run(sessions_for(root, args.sessions, args.turns, args.think_s, args.seconds, args.warmup,
                                         {"begin": begin, "sample": sample, "end": end}))  # fmt: skip
             cpu = m["cpu1"] - m["cpu0"]
             peak = max(m["rss"])
@@ -313,6 +337,7 @@ def run(args: argparse.Namespace) -> None:
                 open_sessions_mean=mean_open,
                 rss_kib_per_open_session=(peak - idle_rss) / 1024 / max(1.0, mean_open),
                 refused={k: m["c1"][k] - m["c0"][k] for k in m["c1"] if k.startswith("http_")},
+                cpu_share_of={k: (m["others1"][k] - m["others0"][k]) / (m["t1"] - m["t0"]) for k in others},
             )
             results[phase] = r
             print(f"{phase}: " + json.dumps(r), flush=True)
@@ -325,6 +350,9 @@ def run(args: argparse.Namespace) -> None:
                   f"{r['rss_idle_mib']:.0f}→{r['rss_peak_mib']:.0f} | {r['rss_kib_per_open_session']:.1f} | "
                   f"{r['errors']} |")  # fmt: skip
         print(f"attacked: the server refused {results['attacked']['refused']}")
+        for phase, r in results.items():
+            print(f"{phase}: CPU (cores) of the serving process {r['server_cpu_share']:.2f}, "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_share_of"].items()))  # fmt: skip
     finally:
         for p in reversed(procs):
             with contextlib.suppress(ProcessLookupError):

@@ -73,18 +73,19 @@ class HTTPLimits:
     # chunked body's grows as it arrives); past it as head_timeout_s
     body_timeout_s: float = field(default=30.0, metadata=above(0))
     body_min_rate: int = field(default=65536, metadata=at_least(1))  # bytes/s a body's deadline allows for
-    idle_timeout_s: float = field(
-        default=75.0, metadata=above(0)
-    )  # a keep-alive connection idle this long is closed
+    # a keep-alive connection idle this long is closed
+    idle_timeout_s: float = field(default=75.0, metadata=above(0))
     # open connections; past it a new one is answered 503 with Retry-After and closed (the open
     # ones are served as before)
     max_connections: int = field(default=4096, metadata=at_least(1))
     # requests of one read parsed while an earlier one is answered (the rest is not parsed, the
     # connection is closed after their answers); what arrives meanwhile is not read
     max_pipelined: int = field(default=8, metadata=at_least(1))
-    retry_after_s: int = field(
-        default=1, metadata=at_least(0)
-    )  # the Retry-After of a 503 past max_connections
+    retry_after_s: int = field(default=1, metadata=at_least(0))  # a 503's Retry-After (past max_connections)
+    # connections the kernel holds while they wait to be accepted (listen's backlog, capped by
+    # net.core.somaxconn): past it new ones are dropped or reset before the server sees them, so it
+    # must hold a burst of (re)connecting clients
+    backlog: int = field(default=4096, metadata=at_least(1))
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -530,7 +531,7 @@ class HTTPServer:
         self._loop = asyncio.get_running_loop()
         _room_for(self.limits.max_connections + _LINGERING + _FD_SPARE)
         self._server = await self._loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=self.limits.backlog
         )
         return int(self._server.sockets[0].getsockname()[1])
 
