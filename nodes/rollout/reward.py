@@ -279,7 +279,8 @@ class RewardRunner:
             return float(value)
         except TimeoutError:
             self.counters["timeouts"] += 1
-            self._failed(TimeoutError(f"took longer than reward.timeout_s = {self.timeout_s:g} s"), tally)
+            # not a failure of the function: a loaded machine times out a correct one
+            self._failed(TimeoutError(f"took longer than reward.timeout_s = {self.timeout_s:g} s"), None)
             return 0.0
         except Exception as e:  # a broken checker must not kill the episode
             if getattr(e, "drops_group", False):  # the function asks for its group to be dropped (a judge)

@@ -72,6 +72,6 @@ def test_a_checkpoint_that_does_not_fit_stops_the_run_and_resume_continues_with_
     assert mount(disk, 4 * size, remount=True).returncode == 0
     done = recipe([*ARGS, f"run.out_dir={out}", "--resume"], timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "step-1" in done.stdout  # resumed from the checkpoint the error named
+    assert "resumed from step 1 " in done.stdout  # from the checkpoint the error named
     assert [r["step"] for r in rows(out)] == [1, 2]
     verify(ckpts / "step-2")
