@@ -33,9 +33,26 @@ user can enter, frames travel whole (no copy). A whole message is bounded by ``m
 (``RLACTORS_MAX_MESSAGE_BYTES``, default 1 GiB): the sender refuses a bigger one with
 :class:`~rlactors.base.errors.MessageTooLargeError`, and so does a receiver with a smaller bound.
 
-Every connection carries ZMTP heartbeats (answered by ZeroMQ's I/O thread, not the event
-loop): a peer silent for ``HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS`` is disconnected, and
-a DEALER's ``on_link`` callback hears of it, which is how callers notice a partition.
+Liveness: pings of our own on every connection, not ZMTP heartbeats. libzmq 4.3.5 can abort
+(``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``, zeromq/libzmq#4364) when its
+heartbeat timer, or a ZMTP PING from the peer, finds a connection that was closing while its peer
+sent and then hung up; so no socket here sets ``ZMQ_HEARTBEAT_*``. Instead a DEALER sends a ping
+(a one-envelope ``PING`` message, call id 0) every :data:`HEARTBEAT_IVL_MS`, and the ROUTER
+answers it (``PONG``, call id 0) in this module, before the message reaches its service. Every
+message received counts as hearing the peer. A DEALER whose peer is silent for more than
+:data:`HEARTBEAT_TIMEOUT_MS` while connected, and a ROUTER whose peer is, cut that connection
+(``shutdown()`` of its socket: libzmq then disconnects and, on the DEALER's side, reconnects, as it
+did after a ZMTP heartbeat timed out); the DEALER's ``on_link`` callback hears of it, which is how
+callers notice a partition or a stopped process. Silence is measured in the loop's awake time
+(:mod:`rlactors.base.awake`).
+
+Pings are answered off the event loop when it cannot: one thread per process (``rlactors-pings``)
+watches every socket, and for one whose loop has not run its liveness timer for
+:data:`STALL_S` (a blocked loop: an async method that blocks, a long GC), it answers the pings
+that arrived (keeping every other message, in order, for the loop) and sends the DEALERs' pings.
+Every use of a ZeroMQ socket holds that socket's lock. So a busy or blocked loop still answers;
+only a stopped process (SIGSTOP), or one whose threads cannot run (a C call holding the GIL past
+the timeout), goes silent.
 """
 
 from __future__ import annotations
@@ -46,6 +63,10 @@ import contextlib
 import functools
 import operator
 import os
+import socket
+import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -56,6 +77,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from protocols.runtime import wire
+from rlactors.base.awake import AwakeClock, awake_clock
 from rlactors.base.errors import MessageTooLargeError
 from rlactors.base.logging import Throttle
 from rlactors.wire.security import Security
@@ -72,11 +94,16 @@ SEND_BACKLOG_MESSAGES = 10_000
 DEFAULT_SEND_BACKLOG_BYTES = 256 << 20
 SEND_BACKLOG_BYTES_ENV = "RLACTORS_SEND_BACKLOG_BYTES"
 RETRY_MIN_S = 0.001  # a full peer is retried after this, doubling while it makes no progress,
-RETRY_MAX_S = 0.05  # up to this (it may be stopped until its heartbeats time out)
+RETRY_MAX_S = 0.05  # up to this (it may be stopped until its connection is cut as silent)
 # Messages read per wake-up before yielding to other callbacks (fairness).
 DRAIN_BUDGET = 512
-HEARTBEAT_IVL_MS = 1000  # ZMTP ping to every peer this often
-HEARTBEAT_TIMEOUT_MS = 6000  # a connection silent this long after a ping is dropped
+HEARTBEAT_IVL_MS = 1000  # a DEALER pings its peer this often; the liveness check runs this often
+HEARTBEAT_TIMEOUT_MS = 6000  # a connection silent this long (awake time) is cut
+# A loop that has not run its sockets' liveness timer for this long is stalled: the ping thread
+# answers for it. What the thread reads for a stalled loop is held for it, up to STASH_MESSAGES.
+STALL_S = 1.5
+PING_TICK_S = 0.25  # how often the ping thread looks
+STASH_MESSAGES = 10_000
 REJECT_LOG_EVERY_S = 10.0  # peers refused by authentication: one log line per this many seconds
 # The largest frame on the wire, and so the most memory a peer gets before authenticating; bigger
 # buffers are cut into frames of this size. ZMQ_MAXMSGSIZE also counts CURVE's 33 bytes per frame.
@@ -238,6 +265,49 @@ OnUndeliverable = Callable[[bytes | None, list[Any]], None]
 
 _SENT, _FULL, _GONE = 0, 1, 2
 
+# A liveness ping and its answer: one-envelope messages with call id 0 (no call's: ids start at 1),
+# recognised here by their bytes, before the message reaches a service or a client.
+_PING = [bytes(f) for f in wire.join_batch([wire.encode_envelope(wire.Kind.PING, 0)])]
+_PONG = [bytes(f) for f in wire.join_batch([wire.encode_envelope(wire.Kind.PONG, 0)])]
+
+
+def _matches(frames: list[Any], k: int, message: list[bytes]) -> bool:
+    """Whether ``frames[k:]`` is ``message`` (a ping or a pong)."""
+    return (
+        len(frames) == k + 2
+        and len(frames[k + 1]) == len(message[1])
+        and frames[k + 1].bytes == message[1]
+        and frames[k].bytes == message[0]
+    )
+
+
+def _connection(fd: int) -> tuple[int, int]:
+    """(fd, inode) of a connection's socket, so that a later cut finds the same one (-1: unknown)."""
+    try:
+        return fd, os.fstat(fd).st_ino
+    except (OSError, ValueError):
+        return -1, -1
+
+
+def _hang_up(fd: int, inode: int) -> bool:
+    """Shut down the connection on ``fd`` if it is still the one noted: libzmq reads the end of it
+    and disconnects (a DEALER then reconnects), as after a ZMTP heartbeat timed out."""
+    if fd < 0:
+        return False
+    try:
+        if os.fstat(fd).st_ino != inode:  # closed since, and the number reused
+            return False
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
 
 class _Backlog:
     """One peer's messages waiting past ZeroMQ's high-water mark, in order."""
@@ -280,6 +350,7 @@ class AsyncSocket:
         name: str = "",
         on_too_large: Callable[[list[Any], str], None] | None = None,
         whole_frames: bool = False,
+        liveness: bool = False,
     ) -> None:
         self.sock = sock
         self.name = name
@@ -300,6 +371,24 @@ class AsyncSocket:
         self._drain_scheduled = False
         self.closed = False
         self.monitor: AsyncSocket | None = None  # failed handshakes of a secured ROUTER (watch_handshakes)
+        # Liveness (see the module's docstring). Every use of the ZeroMQ socket holds _lock: the ping
+        # thread uses it too while this loop is stalled, and keeps what it read in _stash, in order.
+        self._lock = threading.Lock()
+        self._stash: collections.deque[list[Any]] = collections.deque()
+        self._liveness = liveness
+        self.seen = time.monotonic()  # when this loop last ran the liveness timer
+        self._clock: AwakeClock | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._peers: dict[bytes, list[Any]] = {}  # ROUTER: identity -> [heard (awake time), fd, inode]
+        self._heard = 0.0  # DEALER: awake time its peer was last heard
+        self._connecting = (-1, -1)  # DEALER: (fd, inode) of the connection made last
+        self._link: tuple[int, int] | None = None  # DEALER: the connection, while it is up
+        self._pinged = 0.0  # DEALER: monotonic time of the last ping
+        if liveness:
+            self._clock = awake_clock()
+            self._heard = self._clock.now()
+            self._tick_handle = self._loop.call_later(HEARTBEAT_IVL_MS / 1000, self._tick)
+            _pinger.watch(self)
         self._loop.add_reader(self._fd, self._on_readable)
         # Messages may already be queued before we started watching.
         self._schedule_drain()
@@ -321,25 +410,139 @@ class AsyncSocket:
         self._drain()
 
     def _drain(self) -> None:
-        sock = self.sock
-        for _ in range(DRAIN_BUDGET):
+        sock, lock, stash = self.sock, self._lock, self._stash
+        heard: float | None = None  # awake time, read at the first message
+        try:
+            for _ in range(DRAIN_BUDGET):
+                with lock:
+                    if self.closed:
+                        return
+                    if stash:  # read by the ping thread while this loop was stalled: first, in order
+                        frames = stash.popleft()
+                    else:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            return
+                        except zmq.ZMQError as e:
+                            log.warning("recv failed", socket=self.name, error=str(e))
+                            return
+                if self._clock is not None:
+                    if heard is None:
+                        heard = self._clock.now()
+                    if self._skip:
+                        if self._heard_from(frames, heard):
+                            continue
+                    elif _matches(frames, 0, _PONG):
+                        continue
+                try:
+                    self._receive(frames)
+                except Exception:
+                    log.exception("message handler failed; message dropped", socket=self.name)
+            # Budget spent: come back after other callbacks had their turn.
+            self._schedule_drain()
+        finally:
+            if heard is not None and not self._skip:
+                self._heard = heard
+
+    # --- liveness ------------------------------------------------------------------------------
+
+    def _heard_from(self, frames: list[Any], now: float) -> bool:
+        """ROUTER: note that the peer spoke; answer it if this is a ping (True: nothing else to do)."""
+        ident = frames[0].bytes
+        entry = self._peers.get(ident)
+        if entry is None:
+            fd = frames[0].get(zmq.SRCFD)
+            self._peers[ident] = [now, *_connection(fd if isinstance(fd, int) else -1)]
+        else:
+            entry[0] = now
+        if not _matches(frames, 1, _PING):
+            return False
+        with self._lock:
+            self._pong(ident)
+        return True
+
+    def _pong(self, ident: bytes) -> None:
+        """Answer a ping (the lock held). A peer at its high-water mark, or gone, goes without: it
+        is not reading, and anything it reads later counts as hearing us."""
+        if not self.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([ident, *_PONG], zmq.NOBLOCK)
+
+    def _ping(self) -> None:
+        """DEALER: ping the peer while connected (the lock held); a full queue skips one."""
+        if self._link is not None and not self.closed:
+            self._pinged = time.monotonic()
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart(_PING, zmq.NOBLOCK)
+
+    def _linked(self, up: bool) -> None:
+        """DEALER: its connection came up (handshake done) or went down."""
+        if up:
+            self._link = self._connecting
+            if self._clock is not None:
+                self._heard = self._clock.now()
+        else:
+            self._link = None
+
+    def _tick(self) -> None:
+        """Every HEARTBEAT_IVL_MS on the loop: ping, and cut connections silent past the timeout."""
+        self._tick_handle = None
+        if self.closed or self._clock is None:
+            return
+        self.seen = time.monotonic()
+        now, limit = self._clock.now(), HEARTBEAT_TIMEOUT_MS / 1000
+        if self._skip:
+            for ident, (heard, fd, inode) in list(self._peers.items()):
+                if now - heard > limit:  # silent, or gone (a closed connection's fd is not cut)
+                    del self._peers[ident]
+                    if _hang_up(fd, inode):
+                        log.info(
+                            "cut a connection whose peer was silent",
+                            socket=self.name,
+                            silent_s=round(now - heard, 1),
+                        )
+        else:
+            with self._lock:
+                self._ping()
+                if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    self._schedule_drain()  # the send may have taken the fd's edge
+            if self._link is not None and now - self._heard > limit:
+                (fd, inode), self._link = self._link, None
+                if _hang_up(fd, inode):
+                    log.info(
+                        "cut a connection whose peer was silent",
+                        socket=self.name,
+                        silent_s=round(now - self._heard, 1),
+                    )
+        self._tick_handle = self._loop.call_later(HEARTBEAT_IVL_MS / 1000, self._tick)
+
+    def _answer_stalled(self) -> None:
+        """From the ping thread, while this socket's loop is stalled: a DEALER pings; a ROUTER reads
+        what has arrived, answers the pings and keeps the rest for the loop."""
+        with self._lock:
             if self.closed:
                 return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as e:
-                if self.closed:
-                    return
-                log.warning("recv failed", socket=self.name, error=str(e))
-                return
-            try:
-                self._receive(frames)
-            except Exception:
-                log.exception("message handler failed; message dropped", socket=self.name)
-        # Budget spent: come back after other callbacks had their turn.
-        self._schedule_drain()
+            if not self._skip:
+                if time.monotonic() - self._pinged >= HEARTBEAT_IVL_MS / 1000:
+                    self._ping()
+            else:
+                while len(self._stash) < STASH_MESSAGES:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError:
+                        break
+                    if _matches(frames, 1, _PING):
+                        ident = frames[0].bytes
+                        self._pong(ident)
+                        entry = self._peers.get(ident)
+                        if entry is not None and self._clock is not None:  # heard (a loop busy, not stalled)
+                            entry[0] = self._clock.now()
+                    else:
+                        self._stash.append(frames)
+        # The loop drains when it wakes (this thread's reads and sends may have taken the fd's edge).
+        with contextlib.suppress(RuntimeError):  # its loop is closed
+            self._loop.call_soon_threadsafe(self._schedule_drain)
 
     def _receive(self, frames: list[Any]) -> None:
         k = self._skip
@@ -395,7 +598,8 @@ class AsyncSocket:
 
     async def room(self, to: bytes | None = None) -> None:
         """Wait until the backlog to ``to`` is down to half its bound, the peer is gone, or the
-        socket closed. No timeout: a stopped peer misses its heartbeats and is disconnected."""
+        socket closed. No timeout: a stopped peer's connection is cut once it has been silent for
+        HEARTBEAT_TIMEOUT_MS."""
         while not self.closed and self.full(to):
             waiter = self._loop.create_future()
             self._backlogs[to].waiters.append(waiter)
@@ -407,19 +611,22 @@ class AsyncSocket:
         return (len(b.messages), b.nbytes) if b is not None else (0, 0)
 
     def _try_send(self, frames: Sequence[Any]) -> int:
-        try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # the peer's high-water mark (ROUTER_MANDATORY says so rather than drop)
-            return _FULL
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: the peer has gone away
-                return _GONE
-            raise
-        finally:
-            # A send can consume the fd's edge for pending input: check explicitly.
-            if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # an int option
-                self._schedule_drain()
-        return _SENT
+        with self._lock:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # the peer's high-water mark (ROUTER_MANDATORY says so rather than drop)
+                return _FULL
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: the peer has gone away
+                    return _GONE
+                raise
+            finally:
+                # A send can consume the fd's edge for pending input: check explicitly.
+                if (
+                    not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+                ):  # an int option
+                    self._schedule_drain()
+            return _SENT
 
     def _queue(self, frames: list[Any], about: Sequence[Any] | None) -> None:
         key = frames[0] if self._skip else None
@@ -476,8 +683,10 @@ class AsyncSocket:
         if self.closed:
             return
         self.closed = True
-        if self._retry_handle is not None:
-            self._retry_handle.cancel()
+        for handle in (self._retry_handle, self._tick_handle):
+            if handle is not None:
+                handle.cancel()
+        self._peers.clear()
         for backlog in self._backlogs.values():
             # Not a warning: the peers learn of the close (a client has failed its calls already).
             log.info(
@@ -496,7 +705,9 @@ class AsyncSocket:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
             self.monitor.close()
-        self.sock.close(linger=linger)
+        with self._lock:
+            self._stash.clear()
+            self.sock.close(linger=linger)
 
 
 def _wake(backlog: _Backlog) -> None:
@@ -579,11 +790,8 @@ def _configure(sock: zmq.Socket, whole_frames: bool) -> None:
     # Before authentication a peer can make us hold one frame: keep that small (see FRAME_BYTES).
     # Over ipc only our own user can connect; max_message_bytes is checked on arrival.
     sock.setsockopt(zmq.MAXMSGSIZE, -1 if whole_frames else _MAXMSGSIZE)
-    # ZMTP heartbeats are answered by ZeroMQ's I/O thread, so a busy event loop still answers them;
-    # a peer that stays silent is disconnected, which the caller turns into failed calls.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
+    # No ZMTP heartbeats (ZMQ_HEARTBEAT_IVL stays 0 on every socket, so no peer sends ZMTP PINGs
+    # either): libzmq 4.3.5 can abort in them (zeromq/libzmq#4364). Liveness is our pings.
 
 
 def monitor(asock: AsyncSocket, events: int, on_event: Callable[[int, str], None]) -> None:
@@ -615,7 +823,9 @@ def bind_router(
         address = address[:-2] + ":*"
     sock.bind(address)
     concrete = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole)
+    asock = AsyncSocket(
+        sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole, liveness=True
+    )
     if security is not None:
         _log_rejections(asock)
     return asock, concrete
@@ -651,7 +861,8 @@ def connect_dealer(
     """Connect a DEALER socket to a ROUTER at ``address``.
 
     ``on_link(True)`` is called when a connection is established (handshake done),
-    ``on_link(False)`` when it is lost (peer gone, or silent past the heartbeat timeout).
+    ``on_link(False)`` when it is lost (peer gone, or its connection cut: silent past
+    HEARTBEAT_TIMEOUT_MS).
     """
     sock = context().socket(zmq.DEALER)
     whole = _whole_frames(address)
@@ -661,12 +872,64 @@ def connect_dealer(
     sock.setsockopt(zmq.CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if security is not None:
         security.apply_client(sock)
-    asock = AsyncSocket(sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole)
-    if on_link is not None:
-        monitor(
-            asock,
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
-            lambda event, _: on_link(event == zmq.EVENT_HANDSHAKE_SUCCEEDED),
-        )
+    asock = AsyncSocket(
+        sock, on_message, name=name, on_too_large=on_too_large, whole_frames=whole, liveness=True
+    )
+
+    def on_event(frames: list[Any]) -> None:
+        event = parse_monitor_message([f.bytes for f in frames])
+        kind = event["event"]
+        if kind == zmq.EVENT_CONNECTED:  # its value is the connection's fd
+            asock._connecting = _connection(int(event["value"]))
+            return
+        up = kind == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        asock._linked(up)
+        if on_link is not None:
+            on_link(up)
+
+    events = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    asock.monitor = AsyncSocket(sock.get_monitor_socket(events), on_event, name=f"{name}-monitor")
     sock.connect(address)
     return asock
+
+
+class _Pinger:
+    """The process's ping thread: answers for sockets whose loop is stalled (see the module's
+    docstring). Started with the first socket; a forked child starts its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: weakref.WeakSet[AsyncSocket] = weakref.WeakSet()
+        self._pid: int | None = None
+
+    def watch(self, asock: AsyncSocket) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(
+                    target=self._run, args=(self._pid,), name="rlactors-pings", daemon=True
+                ).start()
+            self._sockets.add(asock)
+
+    def forked(self) -> None:
+        """In a forked child: the parent's thread, sockets and lock state are not ours."""
+        self._lock = threading.Lock()
+        self._sockets = weakref.WeakSet()
+        self._pid = None
+
+    def _run(self, pid: int) -> None:
+        while self._pid == pid:
+            time.sleep(PING_TICK_S)
+            with self._lock:
+                sockets = list(self._sockets)
+            now = time.monotonic()
+            for asock in sockets:
+                if not asock.closed and now - asock.seen > STALL_S:
+                    try:
+                        asock._answer_stalled()
+                    except Exception:  # a socket closed under it: the next round skips it
+                        log.debug("ping thread skipped a socket", socket=asock.name, exc_info=True)
+
+
+_pinger = _Pinger()
+os.register_at_fork(after_in_child=_pinger.forked)

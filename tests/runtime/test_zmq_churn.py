@@ -1,0 +1,222 @@
+"""No process dies inside ZeroMQ: liveness is our own pings, not ZMTP heartbeats.
+
+libzmq 4.3.5 aborts (``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``,
+zeromq/libzmq#4364) when its ZMTP heartbeat timer fires on a connection that was closing while
+its peer sent and then hung up. The churn here (tests/runtime/zmq_churn.py) makes that state by
+the thousand; with the transport's settings no process aborts, and with ZMTP heartbeats turned on
+the same churn aborts (the control: the test reaches the bug). The liveness that replaced the
+heartbeats keeps their behaviour: a silent peer's connection is cut on both sides, and a peer
+whose event loop is blocked still answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from rlactors.base.aio import wait_for
+from rlactors.wire import transport
+from rlactors.wire.client import Connection
+from rlactors.wire.service import Service
+
+ROOT = Path(__file__).resolve().parents[2]
+CHURN = ROOT / "tests/runtime/zmq_churn.py"
+ABORT = "Assertion failed: !_io_error"
+
+
+def _churn(*args: str, timeout: float) -> tuple[int, str, str]:
+    """Run the churn in its own session (its peers with it); kill them all if it overruns."""
+    proc = subprocess.Popen(
+        [sys.executable, str(CHURN), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the churn did not finish in {timeout:g}s:\n{out[-2000:]}\n{err[-4000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # peers left behind by an abort
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
+def test_thousands_of_connections_to_peers_that_vanish_mid_send_abort_no_process() -> None:
+    rc, out, err = _churn("--dealer-rounds", "1000", "--router-peers", "1000", timeout=240)
+    assert ABORT not in err, err[-4000:]
+    assert rc == 0, f"exit {rc}:\n{out[-2000:]}\n{err[-4000:]}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["died"] == []
+    assert summary["dealer_rounds"] >= 1000 and summary["router_peers"] >= 1000, summary
+    assert summary["peer_kills"] >= 1000 // 20, summary  # peers SIGKILLed mid-send, not only closed
+
+
+def test_with_zmtp_heartbeats_on_the_same_churn_aborts() -> None:
+    """The control: the churn reaches libzmq's assertion when heartbeats are on (every 1 ms, so
+    that it comes within the test's time). Should a libzmq release fix #4364, this fails; the
+    transport's pings are then a choice, no longer a necessity."""
+    rc, out, err = _churn(
+        "--zmtp-heartbeat-ms", "1", "--dealer-rounds", "3000", "--router-peers", "0", timeout=240
+    )
+    assert ABORT in err, f"no abort (exit {rc}) with ZMTP heartbeats on:\n{out[-2000:]}\n{err[-2000:]}"
+
+
+async def test_no_socket_of_ours_asks_for_zmtp_heartbeats(tmp_path: Path) -> None:
+    """ZMQ_HEARTBEAT_IVL 0 on both ends: none of ours sends a ZMTP PING, whose answer can abort too."""
+    router, address = transport.bind_router(f"ipc://{tmp_path}/r", lambda frames: None, None, name="r")
+    dealer = transport.connect_dealer(address, lambda frames: None, None, name="d")
+    try:
+        for asock in (router, dealer):
+            assert asock.sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+    finally:
+        dealer.close()
+        router.close()
+
+
+@pytest.fixture
+def quick_timeout(monkeypatch: pytest.MonkeyPatch) -> Iterator[float]:
+    """A 1.5 s silence timeout, pinging every 0.3 s: the same rules, sooner."""
+    monkeypatch.setattr(transport, "HEARTBEAT_IVL_MS", 300)
+    monkeypatch.setattr(transport, "HEARTBEAT_TIMEOUT_MS", 1500)
+    monkeypatch.setattr(transport, "STALL_S", 0.45)
+    yield 1.5
+
+
+async def test_a_router_cuts_a_peer_that_stays_silent(tmp_path: Path, quick_timeout: float) -> None:
+    """A DEALER that says one thing and then nothing (a stopped caller) is disconnected, as ZMTP
+    heartbeats did, so that replies to it stop piling up; a peer that pings is kept."""
+    heard: list[bytes] = []
+    router, address = transport.bind_router(
+        f"ipc://{tmp_path}/r", lambda frames: heard.append(frames[0].bytes), None, name="r"
+    )
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.DEALER)
+    silent.setsockopt(zmq.LINGER, 0)
+    events = silent.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    kept = Connection(address, None, name="pinging")
+    try:
+        silent.connect(address)
+        silent.send_multipart([b"hello"])
+        await wait_for(kept.wait_link(), 10)
+        deadline = time.monotonic() + 30
+        while not events.poll(0):  # the monitor's socket is not on this loop
+            assert time.monotonic() < deadline, "the silent peer was never disconnected"
+            await asyncio.sleep(0.05)
+        assert parse_monitor_message(events.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+        assert heard == [heard[0]]  # it was heard once, then cut
+        assert kept.linked  # the connection that pings was not
+    finally:
+        kept.close()
+        events.close(linger=0)
+        silent.close(linger=0)
+        router.close()
+
+
+async def test_a_dealer_whose_peer_stops_answering_loses_its_link_and_reconnects(
+    tmp_path: Path, quick_timeout: float
+) -> None:
+    """A ROUTER that reads but never answers (a stopped process, a partition) looks silent: the
+    DEALER's link goes down (on_link(False): callers fail after LINK_GRACE_S), and it reconnects."""
+    ctx = zmq.Context.instance()
+    mute = ctx.socket(zmq.ROUTER)
+    mute.setsockopt(zmq.LINGER, 0)
+    mute.bind(f"ipc://{tmp_path}/mute")
+    links: list[bool] = []
+    changed = asyncio.Event()
+
+    def on_link(up: bool) -> None:
+        links.append(up)
+        changed.set()
+
+    dealer = transport.connect_dealer(
+        f"ipc://{tmp_path}/mute", lambda frames: None, None, name="d", on_link=on_link
+    )
+    try:
+        while links[-3:] != [True, False, True]:  # up, cut as silent, up again
+            changed.clear()
+            await wait_for(changed.wait(), 30)
+        assert mute.poll(0)  # it was pinged all along
+    finally:
+        dealer.close()
+        mute.close()
+
+
+def _serve_on_a_thread(address: str) -> tuple[asyncio.AbstractEventLoop, Service, threading.Thread]:
+    """A Service with one method, on an event loop of its own thread (a worker's, in miniature)."""
+
+    class Echo:
+        async def echo(self, x: Any) -> Any:
+            return x
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Service] = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+
+        async def start() -> None:
+            svc = Service(name="blocked")
+            svc.add(None, Echo())
+            svc.bind(address)
+            holder["svc"] = svc
+            ready.set()
+
+        loop.run_until_complete(start())
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    return loop, holder["svc"], thread
+
+
+@pytest.fixture
+async def blocked_service(tmp_path: Path) -> AsyncIterator[tuple[asyncio.AbstractEventLoop, str]]:
+    address = f"ipc://{tmp_path}/svc"
+    loop, svc, thread = _serve_on_a_thread(address)
+    yield loop, svc.address
+    asyncio.run_coroutine_threadsafe(svc.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(30)
+    loop.close()
+
+
+async def test_a_service_whose_loop_is_blocked_still_answers_pings(
+    blocked_service: tuple[asyncio.AbstractEventLoop, str], quick_timeout: float
+) -> None:
+    """The ping thread answers for a blocked loop (ZMTP's I/O thread did): its callers keep their
+    link through a block of several timeouts, and a call made meanwhile is answered after it."""
+    loop, address = blocked_service
+    links: list[bool] = []
+    conn = Connection(address, None, name="caller", on_link=links.append)
+    try:
+        assert await wait_for(conn.call("echo", (1,), {}), 30) == 1
+        block_s = 4 * quick_timeout
+        loop.call_soon_threadsafe(time.sleep, block_s)  # the scenario: the service's loop blocks
+        await asyncio.sleep(0.5)
+        pending = conn.call("echo", (2,), {})
+        await asyncio.sleep(block_s)  # the scenario itself: time passes while the loop is blocked
+        assert await wait_for(pending, 30) == 2
+        assert links == [True], links  # never cut
+    finally:
+        conn.close()
