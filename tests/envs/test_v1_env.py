@@ -74,7 +74,7 @@ def test_a_v1_taskset_trains_on_its_rewards_in_its_own_environment(trained: list
         ([*V1, "rollout.workflow_args.taskset=no-such-taskset"], "taskset 'no-such-taskset' not found"),
         (
             [*V1, 'rollout.workflow_args.packages=["/nonexistent/rlactors-pkg"]'],
-            "'packages': could not install",
+            "packages': could not install verifiers==0.4.0 uv /nonexistent/rlactors-pkg",
         ),
         ([*V1, "rollout.workflow_args.verifiers=0.3.1"], "wire does not match"),
     ],
@@ -98,9 +98,15 @@ def test_evaluate_runs_a_v1_taskset_through_its_env_servers(tmp_path: Path) -> N
 
     out = tmp_path / "eval"
     done = evaluate(["--model", str(ensure_tiny_checkpoint()), "--limit", "2", "--out", str(out),
-                     "model.tiny=true", "servers.n=1", "rollout.workflow_args.max_new_tokens=8", *V1],
+                     "model.tiny=true", "servers.n=1", "rollout.workflow_args.max_new_tokens=8", *V1,
+                     "data.eval_from_train=2"],
                     timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["items"] == 2
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2
+    # the taskset's @vf.reward (0 or 1 per answer) is what the evaluation scored
+    assert all(r["reward"] in (0.0, 1.0) for r in records)
+    assert sum(r["reward"] for r in records) / 2 == pytest.approx(
+        json.loads((out / "summary.json").read_text())["accuracy"]
+    )

@@ -3,9 +3,9 @@ set, so that an environment's packages never meet the trainer's (verifiers 0.4 p
 the trainer's agents use openai 3).
 
 Made once per requirement set under ``<cache>/pyenvs/<hash>`` (the cache is ``$RLACTORS_CACHE``,
-else ``~/.cache/rlactors``: nodes/inference/models.py), so a second run finds it in a moment. A local
-path among the requirements counts by its files' names, sizes and times: editing the package makes
-a new environment. uv reads no pip configuration, so the package sources pip is configured with
+else ``~/.cache/rlactors``: nodes/common/cache.py), so a second run finds it in a moment. A local
+path among the requirements counts by its files' names and contents: editing the package makes a
+new environment. uv reads no pip configuration, so the package sources pip is configured with
 (find-links, index URLs, constraints: ``pip config list``) are passed to it, as scripts/setup.sh
 does for the trainer's own environment (both ask scripts/install_sources.py).
 """
@@ -63,11 +63,8 @@ def _identity(requirements: list[str]) -> str:
             files = [path] if path.is_file() else sorted(
                 p for p in path.rglob("*") if p.is_file() and not _built(p.relative_to(path))
             )  # fmt: skip
-            for p in files:
-                st = p.stat()
-                h.update(
-                    f"{p.relative_to(path) if p != path else p.name}:{st.st_size}:{st.st_mtime_ns}\n".encode()
-                )
+            for p in files:  # by content: a fresh clone's files have new times, the same bytes
+                h.update(f"{p.relative_to(path) if p != path else p.name}\n".encode() + p.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -91,7 +88,7 @@ def ensure_pyenv(requirements: list[str], timeout_s: float = 900.0, cache: Path 
     """The interpreter of the environment holding ``requirements`` (pip requirement specs or local
     paths), made now unless it was made before. ``ValueError`` (one line: what failed to install)
     when uv cannot make it."""
-    from nodes.inference.models import cache_root
+    from nodes.common.cache import cache_root
 
     reqs = [str(Path(r).resolve()) if _is_path(r) else r for r in requirements]
     root = cache_root(cache) / "pyenvs"
