@@ -45,8 +45,8 @@ MAX_IN_FLIGHT = 65_536
 STREAM_ACK_EVERY = 64
 LOG_EVERY_S = 10.0  # a flood of undecodable replies logs one line per this many seconds
 # After a connection is lost, its pending calls fail this much later: the head's word that the
-# actor died (ActorDiedError with the reason) usually comes first. Partition bound: heartbeat
-# interval + heartbeat timeout (rlactors.wire.transport) + this.
+# actor died (ActorDiedError with the reason) usually comes first. Partition bound: ping
+# interval + silence timeout (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS, rlactors.wire.transport) + this.
 LINK_GRACE_S = 3.0
 
 
@@ -380,7 +380,7 @@ class Connection:
 
     def _on_link(self, up: bool) -> None:
         """The connection came up (handshake done) or was lost (peer gone, or silent past the
-        heartbeat timeout, as in a network partition)."""
+        silence timeout and cut by the transport, as in a network partition)."""
         if self._link_hook is not None:
             self._link_hook(up)
         if up:
@@ -429,7 +429,7 @@ class Connection:
 
     @property
     def linked(self) -> bool:
-        """The connection is established now (its handshake done, its heartbeats answered)."""
+        """The connection is established now (its handshake done, its pings answered)."""
         return self._link_up.is_set() and self._closed_error is None
 
     async def wait_link(self) -> None:

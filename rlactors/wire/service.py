@@ -7,7 +7,7 @@ method and runs it according to its kind:
 * ``async def`` — a task on this loop, at most ``max_concurrency`` at once; started in
   arrival order, so calls from one caller begin in the order they were made;
 * plain ``def`` — on one worker thread, strictly in order, so long compute never blocks
-  the loop (heartbeats and other calls keep being answered); or, for an actor declared with
+  the loop (pings and other calls keep being answered); or, for an actor declared with
   ``sync_methods="loop"`` (see :class:`rlactors.Actor`), on the loop as an ``async`` one;
 * ``async def`` with ``yield`` (or a plain generator) — streamed item by item, with a
   credit window so a fast producer cannot flood a slow consumer.

@@ -18,7 +18,7 @@ from rlactors.base.aio import wait_for
 from tests.cluster.test_cli import free_port, run_cli, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
-# The head's stop (3x this) stays under ZeroMQ's own 7 s heartbeat timeout, so that this test's
+# The head's stop (3x this) stays under the transport's 6 s silence timeout (its pings), so that this test's
 # client keeps its connection to the head: what is tested is the head's judgement.
 NODE_TIMEOUT = 1.5
 # After the head wakes: node_timeout of its awake time, plus a check period and slack for load.

@@ -93,7 +93,7 @@ def test_status_json_says_who_was_heard_from_when_and_what_each_actor_is_doing(u
         assert actors["idle"]["heard_s"] == 0.0
         busy = actors["busy"]["activity"]
         assert busy["running"] == 2 and busy["oldest_method"] == "sleep" and busy["oldest_s"] > 0
-        # A blocked event loop says nothing, but its process answers ZeroMQ's heartbeats.
+        # A blocked event loop says nothing, but its process answers pings (the transport's ping thread).
         deadline = time.monotonic() + 30
         while (b := {x["name"]: x for x in _status(up)["actors"]}["blocked"])["activity"] is not None:
             assert time.monotonic() < deadline, b  # not blocked yet: the told call is on its way

@@ -36,8 +36,9 @@ BOUND = 2 * MiB
 
 @pytest.fixture(autouse=True)
 def small_queues(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ZeroMQ's queue to a peer holds 2 messages, so the backlog fills after a few; heartbeats
-    would disconnect the stopped reader after 6 s (on a loaded machine the test may take longer)."""
+    """ZeroMQ's queue to a peer holds 2 messages, so the backlog fills after a few; a raw peer
+    that does not ping would be cut as silent after 6 s (on a loaded machine the test may take
+    longer)."""
     monkeypatch.setattr(transport, "SNDHWM", 2)
     monkeypatch.setattr(transport, "HEARTBEAT_TIMEOUT_MS", 120_000)
 

@@ -21,7 +21,7 @@ from tests.runtime.actors import Counter
 
 NODE_TIMEOUT = 1.0
 FENCE_AFTER = NODE_TIMEOUT + HEARTBEAT_TIMEOUT_MS / 1000  # the head's default bound
-DETECT = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000  # a ZMTP heartbeat goes unanswered
+DETECT = (HEARTBEAT_IVL_MS + HEARTBEAT_TIMEOUT_MS) / 1000  # a ping goes unanswered: the connection is cut
 
 
 @pytest.fixture

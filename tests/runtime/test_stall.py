@@ -19,7 +19,7 @@ from rlactors.base.aio import wait_for
 from rlactors.base.awake import SLACK_S, TICK_S, AwakeClock, awake_clock
 
 ROOT = Path(__file__).resolve().parents[2]
-NODE_TIMEOUT = 2.5  # the stop below (3x) also outlasts ZeroMQ's own 7 s heartbeat timeout
+NODE_TIMEOUT = 2.5  # the stop below (3x) also outlasts the transport's 6 s silence timeout (its pings)
 
 
 def _line(proc: subprocess.Popen[str]) -> str:
