@@ -179,8 +179,8 @@ def _chat(i: int, m: _Message, args: dict[str, str]) -> list[dict[str, Any]]:
     for j, raw in enumerate(m.content):
         b = _block(raw, _USER_BLOCKS, f"{where}.content[{j}]")
         if isinstance(b, ToolResultBlock):
-            text = _text_of(b.content, f"{where}.content[{j}]")
-            out.append({"role": "tool", "content": text, "tool_call_id": b.tool_use_id})
+            result = _text_of(b.content, f"{where}.content[{j}]")
+            out.append({"role": "tool", "content": result, "tool_call_id": b.tool_use_id})
         elif out and out[-1]["role"] == "user":  # consecutive text blocks: one message
             out[-1]["content"] += b.text
         else:
