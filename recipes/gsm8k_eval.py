@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --n must be >= 1, --limit >= 0 and --temperature >= 0", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(args.config, args.overrides)
+        # --data is your data: its [data] field keys are read, and no math prompt unless set
+        given = ["data.source=local", f"data.path={args.data}"] if args.data else []
+        cfg = load_config(args.config, [*given, *args.overrides])
         out = Path(args.out).expanduser().resolve()
         out.mkdir(parents=True, exist_ok=True)
         s = asyncio.run(run_evaluation(args, cfg, out))
