@@ -47,7 +47,7 @@ from nodes.driver.evaluator import Evaluator
 from nodes.driver.metrics import MetricsLogger, format_step_line
 from nodes.driver.run_state import RunLockedError, RunState, Terminated, Termination
 from nodes.driver.watchdog import StallWatchdog
-from nodes.rollout.failures import RepeatedFailureError
+from nodes.plane.buffer import RepeatedFailureError
 from nodes.trainer.manifest import CheckpointError
 from recipes.gsm8k_config import ConfigError, RecipeConfig, describe_run, load_config, render_config
 from recipes.gsm8k_plane import (

@@ -9,7 +9,7 @@ Importing this package does not import torch.
 
 from protocols.runtime.codec import register
 from rlactors.api.actor import Actor, ActorContext, get_context
-from rlactors.api.cluster import Cluster, PlacementGroup, connect, init
+from rlactors.api.cluster import Cluster, PlacementGroup, connect
 from rlactors.api.collective import CollectiveGroup
 from rlactors.api.handle import ActorGroup, ActorHandle, ActorMethod, GroupMethod, drain
 from rlactors.api.stacks import StacksReport
@@ -23,6 +23,7 @@ from rlactors.base.errors import (
     RemoteError,
     RuntimeShutdownError,
 )
+from rlactors.launch.local import init
 from rlactors.wire.methods import backpressure, blocking
 
 __version__ = "0.1.0"

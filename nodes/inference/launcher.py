@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import httpx  # health polls while a server starts and stops: rare calls, not /generate's wire
 import structlog
 
+from nodes.common.flags import to_argv
 from nodes.common.procs import HOLD_SIGTERM, child_setup, free_port, stop_process_group
-from nodes.inference.settings import ServerSettings, to_argv
+from nodes.inference.settings import ServerSettings
 from protocols.http.auth import ServerKeys
 from protocols.runtime.codec import register
 
@@ -82,7 +83,7 @@ class ReferenceServerConfig(ServerSettings):
 
     def command(self, host: str, port: int) -> list[str]:
         """The command line that starts this server: the settings that differ from their defaults
-        as flags (:func:`~nodes.inference.settings.to_argv`), then ``extra_args``."""
+        as flags (:func:`~nodes.common.flags.to_argv`), then ``extra_args``."""
         where = ["--host", host, "--port", str(port)]
         settings = to_argv(self, ServerSettings)
         return [sys.executable, "-m", "nodes.inference.server", *where, *settings, *self.extra_args]

@@ -21,21 +21,13 @@ from typing import cast
 
 import structlog
 
+from nodes.common.cache import cache_root
+
 log = structlog.get_logger(__name__)
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_DIR = "smollm2-135m-instruct-fp32"
 _TOKENIZER_DIR = "smollm2-tokenizer"
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """The checkpoint cache: ``cache_dir``, else ``$RLACTORS_CACHE``, else ``~/.cache/rlactors``."""
-    if cache_dir is not None:
-        root = Path(cache_dir)
-    else:
-        root = Path(os.environ.get("RLACTORS_CACHE") or Path.home() / ".cache" / "rlactors")
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def smollm2_gguf_path() -> Path:
@@ -172,7 +164,6 @@ def ensure_tiny_checkpoint(
 
 
 __all__ = [
-    "cache_root",
     "ensure_smollm2_checkpoint",
     "ensure_smollm2_tokenizer",
     "ensure_tiny_checkpoint",

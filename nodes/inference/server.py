@@ -22,9 +22,10 @@ import os
 
 import structlog
 
+from nodes.common.flags import add_flags, from_namespace
 from nodes.inference.app import create_app
 from nodes.inference.engine import Engine
-from nodes.inference.settings import ServerArgs, add_flags, from_namespace
+from nodes.inference.settings import ServerArgs
 from protocols.http.auth import ServerKeys
 
 # What a server imports as it loads its model (the default's architecture, Llama, included), imported

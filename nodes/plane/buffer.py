@@ -44,15 +44,26 @@ from typing import Any, Literal, Protocol
 import structlog
 
 import rlactors
-from nodes.rollout.failures import RepeatedFailureError
 from protocols.rl import Batch, TrajectoryGroup
 from protocols.runtime.codec import register
 from rlactors.base.aio import wait_for
 from rlactors.base.tomlconf import at_least, check_ranges
 
-__all__ = ["BufferActor", "BufferConfig", "GovernorLink", "TrajectoryBuffer", "has_reward_variance"]
+__all__ = [
+    "BufferActor",
+    "BufferConfig",
+    "GovernorLink",
+    "RepeatedFailureError",
+    "TrajectoryBuffer",
+    "has_reward_variance",
+]
 
 log = structlog.get_logger(__name__)
+
+
+class RepeatedFailureError(RuntimeError):
+    """The run's episodes fail again and again (a broken reward function, rubric, environment or
+    agent): training cannot learn from them. The message is one line naming what failed."""
 
 
 class GovernorLink(Protocol):
@@ -364,7 +375,7 @@ class TrajectoryBuffer:
     @rlactors.backpressure("the trainer waits for groups")
     async def get_batch(self, batch_size: int, version: int, timeout: float | None = 60.0) -> Batch:
         """Wait (no polling) until ``batch_size`` groups are eligible; TimeoutError after ``timeout`` s,
-        :class:`~nodes.rollout.failures.RepeatedFailureError` once a rollout actor said its failures
+        :class:`RepeatedFailureError` once a rollout actor said its failures
         repeat (:meth:`fail`)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout

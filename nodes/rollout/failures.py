@@ -11,7 +11,7 @@ every sample. The watch says the run must stop when
 and then :meth:`FailureWatch.line` is the one line the run ends with: what failed (the function
 or environment by name), the exception's type and message, how many failed of how many, and the
 first failing item's id. The rollout actor hands it to the buffer, whose ``get_batch`` raises
-:class:`RepeatedFailureError` with it; the recipe prints it and exits 2. The first failure of each
+:class:`~nodes.plane.buffer.RepeatedFailureError` with it; the recipe prints it and exits 2. The first failure of each
 kind is logged with its stack; later ones only count.
 
 Ray, Slurm and PyTorch's elastic agent draw the same line: a fault that will repeat is reported
@@ -28,18 +28,13 @@ from typing import Any
 
 import structlog
 
-__all__ = ["MIN_FIRST", "FailureWatch", "RepeatedFailureError", "RewardTally", "reward_tally"]
+__all__ = ["MIN_FIRST", "FailureWatch", "RewardTally", "reward_tally"]
 
 log = structlog.get_logger(__name__)
 
 # Episodes judged by the first-batch rule at least: with a small batch, two unlucky failures in a row
 # of an environment that fails now and then must not stop the run
 MIN_FIRST = 8
-
-
-class RepeatedFailureError(RuntimeError):
-    """The run's episodes fail again and again (a broken reward function, rubric, environment or
-    agent): training cannot learn from them. The message is one line naming what failed."""
 
 
 @dataclass

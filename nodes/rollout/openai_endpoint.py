@@ -195,7 +195,7 @@ class EndpointArgs:
 
 def parse_args(argv: list[str] | None = None) -> EndpointArgs:
     """:class:`EndpointArgs` from the command line (flags, ``--help`` and defaults made from it)."""
-    from nodes.inference.settings import add_flags, from_namespace
+    from nodes.common.flags import add_flags, from_namespace
 
     ap = argparse.ArgumentParser(
         prog="python -m nodes.rollout.openai_endpoint", description=EndpointArgs.__doc__

@@ -1,4 +1,5 @@
-"""The user-facing cluster API: ``init()`` (embedded local cluster) and ``connect()``.
+"""The user-facing cluster API: :class:`Cluster`, and ``connect()`` to join a running one
+(``init()``, which starts an embedded one, is rlactors.launch.local's: it needs the head and a node).
 
 Both work on the caller's running event loop: no second loop, no threads to manage.
 """
@@ -12,32 +13,47 @@ import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from protocols.runtime import codec
 from rlactors.api.collective import CollectiveGroup, make_group
 from rlactors.api.handle import ActorGroup, ActorHandle
+from rlactors.api.runs import read_state, resolve_connect, state_file
 from rlactors.api.stacks import ActorStacks, StacksReport, build_report
+from rlactors.base import logging as rlog
 from rlactors.base.aio import wait_for
 from rlactors.base.classpath import class_spec
-from rlactors.head.registry import is_secret
-from rlactors.launch.local import LocalCluster, ensure_logging, start_local
 from rlactors.wire.runtime import RuntimeClient, set_current
-from rlactors.wire.security import Security, load_secret
+from rlactors.wire.security import Security, is_secret, load_secret
 
 log = structlog.get_logger("rlactors.api.cluster")
 
-__all__ = ["Cluster", "connect", "init"]
+__all__ = ["Cluster", "ClusterStarter", "EmbeddedCluster", "PlacementGroup", "connect"]
 
 T = TypeVar("T")
+
+
+class EmbeddedCluster(Protocol):
+    """The cluster a connection started and owns (``rlactors.init()``'s head and node agent on the
+    driver's loop: :class:`rlactors.launch.local.LocalCluster`); a joined one has none."""
+
+    secret_file: str | None  # the file another process needs to connect over TCP (None over ipc)
+
+    def record(self, folder: Path) -> object:
+        """Record how to reach the cluster in ``folder``."""
+        ...
+
+    async def shutdown(self, client: RuntimeClient) -> None:
+        """Stop the cluster, after this connection's client."""
+        ...
 
 
 class Cluster:
     """A connection to a cluster: spawn and look up actors, watch them, use the KV store."""
 
-    def __init__(self, client: RuntimeClient, *, local: LocalCluster | None = None) -> None:
+    def __init__(self, client: RuntimeClient, *, local: EmbeddedCluster | None = None) -> None:
         self._client = client
         self._local = local
 
@@ -61,8 +77,6 @@ class Cluster:
             return f"--run {folder}"
         if os.environ.get("RLACTORS_ADDRESS") and os.environ["RLACTORS_ADDRESS"] == self.address:
             return ""
-        from rlactors.launch.config import read_state, state_file
-
         sf = state_file()
         up = read_state(sf).get("address") if sf.exists() else None
         return "" if up == self.address else f"--address {self.address}"
@@ -306,7 +320,7 @@ class PlacementGroup:
         return f"<PlacementGroup {self.group_id} on {self.nodes}>"
 
 
-class _Starter:
+class ClusterStarter:
     """Both ``await rlactors.init()`` and ``async with rlactors.init() as cluster``."""
 
     def __init__(self, coro_factory: Any) -> None:
@@ -327,47 +341,13 @@ class _Starter:
             await self._cluster.close()
 
 
-def init(
-    *,
-    resources: dict[str, float] | None = None,
-    address: str = "ipc",
-    secret_file: str | None = None,
-    node_timeout: float = 5.0,
-    log_sink: Any = None,
-    client_timeout: float | None = None,
-    security: str = "curve",
-    allowed_modules: Sequence[str] | None = None,
-) -> _Starter:
-    """Start an embedded local cluster (head + one node agent) on the running loop.
-
-    ``address="ipc"`` (default) serves over Unix sockets in a private directory, with peers
-    authenticated by a secret this process keeps in memory (PLAIN: nothing is encrypted);
-    ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
-    processes can :func:`connect` with the secret. Non-detached actors of a client that
-    stops heartbeating for ``client_timeout`` seconds (default max(10, 3 * node_timeout))
-    are stopped. ``security="plain"`` authenticates TCP peers without encrypting traffic
-    (trusted networks only; see :class:`rlactors.wire.security.Security`). ``allowed_modules`` (dotted
-    prefixes, e.g. ``["nodes", "recipes"]``) limits the actor classes the node starts; default:
-    every module. Use as ``async with rlactors.init() as c``
-    or ``c = await rlactors.init()`` … ``await c.close()``.
-    """
-
-    async def _init() -> Cluster:
-        client, local = await start_local(
-            resources, address, secret_file, node_timeout, log_sink, client_timeout, security, allowed_modules
-        )
-        return Cluster(client, local=local)
-
-    return _Starter(_init)
-
-
 def connect(
     address: str | None = None,
     *,
     secret_file: str | None = None,
     timeout: float | None = None,
     security: str | None = None,
-) -> _Starter:
+) -> ClusterStarter:
     """Join an existing cluster from this process's running loop.
 
     ``address`` defaults to ``$RLACTORS_ADDRESS`` or the cluster last started with
@@ -376,9 +356,7 @@ def connect(
     """
 
     async def _connect() -> Cluster:
-        from rlactors.launch.config import resolve_connect
-
-        ensure_logging()
+        rlog.ensure_logging()
         addr, secret, state_mechanism = resolve_connect(address, secret_file)
         mechanism = security or os.environ.get("RLACTORS_SECURITY") or state_mechanism or "curve"
         sec = Security(load_secret(secret), mechanism) if secret else None  # tcp, or a recorded run's ipc
@@ -387,4 +365,4 @@ def connect(
         set_current(client)
         return Cluster(client)
 
-    return _Starter(_connect)
+    return ClusterStarter(_connect)

@@ -1,4 +1,5 @@
-"""How an embedded run is reached from outside: its head address and a credential file on disk.
+"""How a running cluster is found: the record `rlactors up` writes, and an embedded run's head
+address and credential file on disk.
 
 An embedded cluster (``rlactors.init()``) keeps its secret in the driver's memory, so no other
 process could reach it. While it runs, it records itself in the state directory
@@ -26,12 +27,63 @@ from pathlib import Path
 from typing import Any
 
 from rlactors.base.errors import ClusterError
-from rlactors.launch.config import state_file
 
-__all__ = ["RECORD", "SECRET", "RunRecord", "live_runs", "read_run", "runs_dir", "write_run"]
+__all__ = [
+    "RECORD",
+    "SECRET",
+    "RunRecord",
+    "live_runs",
+    "read_run",
+    "read_state",
+    "resolve_connect",
+    "runs_dir",
+    "state_file",
+    "write_run",
+]
 
 RECORD = "rlactors-run.json"
 SECRET = "rlactors-secret"
+
+
+def state_file() -> Path:
+    """Where `rlactors up` records the running cluster (``$RLACTORS_STATE_DIR/cluster.json``)."""
+    return Path(os.environ.get("RLACTORS_STATE_DIR", "~/.rlactors")).expanduser() / "cluster.json"
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The record `rlactors up` wrote; ClusterError (naming the file and the way out) if unreadable."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        state, why = None, str(e)
+    else:
+        why = "not a JSON object"
+    if not isinstance(state, dict):
+        raise ClusterError(f"the cluster record {path} is unreadable ({why}); `rlactors down` removes it")
+    return state
+
+
+def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, str | None, str | None]:
+    """Head address, secret file and security mechanism for ``connect()``: arguments, then env,
+    then ``rlactors up``'s state."""
+    addr = address or os.environ.get("RLACTORS_ADDRESS")
+    secret = secret_file or os.environ.get("RLACTORS_SECRET_FILE")
+    mechanism = None
+    sf = state_file()
+    if addr is None and sf.exists():
+        state = read_state(sf)
+        addr = state.get("address")
+        secret = secret or state.get("secret_file")
+        mechanism = state.get("security")
+    if addr is None:
+        raise ClusterError(
+            "no cluster address: pass one to connect(), set RLACTORS_ADDRESS, or start a cluster with `rlactors up cluster.toml`"
+        )
+    if addr.startswith("tcp://") and not secret:
+        raise ClusterError(
+            f"connecting to {addr} needs the cluster's secret file (secret_file= or RLACTORS_SECRET_FILE)"
+        )
+    return addr, secret, mechanism
 
 
 class NoSuchRun(ClusterError):

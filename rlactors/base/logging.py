@@ -43,6 +43,12 @@ def configure(level: str | None = None, **context: Any) -> None:
         structlog.contextvars.bind_contextvars(**{k: v for k, v in context.items() if v is not None})
 
 
+def ensure_logging() -> None:
+    """Give structlog a sane default (INFO, one line per event) unless the application configured it."""
+    if not structlog.is_configured():
+        configure()
+
+
 class Throttle:
     """Log one repeated warning at most once per ``interval`` seconds.
 

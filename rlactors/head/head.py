@@ -21,12 +21,12 @@ import structlog
 from rlactors.base.aio import wait_for
 from rlactors.base.awake import awake_clock
 from rlactors.base.errors import ActorNotFoundError, ClusterError, PlacementError
+from rlactors.base.procs import exit_reason
 from rlactors.head.placement import BundleTable, NodeResources, choose_node, normalise_request
-from rlactors.head.registry import SECRET_PREFIX, ActorRecord, KVStore, NodeRecord, is_secret
+from rlactors.head.registry import ActorRecord, KVStore, NodeRecord
 from rlactors.head.sessions import Sessions
-from rlactors.node.agent import exit_reason
 from rlactors.wire.client import Connection
-from rlactors.wire.security import Security, control_plane
+from rlactors.wire.security import SECRET_PREFIX, Security, control_plane, is_secret
 from rlactors.wire.transport import HEARTBEAT_TIMEOUT_MS
 
 log = structlog.get_logger("rlactors.head.head")

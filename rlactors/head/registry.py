@@ -96,14 +96,6 @@ class ActorRecord:
         }
 
 
-SECRET_PREFIX = "secret/"  # keys under it are read and written with the control credential only
-
-
-def is_secret(key: str) -> bool:
-    """Whether a key-value key is secret (the servers' API keys live under ``secret/``)."""
-    return key.startswith(SECRET_PREFIX)
-
-
 class KVStore:
     """Keys to values, with waiting for a key to appear (no polling)."""
 

@@ -1,4 +1,4 @@
-"""cluster.toml: what a cluster is made of, and where to find a running one.
+"""cluster.toml: what a cluster is made of (where to find a running one: rlactors.api.runs).
 
 Example (see recipes/cluster.example.toml)::
 
@@ -20,14 +20,12 @@ Example (see recipes/cluster.example.toml)::
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from rlactors.base.errors import ClusterError
 from rlactors.base.tomlconf import ConfigError, load_toml
 
 __all__ = [
@@ -36,14 +34,7 @@ __all__ = [
     "HeadConfig",
     "NodeConfig",
     "load_cluster_config",
-    "read_state",
-    "resolve_connect",
 ]
-
-
-def state_file() -> Path:
-    """Where `rlactors up` records the running cluster (``$RLACTORS_STATE_DIR/cluster.json``)."""
-    return Path(os.environ.get("RLACTORS_STATE_DIR", "~/.rlactors")).expanduser() / "cluster.json"
 
 
 @dataclass
@@ -222,39 +213,3 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
         *node.command_prefix,
         *inner,
     ]
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    """The record `rlactors up` wrote; ClusterError (naming the file and the way out) if unreadable."""
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        state, why = None, str(e)
-    else:
-        why = "not a JSON object"
-    if not isinstance(state, dict):
-        raise ClusterError(f"the cluster record {path} is unreadable ({why}); `rlactors down` removes it")
-    return state
-
-
-def resolve_connect(address: str | None, secret_file: str | None) -> tuple[str, str | None, str | None]:
-    """Head address, secret file and security mechanism for ``connect()``: arguments, then env,
-    then ``rlactors up``'s state."""
-    addr = address or os.environ.get("RLACTORS_ADDRESS")
-    secret = secret_file or os.environ.get("RLACTORS_SECRET_FILE")
-    mechanism = None
-    sf = state_file()
-    if addr is None and sf.exists():
-        state = read_state(sf)
-        addr = state.get("address")
-        secret = secret or state.get("secret_file")
-        mechanism = state.get("security")
-    if addr is None:
-        raise ClusterError(
-            "no cluster address: pass one to connect(), set RLACTORS_ADDRESS, or start a cluster with `rlactors up cluster.toml`"
-        )
-    if addr.startswith("tcp://") and not secret:
-        raise ClusterError(
-            f"connecting to {addr} needs the cluster's secret file (secret_file= or RLACTORS_SECRET_FILE)"
-        )
-    return addr, secret, mechanism

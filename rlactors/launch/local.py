@@ -11,14 +11,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlactors.api.cluster import Cluster, ClusterStarter
 from rlactors.api.runs import RunRecord, runs_dir, write_run
+from rlactors.base import logging as rlog
 from rlactors.head.head import Head
 from rlactors.node.agent import NodeAgent
 from rlactors.wire.runtime import RuntimeClient, set_current
 from rlactors.wire.security import Security, load_secret, new_secret, new_secret_file
 from rlactors.wire.service import Service
 
-__all__ = ["LocalCluster", "detect_gpus", "ensure_logging", "new_session_dir", "start_local"]
+__all__ = ["LocalCluster", "detect_gpus", "init", "new_session_dir", "start_local"]
 
 SESSION_ROOT = Path("/tmp")
 
@@ -119,16 +121,6 @@ class LocalCluster:
         shutil.rmtree(self.session_dir, ignore_errors=True)
 
 
-def ensure_logging() -> None:
-    """Give structlog a sane default (INFO, one line per event) unless the application configured it."""
-    import structlog as _structlog
-
-    from rlactors.base import logging as rlog
-
-    if not _structlog.is_configured():
-        rlog.configure()
-
-
 async def start_local(
     resources: dict[str, float] | None,
     address: str,
@@ -139,7 +131,7 @@ async def start_local(
     mechanism: str = "curve",
     allowed_modules: Sequence[str] | None = None,
 ) -> tuple[RuntimeClient, LocalCluster]:
-    ensure_logging()
+    rlog.ensure_logging()
     session_dir = new_session_dir("rlx-")
     security = None
     secret: bytes | None = None
@@ -194,3 +186,37 @@ async def start_local(
     with contextlib.suppress(OSError):  # a state folder we cannot write: only --run can find it
         local.record(runs_dir() / session_dir.name)
     return client, local
+
+
+def init(
+    *,
+    resources: dict[str, float] | None = None,
+    address: str = "ipc",
+    secret_file: str | None = None,
+    node_timeout: float = 5.0,
+    log_sink: Any = None,
+    client_timeout: float | None = None,
+    security: str = "curve",
+    allowed_modules: Sequence[str] | None = None,
+) -> ClusterStarter:
+    """Start an embedded local cluster (head + one node agent) on the running loop.
+
+    ``address="ipc"`` (default) serves over Unix sockets in a private directory, with peers
+    authenticated by a secret this process keeps in memory (PLAIN: nothing is encrypted);
+    ``address="tcp://127.0.0.1:0"`` serves over TCP with CURVE authentication, so other
+    processes can :func:`connect` with the secret. Non-detached actors of a client that
+    stops heartbeating for ``client_timeout`` seconds (default max(10, 3 * node_timeout))
+    are stopped. ``security="plain"`` authenticates TCP peers without encrypting traffic
+    (trusted networks only; see :class:`rlactors.wire.security.Security`). ``allowed_modules`` (dotted
+    prefixes, e.g. ``["nodes", "recipes"]``) limits the actor classes the node starts; default:
+    every module. Use as ``async with rlactors.init() as c``
+    or ``c = await rlactors.init()`` … ``await c.close()``.
+    """
+
+    async def _init() -> Cluster:
+        client, local = await start_local(
+            resources, address, secret_file, node_timeout, log_sink, client_timeout, security, allowed_modules
+        )
+        return Cluster(client, local=local)
+
+    return ClusterStarter(_init)

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import contextvars
 import os
-import signal
 import socket
 import sys
 import time
@@ -34,6 +33,7 @@ from rlactors.base.awake import AwakeTimer, awake_clock
 from rlactors.base.errors import ActorDiedError, ClusterError, exception_from_payload
 from rlactors.base.forensics import collect_dump, read_tick
 from rlactors.base.logging import Throttle
+from rlactors.base.procs import STOP_SIGNAL, exit_reason
 from rlactors.wire.client import Connection
 from rlactors.wire.security import Security, control_plane, module_allowed
 from rlactors.wire.service import ACTIVITY_TARGET
@@ -44,9 +44,6 @@ if TYPE_CHECKING:  # imported where used: `python -m rlactors.node.forkserver` r
 
 log = structlog.get_logger("rlactors.node.agent")
 
-# How an agent asks its worker to stop (its on_stop hook runs); SIGTERM and SIGINT are left to the
-# driver (see rlactors.node.worker), and SIGUSR2 dumps a worker's stacks (rlactors.base.forensics).
-STOP_SIGNAL = signal.SIGUSR1
 Child: TypeAlias = "asyncio.subprocess.Process | ForkedProcess"  # a worker process: exec'd, or forked (rlactors.node.forkserver)
 STATUS_TIMEOUT_S = 1.0  # a worker that does not say what it is doing within this is "not answering"
 
@@ -56,15 +53,6 @@ LogSink = Callable[[str], None]
 def _stderr_sink(line: str) -> None:
     sys.stderr.write(line)
     sys.stderr.flush()
-
-
-def exit_reason(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"worker process killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"worker process killed by signal {-returncode}"
-    return f"worker process exited with code {returncode}"
 
 
 class _Liveness:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import importlib
 import os
@@ -51,6 +50,8 @@ from typing import Any
 
 import msgpack
 import structlog
+
+from rlactors.base.procs import die_with_parent
 
 __all__ = [
     "PIPE",
@@ -100,16 +101,6 @@ def unsafe_env(base: dict[str, str], env: dict[str, str]) -> str | None:
 def _frame(obj: Any) -> bytes:
     """One message on the socket: msgpack, read back by a streaming ``msgpack.Unpacker``."""
     return msgpack.packb(obj)
-
-
-def die_with_parent(parent: int) -> None:
-    """Ask the kernel to SIGKILL this process when its parent ``parent`` ends (Linux's
-    PR_SET_PDEATHSIG), and exit now if it has ended already (before the request was made)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _noop(signum: int, frame: Any = None) -> None:

@@ -33,8 +33,7 @@ from rlactors.base.aio import wait_for
 from rlactors.base.classpath import load_class
 from rlactors.base.errors import exception_payload
 from rlactors.base.forensics import DUMP_SIGNAL, LoopProbe, register_dump
-from rlactors.node.agent import STOP_SIGNAL
-from rlactors.node.forkserver import die_with_parent
+from rlactors.base.procs import STOP_SIGNAL, die_with_parent
 from rlactors.wire.client import Connection
 from rlactors.wire.runtime import RuntimeClient, set_current
 from rlactors.wire.security import Security

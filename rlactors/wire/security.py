@@ -38,10 +38,12 @@ from zmq.utils import z85
 log = structlog.get_logger("rlactors.wire.security")
 
 __all__ = [
+    "SECRET_PREFIX",
     "Security",
     "control_plane",
     "control_plane_act",
     "is_control_plane",
+    "is_secret",
     "load_secret",
     "module_allowed",
     "new_secret",
@@ -307,3 +309,11 @@ def new_secret_file(path: str | os.PathLike[str]) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(new_secret().decode() + "\n")
     return p
+
+
+SECRET_PREFIX = "secret/"  # keys under it are read and written with the control credential only
+
+
+def is_secret(key: str) -> bool:
+    """Whether a key-value key is secret (the servers' API keys live under ``secret/``)."""
+    return key.startswith(SECRET_PREFIX)

@@ -138,7 +138,7 @@ def test_the_endpoint_command_line_is_its_settings_class(monkeypatch: Any) -> No
     flags fall back to the environment; a missing server or model is a usage error."""
     import pytest
 
-    from nodes.inference.settings import to_argv
+    from nodes.common.flags import to_argv
     from nodes.rollout import openai_endpoint
     from nodes.rollout.openai_endpoint import EndpointArgs
     from rlactors.base.tomlconf import field_docs

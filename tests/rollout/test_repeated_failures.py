@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from nodes.plane.buffer import BufferConfig, TrajectoryBuffer
+from nodes.plane.buffer import BufferConfig, RepeatedFailureError, TrajectoryBuffer
 from nodes.plane.governor import GovernorConfig, StalenessGovernor
 from nodes.rollout.actor import Rollout
 from nodes.rollout.client import SGLangClient
 from nodes.rollout.config import RolloutConfig
-from nodes.rollout.failures import MIN_FIRST, FailureWatch, RepeatedFailureError
+from nodes.rollout.failures import MIN_FIRST, FailureWatch
 from nodes.rollout.reward import RewardConfig
 from nodes.rollout.workflows import RLVRConfig, WorkflowSpec, build_workflow
 from rlactors.base.aio import wait_for

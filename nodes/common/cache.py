@@ -1,0 +1,20 @@
+"""Where the nodes keep what they build once and reuse: model checkpoints for tests and the CPU
+recipe (nodes/inference/models.py), environments' Python environments (nodes/rollout/environments/pyenvs.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cache_root"]
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """The checkpoint cache: ``cache_dir``, else ``$RLACTORS_CACHE``, else ``~/.cache/rlactors``."""
+    if cache_dir is not None:
+        root = Path(cache_dir)
+    else:
+        root = Path(os.environ.get("RLACTORS_CACHE") or Path.home() / ".cache" / "rlactors")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
