@@ -58,8 +58,9 @@ def _stderr_sink(line: str) -> None:
 class _Liveness:
     """The agent's own connection to one of its workers: when the worker was last heard from.
 
-    ZeroMQ's I/O threads heartbeat it every second, so a busy or blocked event loop still
-    answers; only a stopped or wedged process (SIGSTOP, swap, a hung kernel call) goes silent.
+    The transport pings it every second, and the worker's ping thread answers while its event loop
+    is blocked, so a busy or blocked loop still answers; only a stopped or wedged process (SIGSTOP,
+    swap, a hung kernel call) goes silent.
     """
 
     def __init__(self, spec: dict[str, Any], pid: int) -> None:
@@ -400,7 +401,7 @@ class NodeAgent:
             return
         if live.silent_since is not None or proc.returncode is not None:
             return
-        # The link drops after a heartbeat went unanswered for HEARTBEAT_TIMEOUT: silent since then.
+        # The transport cuts the link once the worker was silent for HEARTBEAT_TIMEOUT: silent since then.
         silent_for = HEARTBEAT_TIMEOUT_MS / 1000
         live.silent_since = time.monotonic() - silent_for
         if self.fence_after is not None:
