@@ -126,7 +126,8 @@ def _block(raw: Any, kinds: dict[str, type[_Block]], where: str) -> Any:
     if model is None:
         allowed = " and ".join(kinds)
         raise AnthropicError(
-            f"{where} is a block of type {kind!r}: only {allowed} blocks are served here ({_NOT_SERVED})", where
+            f"{where} is a block of type {kind!r}: only {allowed} blocks are served here ({_NOT_SERVED})",
+            where,
         )
     try:
         return model.model_validate(raw)
@@ -267,10 +268,12 @@ class _Conversation(BaseModel):
 
     @model_validator(mode="after")
     def _served(self) -> Self:
-        if self.thinking is not None and self.thinking.type != "disabled":
+        # "adaptive" leaves thinking to the model, which here never thinks: served as asked
+        if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
             raise _fail(
-                "thinking is not served here (the model has no thinking settings): leave it out", "thinking"
-            )
+                f"thinking {self.thinking.type!r} is not served here (the model has no thinking settings): "
+                "leave it out, or disabled", "thinking",
+            )  # fmt: skip
         if self.output_config and any(v is not None for v in self.output_config.values()):
             raise _fail(f"output_config {self.output_config!r} is not served here (no effort levels, no structured "
                         "output formats): leave it out", "output_config")  # fmt: skip

@@ -189,8 +189,9 @@ async def test_stop_reasons_and_settings_reach_the_generation(
     _, url = ep.open_episode()
     client = claude(url)
     # the current SDK takes no sampling settings of its own: they go in its extra_body
+    # (metadata and an adaptive thinking, which this model never does, are accepted and change nothing)
     m = await client.messages.create(model="tiny", max_tokens=7, stop_sequences=["END"], metadata={"user_id": "u"},
-                                     extra_body={"temperature": 0.3, "top_p": 0.9, "top_k": 5},
+                                     thinking={"type": "adaptive"}, extra_body={"temperature": 0.3, "top_p": 0.9, "top_k": 5},
                                      messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
     assert gen.requests[0].sampling_params == {"max_new_tokens": 7, "temperature": 0.3, "top_p": 0.9, "top_k": 5,
                                                "stop": ["END"]}  # fmt: skip
@@ -280,7 +281,7 @@ async def test_the_key_is_accepted_as_x_api_key_and_a_wrong_one_refused_in_anthr
          "messages[0].content[0] is a block of type 'image'"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "d"}}]}]},
          "block of type 'document'"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking is not served"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking 'enabled' is not served"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]: a 'web_search_20250305' tool"),
         ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]},
          "prefilling the answer is not served"),
@@ -325,3 +326,55 @@ async def test_errors_on_the_messages_paths_are_anthropics_shape(
         "type": "error", "error": {"type": "not_found_error", "message": "no episode 'nope' is open here"}
     }  # fmt: skip
     assert wrong.status_code == 405 and wrong.json()["type"] == "error"
+
+
+async def test_a_named_tool_choice_forces_the_call_streamed_or_not(
+    endpoint: tuple[ChatEndpoint, Scripted],
+    tokenizer: Any,  # noqa: F811
+) -> None:
+    """``tool_choice: {"type": "tool", "name": ...}``: the call's opening is written for the model
+    (context, not trained on), the model writes the rest, the answer is that tool_use."""
+    ep, gen = endpoint
+    gen.streams = True
+    rest = '{"a": 2, "b": 3}}\n</tool_call>'
+    gen.script = [rest, rest]
+    episode, url = ep.open_episode()
+    client = claude(url)
+    ask: dict[str, Any] = {"model": "tiny", "max_tokens": 64, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "add"},
+                           "messages": [{"role": "user", "content": "2+3?"}]}  # fmt: skip
+    whole = await client.messages.create(**ask)
+    async with client.messages.stream(**ask) as stream:
+        streamed = await stream.get_final_message()
+    for m in (whole, streamed):
+        (use,) = m.content
+        assert use.type == "tool_use" and use.name == "add" and use.input == {"a": 2, "b": 3}
+        assert m.stop_reason == "tool_use"
+    assert tokenizer.decode(gen.requests[0].input_ids).endswith('<tool_call>\n{"name": "add", "arguments": ')
+    assert all(
+        s.mask.sum() == len(out_ids(tokenizer, rest)) for s in episode.samples
+    )  # the opening not trained
+
+
+async def test_a_failed_generation_is_an_api_error_whole_or_mid_stream(tokenizer: Any) -> None:  # noqa: F811
+    from tests.rollout.test_openai_endpoint import FailsMidStream
+
+    ep = ChatEndpoint(FailsMidStream(tokenizer, []), tokenizer, "tiny")
+    await ep.start()
+    try:
+        episode, url = ep.open_episode()
+        client = claude(url)
+        ask: dict[str, Any] = {
+            "model": "tiny",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        with pytest.raises(anthropic.InternalServerError) as e:
+            await client.messages.create(**ask)
+        assert e.value.status_code == 503 and e.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+        with pytest.raises(anthropic.APIStatusError, match="generation failed: every server failed"):
+            async with client.messages.stream(**ask) as stream:
+                await stream.get_final_message()
+        assert episode.counters["errors"] == 2
+    finally:
+        await close_clients()
+        await ep.aclose()
