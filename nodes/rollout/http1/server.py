@@ -78,8 +78,8 @@ class HTTPLimits:
     # open connections; past it a new one is answered 503 with Retry-After and closed (the open
     # ones are served as before)
     max_connections: int = field(default=4096, metadata=at_least(1))
-    # requests of one read parsed while an earlier one is answered (the rest is not parsed, the
-    # connection is closed after their answers); what arrives meanwhile is not read
+    # pipelined requests parsed from one read (the rest of the read is not parsed; the connection is
+    # closed after their answers); nothing more is read while they are answered
     max_pipelined: int = field(default=8, metadata=at_least(1))
     retry_after_s: int = field(default=1, metadata=at_least(0))  # a 503's Retry-After (past max_connections)
     # connections the kernel holds while they wait to be accepted (listen's backlog, capped by
