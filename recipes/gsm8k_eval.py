@@ -132,6 +132,13 @@ async def run_evaluation(args: argparse.Namespace, cfg: RecipeConfig, out: Path)
     return summary
 
 
+def eval_config(args: argparse.Namespace) -> RecipeConfig:
+    """The recipe config the evaluation runs with: ``--config`` and the overrides; with ``--data``,
+    that data is your data (``[data]``'s field keys read, no math prompt unless set)."""
+    given = ["data.source=local", f"data.path={args.data}"] if args.data else []
+    return load_config(args.config, [*given, *args.overrides])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m recipes.gsm8k_eval",
@@ -157,9 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --n must be >= 1, --limit >= 0 and --temperature >= 0", file=sys.stderr)
         return 2
     try:
-        # --data is your data: its [data] field keys are read, and no math prompt unless set
-        given = ["data.source=local", f"data.path={args.data}"] if args.data else []
-        cfg = load_config(args.config, [*given, *args.overrides])
+        cfg = eval_config(args)
         out = Path(args.out).expanduser().resolve()
         out.mkdir(parents=True, exist_ok=True)
         s = asyncio.run(run_evaluation(args, cfg, out))

@@ -150,7 +150,7 @@ def check_command(argv: list[str], where: str, folder: Path) -> None:
             load_recipe_config(ns.config, ns.overrides)
         elif args[:2] == ["-m", "recipes.gsm8k_eval"]:
             ns = parser_of("recipes.gsm8k_eval").parse_args(args[2:])
-            load_recipe_config(ns.config, ns.overrides)
+            importlib.import_module("recipes.gsm8k_eval").eval_config(ns)
         elif args[:2] in (["-m", "nodes.inference.server"], ["-m", "nodes.rollout.openai_endpoint"]):
             parser_of(args[1]).parse_args(args[2:])
         elif args[:1] == ["-c"] or args[0].endswith(".py"):
