@@ -165,3 +165,34 @@ async def _until(predicate: Any) -> None:
     """Until the server's state says so: the transport's pause has no event to wait on."""
     while not predicate():  # noqa: ASYNC110
         await asyncio.sleep(0.01)
+
+
+async def test_a_chunked_body_arriving_above_the_min_rate_outlives_body_timeout() -> None:
+    """A body's deadline grows with what arrives: a chunked body sent steadily at ten times
+    body_min_rate is read whole though it takes longer than body_timeout_s; the same body stopped
+    half-way is answered 408."""
+    limits = edge.HTTPLimits(body_timeout_s=0.5, body_min_rate=1000)
+
+    async def app(req: Request) -> Response:
+        return Response(200, b"%d" % len(req.body), "text/plain")
+
+    server = HTTPServer(app, error_body, limits)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        for stop_after in (None, 3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for i in range(15):  # 1.5 s at 10,000 bytes/s: three body_timeout_s
+                if i == stop_after:
+                    break
+                writer.write(b"3e8\r\n" + b"x" * 1000 + b"\r\n")
+                await asyncio.sleep(0.1)  # the client's pace, not a synchronisation
+            else:
+                writer.write(b"0\r\n\r\n")
+            answer = await edge.read_answer(reader)
+            assert (answer.status, answer.body) == (
+                (200, b"15000") if stop_after is None else (408, answer.body)
+            )
+            writer.close()
+    finally:
+        await server.aclose()
