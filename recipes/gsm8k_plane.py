@@ -154,6 +154,7 @@ async def start_model_pools(
     """A pool per ``[models.<name>]`` (``inference-pool-<name>``), its servers healthy: launched
     from its ``path`` (logs ``<out>/servers/<name>-server-<i>.log``) or taken at its ``urls``."""
     from nodes.inference.pool import InferencePool, pool_name
+    from nodes.rollout.models import bind_model
 
     pools = {}
     for name, m in cfg.models.items():
@@ -165,6 +166,7 @@ async def start_model_pools(
         for url in m.urls:
             await pool.add(url)
         pools[name] = pool
+        bind_model(name, pool)  # this process (the driver) evaluates with them too: a judge's reward
     return pools
 
 

@@ -242,22 +242,20 @@ class Judge:
 _JUDGES: dict[str, Judge] = {}
 
 
-async def _judge_for(cfg: JudgeConfig) -> Judge:
-    """This process's judge for ``cfg``: its client reaches the judge model's pool actor."""
+def _judge_for(cfg: JudgeConfig) -> Judge:
+    """This process's judge for ``cfg``; its client finds the judge model's servers at its first
+    call (:func:`~nodes.rollout.models.model_servers`)."""
     key = repr(sorted(asdict(cfg).items()))
     if key not in _JUDGES:
-        import rlactors
-
         if not cfg.judge:
             raise ValueError("reward.fn_args.judge names no model: set it to a model of [models.<name>]")
-        pool = await rlactors.get_context().cluster.get_actor(f"inference-pool-{cfg.judge}")
-        _JUDGES[key] = Judge(cfg, ModelClient(cfg.judge, pool))
+        _JUDGES[key] = Judge(cfg, ModelClient(cfg.judge))
     return _JUDGES[key]
 
 
 async def judge(completion: str, item: Any, settings: JudgeConfig) -> float:
     """The reward function: ``[reward] fn = "nodes.rollout.judge:judge"`` (see the module docstring)."""
-    return await (await _judge_for(settings)).score(completion, item)
+    return await _judge_for(settings).score(completion, item)
 
 
 judge.config_class = JudgeConfig  # type: ignore[attr-defined]

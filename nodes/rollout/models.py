@@ -23,7 +23,7 @@ import structlog
 from nodes.rollout.config import ClientConfig
 from nodes.rollout.pool import ServerPool, Wire, WireError
 
-__all__ = ["ModelCallError", "ModelClient"]
+__all__ = ["ModelCallError", "ModelClient", "bind_model", "model_servers"]
 
 log = structlog.get_logger(__name__)
 
@@ -34,14 +34,42 @@ class ModelCallError(RuntimeError):
     """A call to a model's servers failed on every server (or was refused with a 4xx)."""
 
 
+_BOUND: dict[str, Any] = {}  # model name -> its pool (or URLs), where this process was told
+
+
+def bind_model(name: str, servers: Any) -> None:
+    """Tell this process where model ``name``'s servers are (its pool's handle, or URLs): for a
+    process that is no actor of the run, such as the driver, whose evaluation scores with a judge."""
+    _BOUND[name] = servers
+
+
+async def model_servers(name: str) -> Any:
+    """Where model ``name``'s servers are: what :func:`bind_model` was told, else (in an actor of
+    the run) the model's pool actor, ``inference-pool-<name>``."""
+    if name in _BOUND:
+        return _BOUND[name]
+    import rlactors
+
+    try:
+        cluster = rlactors.get_context().cluster
+    except rlactors.ClusterError:
+        raise ModelCallError(
+            f"model '{name}': this process is no actor of the run and was not told where its servers are "
+            "(nodes.rollout.models.bind_model)"
+        ) from None
+    return await cluster.get_actor(f"inference-pool-{name}")
+
+
 class ModelClient:
     """Calls to one model's servers. ``servers`` is the model's pool actor (a handle whose
-    ``urls()`` lists the live servers) or a fixed list of URLs."""
+    ``urls()`` lists the live servers), a fixed list of URLs, or None: found at the first call
+    (:func:`model_servers`)."""
 
-    def __init__(self, name: str, servers: Any, config: ClientConfig | None = None) -> None:
+    def __init__(self, name: str, servers: Any = None, config: ClientConfig | None = None) -> None:
         self.name = name
         self.config = config or ClientConfig()
         self._pool = None if isinstance(servers, list) else servers
+        self._find = servers is None
         self._wire = Wire(self.config)
         self._servers: dict[str, ServerPool] = {}
         self._refreshing: asyncio.Lock | None = None
@@ -60,6 +88,13 @@ class ModelClient:
 
     async def refresh(self) -> list[str]:
         """Ask the pool for its live servers (a fixed list stays as it is)."""
+        if self._find:  # the first call: where the model's servers are
+            found = await model_servers(self.name)
+            self._find = False
+            if isinstance(found, list):
+                self._set_urls(found)
+            else:
+                self._pool = found
         if self._pool is not None:
             self._refreshing = self._refreshing or asyncio.Lock()
             async with self._refreshing:
