@@ -25,6 +25,7 @@ from pathlib import Path
 __all__ = ["ensure_pyenv", "pip_source_flags", "uv_source_env"]
 
 _DRAWING = "".join(map(chr, (0xD7, 0x2570, 0x2500, 0x25B6, 0x2502, 0x251C)))  # uv's report's marks
+LAYOUT = 2  # how environments are made (2: bytecode compiled): a change makes new ones
 READY = ".rlactors-ready"  # written last: an environment without it is incomplete
 SOURCES = Path(__file__).resolve().parents[3] / "scripts" / "install_sources.py"
 
@@ -43,19 +44,25 @@ def pip_source_flags() -> list[str]:
 def uv_source_env(flags: list[str]) -> dict[str, str]:
     """The same sources as uv's environment variables, for the uv that an environment's programs
     run themselves (verifiers prepares a harness's PEP 723 script with ``uv sync --script
-    --no-config``, which reads these but no configuration file); no Python downloads."""
+    --no-config``, which reads these but no configuration file); no Python downloads; bytecode."""
     names = {"--find-links": "UV_FIND_LINKS", "--index-url": "UV_INDEX_URL",
              "--extra-index-url": "UV_EXTRA_INDEX_URL", "--constraint": "UV_CONSTRAINT"}  # fmt: skip
     env: dict[str, list[str]] = {}
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         env.setdefault(names[flag], []).append(value)
     out = {k: ("," if k == "UV_FIND_LINKS" else " ").join(v) for k, v in env.items()}  # as uv splits them
-    return {**out, "UV_INDEX_STRATEGY": "unsafe-best-match", "UV_PYTHON_DOWNLOADS": "never"}
+    # bytecode compiled at install: a harness's program starts once per episode
+    return {
+        **out,
+        "UV_INDEX_STRATEGY": "unsafe-best-match",
+        "UV_PYTHON_DOWNLOADS": "never",
+        "UV_COMPILE_BYTECODE": "1",
+    }
 
 
 def _identity(requirements: list[str]) -> str:
     """The hash naming a requirement set's environment (local paths by their files)."""
-    h = hashlib.sha256(f"{sys.version_info[:2]}\n".encode())
+    h = hashlib.sha256(f"{sys.version_info[:2]} {LAYOUT}\n".encode())
     for req in sorted(requirements):
         h.update(req.encode() + b"\n")
         path = Path(req)
@@ -105,7 +112,9 @@ def ensure_pyenv(requirements: list[str], timeout_s: float = 900.0, cache: Path 
         start = time.monotonic()
         _uv([*uv, "venv", "-q", "--python", sys.executable, str(where)], timeout_s, "create the environment")
         flags = pip_source_flags()
-        _uv([*uv, "pip", "install", "-q", "--python", str(python), "--index-strategy", "unsafe-best-match",
+        # bytecode at install: its processes may run under PYTHONDONTWRITEBYTECODE, and every env
+        # server, bridge and describe imports verifiers (compiling it from source each time)
+        _uv([*uv, "pip", "install", "-q", "--compile-bytecode", "--python", str(python), "--index-strategy", "unsafe-best-match",
              *flags, *reqs], timeout_s - (time.monotonic() - start), f"install {' '.join(requirements)}")  # fmt: skip
         (where / "requirements.txt").write_text("\n".join(reqs) + "\n")
         (where / READY).write_text(f"{time.monotonic() - start:.1f}\n")
