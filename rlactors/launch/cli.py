@@ -27,6 +27,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
+from rich.status import Status
 from rich.table import Table
 
 from rlactors.api.runs import NoSuchRun, live_runs, read_run, read_state, state_file
@@ -34,6 +35,7 @@ from rlactors.base.errors import ActorNotFoundError, ClusterError
 from rlactors.launch.config import (
     ClusterConfig,
     ConfigError,
+    NodeConfig,
     agent_command,
     load_cluster_config,
 )
@@ -69,24 +71,78 @@ async def _nodes(address: str, secret: str, security: str) -> list[dict[str, Any
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """``rlactors up cluster.toml``: start the head, then an agent per node, record the cluster in
+    the state file, and wait until every node has registered; on failure stop what was started."""
     cfg: ClusterConfig = load_cluster_config(args.config, args.set)
     sf = state_file()
-    if sf.exists():
-        state = _load_state()  # an unreadable record raises, naming the file and `rlactors down`
-        if _running(state.get("head_pid")):
-            console.print(
-                f"[red]a cluster is already running (recorded in {sf})[/]: run `rlactors down` first"
-            )
-            return 1
-        console.print(f"[yellow]removed a stale cluster record[/] {sf}: its head is not running")
-        sf.unlink()
-    secret = Path(cfg.cluster.secret_file).expanduser()
+    if not _clear_stale_record(sf):
+        return 1
+    secret = _ensure_secret(Path(cfg.cluster.secret_file).expanduser())
+    log_dir = Path(cfg.cluster.log_dir).expanduser()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    retain = cfg.head.retain_finished if args.retain_finished is None else args.retain_finished
+    head_log = log_dir / "head.log"
+    head = _launch(_head_command(cfg, secret, retain), head_log)
+    state: dict[str, Any] = {
+        "address": cfg.address,
+        "secret_file": str(secret),
+        "config": str(Path(args.config).resolve()),
+        "head_pid": head.pid,
+        "security": cfg.cluster.security,
+        "agents": {},
+        "log_dir": str(log_dir),
+    }
+    agents: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        with console.status(f"starting head at {cfg.address}") as status:
+            _wait_for_head(cfg, secret, head, head_log)
+            for node in cfg.nodes:
+                agents[node.node_id] = _start_agent(cfg, node, secret, log_dir)
+                state["agents"][node.node_id] = {
+                    "pid": agents[node.node_id].pid,
+                    "host": node.host,
+                    "launch": node.launch,
+                }
+            sf.parent.mkdir(parents=True, exist_ok=True)
+            sf.write_text(json.dumps(state, indent=2))
+            _wait_for_nodes(cfg, secret, agents, log_dir, status)
+    except (ClusterError, ConfigError, OSError) as e:
+        console.print(f"[red]rlactors up failed:[/] {e}")
+        for p in [*agents.values(), head]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        sf.unlink(missing_ok=True)
+        return 1
+    console.print(f"[green]cluster up[/]: head {cfg.address}, {len(cfg.nodes)} node(s); logs in {log_dir}")
+    out.print(
+        f"connect with: rlactors.connect()  (or RLACTORS_ADDRESS={cfg.address} RLACTORS_SECRET_FILE={secret})"
+    )
+    return 0
+
+
+def _clear_stale_record(sf: Path) -> bool:
+    """False if the recorded cluster still runs; a record whose head is gone is removed."""
+    if not sf.exists():
+        return True
+    state = _load_state()  # an unreadable record raises, naming the file and `rlactors down`
+    if _running(state.get("head_pid")):
+        console.print(f"[red]a cluster is already running (recorded in {sf})[/]: run `rlactors down` first")
+        return False
+    console.print(f"[yellow]removed a stale cluster record[/] {sf}: its head is not running")
+    sf.unlink()
+    return True
+
+
+def _ensure_secret(secret: Path) -> Path:
     if not secret.exists():
         new_secret_file(secret)
         console.print(f"created cluster secret {secret} (mode 600); every host needs this file")
-    log_dir = Path(cfg.cluster.log_dir).expanduser()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    head_cmd = [
+    return secret
+
+
+def _head_command(cfg: ClusterConfig, secret: Path, retain: float) -> list[str]:
+    """``python -m rlactors.launch.daemons head ...`` with the cluster's settings."""
+    cmd = [
         cfg.head.python,
         "-m",
         "rlactors.launch.daemons",
@@ -105,97 +161,83 @@ def cmd_up(args: argparse.Namespace) -> int:
         cfg.cluster.security,
     ]
     if cfg.cluster.max_message_bytes:
-        head_cmd += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
+        cmd += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
     if cfg.cluster.send_backlog_bytes:
-        head_cmd += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
-    retain = cfg.head.retain_finished if args.retain_finished is None else args.retain_finished
+        cmd += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
     if retain:
-        head_cmd += ["--retain-finished", str(retain)]
-    head_log = log_dir / "head.log"
-    head = _launch(head_cmd, head_log)
-    state = {
-        "address": cfg.address,
-        "secret_file": str(secret),
-        "config": str(Path(args.config).resolve()),
-        "head_pid": head.pid,
-        "security": cfg.cluster.security,
-        "agents": {},
-        "log_dir": str(log_dir),
-    }
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+        cmd += ["--retain-finished", str(retain)]
+    return cmd
+
+
+def _wait_for_head(cfg: ClusterConfig, secret: Path, head: subprocess.Popen[bytes], head_log: Path) -> None:
+    """Until the head answers (each try waits up to 5 s for it); ClusterError if it exits or stays
+    silent for 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        if head.poll() is not None:
+            raise ClusterError(
+                f"the head exited with code {head.returncode}; its log ({head_log}):\n{_tail(head_log)}"
+            )
+        try:
+            asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security))
+            return
+        except ClusterError:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"the head did not answer at {cfg.address} within 30s; log: {head_log}"
+                ) from None
+
+
+def _start_agent(
+    cfg: ClusterConfig, node: NodeConfig, secret: Path, log_dir: Path
+) -> subprocess.Popen[bytes]:
+    cmd = agent_command(cfg, node, str(secret), str(log_dir))
     try:
-        with console.status(f"starting head at {cfg.address}") as status:
-            deadline = time.monotonic() + 30
-            while True:
-                if head.poll() is not None:
-                    raise ClusterError(
-                        f"the head exited with code {head.returncode}; its log ({head_log}):\n{_tail(head_log)}"
-                    )
-                try:
-                    asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security))
-                    break
-                except ClusterError:
-                    if time.monotonic() > deadline:
-                        raise ClusterError(
-                            f"the head did not answer at {cfg.address} within 30s; log: {head_log}"
-                        ) from None
-            for node in cfg.nodes:
-                cmd = agent_command(cfg, node, str(secret), str(log_dir))
-                try:
-                    procs[node.node_id] = _launch(cmd, log_dir / f"agent-{node.node_id}.log")
-                except OSError as e:
-                    raise ClusterError(
-                        f"cannot start the agent for node {node.node_id} (host {node.host}, "
-                        f"launch {node.launch}): {e}"
-                    ) from e
-                state["agents"][node.node_id] = {
-                    "pid": procs[node.node_id].pid,
-                    "host": node.host,
-                    "launch": node.launch,
-                }
-            sf.parent.mkdir(parents=True, exist_ok=True)
-            sf.write_text(json.dumps(state, indent=2))
-            deadline = time.monotonic() + cfg.cluster.start_timeout
-            want = {n.node_id: n for n in cfg.nodes}
-            while True:
-                registered = {
-                    n["node_id"]
-                    for n in asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security))
-                    if n["alive"]
-                }
-                pending = [nid for nid in want if nid not in registered]
-                status.update(
-                    f"waiting for nodes: {len(registered)}/{len(want)} registered"
-                    + (f" (pending: {', '.join(pending)})" if pending else "")
+        return _launch(cmd, log_dir / f"agent-{node.node_id}.log")
+    except OSError as e:
+        raise ClusterError(
+            f"cannot start the agent for node {node.node_id} (host {node.host}, launch {node.launch}): {e}"
+        ) from e
+
+
+def _wait_for_nodes(
+    cfg: ClusterConfig,
+    secret: Path,
+    agents: dict[str, subprocess.Popen[bytes]],
+    log_dir: Path,
+    status: Status,
+) -> None:
+    """Until every node has registered with the head; ClusterError naming the node if its agent
+    exits, or the pending ones past ``cluster.start_timeout``."""
+    deadline = time.monotonic() + cfg.cluster.start_timeout
+    want = {n.node_id: n for n in cfg.nodes}
+    while True:
+        registered = {
+            n["node_id"]
+            for n in asyncio.run(_nodes(cfg.address, str(secret), cfg.cluster.security))
+            if n["alive"]
+        }
+        pending = [nid for nid in want if nid not in registered]
+        status.update(
+            f"waiting for nodes: {len(registered)}/{len(want)} registered"
+            + (f" (pending: {', '.join(pending)})" if pending else "")
+        )
+        if not pending:
+            return
+        for nid in pending:
+            p = agents[nid]
+            if p.poll() is not None:
+                log = log_dir / f"agent-{nid}.log"
+                raise ClusterError(
+                    f"the agent for node {nid} (host {want[nid].host}, launch {want[nid].launch}) "
+                    f"exited with code {p.returncode}; its log ({log}):\n{_tail(log)}"
                 )
-                if not pending:
-                    break
-                for nid in pending:
-                    p = procs[nid]
-                    if p.poll() is not None:
-                        log = log_dir / f"agent-{nid}.log"
-                        raise ClusterError(
-                            f"the agent for node {nid} (host {want[nid].host}, launch {want[nid].launch}) "
-                            f"exited with code {p.returncode}; its log ({log}):\n{_tail(log)}"
-                        )
-                if time.monotonic() > deadline:
-                    raise ClusterError(
-                        f"nodes {', '.join(pending)} (hosts {', '.join(want[n].host for n in pending)}) "
-                        f"did not register within {cfg.cluster.start_timeout:.0f}s; logs in {log_dir}"
-                    )
-                time.sleep(0.3)
-    except (ClusterError, ConfigError, OSError) as e:
-        console.print(f"[red]rlactors up failed:[/] {e}")
-        for p in [*procs.values(), head]:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        sf.unlink(missing_ok=True)
-        return 1
-    console.print(f"[green]cluster up[/]: head {cfg.address}, {len(cfg.nodes)} node(s); logs in {log_dir}")
-    out.print(
-        f"connect with: rlactors.connect()  (or RLACTORS_ADDRESS={cfg.address} RLACTORS_SECRET_FILE={secret})"
-    )
-    return 0
+        if time.monotonic() > deadline:
+            raise ClusterError(
+                f"nodes {', '.join(pending)} (hosts {', '.join(want[n].host for n in pending)}) "
+                f"did not register within {cfg.cluster.start_timeout:.0f}s; logs in {log_dir}"
+            )
+        time.sleep(0.3)  # between polls of the head's node list
 
 
 def _seconds(text: str) -> float:
@@ -284,9 +326,8 @@ def _tables(status: dict[str, Any], width: int = 200) -> Group:
             _fmt_res(n["total"], n["used"]),
         )
     actors = Table(title="actors", title_justify="left", **style)
-    columns = ["name", "state", "pid", "heard", "doing"] if compact else [
-        "name", "class", "id", "node", "run", "state", "in state", "restarts", "pid", "last heard", "doing",
-    ]  # fmt: skip
+    wide = ["name", "class", "id", "node", "run", "state", "in state", "restarts", "pid", "last heard"]
+    columns = ["name", "state", "pid", "heard", "doing"] if compact else [*wide, "doing"]
     for col in columns:
         actors.add_column(col, no_wrap=col != "doing", overflow="fold" if col == "doing" else "ellipsis")
     states = {"ALIVE": "[green]ALIVE[/]", "DEAD": "[red]DEAD[/]", "STOPPED": "[dim]STOPPED[/]"}
