@@ -33,7 +33,7 @@ AGENTS = {
     "openai_agents_chat": "examples.agents.openai_agents_sdk:run_chat",
     "langgraph": "examples.agents.langgraph_agent:run",
 }
-# examples given another SDK's client than OpenAI's (AgentConfig.sdk); not in the recipe run below
+# examples given another SDK's client than OpenAI's (AgentConfig.sdk)
 OTHER_SDKS = {"anthropic_sdk": ("examples.agents.anthropic_sdk:run", "anthropic")}
 
 
@@ -83,16 +83,16 @@ async def test_an_answer_cut_at_the_token_limit_scores_zero_not_an_error(tokeniz
 
 
 def test_the_dispatching_agent_is_every_example() -> None:
-    assert set(EXAMPLES) == set(AGENTS)
+    assert set(EXAMPLES) == set(AGENTS) | set(OTHER_SDKS)
 
 
-STEPS, BATCH, SAMPLES = 2, 2, 4
+STEPS, BATCH, SAMPLES = 2, 2, 5
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
     """One recipe run of 2 steps training every example (2 groups a step, each holding a run of
-    each example); its metrics rows."""
+    each of the 5 examples); its metrics rows."""
     tmp = tmp_path_factory.mktemp("frameworks")
     data = tmp / "data"
     data.mkdir()
@@ -120,5 +120,5 @@ def test_every_example_trains_two_steps(trained: list[dict[str, Any]]) -> None:
     for r in trained:
         assert r["rollout/agent_errors"] == 0 and r["rollout/agent_timeouts"] == 0
         assert r["train/n_seqs"] >= BATCH * SAMPLES and r["train/n_loss_tokens"] > 0
-        for name in AGENTS:  # every group held a run of every example
+        for name in [*AGENTS, *OTHER_SDKS]:  # every group held a run of every example
             assert r[f"episode/{name}"] == 1.0, name
