@@ -322,7 +322,7 @@ class Rollout:
 
     async def _judge(self, line: str | None) -> None:
         """Failures that repeat stop the run: dispatch ends, and the buffer's ``get_batch`` raises
-        :class:`~nodes.rollout.failures.RepeatedFailureError` with ``line`` (once)."""
+        :class:`~nodes.plane.buffer.RepeatedFailureError` with ``line`` (once)."""
         if line is None or self.stop_line is not None:
             return
         self.stop_line = line

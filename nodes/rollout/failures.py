@@ -11,8 +11,8 @@ every sample. The watch says the run must stop when
 and then :meth:`FailureWatch.line` is the one line the run ends with: what failed (the function
 or environment by name), the exception's type and message, how many failed of how many, and the
 first failing item's id. The rollout actor hands it to the buffer, whose ``get_batch`` raises
-:class:`~nodes.plane.buffer.RepeatedFailureError` with it; the recipe prints it and exits 2. The first failure of each
-kind is logged with its stack; later ones only count.
+:class:`~nodes.plane.buffer.RepeatedFailureError` with it; the recipe prints it and exits 2.
+The first failure of each kind is logged with its stack; later ones only count.
 
 Ray, Slurm and PyTorch's elastic agent draw the same line: a fault that will repeat is reported
 once and ends the job; a transient one is retried or dropped and counted.
