@@ -384,6 +384,7 @@ class AsyncSocket:
         self._connecting = (-1, -1)  # DEALER: (fd, inode) of the connection made last
         self._link: tuple[int, int] | None = None  # DEALER: the connection, while it is up
         self._pinged = 0.0  # DEALER: monotonic time of the last ping
+        self._wake_pending = False  # the ping thread has asked this loop to drain
         if liveness:
             self._clock = awake_clock()
             self._heard = self._clock.now()
@@ -540,9 +541,16 @@ class AsyncSocket:
                             entry[0] = self._clock.now()
                     else:
                         self._stash.append(frames)
-        # The loop drains when it wakes (this thread's reads and sends may have taken the fd's edge).
-        with contextlib.suppress(RuntimeError):  # its loop is closed
-            self._loop.call_soon_threadsafe(self._schedule_drain)
+        # The loop drains when it wakes (this thread's reads and sends may have taken the fd's edge):
+        # one callback, however long the stall.
+        if not self._wake_pending:
+            self._wake_pending = True
+            with contextlib.suppress(RuntimeError):  # its loop is closed
+                self._loop.call_soon_threadsafe(self._woken)
+
+    def _woken(self) -> None:
+        self._wake_pending = False
+        self._schedule_drain()
 
     def _receive(self, frames: list[Any]) -> None:
         k = self._skip
