@@ -45,6 +45,12 @@ async def test_a_models_pool_serves_at_once_and_reports_through_the_policys() ->
             with pytest.raises(httpx.HTTPError):
                 await http.get(f"{second}/health")
 
+        # [models.<name>] urls = [...]: a server already running is taken, live at once, never launched
+        cfg = PoolConfig(server=SIM, model="ext", pushed=False)
+        ext = await cluster.spawn(InferencePool, cfg, name=pool_name("ext"), control=True)
+        row = await ext.add(first)
+        assert (row["state"], row["launched"]) == ("live", False) and await ext.urls() == [first]
+
         policy = await cluster.spawn(InferencePool, PoolConfig(server=SIM), name=POOL_NAME, control=True)
         await policy.start(1)
         await policy.attach_models({"judge": judge})
