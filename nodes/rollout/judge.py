@@ -185,8 +185,14 @@ class Judge:
         if kind not in self._logged:  # later ones are counted
             self._logged.add(kind)
             why = f"no answer within timeout_s = {self.cfg.timeout_s:g} s" if kind == "timeout" else str(e)
-            log.warning("judge.error", judge=self.cfg.judge, kind=kind, error=why, on_error=self.cfg.on_error,
-                        note="logged once per kind; counted in reward/judge_errors")  # fmt: skip
+            log.warning(
+                "judge.error",
+                judge=self.cfg.judge,
+                kind=kind,
+                error=why,
+                on_error=self.cfg.on_error,
+                note="logged once per kind; counted in reward/judge_errors",
+            )
         if self.cfg.on_error == "drop":
             raise JudgeDropError(f"judge '{self.cfg.judge}': {kind}: {e}")
         return self.cfg.default
@@ -227,7 +233,9 @@ class Judge:
                 raise ModelCallError(
                     f"judge '{self.cfg.judge}': {len(batch)} prompts, answer {str(answers)[:200]}"
                 )
-        except BaseException as e:  # every waiting sample gets the failure, whatever it is
+        except (
+            BaseException
+        ) as e:  # every waiting sample gets the failure, a cancellation's too, else it waits forever
             for _, fut in batch:
                 if not fut.done():
                     fut.set_exception(e if isinstance(e, Exception) else ModelCallError(str(e)))
