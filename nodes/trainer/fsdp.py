@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -41,6 +42,27 @@ __all__ = [
 ]
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _StepTotals:
+    """What a step's microbatches add up to on this rank: the loss's sums, maxima and minima (reduced
+    over ranks by ``_reduce_stats``), and this rank's share of the objective."""
+
+    objective: torch.Tensor
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    maxes: dict[str, torch.Tensor] = field(default_factory=dict)
+    mins: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, out: LossSums, weight: float) -> None:
+        """One microbatch's loss terms; ``weight`` turns its loss sum into its share of the objective."""
+        self.objective += out.loss_sum.detach().double() * weight
+        for key, v in out.sums.items():
+            self.sums[key] = self.sums[key] + v.double() if key in self.sums else v.double()
+        for key, v in out.maxes.items():
+            self.maxes[key] = torch.maximum(self.maxes[key], v.double()) if key in self.maxes else v.double()
+        for key, v in out.mins.items():
+            self.mins[key] = torch.minimum(self.mins[key], v.double()) if key in self.mins else v.double()
 
 
 class NonFiniteError(RuntimeError):
@@ -181,6 +203,45 @@ class FSDPTrainer:
         (nodes/driver/advantage.py), put on each of its loss tokens.
         """
         t0, wall0 = time.perf_counter(), time.time()
+        plan, mbs = self._microbatches(batch)
+        self._proximal_logps(mbs)
+        t_prox = time.perf_counter() - t0
+        TRACE.span("proximal log-probs", wall0, wall0 + t_prox)
+
+        totals = _StepTotals(torch.zeros((), dtype=torch.float64, device=self.device))
+        grad_norms: list[float] = []
+        lr = 0.0
+        for i, (groups, mini) in enumerate(zip(self.minibatches(batch), mbs, strict=True)):
+            grad_norm, lr = self._optimizer_step(batch, groups, mini, totals, i, len(mbs))
+            grad_norms.append(grad_norm)
+
+        stats = self._step_stats(batch, totals, len(mbs))
+        elapsed = time.perf_counter() - t0
+        stats.update(
+            {
+                "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
+                "lr": lr,
+                "n_microbatches": float(sum(len(m) for m in plan)),
+                "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
+                "prox_time_s": t_prox,
+                "step_time_s": elapsed,
+            }
+        )
+        self.version += 1
+        stats["version"] = self.version
+        trace_ids = [t.meta.get("trace_id") for t in batch.trajectories]
+        TRACE.span("train step", wall0, time.time(), version=self.version, trace_ids=trace_ids)
+        self.log.info(
+            "train_step",
+            version=self.version,
+            loss=stats.get("loss"),
+            grad_norm=stats["grad_norm"],
+            tokens_per_s=round(stats["tokens_per_s"], 1),
+        )
+        return stats
+
+    def _microbatches(self, batch: Any) -> tuple[list[list[list[int]]], list[list[MicroBatch]]]:
+        """This rank's plan (:meth:`plan`) and its microbatches, per minibatch, on the device."""
         trajs = batch.trajectories
         if len(batch.advantages) != len(trajs):
             raise ValueError(
@@ -193,89 +254,64 @@ class FSDPTrainer:
             [build_microbatch(seqs, trajs, adv, self.cfg.pad_id).to(self.device) for seqs in mini]
             for mini in plan
         ]
-        # proximal (and reference) log-probs from the weights before any update of this step
+        return plan, mbs
+
+    def _proximal_logps(self, mbs: list[list[MicroBatch]]) -> None:
+        """Proximal (and reference) log-probs from the weights before any update of this step."""
         self.model.eval()
         for mini in mbs:
             for mb in mini:
                 mb.prox_logp = self._recompute(self.model, mb)
                 mb.ref_logp = self._ref_logp(mb)
         self.model.train()
-        t_prox = time.perf_counter() - t0
-        TRACE.span("proximal log-probs", wall0, wall0 + t_prox)
 
-        sums: dict[str, torch.Tensor] = {}
-        maxes: dict[str, torch.Tensor] = {}
-        mins: dict[str, torch.Tensor] = {}
-        grad_norms = []
-        objective = torch.zeros((), dtype=torch.float64, device=self.device)  # this rank's share
-        for i, (groups, mini) in enumerate(zip(self.minibatches(batch), mbs, strict=True)):
-            # the loss divides by a count over the whole (multi-rank) minibatch: of loss tokens, or
-            # of sequences with a loss token (the seq-mean aggregations)
-            counts = {"tokens": 0, "sequences": 0}
-            for t in (t for g in groups for t in batch.groups[g].trajectories):
-                counts["tokens"] += t.loss_tokens
-                counts["sequences"] += t.loss_tokens > 0
-            self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-            for k, mb in enumerate(mini):
-                if isinstance(self.model, FSDPModule):
-                    self.model.set_requires_gradient_sync(k == len(mini) - 1)
-                with TRACE.phase("forward/backward", minibatch=i, microbatch=k):
-                    out = self._forward_loss(mb)
-                    # FSDP averages gradients over ranks: scale by world / the global count
-                    scale = self.world / max(1, counts[out.mean_over])
-                    (out.loss_sum * scale).backward()
-                loss_sum += out.loss_sum.detach()
-                objective += out.loss_sum.detach().double() * (scale / self.world)
-                for key, v in out.sums.items():
-                    sums[key] = sums[key] + v.double() if key in sums else v.double()
-                for key, v in out.maxes.items():
-                    maxes[key] = torch.maximum(maxes[key], v.double()) if key in maxes else v.double()
-                for key, v in out.mins.items():
-                    mins[key] = torch.minimum(mins[key], v.double()) if key in mins else v.double()
-            opt_start = time.time()
-            grad_norms.append(self._clip_grads())
-            self._check_update(loss_sum, grad_norms[-1], f"minibatch {i + 1} of {len(mbs)}")
-            lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
-            self.optimizer.step()
-            self.scheduler.step()
-            TRACE.span("optimizer", opt_start, time.time(), minibatch=i)
-            self.optim_steps += 1
+    def _optimizer_step(
+        self, batch: Any, groups: list[int], mini: list[MicroBatch], totals: _StepTotals, i: int, n: int
+    ) -> tuple[float, float]:
+        """Forward and backward over one minibatch's microbatches, then one optimizer step; the
+        losses and statistics go to ``totals``. Minibatch ``i`` of ``n``; returns the gradient norm and
+        the learning rate used."""
+        # the loss divides by a count over the whole (multi-rank) minibatch: of loss tokens, or
+        # of sequences with a loss token (the seq-mean aggregations)
+        counts = {"tokens": 0, "sequences": 0}
+        for t in (t for g in groups for t in batch.groups[g].trajectories):
+            counts["tokens"] += t.loss_tokens
+            counts["sequences"] += t.loss_tokens > 0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for k, mb in enumerate(mini):
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(k == len(mini) - 1)
+            with TRACE.phase("forward/backward", minibatch=i, microbatch=k):
+                out = self._forward_loss(mb)
+                # FSDP averages gradients over ranks: scale by world / the global count
+                scale = self.world / max(1, counts[out.mean_over])
+                (out.loss_sum * scale).backward()
+            loss_sum += out.loss_sum.detach()
+            totals.add(out, scale / self.world)
+        opt_start = time.time()
+        grad_norm = self._clip_grads()
+        self._check_update(loss_sum, grad_norm, f"minibatch {i + 1} of {n}")
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step uses
+        self.optimizer.step()
+        self.scheduler.step()
+        TRACE.span("optimizer", opt_start, time.time(), minibatch=i)
+        self.optim_steps += 1
+        return grad_norm, lr
+
+    def _step_stats(self, batch: Any, totals: _StepTotals, n_minibatches: int) -> dict[str, float]:
+        """The step's statistics over every rank: the loss's, the objective, staleness, sizes."""
+        trajs = batch.trajectories
         loss_tokens = sum(t.loss_tokens for t in trajs)
-        stats = self._reduce_stats(sums, maxes, mins, loss_tokens)
-        dist.all_reduce(objective)
-        stats["loss"] = float(objective) / len(mbs)  # the objective, averaged over optimizer steps
+        stats = self._reduce_stats(totals.sums, totals.maxes, totals.mins, loss_tokens)
+        dist.all_reduce(totals.objective)
+        stats["loss"] = (
+            float(totals.objective) / n_minibatches
+        )  # the objective, averaged over optimizer steps
         stats.update(self._staleness(trajs))
-        elapsed = time.perf_counter() - t0
-        stats.update(
-            {
-                "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
-                "lr": lr,
-                "n_seqs": float(len(trajs)),
-                "n_tokens": float(batch.num_tokens),
-                "n_loss_tokens": float(loss_tokens),
-                "n_microbatches": float(sum(len(m) for m in plan)),
-                "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
-                "prox_time_s": t_prox,
-                "step_time_s": elapsed,
-            }
-        )
-        self.version += 1
-        stats["version"] = self.version
-        TRACE.span(
-            "train step",
-            wall0,
-            time.time(),
-            version=self.version,
-            trace_ids=[t.meta.get("trace_id") for t in trajs],
-        )
-        self.log.info(
-            "train_step",
-            version=self.version,
-            loss=stats.get("loss"),
-            grad_norm=stats["grad_norm"],
-            tokens_per_s=round(stats["tokens_per_s"], 1),
-        )
+        stats["n_seqs"] = float(len(trajs))
+        stats["n_tokens"] = float(batch.num_tokens)
+        stats["n_loss_tokens"] = float(loss_tokens)
         return stats
 
     def _forward_loss(self, mb: MicroBatch) -> LossSums:
