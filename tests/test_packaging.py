@@ -41,6 +41,7 @@ def declared() -> dict[str, set[str]]:
 USERS = {
     "protocols/http/sglang.py": [["", "inference"], ["", "rl"]],  # the server's and the client's schemas
     "protocols/http/openai.py": [["", "rl"]],  # the agent endpoint's request schema (nodes/rollout)
+    "protocols/http/anthropic.py": [["", "rl"]],  # its Messages API's request schema (nodes/rollout)
     "nodes/common/weight_group.py": [["", "inference"], ["", "train"]],  # both ends of the weight push
     "nodes/common/tensor_ipc.py": [["", "inference"], ["", "train"]],  # likewise
 }
