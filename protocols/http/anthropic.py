@@ -186,7 +186,7 @@ def _chat(i: int, m: _Message, args: dict[str, str]) -> list[dict[str, Any]]:
             out[-1]["content"] += b.text
         else:
             out.append({"role": "user", "content": b.text})
-    return out
+    return out or [{"role": "user", "content": ""}]  # no blocks: still a user turn
 
 
 # ---- tools -------------------------------------------------------------------------------

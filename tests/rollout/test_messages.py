@@ -378,3 +378,40 @@ async def test_a_failed_generation_is_an_api_error_whole_or_mid_stream(tokenizer
     finally:
         await close_clients()
         await ep.aclose()
+
+
+def test_a_request_reads_as_the_chat_conversation_it_means() -> None:
+    """System blocks, a user turn of tool results then text (tool messages, then a user message), an
+    assistant turn of text and tool_use blocks (one message with its calls), an empty turn."""
+    from protocols.http.anthropic import MessagesRequest
+
+    req = MessagesRequest.from_json({
+        "max_tokens": 8, "system": [{"type": "text", "text": "Use ", "cache_control": {"type": "ephemeral"}},
+                                    {"type": "text", "text": "tools."}],
+        "messages": [
+            {"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Adding."},
+                                              {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 2, "b": 3}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "5"}]},
+                                         {"type": "text", "text": "Now "}, {"type": "text", "text": "say it."}]},
+            {"role": "assistant", "content": []},
+            {"role": "user", "content": []},
+        ],
+        "tools": TOOLS, "tool_choice": {"type": "any"},
+    })  # fmt: skip
+    call = {"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    assert req.chat_messages() == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "Adding.", "tool_calls": [call]},
+        {"role": "tool", "content": "5", "tool_call_id": "t1"},
+        {"role": "user", "content": "Now say it."},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": ""},
+    ]
+    assert req.chat_tools() == CHAT_TOOLS and req.chat_tool_choice() == "required"
+    # a call served with arguments text that is not its input's JSON is read back as served
+    assert (
+        req.chat_messages({"t1": '{"a":2,"b":3}'})[2]["tool_calls"][0]["function"]["arguments"]
+        == '{"a":2,"b":3}'
+    )
