@@ -96,9 +96,9 @@ def build_microbatch(
         missing = [i for i, t in zip(seqs, trajs, strict=True) if t.teacher_logprobs is None]
         if missing:
             raise ValueError(f"trajectories {missing} have no teacher log-probs, others of the batch do")
-        teacher = np.zeros((B, L), dtype=np.float32)
-        teacher[real] = np.concatenate([np.asarray(t.teacher_logprobs, dtype=np.float32) for t in trajs])
-        teacher = torch.from_numpy(teacher[:, 1:].copy())
+        teacher_np = np.zeros((B, L), dtype=np.float32)
+        teacher_np[real] = np.concatenate([np.asarray(t.teacher_logprobs, dtype=np.float32) for t in trajs])
+        teacher = torch.from_numpy(teacher_np[:, 1:].copy())
     return MicroBatch(
         list(seqs),
         torch.from_numpy(ids),

@@ -424,7 +424,7 @@ def render_toml(obj: Any, *, renames: dict[str, str] | None = None) -> str:
 
 def _render_table(obj: Any, path: list[str], out: list[str], renames: dict[str, str]) -> None:
     cls = type(obj)
-    docs = field_docs(cls)
+    docs, hints = field_docs(cls), get_type_hints(cls)
     tables = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -432,7 +432,7 @@ def _render_table(obj: Any, path: list[str], out: list[str], renames: dict[str, 
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             tables.append((key, f.name, value))
             continue
-        if value and _table_of_tables(_hints(cls).get(f.name)):  # a table per name: [key.<name>]
+        if value and _table_of_tables(hints.get(f.name)):  # a table per name: [key.<name>]
             tables += [(f"{key}.{_toml_key(str(k))}", f.name, v) for k, v in value.items()]
             continue
         out.extend(_comment(docs[f.name]))
