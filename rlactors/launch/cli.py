@@ -37,6 +37,7 @@ from rlactors.launch.config import (
     ConfigError,
     NodeConfig,
     agent_command,
+    head_command,
     load_cluster_config,
 )
 from rlactors.wire.security import new_secret_file
@@ -82,7 +83,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     retain = cfg.head.retain_finished if args.retain_finished is None else args.retain_finished
     head_log = log_dir / "head.log"
-    head = _launch(_head_command(cfg, secret, retain), head_log)
+    head = _launch(head_command(cfg, str(secret), retain), head_log)
     state: dict[str, Any] = {
         "address": cfg.address,
         "secret_file": str(secret),
@@ -138,35 +139,6 @@ def _ensure_secret(secret: Path) -> Path:
         new_secret_file(secret)
         console.print(f"created cluster secret {secret} (mode 600); every host needs this file")
     return secret
-
-
-def _head_command(cfg: ClusterConfig, secret: Path, retain: float) -> list[str]:
-    """``python -m rlactors.launch.daemons head ...`` with the cluster's settings."""
-    cmd = [
-        cfg.head.python,
-        "-m",
-        "rlactors.launch.daemons",
-        "head",
-        "--bind",
-        f"tcp://{cfg.head.bind}:{cfg.head.port}",
-        "--secret-file",
-        str(secret),
-        "--node-timeout",
-        str(cfg.head.node_timeout),
-        "--client-timeout",
-        str(cfg.head.client_timeout),
-        "--fence-after",
-        str(cfg.head.fence_after),
-        "--security",
-        cfg.cluster.security,
-    ]
-    if cfg.cluster.max_message_bytes:
-        cmd += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
-    if cfg.cluster.send_backlog_bytes:
-        cmd += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
-    if retain:
-        cmd += ["--retain-finished", str(retain)]
-    return cmd
 
 
 def _wait_for_head(cfg: ClusterConfig, secret: Path, head: subprocess.Popen[bytes], head_log: Path) -> None:

@@ -33,6 +33,8 @@ __all__ = [
     "ConfigError",
     "HeadConfig",
     "NodeConfig",
+    "agent_command",
+    "head_command",
     "load_cluster_config",
 ]
 
@@ -164,6 +166,40 @@ def load_cluster_config(path: str | Path, overrides: list[str] | None = None) ->
     return cfg
 
 
+def _wire_flags(cfg: ClusterConfig) -> list[str]:
+    """The flags the head and every agent take alike: the sockets' security and message limits."""
+    flags = ["--security", cfg.cluster.security]
+    if cfg.cluster.max_message_bytes:
+        flags += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
+    if cfg.cluster.send_backlog_bytes:
+        flags += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
+    return flags
+
+
+def head_command(cfg: ClusterConfig, secret_file: str, retain_finished: float) -> list[str]:
+    """The command line that starts the head (``rlactors up`` runs it on this host)."""
+    cmd = [
+        cfg.head.python,
+        "-m",
+        "rlactors.launch.daemons",
+        "head",
+        "--bind",
+        f"tcp://{cfg.head.bind}:{cfg.head.port}",
+        "--secret-file",
+        secret_file,
+        "--node-timeout",
+        str(cfg.head.node_timeout),
+        "--client-timeout",
+        str(cfg.head.client_timeout),
+        "--fence-after",
+        str(cfg.head.fence_after),
+        *_wire_flags(cfg),
+    ]
+    if retain_finished:
+        cmd += ["--retain-finished", str(retain_finished)]
+    return cmd
+
+
 def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_dir: str) -> list[str]:
     """The command line that starts ``node``'s agent, through ssh or srun when configured."""
     inner = [
@@ -183,13 +219,8 @@ def agent_command(cfg: ClusterConfig, node: NodeConfig, secret_file: str, log_di
         log_dir,
         "--resources",
         json.dumps(node.resources),
-        "--security",
-        cfg.cluster.security,
+        *_wire_flags(cfg),
     ]
-    if cfg.cluster.max_message_bytes:
-        inner += ["--max-message-bytes", str(cfg.cluster.max_message_bytes)]
-    if cfg.cluster.send_backlog_bytes:
-        inner += ["--send-backlog-bytes", str(cfg.cluster.send_backlog_bytes)]
     for prefix in cfg.cluster.allowed_modules:
         inner += ["--allow-module", prefix]
     for k, v in sorted(node.env.items()):
