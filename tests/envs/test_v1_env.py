@@ -1,6 +1,7 @@
 """verifiers v1 tasksets trained through the real recipe (tiny model, one reference server, one FSDP2
 rank, weight pushes), in a Python environment of their own: tests/envs/v1_sums (an offline taskset
-whose ``@vf.reward`` checks a sum) installed as a local package beside ``verifiers==0.4.0``.
+whose ``@vf.reward`` checks a sum) installed as a local package beside ``verifiers==0.4.0``; its
+env server dies once mid-run (the actor ``env-0`` is replaced, the run goes on).
 The environment is made once per requirement set (under ``$RLACTORS_CACHE``; CI keeps it between
 runs). A taskset that does not resolve, a package that does not install, a verifiers whose wire
 does not match: one line and exit 2 before anything starts."""
@@ -44,11 +45,16 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Two steps on the taskset whose every other task's scoring raises."""
-    out = tmp_path_factory.mktemp("v1") / "run"
-    done = recipe([*COMMON, *V1, "rollout.workflow_args.env_config={taskset = {fail_odd = true}}",
-                   f"run.out_dir={out}"], timeout=900)  # fmt: skip
+    """Two steps on the taskset whose every other task's scoring raises, and whose env server dies
+    once (the first scoring: tests/envs/v1_sums notes it in ``died``)."""
+    tmp = tmp_path_factory.mktemp("v1")
+    out = tmp / "run"
+    with pytest.MonkeyPatch.context() as mp:  # the recipe's processes inherit it, the env servers too
+        mp.setenv("RLACTORS_TEST_V1_DIE_ONCE", str(tmp / "died"))
+        done = recipe([*COMMON, *V1, "rollout.workflow_args.env_config={taskset = {fail_odd = true}}",
+                       f"run.out_dir={out}"], timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert (tmp / "died").exists()  # verifiers' env server did die during the run
     return rows(out)
 
 
@@ -64,7 +70,8 @@ def test_a_v1_taskset_trains_on_its_rewards_in_its_own_environment(trained: list
         assert r["reward/mean"] == r["episode/correct"] and r["episode/correct/weight"] == 1.0
         assert r["episode/reply_chars"] > 0
         assert r["train/n_loss_tokens"] > 0
-    # half the tasks' scoring raises: those groups were dropped, counted, and the run went on
+    # half the tasks' scoring raises, and the env server died once (its actor env-0 was replaced): those
+    # groups were dropped, counted, and the run went on
     assert trained[-1]["rollout/env_errors"] >= 1 and trained[-1]["rollout/env_timeouts"] == 0
 
 

@@ -176,10 +176,10 @@ def _prompt_text(prompt: Any) -> str:
 
 def process_env(python: Path) -> dict[str, str]:
     """The environment of processes in ``python``'s Python environment: its ``bin`` first on PATH
-    (its uv prepares harness programs), pip's package sources as uv's, no Prime configuration."""
+    (its uv prepares harness programs), pip's package sources as uv's."""
     bin_dir = str(python.parent)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(python.parent.parent),
-            **uv_source_env(pip_source_flags()), "PRIME_DISABLE_VERSION_CHECK": "1"}  # fmt: skip
+            **uv_source_env(pip_source_flags())}  # fmt: skip
 
 
 class V1ServerActor(EnvServerActor):

@@ -1,7 +1,18 @@
+import os
 import random
 import re
 
 import verifiers.v1 as vf
+
+
+def _die_once() -> None:
+    """With RLACTORS_TEST_V1_DIE_ONCE set (a path), the env server dies the first time, noting its pid
+    there (the tests of a server that dies mid-run)."""
+    die = os.environ.get("RLACTORS_TEST_V1_DIE_ONCE")
+    if die and not os.path.exists(die):
+        with open(die, "w") as f:
+            f.write(str(os.getpid()))
+        os._exit(1)
 
 
 class SumsData(vf.TaskData):
@@ -16,6 +27,7 @@ class SumsTask(vf.Task[SumsData]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         """1 when the last number in the model's last reply is the sum."""
+        _die_once()
         if self.data.fail:
             raise RuntimeError(f"task {self.data.id} fails, as configured")
         numbers = re.findall(r"-?\d+", trace.last_reply or "")
