@@ -15,7 +15,7 @@ import zmq.asyncio
 import rlactors
 from protocols.runtime import codec, wire
 from rlactors.base.aio import wait_for
-from rlactors.head.head import head
+from rlactors.head import head
 from rlactors.wire import service
 from rlactors.wire.runtime import RuntimeClient
 from tests.runtime.actors import Counter, Watcher
