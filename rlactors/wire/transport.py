@@ -36,23 +36,23 @@ user can enter, frames travel whole (no copy). A whole message is bounded by ``m
 Liveness: pings of our own on every connection, not ZMTP heartbeats. libzmq 4.3.5 can abort
 (``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``, zeromq/libzmq#4364) when its
 heartbeat timer, or a ZMTP PING from the peer, finds a connection that was closing while its peer
-sent and then hung up; so no socket here sets ``ZMQ_HEARTBEAT_*``. Instead a DEALER sends a ping
-(a one-envelope ``PING`` message, call id 0) every :data:`HEARTBEAT_IVL_MS`, and the ROUTER
-answers it (``PONG``, call id 0) in this module, before the message reaches its service. Every
-message received counts as hearing the peer. A DEALER whose peer is silent for more than
-:data:`HEARTBEAT_TIMEOUT_MS` while connected, and a ROUTER whose peer is, cut that connection
-(``shutdown()`` of its socket: libzmq then disconnects and, on the DEALER's side, reconnects, as it
-did after a ZMTP heartbeat timed out); the DEALER's ``on_link`` callback hears of it, which is how
-callers notice a partition or a stopped process. Silence is measured in the loop's awake time
-(:mod:`rlactors.base.awake`).
+sent and then hung up; so no socket here sets ``ZMQ_HEARTBEAT_*``. Instead both ends of a
+connection send a ping (a one-envelope ``PING`` message, call id 0, never passed on) every
+:data:`HEARTBEAT_IVL_MS`: a DEALER to its peer once connected, a ROUTER to each peer that pings it.
+Nothing answers a ping; everything received counts as hearing the peer, and so do bytes arriving
+on its TCP connection (a long message is heard before it is whole, as each frame reset a ZMTP
+heartbeat's timeout). A connection whose peer is silent for more than :data:`HEARTBEAT_TIMEOUT_MS`
+is cut, by either end: ``shutdown()`` of its socket, after which libzmq disconnects and, on the
+DEALER's side, reconnects, as it did after a ZMTP heartbeat timed out. The DEALER's ``on_link``
+callback hears of it, which is how callers notice a partition or a stopped process; the ROUTER's
+messages to the peer then fail as undeliverable, and senders waiting in :meth:`AsyncSocket.room`
+go on. Silence is measured in the loop's awake time (:mod:`rlactors.base.awake`).
 
-Pings are answered off the event loop when it cannot: one thread per process (``rlactors-pings``)
-watches every socket, and for one whose loop has not run its liveness timer for
-:data:`STALL_S` (a blocked loop: an async method that blocks, a long GC), it answers the pings
-that arrived (keeping every other message, in order, for the loop) and sends the DEALERs' pings.
-Every use of a ZeroMQ socket holds that socket's lock. So a busy or blocked loop still answers;
-only a stopped process (SIGSTOP), or one whose threads cannot run (a C call holding the GIL past
-the timeout), goes silent.
+A blocked loop still pings: one thread per process (``rlactors-pings``) watches every socket and,
+for one whose loop has not run its liveness timer for :data:`STALL_S` (an async method that
+blocks, a long GC), sends its pings. Every use of a ZeroMQ socket holds that socket's lock. So only
+a stopped process (SIGSTOP), or one whose threads cannot run (a C call that holds the GIL past the
+timeout), goes silent, as with ZMTP (whose I/O thread did not need the GIL).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ import functools
 import operator
 import os
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -100,10 +101,9 @@ DRAIN_BUDGET = 512
 HEARTBEAT_IVL_MS = 1000  # a DEALER pings its peer this often; the liveness check runs this often
 HEARTBEAT_TIMEOUT_MS = 6000  # a connection silent this long (awake time) is cut
 # A loop that has not run its sockets' liveness timer for this long is stalled: the ping thread
-# answers for it. What the thread reads for a stalled loop is held for it, up to STASH_MESSAGES.
+# sends its pings.
 STALL_S = 1.5
 PING_TICK_S = 0.25  # how often the ping thread looks
-STASH_MESSAGES = 10_000
 REJECT_LOG_EVERY_S = 10.0  # peers refused by authentication: one log line per this many seconds
 # The largest frame on the wire, and so the most memory a peer gets before authenticating; bigger
 # buffers are cut into frames of this size. ZMQ_MAXMSGSIZE also counts CURVE's 33 bytes per frame.
@@ -229,7 +229,7 @@ def _join(frames: list[Any]) -> list[Any]:
     """Undo :func:`_cut`: raises WireError if the marker does not match the frames."""
     try:
         counts = msgpack.unpackb(frames[0].bytes[1:])
-    except Exception as e:
+    except Exception as e:  # bytes from a peer: msgpack raises several unrelated types on garbage
         raise wire.WireError(f"malformed frame marker: {type(e).__name__}") from e
     if (
         not isinstance(counts, list)
@@ -265,14 +265,13 @@ OnUndeliverable = Callable[[bytes | None, list[Any]], None]
 
 _SENT, _FULL, _GONE = 0, 1, 2
 
-# A liveness ping and its answer: one-envelope messages with call id 0 (no call's: ids start at 1),
-# recognised here by their bytes, before the message reaches a service or a client.
+# A liveness ping: a one-envelope message with call id 0 (no call's: ids start at 1), recognised
+# here by its bytes and never passed on to a service or a client.
 _PING = [bytes(f) for f in wire.join_batch([wire.encode_envelope(wire.Kind.PING, 0)])]
-_PONG = [bytes(f) for f in wire.join_batch([wire.encode_envelope(wire.Kind.PONG, 0)])]
 
 
 def _matches(frames: list[Any], k: int, message: list[bytes]) -> bool:
-    """Whether ``frames[k:]`` is ``message`` (a ping or a pong)."""
+    """Whether ``frames[k:]`` is ``message`` (a ping)."""
     return (
         len(frames) == k + 2
         and len(frames[k + 1]) == len(message[1])
@@ -281,32 +280,66 @@ def _matches(frames: list[Any], k: int, message: list[bytes]) -> bool:
     )
 
 
-def _connection(fd: int) -> tuple[int, int]:
-    """(fd, inode) of a connection's socket, so that a later cut finds the same one (-1: unknown)."""
-    try:
-        return fd, os.fstat(fd).st_ino
-    except (OSError, ValueError):
-        return -1, -1
+class _Peer:
+    """One connection, for liveness: its socket (fd and inode, so that a later look finds the same
+    one: -1 unknown), when its peer was last heard (awake time), whether the peer pings (a ROUTER
+    pings those back), and the bytes received on it at the last look (TCP)."""
 
+    __slots__ = ("fd", "heard", "inode", "pings", "rx")
 
-def _hang_up(fd: int, inode: int) -> bool:
-    """Shut down the connection on ``fd`` if it is still the one noted: libzmq reads the end of it
-    and disconnects (a DEALER then reconnects), as after a ZMTP heartbeat timed out."""
-    if fd < 0:
-        return False
-    try:
-        if os.fstat(fd).st_ino != inode:  # closed since, and the number reused
+    def __init__(self, fd: int | tuple[int, int], heard: float) -> None:
+        self.fd, self.inode = fd if isinstance(fd, tuple) else (fd, _inode(fd))
+        self.heard, self.pings, self.rx = heard, False, -1
+
+    def _socket(self) -> socket.socket | None:
+        """A duplicate of the connection's socket, if it is still the one noted."""
+        if self.fd < 0:
+            return None
+        try:
+            if os.fstat(self.fd).st_ino != self.inode:  # closed since, and the number reused
+                return None
+            return socket.socket(fileno=os.dup(self.fd))
+        except OSError:
+            return None
+
+    def received(self) -> int | None:
+        """Bytes received on the connection (TCP's tcpi_bytes_received), None if not TCP."""
+        sock = self._socket()
+        if sock is None:
+            return None
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            return int(struct.unpack_from("Q", info, _TCPI_BYTES_RECEIVED)[0]) if len(info) >= 136 else None
+        except OSError:
+            return None
+        finally:
+            sock.close()
+
+    def hang_up(self) -> bool:
+        """Shut the connection down: libzmq reads the end of it and disconnects (a DEALER then
+        reconnects), as after a ZMTP heartbeat timed out. False if it was already gone."""
+        sock = self._socket()
+        if sock is None:
             return False
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return False
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+        finally:
+            sock.close()
+        return True
+
+
+_TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received in Linux's struct tcp_info (since 4.1)
+
+
+def _inode(fd: int) -> int:
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        return os.fstat(fd).st_ino if fd >= 0 else -1
     except OSError:
-        return False
-    finally:
-        sock.close()
-    return True
+        return -1
 
 
 class _Backlog:
@@ -372,22 +405,18 @@ class AsyncSocket:
         self.closed = False
         self.monitor: AsyncSocket | None = None  # failed handshakes of a secured ROUTER (watch_handshakes)
         # Liveness (see the module's docstring). Every use of the ZeroMQ socket holds _lock: the ping
-        # thread uses it too while this loop is stalled, and keeps what it read in _stash, in order.
+        # thread sends on it too while this loop is stalled.
         self._lock = threading.Lock()
-        self._stash: collections.deque[list[Any]] = collections.deque()
-        self._liveness = liveness
         self.seen = time.monotonic()  # when this loop last ran the liveness timer
         self._clock: AwakeClock | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
-        self._peers: dict[bytes, list[Any]] = {}  # ROUTER: identity -> [heard (awake time), fd, inode]
-        self._heard = 0.0  # DEALER: awake time its peer was last heard
-        self._connecting = (-1, -1)  # DEALER: (fd, inode) of the connection made last
-        self._link: tuple[int, int] | None = None  # DEALER: the connection, while it is up
-        self._pinged = 0.0  # DEALER: monotonic time of the last ping
+        self._peers: dict[bytes, _Peer] = {}  # ROUTER: its connections, by peer identity
+        self._connecting: tuple[int, int] = (-1, -1)  # DEALER: (fd, inode) of the connection made last
+        self._link: _Peer | None = None  # DEALER: its connection, while it is up
+        self._pinged = 0.0  # monotonic time of the last pings
         self._wake_pending = False  # the ping thread has asked this loop to drain
         if liveness:
             self._clock = awake_clock()
-            self._heard = self._clock.now()
             self._tick_handle = self._loop.call_later(HEARTBEAT_IVL_MS / 1000, self._tick)
             _pinger.watch(self)
         self._loop.add_reader(self._fd, self._on_readable)
@@ -411,80 +440,97 @@ class AsyncSocket:
         self._drain()
 
     def _drain(self) -> None:
-        sock, lock, stash = self.sock, self._lock, self._stash
+        sock, lock = self.sock, self._lock
         heard: float | None = None  # awake time, read at the first message
         try:
             for _ in range(DRAIN_BUDGET):
                 with lock:
                     if self.closed:
                         return
-                    if stash:  # read by the ping thread while this loop was stalled: first, in order
-                        frames = stash.popleft()
-                    else:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            return
-                        except zmq.ZMQError as e:
-                            log.warning("recv failed", socket=self.name, error=str(e))
-                            return
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        return
+                    except zmq.ZMQError as e:
+                        log.warning("recv failed", socket=self.name, error=str(e))
+                        return
                 if self._clock is not None:
                     if heard is None:
                         heard = self._clock.now()
                     if self._skip:
                         if self._heard_from(frames, heard):
                             continue
-                    elif _matches(frames, 0, _PONG):
+                    elif _matches(frames, 0, _PING):
                         continue
                 try:
                     self._receive(frames)
-                except Exception:
+                except Exception:  # one bad message must not stop the socket's reader
                     log.exception("message handler failed; message dropped", socket=self.name)
             # Budget spent: come back after other callbacks had their turn.
             self._schedule_drain()
         finally:
-            if heard is not None and not self._skip:
-                self._heard = heard
+            if heard is not None and self._link is not None:
+                self._link.heard = heard
 
-    # --- liveness ------------------------------------------------------------------------------
+    # --- liveness (see the module's docstring) ----------------------------------------------------
 
     def _heard_from(self, frames: list[Any], now: float) -> bool:
-        """ROUTER: note that the peer spoke; answer it if this is a ping (True: nothing else to do)."""
+        """ROUTER: note that the peer spoke; True if it was a ping (nothing else to do with it)."""
         ident = frames[0].bytes
-        entry = self._peers.get(ident)
-        if entry is None:
+        peer = self._peers.get(ident)
+        if peer is None:
             fd = frames[0].get(zmq.SRCFD)
-            self._peers[ident] = [now, *_connection(fd if isinstance(fd, int) else -1)]
+            peer = self._peers[ident] = _Peer(fd if isinstance(fd, int) else -1, now)
         else:
-            entry[0] = now
+            peer.heard = now
         if not _matches(frames, 1, _PING):
             return False
-        with self._lock:
-            self._pong(ident)
+        peer.pings = True  # one of ours: it is pinged back (a raw ZeroMQ peer is not)
         return True
 
-    def _pong(self, ident: bytes) -> None:
-        """Answer a ping (the lock held). A peer at its high-water mark, or gone, goes without: it
-        is not reading, and anything it reads later counts as hearing us."""
-        if not self.closed:
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.send_multipart([ident, *_PONG], zmq.NOBLOCK)
-
     def _ping(self) -> None:
-        """DEALER: ping the peer while connected (the lock held); a full queue skips one."""
-        if self._link is not None and not self.closed:
-            self._pinged = time.monotonic()
-            with contextlib.suppress(zmq.ZMQError):
-                self.sock.send_multipart(_PING, zmq.NOBLOCK)
+        """Ping the peer (DEALER, while connected) or every peer that pings (ROUTER), the lock
+        held. A peer at its high-water mark goes without this time: it is not reading."""
+        if self.closed:
+            return
+        self._pinged = time.monotonic()
+        if not self._skip:
+            if self._link is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.send_multipart(_PING, zmq.NOBLOCK)
+            return
+        for ident, peer in list(self._peers.items()):
+            if peer.pings:
+                with contextlib.suppress(zmq.ZMQError):  # gone: EHOSTUNREACH, and it ages out
+                    self.sock.send_multipart([ident, *_PING], zmq.NOBLOCK)
 
     def _linked(self, up: bool) -> None:
         """DEALER: its connection came up (handshake done) or went down."""
-        if up:
-            self._link = self._connecting
-            if self._clock is not None:
-                self._heard = self._clock.now()
-        else:
-            self._link = None
+        self._link = None
+        if up and self._clock is not None:
+            self._link = _Peer(self._connecting, self._clock.now())
+            with self._lock:  # a new identity at the ROUTER: it learns at once that this one pings
+                self._ping()
+
+    def _silent(self, peer: _Peer, now: float) -> bool:
+        """Whether ``peer`` has been silent past the timeout. Bytes arriving on its TCP connection
+        count as hearing it (a message larger than the timeout's worth of transfer is heard only
+        when whole), as a ZMTP heartbeat's timeout was reset by each frame."""
+        silent = now - peer.heard
+        if silent > 2 * HEARTBEAT_IVL_MS / 1000:
+            rx = peer.received()
+            if rx is not None and rx != peer.rx:
+                peer.rx, peer.heard = rx, now
+                return False
+        return silent > HEARTBEAT_TIMEOUT_MS / 1000
+
+    def _cut(self, peer: _Peer, now: float) -> None:
+        if peer.hang_up():
+            log.info(
+                "cut a connection whose peer was silent",
+                socket=self.name,
+                silent_s=round(now - peer.heard, 1),
+            )
 
     def _tick(self) -> None:
         """Every HEARTBEAT_IVL_MS on the loop: ping, and cut connections silent past the timeout."""
@@ -492,58 +538,32 @@ class AsyncSocket:
         if self.closed or self._clock is None:
             return
         self.seen = time.monotonic()
-        now, limit = self._clock.now(), HEARTBEAT_TIMEOUT_MS / 1000
+        with self._lock:
+            self._ping()
+            if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._schedule_drain()  # the send may have taken the fd's edge
+        now = self._clock.now()
         if self._skip:
-            for ident, (heard, fd, inode) in list(self._peers.items()):
-                if now - heard > limit:  # silent, or gone (a closed connection's fd is not cut)
+            for ident, peer in list(self._peers.items()):
+                if self._silent(peer, now):  # silent, or gone (a closed connection is not cut)
                     del self._peers[ident]
-                    if _hang_up(fd, inode):
-                        log.info(
-                            "cut a connection whose peer was silent",
-                            socket=self.name,
-                            silent_s=round(now - heard, 1),
-                        )
-        else:
-            with self._lock:
-                self._ping()
-                if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    self._schedule_drain()  # the send may have taken the fd's edge
-            if self._link is not None and now - self._heard > limit:
-                (fd, inode), self._link = self._link, None
-                if _hang_up(fd, inode):
-                    log.info(
-                        "cut a connection whose peer was silent",
-                        socket=self.name,
-                        silent_s=round(now - self._heard, 1),
-                    )
+                    self._cut(peer, now)
+        elif self._link is not None and self._silent(self._link, now):
+            peer, self._link = self._link, None
+            self._cut(peer, now)
         self._tick_handle = self._loop.call_later(HEARTBEAT_IVL_MS / 1000, self._tick)
 
-    def _answer_stalled(self) -> None:
-        """From the ping thread, while this socket's loop is stalled: a DEALER pings; a ROUTER reads
-        what has arrived, answers the pings and keeps the rest for the loop."""
+    def _ping_stalled(self) -> None:
+        """From the ping thread, while this socket's loop is stalled: send its pings (what arrives
+        waits for the loop; its own judgement waits too, in awake time)."""
         with self._lock:
-            if self.closed:
-                return
-            if not self._skip:
-                if time.monotonic() - self._pinged >= HEARTBEAT_IVL_MS / 1000:
-                    self._ping()
+            if not self.closed and time.monotonic() - self._pinged >= HEARTBEAT_IVL_MS / 1000:
+                self._ping()
+                wake = True
             else:
-                while len(self._stash) < STASH_MESSAGES:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.ZMQError:
-                        break
-                    if _matches(frames, 1, _PING):
-                        ident = frames[0].bytes
-                        self._pong(ident)
-                        entry = self._peers.get(ident)
-                        if entry is not None and self._clock is not None:  # heard (a loop busy, not stalled)
-                            entry[0] = self._clock.now()
-                    else:
-                        self._stash.append(frames)
-        # The loop drains when it wakes (this thread's reads and sends may have taken the fd's edge):
-        # one callback, however long the stall.
-        if not self._wake_pending:
+                wake = False
+        # The send may have taken the fd's edge: the loop drains when it wakes (one callback per stall).
+        if wake and not self._wake_pending:
             self._wake_pending = True
             with contextlib.suppress(RuntimeError):  # its loop is closed
                 self._loop.call_soon_threadsafe(self._woken)
@@ -714,7 +734,6 @@ class AsyncSocket:
                 self.sock.disable_monitor()
             self.monitor.close()
         with self._lock:
-            self._stash.clear()
             self.sock.close(linger=linger)
 
 
@@ -888,7 +907,8 @@ def connect_dealer(
         event = parse_monitor_message([f.bytes for f in frames])
         kind = event["event"]
         if kind == zmq.EVENT_CONNECTED:  # its value is the connection's fd
-            asock._connecting = _connection(int(event["value"]))
+            fd = int(event["value"])
+            asock._connecting = (fd, _inode(fd))
             return
         up = kind == zmq.EVENT_HANDSHAKE_SUCCEEDED
         asock._linked(up)
@@ -898,11 +918,15 @@ def connect_dealer(
     events = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
     asock.monitor = AsyncSocket(sock.get_monitor_socket(events), on_event, name=f"{name}-monitor")
     sock.connect(address)
+    # The first message on the connection, ahead of any call: the ROUTER knows this peer pings (and
+    # pings it back) before it reads anything else from it.
+    with contextlib.suppress(zmq.ZMQError):
+        sock.send_multipart(_PING, zmq.NOBLOCK)
     return asock
 
 
 class _Pinger:
-    """The process's ping thread: answers for sockets whose loop is stalled (see the module's
+    """The process's ping thread: pings for sockets whose loop is stalled (see the module's
     docstring). Started with the first socket; a forked child starts its own."""
 
     def __init__(self) -> None:
@@ -934,7 +958,7 @@ class _Pinger:
             for asock in sockets:
                 if not asock.closed and now - asock.seen > STALL_S:
                     try:
-                        asock._answer_stalled()
+                        asock._ping_stalled()
                     except Exception:  # a socket closed under it: the next round skips it
                         log.debug("ping thread skipped a socket", socket=asock.name, exc_info=True)
 

@@ -220,3 +220,77 @@ async def test_a_service_whose_loop_is_blocked_still_answers_pings(
         assert links == [True], links  # never cut
     finally:
         conn.close()
+
+
+async def _relay(target_port: int, rate: int) -> tuple[asyncio.Server, int]:
+    """A TCP relay to 127.0.0.1:``target_port`` that carries the client's bytes at ``rate`` bytes/s
+    (a slow link), and the answers at full speed."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slow: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(64 << 10 if slow else 1 << 20):
+                writer.write(chunk)
+                await writer.drain()
+                if slow:  # the link's rate itself, not a wait for anything
+                    await asyncio.sleep(len(chunk) / rate)
+        writer.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target_port)
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_message_longer_in_transit_than_the_timeout_is_not_cut(quick_timeout: float) -> None:
+    """A call whose argument takes longer than the silence timeout to arrive (a slow link): the
+    service hears bytes arriving on the connection (TCP), the caller hears the service's pings on
+    the idle direction, and neither cuts it, as ZMTP's per-frame reset did not."""
+
+    class Sink:
+        async def size(self, blob: bytes) -> int:
+            return len(blob)
+
+    svc = Service(name="sink")
+    svc.add(None, Sink())
+    address = svc.bind("tcp://127.0.0.1:0")
+    relay, port = await _relay(int(address.rsplit(":", 1)[1]), rate=8 << 20)
+    links: list[bool] = []
+    conn = Connection(f"tcp://127.0.0.1:{port}", None, name="slow link", on_link=links.append)
+    try:
+        blob = b"x" * (24 << 20)  # 3 s at 8 MiB/s: twice the 1.5 s timeout
+        assert await wait_for(conn.call("size", (blob,), {}), 120) == len(blob)
+        assert links == [True], links
+    finally:
+        conn.close()
+        relay.close()
+        await svc.close()
+
+
+def test_bytes_received_on_a_tcp_connection_are_counted_and_a_hang_up_ends_it() -> None:
+    """The two things the transport asks of a connection's socket (by its fd): how many bytes
+    have arrived (TCP only), and shutting it down; neither touches a socket that replaced it."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    try:
+        peer = transport._Peer(server.fileno(), 0.0)
+        before = peer.received()
+        assert before is not None
+        client.sendall(b"y" * 1000)
+        assert server.recv(1000, socket.MSG_WAITALL) == b"y" * 1000
+        assert peer.received() == before + 1000
+        assert peer.hang_up()
+        assert client.recv(1) == b""  # the other end reads the end of the stream
+        a, b = socket.socketpair()
+        with a, b:
+            assert transport._Peer(a.fileno(), 0.0).received() is None  # not TCP
+        stale = transport._Peer(server.fileno(), 0.0)
+        stale.inode += 1  # as if the fd number now belonged to another socket
+        assert stale.received() is None and not stale.hang_up()
+    finally:
+        for s in (client, server, listener):
+            s.close()
