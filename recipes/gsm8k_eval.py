@@ -123,11 +123,17 @@ async def run_evaluation(args: argparse.Namespace, cfg: RecipeConfig, out: Path)
         raise RuntimeError(f"the evaluation failed on {urls} (see the log above)")
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = {
-        "model": str(model), "data": about, "items": len(items), "samples_per_item": args.n,
+        "model": str(model),
+        "data": about,
+        "items": len(items),
+        "samples_per_item": args.n,
         "temperature": spec.config.temperature if hasattr(spec.config, "temperature") else None,
-        "accuracy": result["eval/accuracy"], "ci_low": result["eval/ci_low"], "ci_high": result["eval/ci_high"],
-        "servers": urls, "seconds": round(time.monotonic() - started, 1),
-    }  # fmt: skip
+        "accuracy": result["eval/accuracy"],
+        "ci_low": result["eval/ci_low"],
+        "ci_high": result["eval/ci_high"],
+        "servers": urls,
+        "seconds": round(time.monotonic() - started, 1),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

@@ -144,8 +144,13 @@ async def _push(device: str, model: Any, path: Path, method: str) -> dict[str, A
         assert str(version) == "1", f"weight version {version!r}, pushed 1"
         await asyncio.to_thread(pusher.close)
         backend = pusher.backend if method == "distributed" else None  # tensor: no group
-        return {"method": method, "backend": backend, "server_start_s": started, "connect_s": connect_s,
-                "push": {k: v for k, v in stats.items() if isinstance(v, int | float)}}  # fmt: skip
+        return {
+            "method": method,
+            "backend": backend,
+            "server_start_s": started,
+            "connect_s": connect_s,
+            "push": {k: v for k, v in stats.items() if isinstance(v, int | float)},
+        }
     finally:
         await sup.stop()
 
@@ -173,9 +178,13 @@ def step_recipe(device: str, steps: int, config: str, work: Path) -> dict[str, A
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,0"} if device == "cuda" else None
     t0 = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "-m", "recipes.gsm8k_grpo", *args], capture_output=True, text=True, timeout=1800,
-        cwd=work, env=env,
-    )  # fmt: skip
+        [sys.executable, "-m", "recipes.gsm8k_grpo", *args],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=work,
+        env=env,
+    )
     seconds = time.perf_counter() - t0
     (work / "recipe.log").write_text(run.stdout + run.stderr)
     if run.returncode != 0:
@@ -187,9 +196,14 @@ def step_recipe(device: str, steps: int, config: str, work: Path) -> dict[str, A
     pushes = routes.count("/update_weights_from_tensor")
     assert pushes >= steps, f"{pushes} pushes by reference for {steps} steps"
     assert "/init_weights_update_group" not in routes, "a weight-update group was made: not a tensor push"
-    return {"wall_s": seconds, "step_s": [r.get("time/step_s", r.get("time/train_s")) for r in rows],
-            "push_s": [r.get("push/push_time_s") for r in rows], "tensor_pushes": pushes,
-            "reward_mean": [r["reward/mean"] for r in rows], "log": str(work / "recipe.log")}  # fmt: skip
+    return {
+        "wall_s": seconds,
+        "step_s": [r.get("time/step_s", r.get("time/train_s")) for r in rows],
+        "push_s": [r.get("push/push_time_s") for r in rows],
+        "tensor_pushes": pushes,
+        "reward_mean": [r["reward/mean"] for r in rows],
+        "log": str(work / "recipe.log"),
+    }
 
 
 def main() -> int:
@@ -225,7 +239,7 @@ def main() -> int:
         t0 = time.perf_counter()
         try:
             entry = {"name": name, "ok": True, "details": run()}
-        except Exception as e:
+        except Exception as e:  # a failed check is recorded and the next one runs
             entry = {
                 "name": name,
                 "ok": False,
@@ -234,8 +248,10 @@ def main() -> int:
             }
         entry["seconds"] = round(time.perf_counter() - t0, 2)
         report["steps"].append(entry)
-        print(f"[gpu-check] {name}: {'ok' if entry['ok'] else 'FAILED ' + entry['error'][:300]} ({entry['seconds']} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"[gpu-check] {name}: {'ok' if entry['ok'] else 'FAILED ' + entry['error'][:300]} ({entry['seconds']} s)",
+            flush=True,
+        )
     Path(args.report).write_text(json.dumps(report, indent=2, default=str))
     os.environ.pop("RANK", None)
     return sum(not s["ok"] for s in report["steps"])

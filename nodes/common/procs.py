@@ -68,7 +68,7 @@ def child_setup(owner: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != owner:  # the owner died before the death signal was armed
         os._exit(1)

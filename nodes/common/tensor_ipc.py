@@ -136,7 +136,7 @@ def deserialize_named_tensors(payload: str | bytes, device: Any = None) -> list[
         named = _Unpickler(io.BytesIO(raw), device).load()
     except PayloadError:
         raise
-    except Exception as e:
+    except Exception as e:  # unpickling untrusted bytes raises any type; all are the payload's fault
         raise PayloadError(f"the payload does not unpickle: {type(e).__name__}: {e}") from None
     import torch
 

@@ -40,8 +40,17 @@ class TraceBuffer:
     def span(self, name: str, start: float, end: float, thread: str = "main", **args: Any) -> None:
         """A complete span (``time.time()`` seconds) on this process's track."""
         if self.enabled:
-            self.events.append({"ph": "X", "name": name, "ts": start * US, "dur": max(0.0, end - start) * US,
-                                "proc": self.track, "thread": thread, "args": args})  # fmt: skip
+            self.events.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "ts": start * US,
+                    "dur": max(0.0, end - start) * US,
+                    "proc": self.track,
+                    "thread": thread,
+                    "args": args,
+                }
+            )
 
     @contextlib.contextmanager
     def phase(self, name: str, thread: str = "main", **args: Any) -> Iterator[None]:
@@ -64,8 +73,16 @@ class TraceBuffer:
 
     def counter(self, name: str, **values: float) -> None:
         if self.enabled:
-            self.events.append({"ph": "C", "name": name, "ts": time.time() * US, "proc": self.track,
-                                "thread": "main", "args": values})  # fmt: skip
+            self.events.append(
+                {
+                    "ph": "C",
+                    "name": name,
+                    "ts": time.time() * US,
+                    "proc": self.track,
+                    "thread": "main",
+                    "args": values,
+                }
+            )
 
     def drain(self) -> list[dict[str, Any]]:
         """The events so far (and record from now on)."""
@@ -97,8 +114,10 @@ class TraceWriter:
             pid = self._pid(e.pop("proc"), lines)
             tid = self._tid(pid, e.pop("thread"), lines)
             lines.append({**e, "pid": pid, "tid": tid})
-        text = "".join(("" if self._first and i == 0 else ",\n") + json.dumps(line, default=str)
-                       for i, line in enumerate(lines))  # fmt: skip
+        text = "".join(
+            ("" if self._first and i == 0 else ",\n") + json.dumps(line, default=str)
+            for i, line in enumerate(lines)
+        )
         if text:  # a full disk: DiskFullError, the events before kept as they were
             append_whole(self._file, text, "the run's timeline")
             self._first = False

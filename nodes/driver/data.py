@@ -206,7 +206,7 @@ def _hub_dataset(name: str, config: str | None, split: str, timeout_s: float) ->
     datasets = _datasets()
     try:
         return datasets.load_dataset(name, config, split=split)
-    except Exception as e:
+    except Exception as e:  # datasets raises many types (HTTP, file, parsing): each one means unavailable
         where = "the local datasets cache (offline mode)" if offline else "the hub"
         raise DataUnavailableError(
             f"could not load {name} ({split} split) from {where}: {_first_line(e)}"
@@ -314,9 +314,10 @@ def _is_saved_dataset(folder: Path) -> bool:
 
 def _split_files(folder: Path, split: str) -> list[Path]:
     return sorted(
-        p for p in folder.rglob("*")
+        p
+        for p in folder.rglob("*")
         if p.is_file() and p.suffix.lower() in FILE_SUFFIXES and p.name.startswith(split)
-    )  # fmt: skip
+    )
 
 
 def _read(path: str, split: str, whole: bool, key: str, timeout_s: float) -> _Rows | None:
@@ -332,7 +333,7 @@ def _read(path: str, split: str, whole: bool, key: str, timeout_s: float) -> _Ro
     if p.is_dir() and _is_saved_dataset(p):
         try:
             ds = _datasets().load_from_disk(str(p))
-        except Exception as e:
+        except Exception as e:  # datasets raises many types on a bad folder: each one is a DataError
             raise DataError(f"{key}={path}: cannot load the saved dataset: {_first_line(e)}") from None
         if hasattr(ds, "keys"):  # a DatasetDict
             if split not in ds:
@@ -372,10 +373,14 @@ def _plain(value: Any) -> Any:
 
 
 def _messages(value: Any, where: str) -> list[dict[str, str]]:
-    ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )  # fmt: skip
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
     if not ok:
         raise DataError(f"{where}: not a chat prompt (a non-empty list of {{role, content}} strings)")
     return [{"role": m["role"], "content": m["content"]} for m in value]
@@ -395,9 +400,7 @@ def _items(rows: _Rows, cfg: DataConfig, split: str) -> list[dict[str, Any]]:
             if row.get(name) is None:
                 has = ", ".join(repr(k) for k, v in row.items() if v is not None) or "none"
                 missing = "has no" if name not in row else "has an empty"
-                raise DataError(
-                    f"{rows.where}: row {n} {missing} field {name!r} ({key}); its fields: {has}"
-                )  # fmt: skip
+                raise DataError(f"{rows.where}: row {n} {missing} field {name!r} ({key}); its fields: {has}")
         item = _plain(row)
         if cfg.messages_field:
             msgs = _messages(row[cfg.messages_field], f"{rows.where}: row {n}: field {cfg.messages_field!r}")
@@ -523,8 +526,10 @@ def load_data(cfg: DataConfig, workflow_args: Any = None) -> Data:
             raise DataError(f"data.source = 'env': {e}") from None
     if cfg.source == "online":
         if not hasattr(workflow_args, "online_data"):
-            raise DataError("data.source = 'online' takes episodes from sessions: set rollout.workflow = "
-                            "'nodes.rollout.sessions:OnlineWorkflow'")  # fmt: skip
+            raise DataError(
+                "data.source = 'online' takes episodes from sessions: set rollout.workflow = "
+                "'nodes.rollout.sessions:OnlineWorkflow'"
+            )
         return Data(*workflow_args.online_data(cfg))
     if cfg.source == "local" or (cfg.source == "auto" and cfg.path):
         return _load_yours(cfg)

@@ -60,7 +60,7 @@ async def evaluate(
 
     try:
         groups = await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
-    except Exception as e:
+    except Exception as e:  # evaluation must never stop training
         log.warning("eval_failed", version=version, error=f"{type(e).__name__}: {e}")
         return {"eval/accuracy": float("nan"), "eval/version": version}
     finally:
@@ -83,8 +83,13 @@ async def evaluate(
     if any("tool_calls" in g.trajectories[0].meta for g in groups):  # an agent's episodes
         calling = sum(1 for g in groups if g.trajectories[0].meta.get("tool_calls"))
         low, high = accuracy_interval(calling, len(groups))
-        out.update({"eval/tool_call_rate": calling / max(1, len(groups)), "eval/tool_call_ci_low": low,
-                    "eval/tool_call_ci_high": high})  # fmt: skip
+        out.update(
+            {
+                "eval/tool_call_rate": calling / max(1, len(groups)),
+                "eval/tool_call_ci_low": low,
+                "eval/tool_call_ci_high": high,
+            }
+        )
     return out
 
 
@@ -96,8 +101,13 @@ def _record(workflow: Workflow, item: dict[str, Any], group: TrajectoryGroup, sc
         generated = [i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m]
         text = decode(generated, skip_special_tokens=True) if decode is not None else None
         samples.append({"reward": t.reward, "completion": text, "tokens": len(generated)})
-    return {"id": item.get("id"), "question": item.get("question"), "answer": item.get("answer"),
-            "reward": score, "samples": samples}  # fmt: skip
+    return {
+        "id": item.get("id"),
+        "question": item.get("question"),
+        "answer": item.get("answer"),
+        "reward": score,
+        "samples": samples,
+    }
 
 
 def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:

@@ -153,7 +153,9 @@ def _replace(path: Path, text: str) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if is_disk_full(e):
-            raise DiskFullError(full_line(f"rewriting {path}", path.parent, len(text.encode())) + "; it is as it was") from e
+            raise DiskFullError(
+                full_line(f"rewriting {path}", path.parent, len(text.encode())) + "; it is as it was"
+            ) from e
         raise
     os.replace(tmp, path)
 
@@ -231,11 +233,22 @@ def plot_run(metrics_jsonl: Path, out_png: Path) -> Path:
                 ax.plot(xs, ys, style, label=label, markersize=4)
                 drawn += 1
         if ax is axes[0, 1]:  # the eval's 95% intervals
-            pts = [(r["step"], lo, hi) for r in rows
-                   if (lo := _scalar(r.get("eval/ci_low"))) is not None and (hi := _scalar(r.get("eval/ci_high"))) is not None]  # fmt: skip
+            pts = [
+                (r["step"], lo, hi)
+                for r in rows
+                if (lo := _scalar(r.get("eval/ci_low"))) is not None
+                and (hi := _scalar(r.get("eval/ci_high"))) is not None
+            ]
             if pts:
-                ax.vlines([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color="tab:blue",
-                          alpha=0.5, linewidth=6, label="95% interval")  # fmt: skip
+                ax.vlines(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    [p[2] for p in pts],
+                    color="tab:blue",
+                    alpha=0.5,
+                    linewidth=6,
+                    label="95% interval",
+                )
         if ax is axes[1, 1]:
             xs, ys = _series(rows, "throughput/samples_per_s")
             if xs:

@@ -115,7 +115,7 @@ class StallWatchdog:
                         "kind": culprit.kind,
                         "summary": culprit.summary,
                     }
-            except Exception as e:
+            except Exception as e:  # the report is written whatever part of it fails
                 stacks = f"(the forensics report failed: {type(e).__name__}: {e})"
         facts["servers"] = await self._loads(p.sync.live)
         facts["governor"] = await _ask(p.governor.stats())
@@ -127,9 +127,11 @@ class StallWatchdog:
             stats = await _ask(r.stats())
             name = getattr(getattr(r, "handle", r), "name", None) or str(actor_id)
             names[actor_id] = name
-            facts.setdefault("rollouts", {})[name] = {
-                k: stats.get(k) for k in ("inflight", "paused", "waiting", "episodes_done", "failure")
-            } if isinstance(stats, dict) else stats  # fmt: skip
+            facts.setdefault("rollouts", {})[name] = (
+                {k: stats.get(k) for k in ("inflight", "paused", "waiting", "episodes_done", "failure")}
+                if isinstance(stats, dict)
+                else stats
+            )
         who, why = self.blame(facts, names, running_s)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"step-{step}.txt"
@@ -205,5 +207,5 @@ async def _ask(aw: Any) -> Any:
     """An actor's answer, or what went wrong asking (a stalled actor must not stall the report)."""
     try:
         return await wait_for(aw, ASK_TIMEOUT_S)
-    except Exception as e:
+    except Exception as e:  # a stalled or dead actor: its answer is what went wrong
         return f"(no answer: {type(e).__name__}: {e})"

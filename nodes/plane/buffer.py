@@ -223,9 +223,22 @@ class TrajectoryBuffer:
         self._seq = itertools.count()
         self._changed = asyncio.Event()
         self._c = dict.fromkeys(
-            ("begun", "accepted", "duplicates", "abandoned", "refused_begin", "requeued", "reported_lost",
-             "late_puts", "dropped_stale", "dropped_no_signal", "batches", "groups_out"), 0,
-        )  # fmt: skip
+            (
+                "begun",
+                "accepted",
+                "duplicates",
+                "abandoned",
+                "refused_begin",
+                "requeued",
+                "reported_lost",
+                "late_puts",
+                "dropped_stale",
+                "dropped_no_signal",
+                "batches",
+                "groups_out",
+            ),
+            0,
+        )
         self.lost: list[dict[str, Any]] = []  # episodes of dead holders, in "report" mode
         self.failure: str | None = None  # failures that repeat (fail()): get_batch raises it
 
@@ -435,13 +448,22 @@ class TrajectoryBuffer:
         if not self._in_flight:
             return None
         e = min(self._in_flight.values(), key=lambda e: e.since)
-        return {"group": e.group_id, "holder": e.holder_id, "actor_id": e.holder_id.split(":")[0],
-                "age_s": time.monotonic() - e.since}  # fmt: skip
+        return {
+            "group": e.group_id,
+            "holder": e.holder_id,
+            "actor_id": e.holder_id.split(":")[0],
+            "age_s": time.monotonic() - e.since,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes, flat, for logging."""
-        return {**self._c, "ready": len(self._ready), "in_flight": len(self._in_flight),
-                "requeue_pending": len(self._requeue), "max_staleness": self.config.max_staleness}  # fmt: skip
+        return {
+            **self._c,
+            "ready": len(self._ready),
+            "in_flight": len(self._in_flight),
+            "requeue_pending": len(self._requeue),
+            "max_staleness": self.config.max_staleness,
+        }
 
     # -- internals -----------------------------------------------------------------
 

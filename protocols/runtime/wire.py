@@ -159,7 +159,7 @@ def peek_header(frames: Sequence[Any]) -> tuple[int, int, int] | None:
     try:
         body = getattr(frames[0], "bytes", frames[0])
         raw = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=lambda code, data: None)
-    except Exception:
+    except Exception:  # bytes from a peer: msgpack raises several unrelated types on garbage
         return None
     if not (isinstance(raw, list) and len(raw) >= 3 and raw[0] == PROTOCOL_VERSION):
         return None
@@ -186,7 +186,7 @@ def split_batch(frames: Sequence[Any]) -> list[Sequence[Any]]:
     head = getattr(head, "bytes", head)
     try:
         counts = msgpack.unpackb(head)
-    except Exception as e:
+    except Exception as e:  # bytes from a peer: msgpack raises several unrelated types on garbage
         raise WireError(f"malformed batch header: {type(e).__name__}") from e
     if (
         not isinstance(counts, list)

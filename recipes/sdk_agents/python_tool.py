@@ -75,8 +75,12 @@ EXAMPLE: list[dict[str, Any]] = [
 async def run(client: Any, item: dict[str, Any]) -> dict[str, float]:
     """One episode: up to ``MAX_TURNS`` completions, the tool run between them; the model decides
     whether to call it."""
-    return await _episode(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}],
-                          item, first_choice="auto")  # fmt: skip
+    return await _episode(
+        client,
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}],
+        item,
+        first_choice="auto",
+    )
 
 
 async def run_guided(client: Any, item: dict[str, Any]) -> dict[str, float]:

@@ -92,7 +92,7 @@ class ActorContext:
     async def _watch(self, actor_id: str, on_death: Callable[..., Any], args: tuple[Hashable, ...]) -> None:
         try:
             info = await self.cluster.watch(actor_id)
-        except Exception as e:
+        except Exception as e:  # any failure of the watch itself counts as the death it waits for
             log.warning("watch failed: taking the actor for dead", watched=actor_id, error=repr(e))
             info = {"reason": f"watch failed: {e!r}"}
         log.info("watched actor died", watched=actor_id, reason=info.get("reason"))
@@ -100,7 +100,7 @@ class ActorContext:
             result = on_death(*args)
             if inspect.isawaitable(result):
                 await result
-        except Exception:
+        except Exception:  # a user's callback: logged, never allowed to end the watch loop
             log.exception("death callback failed", watched=actor_id)
 
     async def _stop_watches(self) -> None:

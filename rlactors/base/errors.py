@@ -127,10 +127,10 @@ def exception_from_payload(payload: dict[str, Any]) -> BaseException:
     else:
         try:
             exc = cls(*args)
-        except Exception:
+        except Exception:  # a remote class's constructor, with the remote's arguments: it may raise anything
             try:
                 exc = cls(message)
-            except Exception:
+            except Exception:  # likewise
                 exc = RemoteError(type_path, message, tb)
     if tb:
         exc.__cause__ = RemoteTraceback(tb)

@@ -32,7 +32,7 @@ def die_with_parent(parent: int) -> None:
     """Ask the kernel to SIGKILL this process when its parent ``parent`` ends (Linux's
     PR_SET_PDEATHSIG), and exit now if it has ended already (before the request was made)."""
     if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         os._exit(1)

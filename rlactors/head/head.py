@@ -327,6 +327,7 @@ class Head:
         finally:
             rec.starting = False
         if rec.state == "DEAD" or rec.killed:  # killed while (re)starting
+            # best effort: the agent may be gone too, and the record is dead either way
             with contextlib.suppress(Exception):
                 await wait_for(
                     node.conn.call("kill_worker", (rec.actor_id,), {}, target="agent"), AGENT_CALL_TIMEOUT_S
@@ -391,7 +392,7 @@ class Head:
         try:
             await self._start(rec)
             log.info("actor restarted", actor=actor_id, name=rec.name, restarts=rec.restarts)
-        except Exception as e:
+        except Exception as e:  # whatever stopped the restart, the actor is dead and callers must hear so
             self._mark_dead(rec, f"restart failed: {e}")
 
     async def get_actor(self, name: str) -> dict[str, Any]:

@@ -370,7 +370,7 @@ class NodeAgent:
         elif self._head is not None and not self.stopped.is_set():
             try:
                 await wait_for(self._head.call("actor_exited", (actor_id, reason), {}, target="head"), 30)
-            except Exception as e:
+            except Exception as e:  # head gone, connection lost: its heartbeats tell it too
                 log.warning("could not report a worker's exit to the head", actor=actor_id, error=repr(e))
         with contextlib.suppress(TimeoutError):
             await wait_for(asyncio.gather(*pumps), 2)

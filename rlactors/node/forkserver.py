@@ -73,9 +73,18 @@ SAFE_ENV_PREFIXES = ("RLACTORS_", "MASTER_", "NCCL_", "GLOO_", "TORCH_NCCL_")
 # PYTEST_CURRENT_TEST: pytest changes it in its own process at each phase of a test, so a cluster
 # embedded in a test would otherwise exec every worker after the phase its fork server started in.
 SAFE_ENV = frozenset(
-    {"PYTHONUNBUFFERED", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-     "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "PYTEST_CURRENT_TEST"}
-)  # fmt: skip
+    {
+        "PYTHONUNBUFFERED",
+        "PYTHONPATH",
+        "CUDA_VISIBLE_DEVICES",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "OMP_NUM_THREADS",
+        "PYTEST_CURRENT_TEST",
+    }
+)
 
 log = structlog.get_logger("rlactors.node.forkserver")
 
@@ -135,6 +144,7 @@ def _preload(modules: Sequence[str]) -> None:
             continue
         try:
             module = importlib.import_module(name)
+        # a preload is an optimisation: a module that fails to import is exec'd later, as without one
         except Exception:
             continue
         _preload(getattr(module, "FORK_PRELOAD", ()))
@@ -279,10 +289,11 @@ class _Server:
                 code = e.code or 0
             else:
                 print(e.code, file=sys.stderr)
+        # the child's program, anything it raises: printed as Python would, then the exit
         except BaseException:
             traceback.print_exc()
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # streams already closed by the program
                 sys.stdout.flush()
                 sys.stderr.flush()
             os._exit(code)
@@ -450,9 +461,15 @@ class ForkServer:
         self = cls()
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
         self._proc = await asyncio.create_subprocess_exec(
-            python, "-m", "rlactors.node.forkserver", str(path), str(os.getpid()),
-            env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            python,
+            "-m",
+            "rlactors.node.forkserver",
+            str(path),
+            str(os.getpid()),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+        )
         assert self._proc.stdout is not None
         line = await self._proc.stdout.readline()
         if line.strip() != b"ready":
@@ -534,9 +551,17 @@ class ForkServer:
                     theirs.append(os.dup(stream if isinstance(stream, int) else stream.fileno()))
                     reads.append(None)
             req = {
-                "target": target, "script": script, "argv": list(argv), "env": env, "cwd": cwd, "preload": list(preload),
-                "session": session, "block": [int(s) for s in block], "python": python, "nfds": len(theirs),
-            }  # fmt: skip
+                "target": target,
+                "script": script,
+                "argv": list(argv),
+                "env": env,
+                "cwd": cwd,
+                "preload": list(preload),
+                "session": session,
+                "block": [int(s) for s in block],
+                "python": python,
+                "nfds": len(theirs),
+            }
             async with self._lock:  # one request in flight: replies come back in order
                 if self._sock is None:
                     raise OSError("the fork server is gone")  # while this call waited for the lock

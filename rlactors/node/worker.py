@@ -138,9 +138,9 @@ async def main(security: Security | None) -> int:
         service.collective = lambda: system.joined
         for hook in ("on_start", "on_stop"):
             methods.pop(hook, None)
-    except BaseException as e:
+    except BaseException as e:  # whatever stopped the start, the agent hears of it before this process ends
         log.error("actor failed to start", error=repr(e))
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: the agent also sees the process exit
             await wait_for(
                 agent.call(
                     "worker_failed",
@@ -158,7 +158,7 @@ async def main(security: Security | None) -> int:
     watcher.cancel()
     on_stop = getattr(instance, "on_stop", None)
     if on_stop is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a user's hook: its failure must not stop the shutdown
             await wait_for(on_stop(), 10)
     await ctx._stop_watches()
     await service.close()

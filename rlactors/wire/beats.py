@@ -113,7 +113,7 @@ class HeadBeats:
                     missed += isinstance(e, ActorUnreachableError) or awake
                     if missed == MISSES:
                         self._to_client(self._on_head_lost)
-                except Exception as e:
+                except Exception as e:  # logged and retried; losing the head is counted above
                     log.warning("heartbeat to the head failed", error=repr(e))
                 with contextlib.suppress(TimeoutError):
                     await wait_for(self._stop.wait(), self.interval)

@@ -107,10 +107,16 @@ class RuntimeClient:
         interval = float(hello.get("client_heartbeat", 2.0))
         self._note()
         self._beats = HeadBeats(
-            self.head_address, self.security, self.client_id, interval,
-            payload=self._beat_now, on_answer=self._beat_answered, on_head_lost=self._head_lost,
-            loop=asyncio.get_running_loop(), clock=awake_clock(),
-        )  # fmt: skip
+            self.head_address,
+            self.security,
+            self.client_id,
+            interval,
+            payload=self._beat_now,
+            on_answer=self._beat_answered,
+            on_head_lost=self._head_lost,
+            loop=asyncio.get_running_loop(),
+            clock=awake_clock(),
+        )
         await asyncio.to_thread(self._beats.start)
         self._beat_task = asyncio.get_running_loop().create_task(
             self._note_beats(interval), name="rlactors-client-beat-payload"
@@ -128,6 +134,7 @@ class RuntimeClient:
     async def leave(self, timeout: float = 10.0) -> None:
         """Tell the head this client leaves (it stops the actors of our run), then close."""
         self.leaving = True
+        # best effort: the head may be gone; the client closes either way
         with contextlib.suppress(Exception):
             await wait_for(self.head_call("client_closed", self.client_id), timeout)
         await self.close()
@@ -211,7 +218,7 @@ class RuntimeClient:
                 backoff = 0.1
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # whatever broke the event stream, it is followed again after a backoff
                 lost_stream(error=repr(e))
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 2.0)

@@ -354,7 +354,7 @@ class Service:
                 return  # the caller cancelled: nobody is waiting
             if not flags & Flags.NO_REPLY:  # cancelled inside the actor: the caller must not wait forever
                 self._send_error(ident, call_id, RuntimeError(f"{name} was cancelled inside the actor"), name)
-        except Exception as e:
+        except Exception as e:  # a served method's own exception, whatever it is, goes back to its caller
             if flags & Flags.NO_REPLY:
                 log.exception("told method failed", service=self.name, method=name)
             else:
@@ -437,7 +437,7 @@ class Service:
             log.warning(
                 "stream consumer stopped acknowledging; stream ended", service=self.name, call=call_id
             )
-        except Exception as e:
+        except Exception as e:  # a stream's own exception, whatever it is, goes back to its caller
             self._send_error(ident, call_id, e, name)
         finally:
             self._running.pop(key, None)
