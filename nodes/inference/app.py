@@ -200,7 +200,7 @@ class Routes:
                         s, flags[i], stream=req.stream, logprob_text=req.return_text_in_logprobs
                     )
                 )
-        except Exception:
+        except Exception:  # any failure aborts the submitted sequences, then re-raises
             for rid in rids[: len(futs)]:
                 self.sched.abort(rid=rid)
             raise
@@ -215,7 +215,7 @@ class Routes:
         watcher = asyncio.create_task(_abort_on_disconnect(self.engine, request, rids))
         try:
             results = [await futs[0]] if len(futs) == 1 else await asyncio.gather(*futs)
-        except Exception:
+        except Exception:  # any failure aborts the submitted sequences, then re-raises
             for rid in rids:  # one sequence failed: stop its siblings too
                 self.sched.abort(rid=rid)
             raise
@@ -265,7 +265,7 @@ class Routes:
         )
         try:
             await wait_for(self.sched.submit(seq, False), HEALTH_CHECK_TIMEOUT_S)
-        except Exception:
+        except Exception:  # any failure of the probe means unhealthy
             self.sched.abort(rid=seq.rid)
             return Response(status_code=503)
         return Response(status_code=200)

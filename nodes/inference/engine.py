@@ -187,7 +187,7 @@ class Engine:
                 req.group_name,
                 backend,
             )
-        except Exception as e:
+        except Exception as e:  # the server answers as SGLang does: success false and the reason
             log.warning("weight_group_join_failed", error=str(e))
             return False, f"Failed to initialize custom process group: {e}."
         self.groups[req.group_name] = group
@@ -216,7 +216,7 @@ class Engine:
                     getattr(self.backend, "bucket_target", None),
                 )
                 await asyncio.to_thread(self.backend.apply_tensors, named)
-            except Exception as e:
+            except Exception as e:  # the server answers as SGLang does: success false and the reason
                 log.warning("weights_from_distributed_failed", error=str(e))
                 # as SGLang says it: tensors received straight into the model may be half written
                 return False, (
@@ -245,7 +245,7 @@ class Engine:
         async with self.scheduler.step_lock:
             try:
                 await asyncio.to_thread(self._load_payload, payload)
-            except Exception as e:
+            except Exception as e:  # the server answers as SGLang does: success false and the reason
                 log.warning("weights_from_tensor_failed", error=str(e))
                 return False, f"Failed to update weights from tensor: {e}"
             self.set_weight_version(req.weight_version)  # with the weights, before the next step

@@ -412,7 +412,7 @@ async def _cluster_keys() -> ServerKeys | None:
     """The cluster's pair, from the actor's worker (None outside a cluster)."""
     try:
         ctx = _rlactors.get_context()
-    except Exception:
+    except _rlactors.ClusterError:  # not in an actor's worker
         return None
     return await cluster_keys(ctx.cluster)
 

@@ -334,7 +334,7 @@ class InferencePool(rlactors.Actor):
             await wait_for(h.stop(), 30)
         except Exception as e:  # dead already
             log.info("pool.stop_failed", server=url, error=str(e))
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: the worker may be gone already
             await rlactors.get_context().cluster.kill(h)
 
     async def _healthy(self, url: str) -> bool:

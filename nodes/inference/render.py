@@ -126,7 +126,7 @@ async def stream_events(
         try:
             async for res in sched.follow(rids[i], futs[i]):
                 await queue.put((i, res))
-        except Exception as e:
+        except Exception as e:  # the request's outcome, whatever it is, goes to the stream's reader
             await queue.put((i, e))
         await queue.put((i, None))
 

@@ -267,7 +267,7 @@ class Scheduler:
             await self._run()
         except asyncio.CancelledError:
             raise
-        except BaseException as e:
+        except BaseException as e:  # whatever ended the loop is kept and given to every waiting request
             self.crash = e
             log.exception("scheduler_loop_crashed", running=len(self.running), waiting=len(self.waiting))
             self._fail_all(SchedulerStopped(f"the scheduler loop crashed: {e!r}"))
@@ -325,7 +325,7 @@ class Scheduler:
             batch = list(self.running)
             try:
                 samples = await self.backend.decode([r.seq for r in batch])
-            except Exception as e:
+            except Exception as e:  # a backend's failure fails the batch's requests, not the loop
                 log.exception("decode_failed")
                 for req in batch:
                     self._fail(req, e)
@@ -397,7 +397,7 @@ class Scheduler:
             self.running.remove(req)
             try:
                 self._cache_kv(req)
-            except Exception as e:
+            except Exception as e:  # one request's failure fails it, not the loop
                 log.exception("request_failed", rid=req.rid)
                 self._fail(req, e)
                 continue
@@ -421,7 +421,7 @@ class Scheduler:
     def _fail(self, req: Req, exc: Exception) -> None:
         with contextlib.suppress(ValueError):
             self.running.remove(req)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: the request has failed already
             self.backend.release(req.seq)
         self.by_rid.pop(req.rid, None)
         if not req.future.done():
@@ -437,7 +437,7 @@ class Scheduler:
             return
         try:
             result = self._result(req)
-        except Exception as e:
+        except Exception as e:  # one request's failure fails it, not the loop
             log.exception("detokenize_failed", rid=req.rid)
             req.future.set_exception(e)
             return

@@ -178,7 +178,7 @@ def destroy_group(group: UpdateGroup) -> None:
     """Leave the group (best effort: a broken group has nothing left to release)."""
     try:
         destroy_weight_update_group(group.pg)
-    except Exception as e:
+    except Exception as e:  # best effort: a broken group has nothing left to release
         log.warning("weight_group_destroy_failed", group=group.name, error=str(e))
 
 

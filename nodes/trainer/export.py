@@ -254,7 +254,7 @@ def export_checkpoint(
             shutil.rmtree(old)
         else:
             tmp.rename(out)
-    except BaseException as e:
+    except BaseException as e:  # any exit removes the partial folder, then re-raises
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and is_disk_full(e, out.parent):
             raise ExportError(full_line(f"export {out}", out.parent, need) + f"; the partial {tmp.name} was "

@@ -257,7 +257,7 @@ def _map_file(path: str, size: int, create: bool) -> mmap.mmap:
         elif os.fstat(fd).st_size != size:
             raise OSError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
         return mmap.mmap(fd, size)
-    except BaseException:
+    except BaseException:  # any exit unlinks what this call created, then re-raises
         if create:
             os.unlink(path)
         raise

@@ -123,7 +123,7 @@ def _in_thread(fn: Callable[..., Any], **kwargs: Any) -> Future:
     def run() -> None:
         try:
             fut.set_result(fn(**kwargs))
-        except BaseException as e:
+        except BaseException as e:  # the call's outcome, whatever it is, belongs to the future
             fut.set_exception(e)
 
     threading.Thread(target=run, name=f"weight-push-{fn.__name__}", daemon=True).start()
@@ -137,7 +137,7 @@ def _finished(work: Any) -> Future:
     def settle(done: Any) -> None:
         try:
             done.value()
-        except BaseException as e:
+        except BaseException as e:  # the call's outcome, whatever it is, belongs to the future
             fut.set_exception(e)
         else:
             fut.set_result(None)
@@ -373,11 +373,11 @@ class WeightPusher:
             if adapter:  # gathered and written while the servers pause
                 try:
                     folder, nbytes = self._write_adapter(version)
-                except Exception as e:
+                except Exception as e:  # any failure is every rank's to agree on (_agree) before raising
                     error = e
             try:
                 self._wait(prepare)
-            except Exception as e:
+            except Exception as e:  # any failure is every rank's to agree on (_agree) before raising
                 error = error or e
             t_paused = time.perf_counter()
             self._agree(error)
@@ -451,7 +451,7 @@ class WeightPusher:
         for path in steps:
             try:
                 self._post(url, path, request_body(_UNDO[path]()))
-            except Exception as e:
+            except Exception as e:  # best-effort undo: a server that fails it is logged
                 log.warning("weight_push_cleanup_failed", server=url, step=path, error=str(e))
 
     def _agree(self, error: BaseException | None) -> None:
@@ -491,7 +491,7 @@ class WeightPusher:
         if inflight is not None and error is None:
             try:
                 self._finish(inflight)
-            except Exception as e:
+            except Exception as e:  # any failure is every rank's to agree on (_agree) before raising
                 error = e
         self._agree(error)
         return total
@@ -598,7 +598,7 @@ class WeightPusher:
                 self._adapters.append(name)
                 relabel = UpdateWeightVersionRequest(new_version=str(version), abort_all_requests=False)
                 self._wait(self._post_all("/update_weight_version", request_body(relabel)))
-            except Exception as e:
+            except Exception as e:  # any failure is every rank's to agree on (_agree) before raising
                 error = e
         self._agree(error)
 
@@ -609,7 +609,7 @@ class WeightPusher:
         for f in self._post_all("/unload_lora_adapter", body):
             try:
                 f.result(timeout=self.cfg.http_timeout_s)
-            except Exception as e:
+            except Exception as e:  # best effort: an adapter the server no longer holds
                 log.info("lora_unload_skipped", adapter=name, error=str(e)[:200])
 
     def _unload_old_adapters(self) -> None:
@@ -632,7 +632,7 @@ class WeightPusher:
             try:
                 tensors = cast(dict[str, torch.Tensor], sd)  # a full state dict: every value a tensor
                 nbytes = self._save_and_load(merge_state_dict(self.model, tensors), version)
-            except Exception as e:
+            except Exception as e:  # any failure is every rank's to agree on (_agree) before raising
                 error = e
         self._agree(error)
         return nbytes

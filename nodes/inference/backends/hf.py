@@ -320,7 +320,7 @@ class HFBackend:
         try:
             state = await asyncio.to_thread(weight_sync.read_safetensors_folder, path)
             await asyncio.to_thread(weight_sync.load_into_model, self.model, state, True)
-        except Exception as e:
+        except Exception as e:  # the server answers as SGLang does: success false and the reason
             return False, f"Failed to update weights: {e}. Rolling back to the original weights."
         self.weights_id = path
         return True, "Succeeded to update model weights."
