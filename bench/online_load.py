@@ -116,7 +116,7 @@ def attack(host: str, port: int, tricklers: int, abusers: int) -> None:
             with contextlib.suppress(Exception):
                 answered.exception()  # a reset, once the server closed it unread: expected
             counts["trickler_closed"] += 1
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # closing a connection the server reset
                 writer.close()
 
     shapes = [

@@ -292,7 +292,7 @@ class Rollout:
                     await self.teacher.score(group)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # a workflow's failure fails its episode, counted
                 self.counters["episodes_failed"] += 1
                 await self._judge(self.watch.failure(self.name, e, item, gid))
                 await self._abandon(gid)
@@ -340,7 +340,7 @@ class Rollout:
                 break
             except rlactors.ActorDiedError:
                 raise
-            except Exception as e:
+            except Exception as e:  # retried: the put's failure is only known after the last try
                 if attempt == self.config.put_retries:
                     raise
                 log.warning("rollout.put_retry", group=gid, error=repr(e))
@@ -359,7 +359,7 @@ class Rollout:
             except rlactors.ActorDiedError as e:  # the buffer is gone: nothing left to settle
                 log.warning("rollout.abandon_failed", group=gid, error=repr(e))
                 return False
-            except Exception as e:
+            except Exception as e:  # retried: logged after the last try
                 if attempt == self.config.put_retries:
                     log.error("rollout.abandon_failed", group=gid, error=repr(e))
                     return False

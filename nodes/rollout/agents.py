@@ -141,7 +141,7 @@ class AgentWorkflow:
         except TimeoutError:
             self.counters["agent_timeouts"] += 1
             raise AgentError(f"agent {self.config.agent} ran past {self.config.episode_timeout_s}s") from None
-        except Exception as e:
+        except Exception as e:  # a user's agent: whatever it raises fails its episode
             self.counters["agent_errors"] += 1
             log.warning("agent.failed", agent=self.config.agent, episode=name, exc_info=True)
             raise AgentError(f"agent {self.config.agent} raised {type(e).__name__}: {e}") from e

@@ -183,7 +183,7 @@ def _direct_template(tokenizer: Any) -> Any:
                 for p in _PROBES
                 for g in (True, False)
             )
-        except Exception:
+        except Exception:  # a tokenizer's template may raise anything: then render through it
             same = False
         render = direct if same else None
     _DIRECT[id(tokenizer)] = (tokenizer, template, render)

@@ -158,7 +158,7 @@ class ChatEndpoint:
                 ep.inflight -= 1
         except EndpointError as e:
             return e.response(_shape(request.path))
-        except Exception:
+        except Exception:  # a bug behind the endpoint: a 500 with an id, it serves on
             error_id = uuid.uuid4().hex[:12]
             log.exception("openai_endpoint.error", path=request.path, error_id=error_id)
             return EndpointError(500, internal_error(error_id)).response(_shape(request.path))

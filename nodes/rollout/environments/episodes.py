@@ -154,7 +154,7 @@ class EnvEpisodes:
             self.counters["env_timeouts"] += 1
             self._log_once(f"ran past episode_timeout_s = {limit}s", gid)
             raise EnvError(f"environment {self.env_name} ran past {limit}s") from None
-        except Exception as e:
+        except Exception as e:  # an environment's code: whatever it raises fails its episode
             self.counters["env_errors"] += 1
             why = str(e) if isinstance(e, EnvError) else f"raised {type(e).__name__}: {e}"
             self._log_once(why, gid, e)

@@ -164,7 +164,7 @@ class OpenEnvWorkflow:
         env = GenericEnvClient(base_url=server, message_timeout_s=c.episode_timeout_s)
         try:
             return await self._steps(client, item, gid, env)
-        except BaseException:
+        except BaseException:  # any exit marks the server failed, then re-raises
             self.servers.failed(server)  # replaced, perhaps: ask its actor again for the next episode
             raise
 

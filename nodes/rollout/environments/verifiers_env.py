@@ -100,7 +100,7 @@ def load_verifiers_env(env: str, env_args: dict[str, Any]) -> Any:
     quiet.setLevel(logging.CRITICAL)
     try:
         loaded = load(env, **env_args)
-    except Exception as e:
+    except Exception as e:  # a user's environment module may raise anything
         cause = e.__cause__ or e
         raise ValueError(
             f"'env' = {env!r}: load_environment failed: {type(cause).__name__}: {_line(cause)}"
@@ -144,7 +144,7 @@ def _checked(func: Any) -> Any:
             value = func(*args, **kwargs)
             if inspect.isawaitable(value):
                 value = await value
-        except Exception as e:
+        except Exception as e:  # a user's rubric function: its failure is recorded
             if bad is not None:
                 bad.append(f"rubric function {func.__name__} raised {type(e).__name__}: {_line(e)}")
             raise

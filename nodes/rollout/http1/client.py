@@ -220,7 +220,7 @@ class ClientPool:
         except ConnectionError as e:
             conn.close()
             raise ClientError(f"{type(e).__name__}: {e}", timed_out=False) from None
-        except BaseException:
+        except BaseException:  # cancelled or anything else mid-answer
             conn.close()  # cancelled mid-answer: what comes next on it is unknown
             raise
         finally:
@@ -242,7 +242,7 @@ class ClientPool:
             self._waiters.append(waiter)
             try:
                 await waiter
-            except BaseException:
+            except BaseException:  # cancelled too: the turn is passed on
                 if waiter.done() and not waiter.cancelled():
                     self._wake()  # woken, then cancelled: the turn goes to the next waiter
                 with contextlib.suppress(ValueError):

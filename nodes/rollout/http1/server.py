@@ -396,7 +396,7 @@ class _Connection(asyncio.Protocol):
         keep_alive = keep_alive and not self._http10 and not (self._overflow and not self._queue)
         try:
             resp = await self.server.handler(req)
-        except Exception:
+        except Exception:  # a handler's bug: a 500 with an id, the server serves on
             error_id = secrets.token_hex(6)
             log.exception("http1.handler_error", path=req.path, error_id=error_id)
             resp = None if self._streaming else self.server.error_body(500, internal_error(error_id))
