@@ -226,13 +226,17 @@ def _check_online(cfg: RecipeConfig, source: str) -> None:
     only for one rollout actor (each serves a session API of its own)."""
     online_workflow = hasattr(cfg.rollout.workflow_args, "online_data")
     if online_workflow != (cfg.data.source == "online"):
-        raise ConfigError(f"{source}: data.source = 'online' goes with rollout.workflow = "
-                          f"'nodes.rollout.sessions:OnlineWorkflow' (now {cfg.data.source!r} with {cfg.rollout.workflow!r})")  # fmt: skip
+        raise ConfigError(
+            f"{source}: data.source = 'online' goes with rollout.workflow = "
+            f"'nodes.rollout.sessions:OnlineWorkflow' (now {cfg.data.source!r} with {cfg.rollout.workflow!r})"
+        )
     port, n = getattr(cfg.rollout.workflow_args, "port", 0), cfg.rollout.n_actors
     if online_workflow and port and n > 1:
-        raise ConfigError(f"{source}: rollout.workflow_args.port = {port} with rollout.n_actors = {n}: each rollout "
-                          "actor serves a session API of its own; set port = 0 (free ports, listed in sessions.json) "
-                          "or rollout.n_actors = 1")  # fmt: skip
+        raise ConfigError(
+            f"{source}: rollout.workflow_args.port = {port} with rollout.n_actors = {n}: each rollout "
+            "actor serves a session API of its own; set port = 0 (free ports, listed in sessions.json) "
+            "or rollout.n_actors = 1"
+        )
 
 
 # TOML tables whose Python field is spelt otherwise: ``async`` is a keyword
@@ -325,8 +329,16 @@ def check_unused(cfg: RecipeConfig, source: str) -> None:
 
     data = cfg.data
     if not your_data(data):
-        yours = ("path", "eval_path", "split", "eval_split", "prompt_field", "messages_field",
-                 "answer_field", "answer_format")  # fmt: skip
+        yours = (
+            "path",
+            "eval_path",
+            "split",
+            "eval_split",
+            "prompt_field",
+            "messages_field",
+            "answer_field",
+            "answer_format",
+        )
         unused("data", data, d.data, "data.source = 'local' (your data)", yours)
         if data.source not in ("env",):
             unused("data", data, d.data, "data.source = 'local' or 'env'", ("eval_from_train",))
@@ -347,11 +359,21 @@ def check_unused(cfg: RecipeConfig, source: str) -> None:
     elif t.lora.push != "adapter":
         unused("trainer.lora", t.lora, d.trainer.lora, "trainer.lora.push = 'adapter'", ("name", "keep"))
     if t.push.method != "disk" and not (t.lora.enabled and t.lora.push == "adapter"):
-        unused("trainer.push", t.push, d.trainer.push, "trainer.push.method = 'disk'",
-               ("disk_dir", "keep_disk_versions"))  # fmt: skip
+        unused(
+            "trainer.push",
+            t.push,
+            d.trainer.push,
+            "trainer.push.method = 'disk'",
+            ("disk_dir", "keep_disk_versions"),
+        )
     if t.push.method != "distributed":
-        unused("trainer.push", t.push, d.trainer.push, "trainer.push.method = 'distributed'",
-               ("group_name", "master_address", "master_port", "group_timeout_s"))  # fmt: skip
+        unused(
+            "trainer.push",
+            t.push,
+            d.trainer.push,
+            "trainer.push.method = 'distributed'",
+            ("group_name", "master_address", "master_port", "group_timeout_s"),
+        )
     if t.loss.kl_coef == 0:
         unused("trainer", t, d.trainer, "trainer.loss.kl_coef > 0", ("ref_model_path",))
     if t.lr_schedule == "constant":
@@ -360,8 +382,13 @@ def check_unused(cfg: RecipeConfig, source: str) -> None:
         unused("reward", cfg.reward, d.reward, f"a workflow that scores with [reward] (here {scorer} does)")
     shaping = cfg.advantage.shaping
     if not shaping.overlong_max_len:
-        unused("advantage.shaping", shaping, d.advantage.shaping, "advantage.shaping.overlong_max_len > 0",
-               ("overlong_buffer", "overlong_penalty"))  # fmt: skip
+        unused(
+            "advantage.shaping",
+            shaping,
+            d.advantage.shaping,
+            "advantage.shaping.overlong_max_len > 0",
+            ("overlong_buffer", "overlong_penalty"),
+        )
     if problems:
         key, mode = problems[0]
         more = f" (and {', '.join(k for k, _ in problems[1:])})" if len(problems) > 1 else ""
@@ -402,16 +429,27 @@ def describe_run(cfg: RecipeConfig) -> list[str]:
     from nodes.driver.advantage import describe_shaping
 
     r, wa, s, t = cfg.rollout, cfg.rollout.workflow_args, cfg.servers, cfg.trainer
-    settings = [f"{getattr(wa, k)} {what}" for k, what in (("n_samples", "samples per prompt"),
-                ("max_new_tokens", "new tokens at most"), ("temperature", "temperature")) if hasattr(wa, k)]  # fmt: skip
+    settings = [
+        f"{getattr(wa, k)} {what}"
+        for k, what in (
+            ("n_samples", "samples per prompt"),
+            ("max_new_tokens", "new tokens at most"),
+            ("temperature", "temperature"),
+        )
+        if hasattr(wa, k)
+    ]
     lines = [f"workflow: {r.workflow} ({', '.join(settings)}), {r.n_actors} rollout actor(s)"]
     if hasattr(wa, "system_prompt") or hasattr(wa, "prompt_suffix"):
         system, suffix = getattr(wa, "system_prompt", None), getattr(wa, "prompt_suffix", "")
-        said = [f"system prompt {system!r}" if system else "no system prompt",
-                f"suffix {suffix!r}" if suffix else "no suffix"]  # fmt: skip
+        said = [
+            f"system prompt {system!r}" if system else "no system prompt",
+            f"suffix {suffix!r}" if suffix else "no suffix",
+        ]
         where = "rollout.workflow_args.system_prompt, .prompt_suffix"
         if cfg.data.messages_field:
-            said[1] = f"the data's own messages (data.messages_field = {cfg.data.messages_field!r}), the system prompt only where they have none"  # fmt: skip
+            said[1] = (
+                f"the data's own messages (data.messages_field = {cfg.data.messages_field!r}), the system prompt only where they have none"
+            )
         lines.append(f"prompt: {'; '.join(said)} ({where})")
     else:
         lines.append(f"prompt: the workflow's own ({r.workflow})")
@@ -426,8 +464,10 @@ def describe_run(cfg: RecipeConfig) -> list[str]:
     where = f"{s.gpus_per_server} GPU(s) each" if s.gpus_per_server else f"CPU, {s.threads} thread(s) each"
     backend = f", {server.backend} backend" if hasattr(server, "backend") else ""
     lines.append(f"servers: {s.n} {s.kind}{backend}, {where}")
-    lines.append(f"trainer: {t.n_ranks} rank(s) on {t.device}, lr {t.lr:g}, loss {t.loss.fn}"
-                 + (f", LoRA rank {t.lora.rank}" if t.lora.enabled else ""))  # fmt: skip
+    lines.append(
+        f"trainer: {t.n_ranks} rank(s) on {t.device}, lr {t.lr:g}, loss {t.loss.fn}"
+        + (f", LoRA rank {t.lora.rank}" if t.lora.enabled else "")
+    )
     return lines
 
 

@@ -34,9 +34,19 @@ if TYPE_CHECKING:
     from nodes.inference.pool import InferencePool, PoolConfig
 
 __all__ = [
-    "Plane", "check_teacher_tokenizer", "eval_spec", "pool_config", "resolve_model", "start_model_pools", "start_plane", "start_pool", "start_workflow_actors", "with_keys",
-    "with_lora", "workflow_actors",
-]  # fmt: skip
+    "Plane",
+    "check_teacher_tokenizer",
+    "eval_spec",
+    "pool_config",
+    "resolve_model",
+    "start_model_pools",
+    "start_plane",
+    "start_pool",
+    "start_workflow_actors",
+    "with_keys",
+    "with_lora",
+    "workflow_actors",
+]
 
 # A rollout actor holds nothing that cannot be re-created: when it dies the runtime restarts it and the
 # buffer re-queues its episodes. Past this many deaths the run stops (ActorDiedError).
@@ -242,8 +252,11 @@ class Plane:
                 failures = [s["failure"] for s in stats if s.get("failure")]
                 if idle and not failures:
                     waited += timeout
-                    print(f"online: waiting for sessions: no batch of {size} groups for {waited:.0f}s "
-                          f"at version {version}", flush=True)  # fmt: skip
+                    print(
+                        f"online: waiting for sessions: no batch of {size} groups for {waited:.0f}s "
+                        f"at version {version}",
+                        flush=True,
+                    )
                     continue
                 why = f"rollout failed: {failures}" if failures else f"buffer: {await self.buffer.stats()}"
                 raise RuntimeError(
@@ -290,8 +303,11 @@ class Plane:
         """``servers/live`` and how many joined and left routing since the last step."""
         joined, left = self.sync.joined - self.servers_seen[0], self.sync.left - self.servers_seen[1]
         self.servers_seen = (self.sync.joined, self.sync.left)
-        return {"servers/live": float(len(self.sync.live)), "servers/joined": float(joined),
-                "servers/left": float(left)}  # fmt: skip
+        return {
+            "servers/live": float(len(self.sync.live)),
+            "servers/joined": float(joined),
+            "servers/left": float(left),
+        }
 
     async def record_step(self, step: int, started: float, times: dict[str, float]) -> None:
         """Append the step to the run's timeline (``tracer``; nothing without one): its phases on
@@ -373,9 +389,14 @@ async def start_plane(
     # trained by then are generated again.
     buffer = await cluster.spawn(BufferActor, governor, cfg.buffer, sorted(state.trained), name="buffer")
     prompts = PromptSpec(
-        kind="items", items=train_items, epochs=None, start_epoch=state.done_epochs, shuffle=True,
-        seed=cfg.data.seed, name="gsm8k",
-    )  # fmt: skip
+        kind="items",
+        items=train_items,
+        epochs=None,
+        start_epoch=state.done_epochs,
+        shuffle=True,
+        seed=cfg.data.seed,
+        name="gsm8k",
+    )
     workflow = WorkflowSpec(cfg.rollout.workflow, str(model), cfg.reward, cfg.rollout.workflow_args)
     await start_workflow_actors(cluster, cfg)
     n = cfg.rollout.n_actors

@@ -291,8 +291,15 @@ class InferencePool(rlactors.Actor):
         )
 
     def _row(self, m: Member) -> dict[str, Any]:
-        return {"url": m.url, "state": m.state, "launched": m.launched, "name": m.name, "node": m.node_id,
-                "version": m.version, "since": m.since}  # fmt: skip
+        return {
+            "url": m.url,
+            "state": m.state,
+            "launched": m.launched,
+            "name": m.name,
+            "node": m.node_id,
+            "version": m.version,
+            "since": m.since,
+        }
 
     def _event(self, line: str) -> None:
         log.info("pool.event", what=line)

@@ -57,8 +57,12 @@ def ok_or_400(ok: bool, message: str, **extra: Any) -> OrjsonResponse:
 def stream_error(exc: Exception) -> bytes:
     """The event that ends a stream whose sequence failed: 400 for a refused request, else 500."""
     code = 400 if isinstance(exc, ProtocolError) else 500
-    err = {"message": str(exc), "type": "invalid_request_error" if code == 400 else "server_error",
-           "code": code, "retryable": False}  # fmt: skip
+    err = {
+        "message": str(exc),
+        "type": "invalid_request_error" if code == 400 else "server_error",
+        "code": code,
+        "retryable": False,
+    }
     return b"data: " + orjson.dumps({"error": err}) + b"\n\n"
 
 

@@ -154,9 +154,12 @@ class Scheduler:
             raise ProtocolError(f"Duplicate request ID detected: {seq.rid}")
         fut: asyncio.Future[GenerateResult] = asyncio.get_running_loop().create_future()
         req = Req(
-            seq=seq, return_logprob=return_logprob, future=fut, progress=asyncio.Event() if stream else None,
+            seq=seq,
+            return_logprob=return_logprob,
+            future=fut,
+            progress=asyncio.Event() if stream else None,
             logprob_text=logprob_text,
-        )  # fmt: skip
+        )
         self.by_rid[seq.rid] = req
         if seq.params.max_new_tokens == 0 and not (return_logprob and seq.wants_input):
             req.cached_tokens = self.cache.match(seq.input_ids[:-1]).length

@@ -157,8 +157,10 @@ def _agree(error: BaseException | None, tmp: Path, world: int) -> None:
             f"{_space_line(tmp)}; rank {rank}: {text}; the partial {tmp.name} was removed, the checkpoints "
             "before it are as they were"
         ) from error
-    raise CheckpointError(f"checkpoint {tmp.with_suffix('')}: rank {rank} failed to write it: {text}; "
-                          f"the partial {tmp.name} was removed") from error  # fmt: skip
+    raise CheckpointError(
+        f"checkpoint {tmp.with_suffix('')}: rank {rank} failed to write it: {text}; "
+        f"the partial {tmp.name} was removed"
+    ) from error
 
 
 def _reason(e: BaseException) -> tuple[int, str]:
@@ -215,8 +217,11 @@ def save(trainer: Any, path: str | Path, data_position: Any = None) -> Path:
     needs: list[Any] = [None] * world  # every rank's shards: the checkpoint's size, before writing
     dist.all_gather_object(needs, _local_bytes(model_sd) + _local_bytes(optim_sd) + OVERHEAD_BYTES)
     _need[str(tmp)] = need = sum(needs)
-    verdict = [full_line(f"checkpoint {path}", path.parent, need, free) + "; nothing was written"
-               if rank == 0 and (free := free_bytes(tmp)) < need else ""]  # fmt: skip
+    verdict = [
+        full_line(f"checkpoint {path}", path.parent, need, free) + "; nothing was written"
+        if rank == 0 and (free := free_bytes(tmp)) < need
+        else ""
+    ]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
         if rank == 0:

@@ -257,8 +257,9 @@ def export_checkpoint(
     except BaseException as e:  # any exit removes the partial folder, then re-raises
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and is_disk_full(e, out.parent):
-            raise ExportError(full_line(f"export {out}", out.parent, need) + f"; the partial {tmp.name} was "
-                              "removed") from e  # fmt: skip
+            raise ExportError(
+                full_line(f"export {out}", out.parent, need) + f"; the partial {tmp.name} was removed"
+            ) from e
         raise
     say(f"done: {out} ({_folder_bytes(out) / 2**20:.1f} MiB)")
     return out

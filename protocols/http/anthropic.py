@@ -272,14 +272,21 @@ class _Conversation(BaseModel):
         if self.thinking is not None and self.thinking.type not in ("disabled", "adaptive"):
             raise _fail(
                 f"thinking {self.thinking.type!r} is not served here (the model has no thinking settings): "
-                "leave it out, or disabled", "thinking",
-            )  # fmt: skip
+                "leave it out, or disabled",
+                "thinking",
+            )
         if self.output_config and any(v is not None for v in self.output_config.values()):
-            raise _fail(f"output_config {self.output_config!r} is not served here (no effort levels, no structured "
-                        "output formats): leave it out", "output_config")  # fmt: skip
+            raise _fail(
+                f"output_config {self.output_config!r} is not served here (no effort levels, no structured "
+                "output formats): leave it out",
+                "output_config",
+            )
         if self.messages[-1].role == "assistant":
-            raise _fail("the last message is the assistant's: prefilling the answer is not served here; "
-                        "end with a user message", f"messages[{len(self.messages) - 1}]")  # fmt: skip
+            raise _fail(
+                "the last message is the assistant's: prefilling the answer is not served here; "
+                "end with a user message",
+                f"messages[{len(self.messages) - 1}]",
+            )
         c = self.tool_choice
         if c is not None:
             if c.type in ("any", "tool") and not self.tools:

@@ -170,10 +170,13 @@ class AssistantMessage(_Message):
         msg = super().normalized()
         if self.tool_calls:
             msg["tool_calls"] = [
-                {"id": str(c.id or ""), "type": "function",
-                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                {
+                    "id": str(c.id or ""),
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
                 for c in self.tool_calls
-            ]  # fmt: skip
+            ]
         return msg
 
 
@@ -243,9 +246,10 @@ class ChatCompletionRequest(_Body):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: Annotated[
-        list[dict[str, Any]] | None, BeforeValidator(lambda v: v or None), AfterValidator(
-            lambda v: None if v is None else _tools_as_sent(v))
-    ] = None  # fmt: skip
+        list[dict[str, Any]] | None,
+        BeforeValidator(lambda v: v or None),
+        AfterValidator(lambda v: None if v is None else _tools_as_sent(v)),
+    ] = None
     # "auto" | "none" | "required" | {"type": "function", "function": {"name": ...}}
     tool_choice: Annotated[str | dict[str, Any] | None, BeforeValidator(lambda v: v or None)] = None
     n: _Choices = 1
@@ -530,8 +534,13 @@ class ResponsesRequest(_Body):
             if err["type"] == "missing":
                 raise OpenAIError(f"'{field}' is required", field) from None
             info = cls.model_fields.get(top or "")
-            says = _says(Annotated[info.annotation, *info.metadata] if info and info.metadata else
-                         info.annotation if info else None)  # fmt: skip
+            says = _says(
+                Annotated[info.annotation, *info.metadata]
+                if info and info.metadata
+                else info.annotation
+                if info
+                else None
+            )
             if says is not None:
                 raise OpenAIError(f"'{top}' must be {says}, got {err['input']!r}", top) from None
             raise OpenAIError(f"'{field or top}': {err['msg']}", top) from None
@@ -562,5 +571,8 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
             raise OpenAIError(f"{where}.{key} must be a string", f"{where}.{key}")
-    return {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }

@@ -222,8 +222,11 @@ class SimBackend:
         """Prompt positions ``logprob_start + 1 ..``; ``prefix_hashes[p]`` hashes ``ids[:p]``."""
         ids = seq.input_ids
         step = 4.0 / self.vocab_size
-        out = InputLogprobs(lps=[], top=[] if seq.top_logprobs > 0 else None,
-                            ids=[] if seq.token_ids_logprob is not None else None)  # fmt: skip
+        out = InputLogprobs(
+            lps=[],
+            top=[] if seq.top_logprobs > 0 else None,
+            ids=[] if seq.token_ids_logprob is not None else None,
+        )
         assert seq.logprob_start is not None
         for p in range(seq.logprob_start + 1, len(ids)):
             h = self._dist(prefix_hashes[p], p)
