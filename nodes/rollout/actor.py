@@ -77,8 +77,9 @@ class Rollout:
         self.governor, self.buffer = governor, buffer
         self.config = config or RolloutConfig()
         self.name = name or f"workflow {type(workflow).__name__}"
-        self.watch = FailureWatch(max(first_batch, MIN_FIRST), self.config.failure_window,
-                                  self.config.max_failure_share)  # fmt: skip
+        self.watch = FailureWatch(
+            max(first_batch, MIN_FIRST), self.config.failure_window, self.config.max_failure_share
+        )
         self.stop_line: str | None = None  # set when failures that repeat stop the run
         # on-policy distillation: a nodes.rollout.teacher.TeacherScorer adds the teacher's log-probs
         # to every group before it goes to the buffer (None: no teacher)
@@ -93,9 +94,21 @@ class Rollout:
         self.loop_lag_max_s = 0.0  # the longest the event loop was late to a timer while running
         self._lag_log = Throttle(log, "rollout.loop_stalled")
         self.counters = dict.fromkeys(
-            ("acquires", "granted", "returned_grants", "refused_begin", "episodes_started", "episodes_done",
-             "episodes_failed", "groups_accepted", "groups_not_accepted", "trajectories", "generated_tokens"), 0,
-        )  # fmt: skip  # not accepted: a duplicate, or dropped for no signal (the buffer's stats say which)
+            (
+                "acquires",
+                "granted",
+                "returned_grants",
+                "refused_begin",
+                "episodes_started",
+                "episodes_done",
+                "episodes_failed",
+                "groups_accepted",
+                "groups_not_accepted",  # a duplicate, or dropped for no signal (the buffer's stats say which)
+                "trajectories",
+                "generated_tokens",
+            ),
+            0,
+        )
 
     # -- control -------------------------------------------------------------------
 
@@ -144,12 +157,18 @@ class Rollout:
             out.update(teacher_calls=self.teacher.calls, teacher_time_s=self.teacher.seconds)
         if judge := sys.modules.get("nodes.rollout.judge"):  # an LLM judge's counters, if one runs here
             out.update({f"reward_{k}": v for k, v in judge.COUNTERS.items()})
-        out.update(inflight=len(self._tasks), paused=not self._dispatch.is_set(), version=self.client.version,
-                   exhausted=self._exhausted, elapsed_s=elapsed,
-                   episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
-                   tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0,
-                   resume_reposts=[list(r) for r in self.client.reposts], waiting=self.client.waiting(),
-                   loop_lag_max_s=self.loop_lag_max_s)  # fmt: skip
+        out.update(
+            inflight=len(self._tasks),
+            paused=not self._dispatch.is_set(),
+            version=self.client.version,
+            exhausted=self._exhausted,
+            elapsed_s=elapsed,
+            episodes_per_s=self.counters["episodes_done"] / elapsed if elapsed else 0.0,
+            tokens_per_s=self.counters["generated_tokens"] / elapsed if elapsed else 0.0,
+            resume_reposts=[list(r) for r in self.client.reposts],
+            waiting=self.client.waiting(),
+            loop_lag_max_s=self.loop_lag_max_s,
+        )
         return out
 
     # -- the loop ------------------------------------------------------------------
@@ -405,9 +424,19 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         teacher: str = "",
     ) -> None:
         """``teacher``: on-policy distillation's teacher model (its pool actor ``inference-pool-<teacher>``)."""
-        self._args = dict(servers=servers, governor=governor, buffer=buffer, prompts=prompts, workflow=workflow,
-                          config=config or RolloutConfig(), shard=shard, num_shards=num_shards, version=version,
-                          first_batch=first_batch, teacher=teacher)  # fmt: skip
+        self._args = dict(
+            servers=servers,
+            governor=governor,
+            buffer=buffer,
+            prompts=prompts,
+            workflow=workflow,
+            config=config or RolloutConfig(),
+            shard=shard,
+            num_shards=num_shards,
+            version=version,
+            first_batch=first_batch,
+            teacher=teacher,
+        )
         self._autostart = autostart
         self._run: asyncio.Task | None = None
         self.failure: str | None = None
@@ -474,8 +503,12 @@ class RolloutActor(Rollout, rlactors.Actor, sync_methods="loop"):
         """Counters of this incarnation: throughput, aborts, resumes, cached tokens, ...; ``restarts``
         (how many incarnations came before it), ``failure`` if dispatch died, ``stop_line`` if
         failures that repeat stopped it."""
-        return {**super().stats(), "restarts": rlactors.get_context().restarts, "failure": self.failure,
-                "stop_line": self.stop_line}  # fmt: skip
+        return {
+            **super().stats(),
+            "restarts": rlactors.get_context().restarts,
+            "failure": self.failure,
+            "stop_line": self.stop_line,
+        }
 
     async def wait_done(self, timeout: float = 600.0) -> dict[str, Any]:
         """Wait until the prompt source is exhausted and every episode finished; the final stats."""

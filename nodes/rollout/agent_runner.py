@@ -38,8 +38,12 @@ def sdk_client(url: str, sdk: str = "openai") -> Any:
     if sdk == "anthropic":
         import anthropic
 
-        return anthropic.AsyncAnthropic(base_url=url.removesuffix("/v1"), api_key="rlactors", max_retries=0,
-                                        http_client=anthropic.DefaultAsyncHttpxClient(verify=False))  # fmt: skip
+        return anthropic.AsyncAnthropic(
+            base_url=url.removesuffix("/v1"),
+            api_key="rlactors",
+            max_retries=0,
+            http_client=anthropic.DefaultAsyncHttpxClient(verify=False),
+        )
     if sdk != "openai":
         raise ValueError(f"agent sdk {sdk!r}: use {' or '.join(AGENT_SDKS)}")
     import openai

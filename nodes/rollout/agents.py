@@ -92,8 +92,14 @@ class AgentWorkflow:
         c = self.config
         # one endpoint for the workflow's episodes, whichever client each generates with (the
         # rollout actor's, an evaluation's); started with the first episode, on its loop
-        self.endpoint = ChatEndpoint(None, tokenizer, c.model_name, default_max_tokens=c.max_new_tokens,
-                                     default_temperature=c.temperature, tool_parser=c.tool_parser)  # fmt: skip
+        self.endpoint = ChatEndpoint(
+            None,
+            tokenizer,
+            c.model_name,
+            default_max_tokens=c.max_new_tokens,
+            default_temperature=c.temperature,
+            tool_parser=c.tool_parser,
+        )
         self._started: asyncio.Future[str] | None = None
         self.counters = dict.fromkeys(("agent_runs", "agent_errors", "agent_timeouts", "history_edits"), 0)
         self.processes = ProcessRunner(c.agent_processes)  # "process": its workers start with the first run

@@ -141,9 +141,13 @@ def render_messages(
 _DIRECT: dict[int, tuple[Any, Any, Any]] = {}
 _PROBES = [
     [{"role": "user", "content": "probe <|im_end|> {{ x }}"}],
-    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
-     {"role": "user", "content": "v"}],
-]  # fmt: skip
+    [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "v"},
+    ],
+]
 
 
 def _direct_template(tokenizer: Any) -> Any:
@@ -170,11 +174,18 @@ def _direct_template(tokenizer: Any) -> Any:
         def direct(messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
             return str(
                 compiled.render(
-                    messages=[m if all(v is not None for v in m.values()) else
-                              {k: v for k, v in m.items() if v is not None} for m in messages],
-                    tools=tools, documents=None, add_generation_prompt=generation, **special,
+                    messages=[
+                        m
+                        if all(v is not None for v in m.values())
+                        else {k: v for k, v in m.items() if v is not None}
+                        for m in messages
+                    ],
+                    tools=tools,
+                    documents=None,
+                    add_generation_prompt=generation,
+                    **special,
                 )
-            )  # fmt: skip
+            )
 
         try:
             same = all(

@@ -62,15 +62,22 @@ async def answer_chat(
         ep.counters["errors"] += 1
         raise EndpointError(503, f"generation failed: {e}") from None
     tok = turns.tokenizer
-    return json_response({
-        **head, "object": "chat.completion",
-        "choices": [
-            {"index": i, "message": msg, "logprobs": _logprobs(tok, res, req) if req.logprobs else None,
-             "finish_reason": finish}
-            for i, (msg, res, finish) in enumerate(choices)
-        ],
-        "usage": usage(choices),
-    })  # fmt: skip
+    return json_response(
+        {
+            **head,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": i,
+                    "message": msg,
+                    "logprobs": _logprobs(tok, res, req) if req.logprobs else None,
+                    "finish_reason": finish,
+                }
+                for i, (msg, res, finish) in enumerate(choices)
+            ],
+            "usage": usage(choices),
+        }
+    )
 
 
 def usage(choices: list[Choice]) -> dict[str, int]:
@@ -131,8 +138,9 @@ class SSEWriter:
 class StreamedChoice:
     """One choice's content, streamed as its tokens arrive."""
 
-    def __init__(self, index: int, turns: Turns, req: ChatRequest, forced: list[int], tools: Any,
-                 out: SSEWriter) -> None:  # fmt: skip
+    def __init__(
+        self, index: int, turns: Turns, req: ChatRequest, forced: list[int], tools: Any, out: SSEWriter
+    ) -> None:
         """``out``: an :class:`SSEWriter`, or anything with its ``chunk`` (responses' events)."""
         self.index, self.req, self.out = index, req, out
         self.tok = turns.tokenizer
@@ -228,11 +236,23 @@ class StreamedChoice:
                 "type": "function",
                 "function": {"name": fn["name"], "arguments": ""},
             }
-            await self.out.chunk({"index": self.index, "delta": {"tool_calls": [first]}, "logprobs": None,
-                                  "finish_reason": None})  # fmt: skip
+            await self.out.chunk(
+                {
+                    "index": self.index,
+                    "delta": {"tool_calls": [first]},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
             more = {"index": j, "function": {"arguments": fn["arguments"]}}
-            await self.out.chunk({"index": self.index, "delta": {"tool_calls": [more]}, "logprobs": None,
-                                  "finish_reason": None})  # fmt: skip
+            await self.out.chunk(
+                {
+                    "index": self.index,
+                    "delta": {"tool_calls": [more]},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
         await self.out.chunk({"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish})
 
 
@@ -250,8 +270,14 @@ async def stream_chat(
     out = SSEWriter(resp, head)
     choices = [StreamedChoice(i, turns, req, turn.forced, turn.tools, out) for i in range(req.n)]
     for c in choices:
-        await out.chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})  # fmt: skip
+        await out.chunk(
+            {
+                "index": c.index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        )
     try:
         answers = await turns.generate(ep, req, turn, client, [c.feed for c in choices])
         for c, (msg, res, finish) in zip(choices, answers, strict=True):

@@ -185,9 +185,22 @@ class SGLangClient:
         # ms until every server with held requests had its first re-post]
         self.reposts: deque[list[float]] = deque(maxlen=256)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("requests", "posts", "aborts", "resumes", "retries", "failovers", "errors", "cached_tokens",
-             "prompt_tokens", "output_tokens", "idle_aborts", "labelled_tokens"), 0,
-        )  # fmt: skip
+            (
+                "requests",
+                "posts",
+                "aborts",
+                "resumes",
+                "retries",
+                "failovers",
+                "errors",
+                "cached_tokens",
+                "prompt_tokens",
+                "output_tokens",
+                "idle_aborts",
+                "labelled_tokens",
+            ),
+            0,
+        )
 
     # -- control from the rollout actor / trainer ----------------------------------
 
@@ -290,9 +303,19 @@ class SGLangClient:
         finally:
             self._active.pop(rid, None)
             self._since.pop(rid, None)
-        TRACE.async_span("generate", f"{rid}#{started}", started, time.time(), f"server {res.server}",
-                         rid=rid, trace_id=request.trace_id, prompt_tokens=res.prompt_tokens,
-                         output_tokens=len(res.ids), aborts=res.aborts, posts=res.posts)  # fmt: skip
+        TRACE.async_span(
+            "generate",
+            f"{rid}#{started}",
+            started,
+            time.time(),
+            f"server {res.server}",
+            rid=rid,
+            trace_id=request.trace_id,
+            prompt_tokens=res.prompt_tokens,
+            output_tokens=len(res.ids),
+            aborts=res.aborts,
+            posts=res.posts,
+        )
         return res
 
     async def _generate_loop(
@@ -353,8 +376,13 @@ class SGLangClient:
             if cfg.lora:  # the adapter named is fixed for the whole post: its version is exact
                 chunk_vers, labelled = np.full(len(chunk_ids), posted_at, np.int32), 0
             if chunk_vers.size and (oldest := int(chunk_vers.min())) < posted_at:
-                log.warning("rollout.server_behind_client_version", rid=rid, server=server.url,
-                            server_version=oldest, client_version=posted_at)  # fmt: skip
+                log.warning(
+                    "rollout.server_behind_client_version",
+                    rid=rid,
+                    server=server.url,
+                    server_version=oldest,
+                    client_version=posted_at,
+                )
             res.ids = _extend(res.ids, chunk_ids)
             res.logprobs = _extend(res.logprobs, chunk_lps)
             res.versions = _extend(res.versions, chunk_vers)
@@ -458,8 +486,14 @@ class SGLangClient:
                 server.down_until = time.monotonic() + self.config.down_cooldown_s
                 tried.add(server.url)
                 nxt = self._least_loaded(time.monotonic(), exclude=tried)  # raises when none left
-                log.warning("rollout.failover", rid=res.rid, frm=server.url, to=nxt.url, tokens=len(res.ids),
-                            error=str(e))  # fmt: skip
+                log.warning(
+                    "rollout.failover",
+                    rid=res.rid,
+                    frm=server.url,
+                    to=nxt.url,
+                    tokens=len(res.ids),
+                    error=str(e),
+                )
                 self.counters["failovers"] += 1
                 res.failovers += 1
                 server = nxt
@@ -490,8 +524,13 @@ class SGLangClient:
                 if e.timed_out:
                     self._spawn(self._abort_quietly(server, body["rid"]))
                 if streamed is not None and streamed.ids:  # cut off mid-stream: resume from what came
-                    log.warning("rollout.stream_cut", rid=body["rid"], server=server.url, tokens=len(streamed.ids),
-                                error=last)  # fmt: skip
+                    log.warning(
+                        "rollout.stream_cut",
+                        rid=body["rid"],
+                        server=server.url,
+                        tokens=len(streamed.ids),
+                        error=last,
+                    )
                     return streamed.result()
                 continue
             finally:

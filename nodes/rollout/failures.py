@@ -97,8 +97,14 @@ class FailureWatch:
         if kind not in self._seen_kinds:
             self._seen_kinds.add(kind)
             stack = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            log.warning("rollout.episode_failed", what=what, error=_exc_text(e), item=_item_id(item, group_id),
-                        stack=stack, note="logged once per kind; later ones are counted")  # fmt: skip
+            log.warning(
+                "rollout.episode_failed",
+                what=what,
+                error=_exc_text(e),
+                item=_item_id(item, group_id),
+                stack=stack,
+                note="logged once per kind; later ones are counted",
+            )
         if self._first_failure is None:
             self._first_failure = (what, e, _item_id(item, group_id))
         self._record(True)
@@ -120,8 +126,11 @@ class FailureWatch:
             return self.line(self.n, self.n, "every episode so far, the first batch's included")
         share = sum(self._recent) / len(self._recent)
         if len(self._recent) >= self.window and share >= self.max_share:
-            return self.line(sum(self._recent), len(self._recent),
-                             f"rollout.max_failure_share = {self.max_share:g} of the last {self.window}")  # fmt: skip
+            return self.line(
+                sum(self._recent),
+                len(self._recent),
+                f"rollout.max_failure_share = {self.max_share:g} of the last {self.window}",
+            )
         return None
 
     def line(self, failed: int, of: int, why: str) -> str:

@@ -66,8 +66,9 @@ async def answer_messages(
         sampling["top_k"] = req.top_k
     if req.stop_sequences:
         sampling["stop"] = req.stop_sequences
-    creq = ChatRequest(messages, req.chat_tools(), req.chat_tool_choice(), 1, req.stream, False, False, 0,
-                       sampling)  # fmt: skip
+    creq = ChatRequest(
+        messages, req.chat_tools(), req.chat_tool_choice(), 1, req.stream, False, False, 0, sampling
+    )
     ep.counters["calls"] += 1
     turn = await turns.begin(ep, creq)
     head = {"id": new_id("msg"), "type": "message", "role": "assistant", "model": model}
@@ -81,10 +82,15 @@ async def answer_messages(
         ep.counters["errors"] += 1
         raise EndpointError(503, f"generation failed: {e}") from None
     reason, sequence = stop_reason(finish, res, creq)
-    return json_response({
-        **head, "content": message_content(msg, ep), "stop_reason": reason, "stop_sequence": sequence,
-        "usage": _usage(res.prompt_tokens, len(res.output_ids)),
-    })  # fmt: skip
+    return json_response(
+        {
+            **head,
+            "content": message_content(msg, ep),
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": _usage(res.prompt_tokens, len(res.output_ids)),
+        }
+    )
 
 
 async def answer_count_tokens(
@@ -135,8 +141,13 @@ def stop_reason(finish: str, res: GenResult, req: ChatRequest) -> tuple[str, str
 
 
 def _usage(prompt: int, output: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "output_tokens": output, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0, "service_tier": "standard"}  # fmt: skip
+    return {
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "service_tier": "standard",
+    }
 
 
 # -- streamed messages ---------------------------------------------------------------------------
@@ -165,8 +176,11 @@ async def _stream(
         out.msg = msg
         await choice.finish(msg, res, finish)
         reason, sequence = stop_reason(finish, res, req)
-        await out.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                        usage={"input_tokens": res.prompt_tokens, "output_tokens": len(res.output_ids)})  # fmt: skip
+        await out.event(
+            "message_delta",
+            delta={"stop_reason": reason, "stop_sequence": sequence},
+            usage={"input_tokens": res.prompt_tokens, "output_tokens": len(res.output_ids)},
+        )
         await out.event("message_stop")
     except GenerationError as e:
         ep.counters["errors"] += 1
@@ -227,8 +241,14 @@ class MessageEvents:
                 )
             elif self.open == "tool_use":  # the whole arguments: sent as the input the answer gives
                 call = {"id": self.call_id, "function": {"arguments": tc["function"]["arguments"]}}
-                await self.event("content_block_delta", index=self.index, delta={
-                    "type": "input_json_delta", "partial_json": json.dumps(_tool_use(call, self.ep)["input"])})  # fmt: skip
+                await self.event(
+                    "content_block_delta",
+                    index=self.index,
+                    delta={
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(_tool_use(call, self.ep)["input"]),
+                    },
+                )
         if (choice or {}).get("finish_reason") is not None:
             await self._close()
 

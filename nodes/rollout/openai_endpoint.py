@@ -51,11 +51,20 @@ __all__ = ["ChatEndpoint", "ChatRequest", "EndpointArgs", "EndpointError", "Epis
 log = structlog.get_logger(__name__)
 
 # what each route serves: [/episodes/<id>]/v1/...
-ROUTES = {"/v1/chat/completions": "POST", "/v1/responses": "POST", "/v1/messages": "POST",
-          "/v1/messages/count_tokens": "POST", "/v1/models": "GET"}  # fmt: skip
+ROUTES = {
+    "/v1/chat/completions": "POST",
+    "/v1/responses": "POST",
+    "/v1/messages": "POST",
+    "/v1/messages/count_tokens": "POST",
+    "/v1/models": "GET",
+}
 # what answers each POST route: (turns, request, episode, client, model name) -> its answer
-ANSWERS = {"/v1/chat/completions": answer_chat, "/v1/responses": answer_responses, "/v1/messages": answer_messages,
-           "/v1/messages/count_tokens": answer_count_tokens}  # fmt: skip
+ANSWERS = {
+    "/v1/chat/completions": answer_chat,
+    "/v1/responses": answer_responses,
+    "/v1/messages": answer_messages,
+    "/v1/messages/count_tokens": answer_count_tokens,
+}
 
 
 class ChatEndpoint:
@@ -90,8 +99,13 @@ class ChatEndpoint:
         self.episodes: dict[str, Episode] = {}
         self.default = Episode("default", keep_samples=False)  # the standalone server's /v1
         self.url = ""
-        self._server = HTTPServer(self._handle, lambda status, msg: EndpointError(status, msg).response(),
-                                  limits, self._gate, counters)  # fmt: skip
+        self._server = HTTPServer(
+            self._handle,
+            lambda status, msg: EndpointError(status, msg).response(),
+            limits,
+            self._gate,
+            counters,
+        )
         self.counters = self._server.counters
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -142,14 +156,19 @@ class ChatEndpoint:
             if request.method != allowed:
                 raise EndpointError(405, f"{request.method} {request.path}: Method Not Allowed")
             if route == "/v1/models":
-                return json_response({
-                    "object": "list",
-                    "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
-                })  # fmt: skip
+                return json_response(
+                    {
+                        "object": "list",
+                        "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rlactors"}],
+                    }
+                )
             assert ep is not None
             if ep is self.default and self.client is None:  # e.g. online mode's: sessions only
-                raise EndpointError(404, "this endpoint serves episodes only: use an episode's (a session's) base_url",
-                                    code="episode_not_found")  # fmt: skip
+                raise EndpointError(
+                    404,
+                    "this endpoint serves episodes only: use an episode's (a session's) base_url",
+                    code="episode_not_found",
+                )
             answer = ANSWERS[route]
             ep.inflight += 1
             try:
@@ -166,8 +185,11 @@ class ChatEndpoint:
     def _gate(self, request: Request) -> Response | None:
         """The key, checked from the request's head: the server calls this before reading its body."""
         if self.api_key and not api_key_is(request.headers, self.api_key):
-            return EndpointError(401, "a missing or wrong API key: send Authorization: Bearer <the run's key>",
-                                 code="invalid_api_key").response(_shape(request.path))  # fmt: skip
+            return EndpointError(
+                401,
+                "a missing or wrong API key: send Authorization: Bearer <the run's key>",
+                code="invalid_api_key",
+            ).response(_shape(request.path))
         return None
 
 

@@ -58,9 +58,13 @@ class Wire:
             if u.scheme == "https":
                 tls = self._tls = self._tls or ssl.create_default_context()
             pool = ClientPool(
-                u.hostname, u.port or (443 if tls else 80), max_connections=self._cfg.max_connections_per_server,
-                keepalive_s=_KEEPALIVE_S, connect_timeout_s=self._cfg.connect_timeout_s, ssl=tls,
-            )  # fmt: skip
+                u.hostname,
+                u.port or (443 if tls else 80),
+                max_connections=self._cfg.max_connections_per_server,
+                keepalive_s=_KEEPALIVE_S,
+                connect_timeout_s=self._cfg.connect_timeout_s,
+                ssl=tls,
+            )
             self._pools[url] = (pool, u.path.rstrip("/"))
         return self._pools[url]
 

@@ -57,15 +57,19 @@ async def answer_responses(
         if req.previous_response_id is not None:
             kept = ep.responses.get(req.previous_response_id)
             if kept is None:
-                raise EndpointError(400, f"previous_response_id {req.previous_response_id!r}: no stored "
-                                    "response of this episode", "previous_response_id",
-                                    "previous_response_not_found")  # fmt: skip
+                raise EndpointError(
+                    400,
+                    f"previous_response_id {req.previous_response_id!r}: no stored response of this episode",
+                    "previous_response_id",
+                    "previous_response_not_found",
+                )
             history = kept
         messages, conversation, sampling = chat_args(req, history, turns.defaults)
     except OpenAIError as e:
         raise EndpointError(400, str(e), e.param) from None
-    creq = ChatRequest(messages, req.chat_tools(), req.chat_tool_choice(), 1, req.stream, False, False, 0,
-                       sampling)  # fmt: skip
+    creq = ChatRequest(
+        messages, req.chat_tools(), req.chat_tool_choice(), 1, req.stream, False, False, 0, sampling
+    )
     ep.counters["calls"] += 1
     turn = await turns.begin(ep, creq)
     shape = ResponseShape(req, new_id("resp"), model)
@@ -128,8 +132,14 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}  # fmt: skip
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 class ResponseShape:
@@ -141,30 +151,61 @@ class ResponseShape:
         # what every response object of this request repeats, made once
         self._echo = {
             "instructions": r.instructions,
-            "tools": [{"type": "function", "name": t.name, "description": t.description,
-                       "parameters": t.parameters, "strict": False} for t in r.tools],
-            "tool_choice": r.tool_choice, "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
-            "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_output_tokens,
-            "previous_response_id": r.previous_response_id, "store": r.store, "metadata": r.metadata or {},
+            "tools": [
+                {
+                    "type": "function",
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                    "strict": False,
+                }
+                for t in r.tools
+            ],
+            "tool_choice": r.tool_choice,
+            "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "max_output_tokens": r.max_output_tokens,
+            "previous_response_id": r.previous_response_id,
+            "store": r.store,
+            "metadata": r.metadata or {},
             "error": None,
-        }  # fmt: skip
+        }
 
-    def response(self, items: list[dict[str, Any]], res: GenResult | None, finish: str | None,
-                 status: str | None = None) -> dict[str, Any]:  # fmt: skip
+    def response(
+        self,
+        items: list[dict[str, Any]],
+        res: GenResult | None,
+        finish: str | None,
+        status: str | None = None,
+    ) -> dict[str, Any]:
         """The response object; ``status`` from ``finish`` unless given."""
         if status is None:
             status = "incomplete" if finish == "length" else "completed"
         usage = None
         if res is not None:
             i, o = res.prompt_tokens, len(res.output_ids)
-            usage = {"input_tokens": i, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": o,
-                     "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": i + o}  # fmt: skip
+            usage = {
+                "input_tokens": i,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": o,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": i + o,
+            }
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": items, **self._echo,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": items,
+            **self._echo,
             "incomplete_details": _INCOMPLETE if status == "incomplete" else None,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None, "usage": usage,
-        }  # fmt: skip
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "reasoning": None,
+            "usage": usage,
+        }
 
 
 _INCOMPLETE = {"reason": "max_output_tokens"}
@@ -247,11 +288,22 @@ class ResponseEvents:
             message = self.open
             if message is None or message["type"] != "message":
                 message = await self._open(_message_item(new_id("msg"), "", "in_progress"))
-                await self.event("response.content_part.added", item_id=message["id"], output_index=len(self.items) - 1,
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": []})  # fmt: skip
+                await self.event(
+                    "response.content_part.added",
+                    item_id=message["id"],
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                )
             message["text"] = message.get("text", "") + delta["content"]
-            await self.event("response.output_text.delta", item_id=message["id"], output_index=len(self.items) - 1,
-                             content_index=0, delta=delta["content"], logprobs=[])  # fmt: skip
+            await self.event(
+                "response.output_text.delta",
+                item_id=message["id"],
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=delta["content"],
+                logprobs=[],
+            )
         for tc in delta.get("tool_calls") or ():
             if "id" in tc:
                 await self._open(
@@ -259,8 +311,12 @@ class ResponseEvents:
                 )
             elif self.open is not None and (piece := tc["function"]["arguments"]):
                 self.open["arguments"] += piece
-                await self.event("response.function_call_arguments.delta", item_id=self.open["id"],
-                                 output_index=len(self.items) - 1, delta=piece)  # fmt: skip
+                await self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open["id"],
+                    output_index=len(self.items) - 1,
+                    delta=piece,
+                )
         if (choice or {}).get("finish_reason") is not None:
             if not self.items:  # no text, no calls: an empty message, as OpenAI answers
                 await self._open(_message_item(new_id("msg"), "", "in_progress"))
@@ -285,13 +341,25 @@ class ResponseEvents:
                 text = self.msg.get("content") or ""  # what the parser read: what a reply must repeat
             done = _message_item(item["id"], text, "completed")
             part = done["content"][0]
-            await self.event("response.output_text.done", item_id=item["id"], output_index=k, content_index=0,
-                             text=text, logprobs=[])  # fmt: skip
-            await self.event("response.content_part.done", item_id=item["id"], output_index=k, content_index=0,
-                             part=part)  # fmt: skip
+            await self.event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=k,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            await self.event(
+                "response.content_part.done", item_id=item["id"], output_index=k, content_index=0, part=part
+            )
         else:
             done = {**item, "status": "completed"}
-            await self.event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                             name=item["name"], arguments=item["arguments"])  # fmt: skip
+            await self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=k,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
         self.items[k] = done
         await self.event("response.output_item.done", output_index=k, item=done)

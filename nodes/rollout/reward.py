@@ -294,8 +294,13 @@ class RewardRunner:
             tally.failed(e)
         if (kind := type(e).__name__) not in self._logged:  # later ones are counted (counters)
             self._logged.add(kind)
-            log.warning("reward.error", fn=self.name, error=f"{kind}: {e}", exc_info=e,
-                        note="logged once per kind; later ones are counted")  # fmt: skip
+            log.warning(
+                "reward.error",
+                fn=self.name,
+                error=f"{kind}: {e}",
+                exc_info=e,
+                note="logged once per kind; later ones are counted",
+            )
 
     def close(self) -> None:
         """Stop the worker pool (threads finish their current call; processes are not waited for)."""

@@ -113,10 +113,17 @@ async def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512) ->
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SANDBOX_NO_NET_NS": "0" if netns else "1"}
     with tempfile.TemporaryDirectory(prefix="rlactors-tool-") as cwd:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-c", _PRELUDE,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            cwd=cwd, env=env, preexec_fn=setup,
-        )  # fmt: skip
+            sys.executable,
+            "-I",
+            "-c",
+            _PRELUDE,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            preexec_fn=setup,
+        )
         try:
             out, err = await wait_for(proc.communicate(code.encode()), timeout_s)
         except TimeoutError:

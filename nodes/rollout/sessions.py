@@ -190,8 +190,11 @@ class SessionAPI:
         admitting = group or (self.slots[0] if self.slots else None)
         if admitting is None or admitting.client.paused:  # nothing admitted, or a weight push
             self.counters["sessions_refused"] += 1
-            err = EndpointError(429, "the run is not admitting sessions now: retry after Retry-After seconds",
-                                code="not_admitting")  # fmt: skip
+            err = EndpointError(
+                429,
+                "the run is not admitting sessions now: retry after Retry-After seconds",
+                code="not_admitting",
+            )
             err.headers["Retry-After"] = str(self.config.retry_after_s)
             raise err
         if group is None:  # the oldest slot: consumption follows admission order
@@ -212,8 +215,14 @@ class SessionAPI:
         self.counters["sessions_opened"] += 1
         if len(group.sessions) >= group.size:
             self._close(group)
-        return _json({"id": session.id, "task_id": group.task_id, "group_id": group.id,
-                      "base_url": f"{self.base}/episodes/{session.id}/v1"})  # fmt: skip
+        return _json(
+            {
+                "id": session.id,
+                "task_id": group.task_id,
+                "group_id": group.id,
+                "base_url": f"{self.base}/episodes/{session.id}/v1",
+            }
+        )
 
     def _reward(self, sid: str, body: dict[str, Any]) -> Response:
         reward = body.get("reward")
@@ -221,17 +230,30 @@ class SessionAPI:
             raise EndpointError(400, "reward: a finite number", "reward")
         session = self.sessions.get(sid)
         if session is None:
-            raise EndpointError(404, f"no session {sid!r} is open here (ended, timed out, or never opened)",
-                                code="session_not_found")  # fmt: skip
+            raise EndpointError(
+                404,
+                f"no session {sid!r} is open here (ended, timed out, or never opened)",
+                code="session_not_found",
+            )
         if session.episode.inflight:  # its sequence is still growing: reward what it will be
-            raise EndpointError(409, "a completion of this session is still running: post the reward after its answer",
-                                code="session_busy")  # fmt: skip
+            raise EndpointError(
+                409,
+                "a completion of this session is still running: post the reward after its answer",
+                code="session_busy",
+            )
         session.reward = float(reward)
         self.counters["sessions_rewarded"] += 1
         self._end(session)
         n = sum(1 for s in session.episode.samples if s.mask.any())
-        return _json({"id": sid, "task_id": session.group.task_id, "group_id": session.group.id,
-                      "reward": session.reward, "trajectories": n})  # fmt: skip
+        return _json(
+            {
+                "id": sid,
+                "task_id": session.group.task_id,
+                "group_id": session.group.id,
+                "reward": session.reward,
+                "trajectories": n,
+            }
+        )
 
     # -- ends ----------------------------------------------------------------------------------
 
@@ -268,8 +290,14 @@ class SessionAPI:
             group.dropped = True
             for s in group.sessions:
                 self._end(s)
-        log.info("online.group_timed_out", group=group.id, task=group.task_id, sessions=len(group.sessions),
-                 size=group.size, dropped=group.dropped)  # fmt: skip
+        log.info(
+            "online.group_timed_out",
+            group=group.id,
+            task=group.task_id,
+            sessions=len(group.sessions),
+            size=group.size,
+            dropped=group.dropped,
+        )
         self._close(group)
 
 
@@ -280,11 +308,23 @@ class OnlineWorkflow:
 
     def __init__(self, tokenizer: Any, reward: RewardRunner, config: OnlineConfig | None = None) -> None:
         self.tokenizer, self.config = tokenizer, config or OnlineConfig()
-        self.counters = dict.fromkeys(("sessions_opened", "sessions_rewarded", "sessions_timed_out",
-                                       "sessions_refused", "groups_partial", "groups_dropped", "history_edits",
-                                       # the API's HTTP server's refusals (nodes/rollout/http1/server.py)
-                                       "http_slow_clients", "http_refused_connections", "http_bad_requests",
-                                       "http_unauthorized"), 0)  # fmt: skip
+        self.counters = dict.fromkeys(
+            (
+                "sessions_opened",
+                "sessions_rewarded",
+                "sessions_timed_out",
+                "sessions_refused",
+                "groups_partial",
+                "groups_dropped",
+                "history_edits",
+                # the API's HTTP server's refusals (nodes/rollout/http1/server.py)
+                "http_slow_clients",
+                "http_refused_connections",
+                "http_bad_requests",
+                "http_unauthorized",
+            ),
+            0,
+        )
         assert set(HTTP_COUNTERS) <= set(self.counters)
         self.api: SessionAPI | None = None
         self._started: asyncio.Future[SessionAPI] | None = None
@@ -300,9 +340,17 @@ class OnlineWorkflow:
         c = self.config
         key = api_key if api_key is not None else getattr(getattr(client, "config", None), "keys", None)
         key = getattr(key, "api_key", key) or ""
-        endpoint = ChatEndpoint(None, self.tokenizer, c.model_name, default_max_tokens=c.max_new_tokens,
-                                default_temperature=c.temperature, tool_parser=c.tool_parser, api_key=key,
-                                limits=c.http, counters=self.counters)  # fmt: skip
+        endpoint = ChatEndpoint(
+            None,
+            self.tokenizer,
+            c.model_name,
+            default_max_tokens=c.max_new_tokens,
+            default_temperature=c.temperature,
+            tool_parser=c.tool_parser,
+            api_key=key,
+            limits=c.http,
+            counters=self.counters,
+        )
         api = SessionAPI(endpoint, c, self.counters)
         await endpoint.start(c.host, c.port)
         self.api = api

@@ -83,8 +83,17 @@ class ChatRequest:
         if req.stop is not None:
             sampling["stop"] = req.stop_strings
         options = req.stream_options or {}
-        return cls([m.normalized() for m in req.messages], req.tools, req.tool_choice, req.n, bool(req.stream),
-                   bool(options.get("include_usage")), bool(req.logprobs), req.top_logprobs, sampling)  # fmt: skip
+        return cls(
+            [m.normalized() for m in req.messages],
+            req.tools,
+            req.tool_choice,
+            req.n,
+            bool(req.stream),
+            bool(options.get("include_usage")),
+            bool(req.logprobs),
+            req.top_logprobs,
+            sampling,
+        )
 
 
 @dataclass
@@ -241,9 +250,15 @@ class Turns:
             ep.counters["continued"] += 1
             done, start = found
             new = await _render(
-                _chars(req.messages[start:]), continuation_ids, self.tokenizer, done.messages, req.messages[start:], tools,
-                done.last_id, done.finish_reason,
-            )  # fmt: skip
+                _chars(req.messages[start:]),
+                continuation_ids,
+                self.tokenizer,
+                done.messages,
+                req.messages[start:],
+                tools,
+                done.last_id,
+                done.finish_reason,
+            )
             base = done.sample
             base.add_context(new)
         else:

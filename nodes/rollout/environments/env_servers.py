@@ -123,8 +123,20 @@ class EnvServerActor(rlactors.Actor):
     def commands(self, host: str, port: int) -> tuple[list[list[str]], dict[str, str]]:
         """The server's processes (the last answers ``/health`` on ``host:port``) and what their
         environment adds: here one ``uvicorn <app>``."""
-        return [[sys.executable, "-m", "uvicorn", self.app, "--host", host, "--port", str(port),
-                 "--log-level", "warning"]], {}  # fmt: skip
+        return [
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                self.app,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ]
+        ], {}
 
     def _ended(self) -> bool:
         return any(p.returncode is not None for p in self.procs)
@@ -143,10 +155,16 @@ class EnvServerActor(rlactors.Actor):
         cmds, env = self.commands(host, port)
         for cmd in cmds:
             # its own session, SIGTERM held, killed when this worker dies: as an inference server
-            self.procs.append(await asyncio.create_subprocess_exec(
-                *HOLD_SIGTERM, *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-                preexec_fn=functools.partial(child_setup, os.getpid()), env={**os.environ, **env},
-            ))  # fmt: skip
+            self.procs.append(
+                await asyncio.create_subprocess_exec(
+                    *HOLD_SIGTERM,
+                    *cmd,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL,
+                    preexec_fn=functools.partial(child_setup, os.getpid()),
+                    env={**os.environ, **env},
+                )
+            )
         self.proc = self.procs[-1]
         url = f"http://{host}:{port}"
         deadline = time.monotonic() + self.start_timeout_s

@@ -85,8 +85,14 @@ class EnvEpisodes:
         self.settings, self.env_name = s, env_name
         # one endpoint for the workflow's episodes, whichever client generates (the rollout actor's,
         # an evaluation's); started by the first episode, on its loop
-        self.endpoint = ChatEndpoint(None, tokenizer, s.model_name, default_max_tokens=s.max_new_tokens,
-                                     default_temperature=s.temperature, tool_parser=s.tool_parser)  # fmt: skip
+        self.endpoint = ChatEndpoint(
+            None,
+            tokenizer,
+            s.model_name,
+            default_max_tokens=s.max_new_tokens,
+            default_temperature=s.temperature,
+            tool_parser=s.tool_parser,
+        )
         self._started: asyncio.Future[str] | None = None
         self._routes: dict[
             str, tuple[Any, dict[str, Episode]]

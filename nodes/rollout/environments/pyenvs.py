@@ -45,8 +45,12 @@ def uv_source_env(flags: list[str]) -> dict[str, str]:
     """The same sources as uv's environment variables, for the uv that an environment's programs
     run themselves (verifiers prepares a harness's PEP 723 script with ``uv sync --script
     --no-config``, which reads these but no configuration file); no Python downloads; bytecode."""
-    names = {"--find-links": "UV_FIND_LINKS", "--index-url": "UV_INDEX_URL",
-             "--extra-index-url": "UV_EXTRA_INDEX_URL", "--constraint": "UV_CONSTRAINT"}  # fmt: skip
+    names = {
+        "--find-links": "UV_FIND_LINKS",
+        "--index-url": "UV_INDEX_URL",
+        "--extra-index-url": "UV_EXTRA_INDEX_URL",
+        "--constraint": "UV_CONSTRAINT",
+    }
     env: dict[str, list[str]] = {}
     for flag, value in zip(flags[::2], flags[1::2], strict=True):
         env.setdefault(names[flag], []).append(value)
@@ -67,9 +71,11 @@ def _identity(requirements: list[str]) -> str:
         h.update(req.encode() + b"\n")
         path = Path(req)
         if path.exists():
-            files = [path] if path.is_file() else sorted(
-                p for p in path.rglob("*") if p.is_file() and not _built(p.relative_to(path))
-            )  # fmt: skip
+            files = (
+                [path]
+                if path.is_file()
+                else sorted(p for p in path.rglob("*") if p.is_file() and not _built(p.relative_to(path)))
+            )
             for p in files:  # by content: a fresh clone's files have new times, the same bytes
                 h.update(f"{p.relative_to(path) if p != path else p.name}\n".encode() + p.read_bytes())
     return h.hexdigest()[:16]
@@ -114,8 +120,23 @@ def ensure_pyenv(requirements: list[str], timeout_s: float = 900.0, cache: Path 
         flags = pip_source_flags()
         # bytecode at install: its processes may run under PYTHONDONTWRITEBYTECODE, and every env
         # server, bridge and describe imports verifiers (compiling it from source each time)
-        _uv([*uv, "pip", "install", "-q", "--compile-bytecode", "--python", str(python), "--index-strategy", "unsafe-best-match",
-             *flags, *reqs], timeout_s - (time.monotonic() - start), f"install {' '.join(requirements)}")  # fmt: skip
+        _uv(
+            [
+                *uv,
+                "pip",
+                "install",
+                "-q",
+                "--compile-bytecode",
+                "--python",
+                str(python),
+                "--index-strategy",
+                "unsafe-best-match",
+                *flags,
+                *reqs,
+            ],
+            timeout_s - (time.monotonic() - start),
+            f"install {' '.join(requirements)}",
+        )
         (where / "requirements.txt").write_text("\n".join(reqs) + "\n")
         (where / READY).write_text(f"{time.monotonic() - start:.1f}\n")
     return python

@@ -93,8 +93,10 @@ class VerifiersV1Config(EpisodeSettings):
     def full_env_config(self) -> dict[str, Any]:
         """verifiers' env config: the taskset, the harness on the local subprocess runtime, then
         ``env_config`` deep-merged over them."""
-        base = {"taskset": {"id": self.taskset},
-                "agent": {"harness": {"id": self.harness}, "runtime": {"type": "subprocess"}}}  # fmt: skip
+        base = {
+            "taskset": {"id": self.taskset},
+            "agent": {"harness": {"id": self.harness}, "runtime": {"type": "subprocess"}},
+        }
         return _merged(base, self.env_config)
 
     def requirements(self) -> list[str]:
@@ -117,8 +119,13 @@ class VerifiersV1Config(EpisodeSettings):
         if kept.exists():
             return dict(json.loads(kept.read_text()))
         try:
-            done = subprocess.run([str(python), BRIDGE, "describe", "--config", config], capture_output=True,
-                                  text=True, timeout=self.install_timeout_s, env=process_env(python))  # fmt: skip
+            done = subprocess.run(
+                [str(python), BRIDGE, "describe", "--config", config],
+                capture_output=True,
+                text=True,
+                timeout=self.install_timeout_s,
+                env=process_env(python),
+            )
         except subprocess.TimeoutExpired:
             raise ValueError(
                 f"'taskset' = {self.taskset!r}: describing it ran past {self.install_timeout_s}s"
@@ -140,8 +147,10 @@ class VerifiersV1Config(EpisodeSettings):
 
         name = self.taskset
         tasks = self.described()["tasks"]
-        items = [{"id": t.get("id") or f"{name}-{i}", "question": _prompt_text(t.get("prompt")), "task": t}
-                 for i, t in enumerate(tasks)]  # fmt: skip
+        items = [
+            {"id": t.get("id") or f"{name}-{i}", "question": _prompt_text(t.get("prompt")), "task": t}
+            for i, t in enumerate(tasks)
+        ]
         n = data.eval_from_train or min(data.eval_size, len(items) // 5)
         order = list(range(len(items)))
         random.Random(data.seed).shuffle(order)
@@ -178,8 +187,12 @@ def process_env(python: Path) -> dict[str, str]:
     """The environment of processes in ``python``'s Python environment: its ``bin`` first on PATH
     (its uv prepares harness programs), pip's package sources as uv's."""
     bin_dir = str(python.parent)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(python.parent.parent),
-            **uv_source_env(pip_source_flags())}  # fmt: skip
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+        "VIRTUAL_ENV": str(python.parent.parent),
+        **uv_source_env(pip_source_flags()),
+    }
 
 
 class V1ServerActor(EnvServerActor):
@@ -245,8 +258,10 @@ class VerifiersV1Workflow:
         sampling = {"temperature": c.temperature, "max_tokens": c.max_new_tokens, **c.sampling_args}
         async with self.episodes.sessions(client) as (sessions, url):
             try:
-                r = await self._http.post(f"{server}/run", json={"task": item["task"], "base_url": url,
-                                                                 "model": c.model_name, "sampling": sampling})  # fmt: skip
+                r = await self._http.post(
+                    f"{server}/run",
+                    json={"task": item["task"], "base_url": url, "model": c.model_name, "sampling": sampling},
+                )
                 r.raise_for_status()
                 summary = r.json()
             except httpx.HTTPError as e:

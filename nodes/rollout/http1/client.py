@@ -187,9 +187,15 @@ class ClientPool:
     closed, not reused: the server may be closing it (SGLang's uvicorn closes one idle for 5 s)."""
 
     def __init__(
-        self, host: str, port: int, *, max_connections: int, keepalive_s: float, connect_timeout_s: float,
+        self,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        keepalive_s: float,
+        connect_timeout_s: float,
         ssl: SSLContext | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.host, self.port, self.ssl = host, port, ssl
         self.max_connections, self.keepalive_s = max_connections, keepalive_s
         self.connect_timeout_s = connect_timeout_s
@@ -201,16 +207,24 @@ class ClientPool:
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     async def request(
-        self, method: str, path: str, body: bytes, headers: Mapping[str, str], timeout: float | None,
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout: float | None,
         lines: LineSink | None = None,
-    ) -> tuple[int, bytes]:  # fmt: skip
+    ) -> tuple[int, bytes]:
         """One request: (status, body). With ``lines``, a 200 event-stream answer's lines go there
         as they arrive and its body comes back empty. :class:`ClientError` when no answer came;
         ``timeout`` bounds the answer (not the wait for a connection)."""
         head = b"%s %s HTTP/1.1\r\n%sContent-Length: %d\r\n%s\r\n" % (
-            method.encode(), path.encode(), self._host_header, len(body),
+            method.encode(),
+            path.encode(),
+            self._host_header,
+            len(body),
             b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers.items()),
-        )  # fmt: skip
+        )
         conn = await self._take()
         try:
             return await conn.request(head + body, lines, timeout)

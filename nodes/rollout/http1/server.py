@@ -149,8 +149,9 @@ class Stream:
 class _Refusal(Exception):
     """Raised from a parser callback: answer ``status`` (or ``response``) and close."""
 
-    def __init__(self, status: int, message: str, counter: str = "http_bad_requests",
-                 response: Response | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, status: int, message: str, counter: str = "http_bad_requests", response: Response | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.counter, self.response = status, message, counter, response
 
@@ -459,8 +460,14 @@ class _Connection(asyncio.Protocol):
         if self.gone:
             raise ConnectionResetError("the client closed the connection")
 
-    def _refuse(self, status: int, message: str, counter: str = "http_bad_requests",
-                response: Response | None = None, counted: bool = False) -> None:  # fmt: skip
+    def _refuse(
+        self,
+        status: int,
+        message: str,
+        counter: str = "http_bad_requests",
+        response: Response | None = None,
+        counted: bool = False,
+    ) -> None:
         """Answer a request the server will not take, and close: its bytes cannot be skipped (nor,
         for one refused by its head, read)."""
         self._queue.clear()
@@ -545,8 +552,13 @@ class HTTPServer:
         if len(self._noted) >= 4096:  # forget the peers not logged within the minute
             self._noted = {p: t for p, t in self._noted.items() if now - t < LOG_EVERY_S}
         self._noted[peer] = now
-        log.warning("http1.refused", peer=peer, why=why, counter=counter,
-                    note=f"further refusals of this peer are counted, not logged, for {LOG_EVERY_S:.0f} s")  # fmt: skip
+        log.warning(
+            "http1.refused",
+            peer=peer,
+            why=why,
+            counter=counter,
+            note=f"further refusals of this peer are counted, not logged, for {LOG_EVERY_S:.0f} s",
+        )
 
     async def aclose(self) -> None:
         """Stop listening, drop every connection, cancel the answers in progress."""
