@@ -60,11 +60,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import fcntl
 import functools
 import operator
 import os
 import socket
 import struct
+import termios
 import threading
 import time
 import weakref
@@ -317,6 +319,25 @@ class _Peer:
         finally:
             sock.close()
 
+    def read_all(self) -> bool:
+        """Whether the peer, in this host, has read every byte sent to it: over ipc, nothing is
+        left in our socket's send queue (SIOCOUTQ counts what the peer has not read); over TCP on
+        this host, the peer's socket (found in /proc/net/tcp) has nothing left to read. False
+        when unknown (a peer on another host: its kernel's acknowledgements say nothing of it)."""
+        sock = self._socket()
+        if sock is None:
+            return False
+        try:
+            if sock.family == socket.AF_UNIX:
+                return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0] == 0
+            if sock.family == socket.AF_INET:
+                return _peer_rx_queue(sock.getpeername(), sock.getsockname()) == 0
+            return False
+        except OSError:
+            return False
+        finally:
+            sock.close()
+
     def hang_up(self) -> bool:
         """Shut the connection down: libzmq reads the end of it and disconnects (a DEALER then
         reconnects), as after a ZMTP heartbeat timed out. False if it was already gone."""
@@ -333,6 +354,22 @@ class _Peer:
 
 
 _TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received in Linux's struct tcp_info (since 4.1)
+
+
+def _peer_rx_queue(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
+    """Bytes waiting to be read in the socket at ``local`` connected from ``remote``, if it is in
+    this host's network namespace (/proc/net/tcp); None if it is not."""
+
+    def hexed(addr: tuple[str, int]) -> str:
+        return f"{struct.unpack('<I', socket.inet_aton(addr[0]))[0]:08X}:{addr[1]:04X}"
+
+    want = f"{hexed(local)} {hexed(remote)}"
+    with open("/proc/net/tcp") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) > 4 and f"{fields[1]} {fields[2]}" == want:
+                return int(fields[4].split(":")[1], 16)
+    return None
 
 
 def _inode(fd: int) -> int:
@@ -512,15 +549,20 @@ class AsyncSocket:
             with self._lock:  # a new identity at the ROUTER: it learns at once that this one pings
                 self._ping()
 
-    def _silent(self, peer: _Peer, now: float) -> bool:
-        """Whether ``peer`` has been silent past the timeout. Bytes arriving on its TCP connection
-        count as hearing it (a message larger than the timeout's worth of transfer is heard only
-        when whole), as a ZMTP heartbeat's timeout was reset by each frame."""
+    def _silent(self, peer: _Peer, now: float, pinged: bool) -> bool:
+        """Whether ``peer`` has been silent past the timeout. Two signs from the kernel count as
+        hearing it too, as they did for ZMTP heartbeats: bytes arriving on its TCP connection (a
+        long message, heard only when whole; each frame reset ZMTP's timeout), and, for a peer in
+        this host that we ping (``pinged``), its having read every byte we sent, our last ping
+        included: that is its ZeroMQ I/O thread at work, which needs no GIL (ZMTP's PONG came from
+        it), so a peer whose Python is held up by a long C call, an import, is not cut."""
         silent = now - peer.heard
         if silent > 2 * HEARTBEAT_IVL_MS / 1000:
             rx = peer.received()
-            if rx is not None and rx != peer.rx:
-                peer.rx, peer.heard = rx, now
+            if (rx is not None and rx != peer.rx) or (pinged and peer.read_all()):
+                peer.heard = now
+                if rx is not None:
+                    peer.rx = rx
                 return False
         return silent > HEARTBEAT_TIMEOUT_MS / 1000
 
@@ -538,19 +580,19 @@ class AsyncSocket:
         if self.closed or self._clock is None:
             return
         self.seen = time.monotonic()
+        now = self._clock.now()  # judged before this round's pings: the last ones are a second old
+        if self._skip:
+            for ident, peer in list(self._peers.items()):
+                if self._silent(peer, now, peer.pings):  # silent, or gone (a closed one is not cut)
+                    del self._peers[ident]
+                    self._cut(peer, now)
+        elif self._link is not None and self._silent(self._link, now, True):
+            peer, self._link = self._link, None
+            self._cut(peer, now)
         with self._lock:
             self._ping()
             if not self.closed and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 self._schedule_drain()  # the send may have taken the fd's edge
-        now = self._clock.now()
-        if self._skip:
-            for ident, peer in list(self._peers.items()):
-                if self._silent(peer, now):  # silent, or gone (a closed connection is not cut)
-                    del self._peers[ident]
-                    self._cut(peer, now)
-        elif self._link is not None and self._silent(self._link, now):
-            peer, self._link = self._link, None
-            self._cut(peer, now)
         self._tick_handle = self._loop.call_later(HEARTBEAT_IVL_MS / 1000, self._tick)
 
     def _ping_stalled(self) -> None:

@@ -131,15 +131,16 @@ async def test_a_router_cuts_a_peer_that_stays_silent(tmp_path: Path, quick_time
         router.close()
 
 
-async def test_a_dealer_whose_peer_stops_answering_loses_its_link_and_reconnects(
+async def test_a_dealer_whose_peer_is_stopped_loses_its_link_and_reconnects_when_it_wakes(
     tmp_path: Path, quick_timeout: float
 ) -> None:
-    """A ROUTER that reads but never answers (a stopped process, a partition) looks silent: the
-    DEALER's link goes down (on_link(False): callers fail after LINK_GRACE_S), and it reconnects."""
-    ctx = zmq.Context.instance()
-    mute = ctx.socket(zmq.ROUTER)
-    mute.setsockopt(zmq.LINGER, 0)
-    mute.bind(f"ipc://{tmp_path}/mute")
+    """A peer process stopped with SIGSTOP (its ZeroMQ I/O thread too) is silent: the DEALER's
+    link goes down (on_link(False): callers fail after LINK_GRACE_S), and comes back once the
+    peer wakes."""
+    address = f"ipc://{tmp_path}/stopped"
+    peer = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STOPPED_PEER, address, stdout=asyncio.subprocess.PIPE, start_new_session=True
+    )
     links: list[bool] = []
     changed = asyncio.Event()
 
@@ -147,17 +148,35 @@ async def test_a_dealer_whose_peer_stops_answering_loses_its_link_and_reconnects
         links.append(up)
         changed.set()
 
-    dealer = transport.connect_dealer(
-        f"ipc://{tmp_path}/mute", lambda frames: None, None, name="d", on_link=on_link
-    )
-    try:
-        while links[-3:] != [True, False, True]:  # up, cut as silent, up again
+    async def until(pattern: list[bool]) -> None:
+        while links[-len(pattern) :] != pattern:
             changed.clear()
             await wait_for(changed.wait(), 30)
-        assert mute.poll(0)  # it was pinged all along
+
+    dealer = None
+    try:
+        assert peer.stdout is not None and (await wait_for(peer.stdout.readline(), 30)).strip() == b"ready"
+        dealer = transport.connect_dealer(address, lambda frames: None, None, name="d", on_link=on_link)
+        await until([True])
+        peer.send_signal(signal.SIGSTOP)
+        await until([True, False])  # cut as silent
+        peer.send_signal(signal.SIGCONT)
+        await until([True, False, True])  # reconnected
     finally:
-        dealer.close()
-        mute.close()
+        if dealer is not None:
+            dealer.close()
+        peer.kill()
+        await peer.wait()
+
+
+# A ROUTER that reads (its I/O thread) but never says anything: stopped, it reads nothing either.
+STOPPED_PEER = """
+import sys, time, zmq
+r = zmq.Context().socket(zmq.ROUTER)
+r.bind(sys.argv[1])
+print("ready", flush=True)
+time.sleep(600)
+"""
 
 
 def _serve_on_a_thread(address: str) -> tuple[asyncio.AbstractEventLoop, Service, threading.Thread]:
@@ -269,8 +288,9 @@ async def test_a_message_longer_in_transit_than_the_timeout_is_not_cut(quick_tim
 
 
 def test_bytes_received_on_a_tcp_connection_are_counted_and_a_hang_up_ends_it() -> None:
-    """The two things the transport asks of a connection's socket (by its fd): how many bytes
-    have arrived (TCP only), and shutting it down; neither touches a socket that replaced it."""
+    """What the transport asks of a connection's socket (by its fd): how many bytes have arrived
+    (TCP only), whether the peer in this host has read all we sent (ipc and TCP), and shutting it
+    down; none of it touches a socket that replaced it."""
     import socket
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -283,11 +303,21 @@ def test_bytes_received_on_a_tcp_connection_are_counted_and_a_hang_up_ends_it() 
         client.sendall(b"y" * 1000)
         assert server.recv(1000, socket.MSG_WAITALL) == b"y" * 1000
         assert peer.received() == before + 1000
+        assert peer.read_all()  # nothing sent to the other end
+        server.sendall(b"z" * 10)
+        assert not peer.read_all()  # sent, not read yet
+        assert client.recv(10, socket.MSG_WAITALL) == b"z" * 10
+        assert peer.read_all()
         assert peer.hang_up()
         assert client.recv(1) == b""  # the other end reads the end of the stream
         a, b = socket.socketpair()
         with a, b:
-            assert transport._Peer(a.fileno(), 0.0).received() is None  # not TCP
+            unix = transport._Peer(a.fileno(), 0.0)
+            assert unix.received() is None  # not TCP
+            a.sendall(b"w" * 10)
+            assert not unix.read_all()
+            assert b.recv(10, socket.MSG_WAITALL) == b"w" * 10
+            assert unix.read_all()
         stale = transport._Peer(server.fileno(), 0.0)
         stale.inode += 1  # as if the fd number now belonged to another socket
         assert stale.received() is None and not stale.hang_up()
