@@ -70,10 +70,22 @@ sys.path.insert(0, str(ROOT))  # tests.helpers (the repository's, not installed)
 from tests.helpers.servers import start_reference_server, stop_server  # noqa: E402
 
 NEW_TOKENS = 16
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "What is 12 + 30? Think step by step."}]  # fmt: skip
-SERVER_ARGS = ["--backend", "sim", "--sim-vocab-size", "49152", "--sim-eos-prob", "0",
-               "--sim-decode-s-base", "0.002", "--max-running-requests", "8192"]  # fmt: skip
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 12 + 30? Think step by step."},
+]
+SERVER_ARGS = [
+    "--backend",
+    "sim",
+    "--sim-vocab-size",
+    "49152",
+    "--sim-eos-prob",
+    "0",
+    "--sim-decode-s-base",
+    "0.002",
+    "--max-running-requests",
+    "8192",
+]
 TARGET_US = 300.0
 
 Post = Callable[[int, int], Awaitable[None]]  # (loop index, call index) -> one call
@@ -81,8 +93,18 @@ Post = Callable[[int, int], Awaitable[None]]  # (loop index, call index) -> one 
 
 def start_endpoint(urls: list[str], model_path: Path) -> tuple[subprocess.Popen, str]:
     """The standalone endpoint on a free port in front of ``urls``; its process and base_url."""
-    cmd = [sys.executable, "-m", "nodes.rollout.openai_endpoint", "--model-path", str(model_path),
-           "--host", "127.0.0.1", "--port", "0", *(a for u in urls for a in ("--server-url", u))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nodes.rollout.openai_endpoint",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *(a for u in urls for a in ("--server-url", u)),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     line = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
@@ -180,8 +202,12 @@ async def chat_sdk(base_url: str) -> tuple[Post, Callable[[], Awaitable[None]]]:
     import openai
 
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
-                                http_client=openai.DefaultAsyncHttpxClient(limits=limits))  # fmt: skip
+    client = openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
 
     async def post(i: int, n: int) -> None:
         r = await client.chat.completions.create(
@@ -199,8 +225,13 @@ async def responses_aiohttp(base_url: str) -> tuple[Post, Callable[[], Awaitable
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    body = {"model": "m", "instructions": MESSAGES[0]["content"], "input": MESSAGES[1]["content"],
-            "max_output_tokens": NEW_TOKENS, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "m",
+        "instructions": MESSAGES[0]["content"],
+        "input": MESSAGES[1]["content"],
+        "max_output_tokens": NEW_TOKENS,
+        "temperature": 0,
+    }
 
     async def post(i: int, n: int) -> None:
         async with session.post(base_url + "/responses", json=body) as r:
@@ -220,8 +251,14 @@ async def responses_episodes(base_url: str) -> tuple[Post, Callable[[], Awaitabl
     async def post(i: int, n: int) -> None:
         if n % 2 == 0:
             items[i] = [{"role": "user", "content": f"What is {i} + {n}? Think step by step."}]
-        body = {"model": "m", "instructions": MESSAGES[0]["content"], "input": items[i],
-                "max_output_tokens": NEW_TOKENS, "temperature": 0, "store": False}  # fmt: skip
+        body = {
+            "model": "m",
+            "instructions": MESSAGES[0]["content"],
+            "input": items[i],
+            "max_output_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "store": False,
+        }
         async with session.post(base_url + "/responses", json=body) as r:
             r.raise_for_status()
             answer = await r.json()
@@ -235,8 +272,13 @@ async def messages_aiohttp(base_url: str) -> tuple[Post, Callable[[], Awaitable[
     import aiohttp
 
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    body = {"model": "m", "system": MESSAGES[0]["content"], "messages": MESSAGES[1:], "max_tokens": NEW_TOKENS,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": "m",
+        "system": MESSAGES[0]["content"],
+        "messages": MESSAGES[1:],
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+    }
 
     async def post(i: int, n: int) -> None:
         async with session.post(base_url + "/messages", json=body) as r:
@@ -256,14 +298,22 @@ async def messages_episodes(base_url: str) -> tuple[Post, Callable[[], Awaitable
     async def post(i: int, n: int) -> None:
         if n % 2 == 0:
             history[i] = [{"role": "user", "content": f"What is {i} + {n}? Think step by step."}]
-        body = {"model": "m", "system": MESSAGES[0]["content"], "messages": history[i], "max_tokens": NEW_TOKENS,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": "m",
+            "system": MESSAGES[0]["content"],
+            "messages": history[i],
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+        }
         async with session.post(base_url + "/messages", json=body) as r:
             r.raise_for_status()
             answer = await r.json()
         assert answer["usage"]["output_tokens"] == NEW_TOKENS
-        history[i] = [*history[i], {"role": "assistant", "content": answer["content"]},
-                      {"role": "user", "content": "Go on."}]  # fmt: skip
+        history[i] = [
+            *history[i],
+            {"role": "assistant", "content": answer["content"]},
+            {"role": "user", "content": "Go on."},
+        ]
 
     return post, session.close
 
@@ -318,9 +368,20 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["generate", "client", "chat", "chat-distinct", "chat-episode", "chat-sdk", "models",
-                 "responses", "responses-episode", "messages", "messages-episode"],
-    )  # fmt: skip
+        default=[
+            "generate",
+            "client",
+            "chat",
+            "chat-distinct",
+            "chat-episode",
+            "chat-sdk",
+            "models",
+            "responses",
+            "responses-episode",
+            "messages",
+            "messages-episode",
+        ],
+    )
     ap.add_argument("--runners", action="store_true", help="measure agent_runner loop | thread | process")
     ap.add_argument("--sessions", action="store_true", help="measure the session API's overhead per session")
     ap.add_argument(
@@ -343,8 +404,11 @@ def main() -> None:
 
     model_path = ensure_tiny_checkpoint()
     ids = prompt_ids(AutoTokenizer.from_pretrained(str(model_path), local_files_only=True), MESSAGES, None)
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
+        flush=True,
+    )
     started = [start_reference_server(SERVER_ARGS) for _ in range(args.servers)]
     urls = [u for _, u in started]
     ep_proc, base_url = start_endpoint(urls, model_path)
@@ -368,9 +432,12 @@ def main() -> None:
             for name in args.variants:
                 r = uvloop.run(measure(variants[name], endpoint, args.concurrency, args.warmup, args.seconds))
                 results[name].append(r)
-                print(f"rep={rep} {name:13s} agent {r['agent_us']:6.0f} us/call  endpoint {r['endpoint_us']:6.0f}"
-                      f" us/call  {r['calls_per_s']:6.0f} calls/s  calls={r['calls']}"
-                      f" load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+                print(
+                    f"rep={rep} {name:13s} agent {r['agent_us']:6.0f} us/call  endpoint {r['endpoint_us']:6.0f}"
+                    f" us/call  {r['calls_per_s']:6.0f} calls/s  calls={r['calls']}"
+                    f" load={os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
     finally:
         os.killpg(ep_proc.pid, signal.SIGTERM)
         ep_proc.wait(timeout=20)
@@ -383,20 +450,36 @@ def main() -> None:
 
     base, client = median("generate", "agent_us"), median("client", "agent_us")
     print(f"baseline: bare /generate (aiohttp) {base:.0f} us/call; SGLangClient {client:.0f}")
-    for name in ("chat", "chat-distinct", "chat-episode", "chat-sdk", "responses", "responses-episode", "messages",
-                 "messages-episode"):  # fmt: skip
+    for name in (
+        "chat",
+        "chat-distinct",
+        "chat-episode",
+        "chat-sdk",
+        "responses",
+        "responses-episode",
+        "messages",
+        "messages-episode",
+    ):
         if name in results:
             ep, agent = median(name, "endpoint_us"), median(name, "agent_us")
-            print(f"{name:13s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
-                  f" target <= {TARGET_US:.0f}: {'met' if ep - base <= TARGET_US else 'MISSED'});"
-                  f" its own work (minus its SGLangClient call) {ep - client:.0f} us; agent side {agent:.0f} us/call")  # fmt: skip
+            print(
+                f"{name:13s} endpoint {ep:.0f} us/call ({ep / base:.2f}x bare /generate, adds {ep - base:+.0f} us;"
+                f" target <= {TARGET_US:.0f}: {'met' if ep - base <= TARGET_US else 'MISSED'});"
+                f" its own work (minus its SGLangClient call) {ep - client:.0f} us; agent side {agent:.0f} us/call"
+            )
 
-    for name, like in (("responses", "chat"), ("responses-episode", "chat-episode"), ("messages", "chat"),
-                       ("messages-episode", "chat-episode")):  # fmt: skip
+    for name, like in (
+        ("responses", "chat"),
+        ("responses-episode", "chat-episode"),
+        ("messages", "chat"),
+        ("messages-episode", "chat-episode"),
+    ):
         if name in results and like in results:
             r, c = median(name, "endpoint_us"), median(like, "endpoint_us")
-            print(f"{name} endpoint {r:.0f} us/call against {like} {c:.0f}: {100 * (r / c - 1):+.1f}%"
-                  f" (target within 10%: {'met' if r <= 1.1 * c else 'MISSED'})")  # fmt: skip
+            print(
+                f"{name} endpoint {r:.0f} us/call against {like} {c:.0f}: {100 * (r / c - 1):+.1f}%"
+                f" (target within 10%: {'met' if r <= 1.1 * c else 'MISSED'})"
+            )
 
 
 # -- agent runners -------------------------------------------------------------------------------
@@ -428,8 +511,17 @@ class Instant:
         from nodes.rollout.client import GenResult
 
         ids = list(range(1000, 1000 + NEW_TOKENS))
-        return GenResult(request.rid or "", ids, [-0.5] * len(ids), [0] * len(ids), "length", "",
-                         len(request.input_ids), [0], "instant")  # fmt: skip
+        return GenResult(
+            request.rid or "",
+            ids,
+            [-0.5] * len(ids),
+            [0] * len(ids),
+            "length",
+            "",
+            len(request.input_ids),
+            [0],
+            "instant",
+        )
 
 
 async def run_groups(
@@ -476,16 +568,27 @@ def runners(args: argparse.Namespace) -> None:
     from nodes.rollout.agents import AgentConfig, AgentWorkflow
 
     tok = AutoTokenizer.from_pretrained(str(ensure_tiny_checkpoint()), local_files_only=True)
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
+        flush=True,
+    )
     me = psutil.Process()
     cases = [(agent, runner) for agent in ("awaits", "blocks") for runner in ("loop", "thread", "process")]
     workflows = {
-        (agent, runner): AgentWorkflow(tok, None, AgentConfig(  # type: ignore[arg-type]
-            agent=f"bench.agent_endpoint:{agent}", n_samples=4, agent_runner=runner,  # type: ignore[arg-type]
-            agent_processes=4 * args.concurrency, max_new_tokens=NEW_TOKENS))
+        (agent, runner): AgentWorkflow(
+            tok,
+            None,
+            AgentConfig(  # type: ignore[arg-type]
+                agent=f"bench.agent_endpoint:{agent}",
+                n_samples=4,
+                agent_runner=runner,  # type: ignore[arg-type]
+                agent_processes=4 * args.concurrency,
+                max_new_tokens=NEW_TOKENS,
+            ),
+        )
         for agent, runner in cases
-    }  # fmt: skip
+    }
     results: dict[tuple[str, str], list[dict[str, float]]] = {c: [] for c in cases}
 
     async def main() -> None:
@@ -496,9 +599,11 @@ def runners(args: argparse.Namespace) -> None:
                     warmup = args.warmup * (3 if rep == 0 and runner == "process" else 1)  # workers start
                     r = await run_groups(wf, args.concurrency, warmup, args.seconds, me)
                     results[agent, runner].append(r)
-                    print(f"rep={rep} {agent:6s} {runner:7s} {r['per_s']:7.0f} episodes/s  actor {r['actor_us']:6.0f}"
-                          f" us/episode  workers {r['workers_us']:6.0f} us/episode  load={os.getloadavg()[0]:.1f}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"rep={rep} {agent:6s} {runner:7s} {r['per_s']:7.0f} episodes/s  actor {r['actor_us']:6.0f}"
+                        f" us/episode  workers {r['workers_us']:6.0f} us/episode  load={os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
         finally:
             for wf in workflows.values():
                 await wf.endpoint.aclose()
@@ -507,8 +612,10 @@ def runners(args: argparse.Namespace) -> None:
     uvloop.run(main())
     for (agent, runner), rs in results.items():
         mid = sorted(rs, key=lambda r: r["per_s"])[len(rs) // 2]
-        print(f"median {agent:6s} {runner:7s} {mid['per_s']:7.0f} episodes/s  actor {mid['actor_us']:6.0f}"
-              f" us/episode  workers {mid['workers_us']:6.0f} us/episode")  # fmt: skip
+        print(
+            f"median {agent:6s} {runner:7s} {mid['per_s']:7.0f} episodes/s  actor {mid['actor_us']:6.0f}"
+            f" us/episode  workers {mid['workers_us']:6.0f} us/episode"
+        )
 
 
 # -- the session API ---------------------------------------------------------------------------------
@@ -584,8 +691,11 @@ def sessions(args: argparse.Namespace) -> None:
     import psutil
     import uvloop
 
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
+        flush=True,
+    )
     started = [start_reference_server(SERVER_ARGS) for _ in range(args.servers)]
     urls = [u for _, u in started]
     cmd = [sys.executable, __file__, "--serve-sessions", *urls, "--concurrency", str(args.concurrency)]
@@ -603,8 +713,11 @@ def sessions(args: argparse.Namespace) -> None:
                 make = functools.partial(session_episodes, root, name == "session")
                 r = uvloop.run(measure(make, server, args.concurrency, args.warmup, args.seconds))
                 results[name].append(r)
-                print(f"rep={rep} {name:8s} server {r['endpoint_us']:6.0f} us/episode  client {r['agent_us']:6.0f}"
-                      f" us/episode  {r['calls_per_s']:6.0f} episodes/s  load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+                print(
+                    f"rep={rep} {name:8s} server {r['endpoint_us']:6.0f} us/episode  client {r['agent_us']:6.0f}"
+                    f" us/episode  {r['calls_per_s']:6.0f} episodes/s  load={os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=20)
@@ -613,8 +726,10 @@ def sessions(args: argparse.Namespace) -> None:
     base, ses = (
         sorted(r["endpoint_us"] for r in results[k])[args.repeats // 2] for k in ("episode", "session")
     )
-    print(f"median: two-turn episode {base:.0f} us of serving CPU; as a session {ses:.0f} us: the session API adds"
-          f" {ses - base:+.0f} us per session ({100 * (ses / base - 1):+.1f}%)")  # fmt: skip
+    print(
+        f"median: two-turn episode {base:.0f} us of serving CPU; as a session {ses:.0f} us: the session API adds"
+        f" {ses - base:+.0f} us per session ({100 * (ses / base - 1):+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ import uuid
 from typing import Any
 
 
-def final_number_reward(prompt: str, completion: str, input_ids: Any, output_ids: Any, answer: str = "",
-                        **_: Any) -> float:  # fmt: skip
+def final_number_reward(
+    prompt: str, completion: str, input_ids: Any, output_ids: Any, answer: str = "", **_: Any
+) -> float:
     """1 if the completion's last number is the answer (AReaL's reward signature)."""
     nums = re.findall(r"-?\d+", completion)
     return float(bool(nums) and nums[-1] == answer)
@@ -79,10 +80,14 @@ def main() -> None:
             }
 
     B, K = spec["batch_size"], spec["n_samples"]
-    cfg = InferenceEngineConfig(backend=f"sglang:d{len(spec['urls'])}", consumer_batch_size=B,
-                                max_head_offpolicyness=spec["max_staleness"],
-                                max_concurrent_rollouts=spec["max_concurrent"], request_timeout=3600,
-                                setup_timeout=120)  # fmt: skip
+    cfg = InferenceEngineConfig(
+        backend=f"sglang:d{len(spec['urls'])}",
+        consumer_batch_size=B,
+        max_head_offpolicyness=spec["max_staleness"],
+        max_concurrent_rollouts=spec["max_concurrent"],
+        request_timeout=3600,
+        setup_timeout=120,
+    )
     engine = RemoteSGLangEngine(cfg)
     engine.initialize(addr=[u.removeprefix("http://") for u in spec["urls"]], train_data_parallel_size=1)
     loader = StatefulDataLoader(
@@ -118,8 +123,13 @@ def main() -> None:
         step()
         steps += 1
     wall = time.monotonic() - t0
-    print("done " + json.dumps({"wall_s": wall, "steps": steps, "staleness_max": staleness,
-                                "trajectories": trajectories}), flush=True)  # fmt: skip
+    print(
+        "done "
+        + json.dumps(
+            {"wall_s": wall, "steps": steps, "staleness_max": staleness, "trajectories": trajectories}
+        ),
+        flush=True,
+    )
     engine.destroy()
     sys.exit(0)
 

@@ -85,11 +85,15 @@ def make_answer(tokens: int, rng: np.random.Generator) -> bytes:
     n = tokens - PROMPT
     ids, lps = rng.integers(0, 150_000, n).tolist(), (-rng.random(n)).tolist()
     meta = {
-        "id": "r", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": PROMPT,
-        "completion_tokens": n, "cached_tokens": 0, "weight_version": "3",
+        "id": "r",
+        "finish_reason": {"type": "length", "length": n},
+        "prompt_tokens": PROMPT,
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "weight_version": "3",
         "weight_versions": [{"start": 0, "end": n, "version": "3"}],
         "output_token_logprobs": [[lp, i, None] for lp, i in zip(lps, ids, strict=True)],
-    }  # fmt: skip
+    }
     return orjson.dumps({"text": "abcd" * n, "output_ids": ids, "meta_info": meta})
 
 
@@ -121,9 +125,15 @@ def bench_answer(tokens: int, repeats: int) -> dict[str, Any]:
     prompt = rng.integers(0, 150_000, PROMPT).tolist()
     hop = cpu_ms(lambda: first_hop(answers, prompt), repeats)
     parse = cpu_ms(lambda: [orjson.loads(a) for a in answers], repeats)
-    return {"bench": "answer", "tokens_per_trajectory": tokens, "arrays_from_the_answer": ARRAY_SAMPLES,
-            "answers_to_frames_ms": hop, "json_parse_ms": parse, "beyond_the_json_parse_ms": hop - parse,
-            "answer_bytes": sum(map(len, answers))}  # fmt: skip
+    return {
+        "bench": "answer",
+        "tokens_per_trajectory": tokens,
+        "arrays_from_the_answer": ARRAY_SAMPLES,
+        "answers_to_frames_ms": hop,
+        "json_parse_ms": parse,
+        "beyond_the_json_parse_ms": hop - parse,
+        "answer_bytes": sum(map(len, answers)),
+    }
 
 
 def bench_group(tokens: int, repeats: int) -> list[dict[str, Any]]:
@@ -193,14 +203,27 @@ def bench_buffer_and_driver(n_groups: int, tokens: int, repeats: int) -> list[di
         rank_ms.append(rank_cpu_ms(to_ranks))
         del b, to_ranks, batch, buf
     return [
-        {"bench": "buffer", "groups": n_groups, "tokens_per_trajectory": tokens,
-         "put_ms_per_group": statistics.median(buffer_ms), "hand_out_ms_per_group": statistics.median(encode_ms),
-         "cpu_ms_per_group": statistics.median(buffer_ms) + statistics.median(encode_ms)},
-        {"bench": "driver", "groups": n_groups, "tokens_per_trajectory": tokens,
-         "cpu_ms_per_batch": statistics.median(driver_ms)},
-        {"bench": "rank", "groups": n_groups, "tokens_per_trajectory": tokens,
-         "decode_and_build_microbatches_ms": statistics.median(rank_ms)},
-    ]  # fmt: skip
+        {
+            "bench": "buffer",
+            "groups": n_groups,
+            "tokens_per_trajectory": tokens,
+            "put_ms_per_group": statistics.median(buffer_ms),
+            "hand_out_ms_per_group": statistics.median(encode_ms),
+            "cpu_ms_per_group": statistics.median(buffer_ms) + statistics.median(encode_ms),
+        },
+        {
+            "bench": "driver",
+            "groups": n_groups,
+            "tokens_per_trajectory": tokens,
+            "cpu_ms_per_batch": statistics.median(driver_ms),
+        },
+        {
+            "bench": "rank",
+            "groups": n_groups,
+            "tokens_per_trajectory": tokens,
+            "decode_and_build_microbatches_ms": statistics.median(rank_ms),
+        },
+    ]
 
 
 def rank_cpu_ms(frames: list[Any]) -> float:

@@ -208,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="where the runs write (default: a temporary folder)")
     args = ap.parse_args(argv)
     settings = args.only or list(SETTINGS)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
         out_root = Path(args.out) if args.out else Path(tmp)

@@ -59,8 +59,17 @@ class Instant:
 
     async def agenerate(self, request: GenRequest) -> GenResult:
         n = len(self.ids)
-        return GenResult(request.rid or "", list(self.ids), [-0.5] * n, [0] * n, "stop", "apple pie",
-                         len(request.input_ids), [0], "instant")  # fmt: skip
+        return GenResult(
+            request.rid or "",
+            list(self.ids),
+            [-0.5] * n,
+            [0] * n,
+            "stop",
+            "apple pie",
+            len(request.input_ids),
+            [0],
+            "instant",
+        )
 
 
 async def one_call(client: Any, item: dict[str, Any]) -> float:
@@ -76,8 +85,10 @@ async def two_calls(client: Any, item: dict[str, Any]) -> float:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Say a word (seed None)."}]
     for _ in range(2):
         r = await client.chat.completions.create(model="policy", messages=messages)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content},
-                     {"role": "user", "content": "Another word."}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "Another word."},
+        ]
     return 1.0
 
 
@@ -85,8 +96,10 @@ def start_server(app: str) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--port", str(port), "--log-level", "warning"],
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", app, "--port", str(port), "--log-level", "warning"],
+        stderr=subprocess.DEVNULL,
+    )
     import httpx
 
     url = f"http://127.0.0.1:{port}"
@@ -114,10 +127,13 @@ def start_v1(
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
     address, env = f"tcp://127.0.0.1:{ports[0]}", process_env(cfg.python())
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in (
-        [python, BRIDGE, "server", "--config", json.dumps(cfg.full_env_config()), "--address", address],
-        [python, BRIDGE, "bridge", "--address", address, "--host", "127.0.0.1", "--port", str(ports[1])],
-    )]  # fmt: skip
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for cmd in (
+            [python, BRIDGE, "server", "--config", json.dumps(cfg.full_env_config()), "--address", address],
+            [python, BRIDGE, "bridge", "--address", address, "--host", "127.0.0.1", "--port", str(ports[1])],
+        )
+    ]
     url = f"http://127.0.0.1:{ports[1]}"
     while True:
         assert all(p.poll() is None for p in procs), "the v1 env server or bridge did not start"
@@ -136,8 +152,9 @@ def start_v1(
     return procs, wf
 
 
-async def measure(wf: Any, gen: Instant, item: dict[str, Any], groups: int, concurrency: int,
-                  servers: list[psutil.Process]) -> tuple[float, float]:  # fmt: skip
+async def measure(
+    wf: Any, gen: Instant, item: dict[str, Any], groups: int, concurrency: int, servers: list[psutil.Process]
+) -> tuple[float, float]:
     """(this process's CPU seconds, the servers') over ``groups`` groups, ``concurrency`` at a time."""
     me = psutil.Process()
     sem = asyncio.Semaphore(concurrency)
@@ -168,8 +185,9 @@ async def main(args: argparse.Namespace) -> None:
         vf_wf = VerifiersWorkflow(tok, reward, VerifiersConfig(env="tests.envs.sample_env", n_samples=n))
 
         def agent(fn: str, runner: str) -> AgentWorkflow:
-            return AgentWorkflow(tok, reward, AgentConfig(agent=f"bench.env_overhead:{fn}", n_samples=n,
-                                                          agent_runner=runner))  # fmt: skip
+            return AgentWorkflow(
+                tok, reward, AgentConfig(agent=f"bench.env_overhead:{fn}", n_samples=n, agent_runner=runner)
+            )
 
         item = {**dict(vf_wf.env.get_dataset()[0]), "id": "x"}
         v1_item = {"id": "x", "task": v1_wf.config.described()["tasks"][0]}
@@ -198,8 +216,10 @@ async def main(args: argparse.Namespace) -> None:
             p.kill()
             p.wait()
     episodes = args.groups * n
-    print(f"# {platform.node()} ({os.cpu_count()} cores), python {platform.python_version()}; "
-          f"{args.groups} groups x {n} episodes, {args.concurrency} groups at a time, median of {args.repeats}")  # fmt: skip
+    print(
+        f"# {platform.node()} ({os.cpu_count()} cores), python {platform.python_version()}; "
+        f"{args.groups} groups x {n} episodes, {args.concurrency} groups at a time, median of {args.repeats}"
+    )
     per = {k: statistics.median(c for c, _ in v) / episodes * 1e3 for k, v in results.items()}
     srv_per = {
         k: statistics.median(s for _, s in results[k]) / episodes * 1e3 for k in ("openenv", "verifiers-v1")
@@ -208,9 +228,15 @@ async def main(args: argparse.Namespace) -> None:
         "| variant | CPU per episode, this process (ms) | over its agent baseline (ms) | server CPU per episode (ms) |"
     )
     print("| --- | --- | --- | --- |")
-    rows = [("agent-1", None), ("agent-1 (thread)", "agent-1"), ("verifiers", "agent-1"),
-            ("verifiers-v1", "agent-1"), ("agent-2", None), ("agent-2 (thread)", "agent-2"),
-            ("openenv", "agent-2")]  # fmt: skip
+    rows = [
+        ("agent-1", None),
+        ("agent-1 (thread)", "agent-1"),
+        ("verifiers", "agent-1"),
+        ("verifiers-v1", "agent-1"),
+        ("agent-2", None),
+        ("agent-2 (thread)", "agent-2"),
+        ("openenv", "agent-2"),
+    ]
     for name, base in rows:
         over = f"{per[name] - per[base]:+.2f}" if base else "-"
         print(f"| {name} | {per[name]:.2f} | {over} | {f'{srv_per[name]:.2f}' if name in srv_per else '-'} |")

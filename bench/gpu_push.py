@@ -39,11 +39,29 @@ from statistics import median
 from typing import Any
 
 SIZES = {  # LlamaForCausalLM with SmolLM2's vocabulary (its tokenizer is what the cache holds)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
-    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    ),
     # Qwen2.5-1.5B's layers
-    "1.4b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
-}  # fmt: skip
+    "1.4b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+}
 
 
 def free_port() -> int:
@@ -185,7 +203,11 @@ def bench_baselines(nbytes: int, device: str, reps: int) -> dict[str, Any]:
             done.get(timeout=600)
         ipc = out.get(timeout=600)
         recv.join()
-        rows["cuda_ipc_copy"] = {"median_s": median(ipc), "all_s": [round(t, 4) for t in ipc], "GB_per_s": nbytes / median(ipc) / 1e9}  # fmt: skip
+        rows["cuda_ipc_copy"] = {
+            "median_s": median(ipc),
+            "all_s": [round(t, 4) for t in ipc],
+            "GB_per_s": nbytes / median(ipc) / 1e9,
+        }
     return rows
 
 

@@ -28,9 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-bench"
 ANSWER = b'{"id":"x","object":"thing","data":[1,2,3],"ok":true,"n":12345}'
-REQUEST = (b"POST /v1/thing HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
-           + b"\r\nContent-Type: application/json\r\nContent-Length: 27\r\n\r\n"
-           + b'{"model":"m","messages":[]}')  # fmt: skip
+REQUEST = (
+    b"POST /v1/thing HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+    + KEY.encode()
+    + b"\r\nContent-Type: application/json\r\nContent-Length: 27\r\n\r\n"
+    + b'{"model":"m","messages":[]}'
+)
 
 
 def serve(kind: str, port: int, module: str) -> None:
@@ -55,13 +58,28 @@ def serve(kind: str, port: int, module: str) -> None:
                 body += m.get("body", b"")
                 if not m.get("more_body"):
                     break
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", b"%d" % len(ANSWER))]})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", b"%d" % len(ANSWER)),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": ANSWER})
 
-        uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
-                    access_log=False, timeout_keep_alive=75)  # fmt: skip
+        uvicorn.run(
+            app,
+            host="127.0.0.1",
+            port=port,
+            loop="uvloop",
+            http="httptools",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=75,
+        )
         return
     import importlib.util
 
@@ -121,14 +139,23 @@ def main() -> None:
     import psutil
     import uvloop
 
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
+        flush=True,
+    )
     ours = str(ROOT / "nodes" / "rollout" / "http1" / "server.py")
     variants = {"ours": ours, "uvicorn": ""}
     if args.before:
         old = tempfile.NamedTemporaryFile(suffix=".py", delete=False)
-        old.write(subprocess.run(["git", "show", f"{args.before}:nodes/rollout/http1/server.py"], cwd=ROOT,
-                                 check=True, capture_output=True).stdout)  # fmt: skip
+        old.write(
+            subprocess.run(
+                ["git", "show", f"{args.before}:nodes/rollout/http1/server.py"],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+            ).stdout
+        )
         old.close()
         variants["before"] = old.name
     results: dict[str, list[float]] = {k: [] for k in variants}
@@ -138,8 +165,14 @@ def main() -> None:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
-            proc = subprocess.Popen([sys.executable, __file__, "--serve", kind, str(port), module or "-"], env=env,
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "--serve", kind, str(port), module or "-"],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             try:
                 for _ in range(200):  # until it listens
                     try:
@@ -156,8 +189,11 @@ def main() -> None:
                 proc.kill()
                 proc.wait()
             results[kind].append(us)
-            print(f"rep={rep} {kind:8s} {us:6.1f} us/request  {n / args.seconds:7.0f} requests/s"
-                  f"  load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            print(
+                f"rep={rep} {kind:8s} {us:6.1f} us/request  {n / args.seconds:7.0f} requests/s"
+                f"  load={os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     for kind, xs in results.items():
         print(f"median {kind:8s} {sorted(xs)[len(xs) // 2]:6.1f} us/request")
 

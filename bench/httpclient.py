@@ -71,8 +71,12 @@ def load_old_client(rev: str) -> Any:
 
 
 def body(i: int, n: int) -> dict[str, Any]:
-    return {"input_ids": PROMPT, "rid": f"b{i}-{n}", "return_logprob": True,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS}}  # fmt: skip
+    return {
+        "input_ids": PROMPT,
+        "rid": f"b{i}-{n}",
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS},
+    }
 
 
 async def sglang_client(module: Any, urls: list[str], concurrency: int) -> tuple[Post, Callable, Callable]:
@@ -92,9 +96,14 @@ async def sglang_client(module: Any, urls: list[str], concurrency: int) -> tuple
 async def bare_httpx(urls: list[str], concurrency: int) -> tuple[Post, Callable, Callable]:
     """4-connection AsyncClients, loop i on server i % len(urls) (the client's lane layout)."""
     n = max(len(urls), concurrency // 4)
-    clients = [httpx.AsyncClient(base_url=urls[i % len(urls)], timeout=600,
-                                 limits=httpx.Limits(max_connections=4, max_keepalive_connections=4))
-               for i in range(n)]  # fmt: skip
+    clients = [
+        httpx.AsyncClient(
+            base_url=urls[i % len(urls)],
+            timeout=600,
+            limits=httpx.Limits(max_connections=4, max_keepalive_connections=4),
+        )
+        for i in range(n)
+    ]
 
     async def post(i: int, n: int) -> None:
         r = await clients[i % len(clients)].post("/generate", json=body(i, n))
@@ -114,12 +123,14 @@ async def bare_aiohttp(urls: list[str], concurrency: int, areal: bool) -> tuple[
 
     timeout = aiohttp.ClientTimeout(total=600)
     if areal:
-        s = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(
-            limit=0, use_dns_cache=False, force_close=True))  # fmt: skip
+        s = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, use_dns_cache=False, force_close=True)
+        )
         sessions = [s] * len(urls)
     else:
-        sessions = [aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
-                    for _ in urls]  # fmt: skip
+        sessions = [
+            aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) for _ in urls
+        ]
 
     async def post(i: int, n: int) -> None:
         k = i % len(urls)
@@ -174,8 +185,13 @@ async def measure(
     wall, cpu = time.monotonic() - t, time.process_time() - cpu
     errs = errors()
     await close()
-    return {"calls": calls, "calls_per_s": calls / wall, "cpu_us_per_call": 1e6 * cpu / max(calls, 1),
-            "failed": failed - failed0, **errs}  # fmt: skip
+    return {
+        "calls": calls,
+        "calls_per_s": calls / wall,
+        "cpu_us_per_call": 1e6 * cpu / max(calls, 1),
+        "failed": failed - failed0,
+        **errs,
+    }
 
 
 def main() -> None:
@@ -213,8 +229,11 @@ def main() -> None:
         "aiohttp-keepalive": lambda u: lambda: bare_aiohttp(u, args.concurrency, areal=False),
     }
     names = [v for v in args.variants if v in variants and (v != "old" or old is not None)]
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
+        flush=True,
+    )
     for n_servers in args.servers:
         with ThreadPoolExecutor(8) as pool:
             started = list(pool.map(lambda _: start_reference_server(SERVER_ARGS), range(n_servers)))
@@ -227,11 +246,17 @@ def main() -> None:
                             variants[name](urls), args.concurrency, args.warmup, args.seconds, args.busy_us
                         )
                     )
-                    extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("calls", "calls_per_s",
-                                                                                  "cpu_us_per_call"))  # fmt: skip
-                    print(f"servers={n_servers} rep={rep} {name:18s} {r['cpu_us_per_call']:7.0f} us/call"
-                          f" {r['calls_per_s']:6.0f} calls/s calls={r['calls']} {extra}"
-                          f" load={os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+                    extra = " ".join(
+                        f"{k}={v}"
+                        for k, v in r.items()
+                        if k not in ("calls", "calls_per_s", "cpu_us_per_call")
+                    )
+                    print(
+                        f"servers={n_servers} rep={rep} {name:18s} {r['cpu_us_per_call']:7.0f} us/call"
+                        f" {r['calls_per_s']:6.0f} calls/s calls={r['calls']} {extra}"
+                        f" load={os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
         finally:
             for proc, _ in started:
                 stop_server(proc)

@@ -50,19 +50,39 @@ RUNS = {
     "gspo": ["trainer.loss.fn_args.seq_ratio=true"],  # GSPO's sequence ratio, its paper's clip
     "lora": ["trainer.lora.enabled=true", "trainer.lr=2e-4"],  # LoRA r16, at 10x the lr
 }
-COLOURS = {"default": "tab:blue", "frozen": "tab:gray", "sync": "tab:orange", "dynamic": "tab:green",
-           "tis": "tab:red", "gspo": "tab:purple", "lora": "tab:brown"}  # fmt: skip
+COLOURS = {
+    "default": "tab:blue",
+    "frozen": "tab:gray",
+    "sync": "tab:orange",
+    "dynamic": "tab:green",
+    "tis": "tab:red",
+    "gspo": "tab:purple",
+    "lora": "tab:brown",
+}
 
 
 def run_one(name: str, out: Path, steps: int, eval_every: int, extra: list[str], config: str | None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    args = [*(["--config", config] if config else []), f"run.out_dir={out}", f"run.steps={steps}", f"run.eval_every={eval_every}",
-            "run.checkpoint_every=0", "metrics.tensorboard=false", *RUNS[name], *extra]  # fmt: skip
+    args = [
+        *(["--config", config] if config else []),
+        f"run.out_dir={out}",
+        f"run.steps={steps}",
+        f"run.eval_every={eval_every}",
+        "run.checkpoint_every=0",
+        "metrics.tensorboard=false",
+        *RUNS[name],
+        *extra,
+    ]
     print(f"[{name}] python recipes/gsm8k_grpo.py {' '.join(args)}", flush=True)
     t0 = time.time()
     with (out / "recipe.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, str(RECIPE), *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=ROOT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, str(RECIPE), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+        )
         assert proc.stdout is not None
         for line in proc.stdout:  # progress: the recipe's step lines, as they come
             log.write(line)
@@ -84,13 +104,21 @@ def summarize(name: str, out: Path, wall: float | None = None) -> dict:
     if wall is None:
         wall = rows[-1]["time"] - start
     evals = [
-        {"step": r["step"], "minutes": (r["time"] - start) / 60, "version": r["eval/version"],
-         "acc": r["eval/accuracy"], "low": r["eval/ci_low"], "high": r["eval/ci_high"],
-         # an agent's: the share of held-out episodes that call a tool, with its interval
-         "tools": r.get("eval/tool_call_rate"), "tools_low": r.get("eval/tool_call_ci_low"),
-         "tools_high": r.get("eval/tool_call_ci_high")}
-        for r in rows if r.get("eval/accuracy") is not None
-    ]  # fmt: skip
+        {
+            "step": r["step"],
+            "minutes": (r["time"] - start) / 60,
+            "version": r["eval/version"],
+            "acc": r["eval/accuracy"],
+            "low": r["eval/ci_low"],
+            "high": r["eval/ci_high"],
+            # an agent's: the share of held-out episodes that call a tool, with its interval
+            "tools": r.get("eval/tool_call_rate"),
+            "tools_low": r.get("eval/tool_call_ci_low"),
+            "tools_high": r.get("eval/tool_call_ci_high"),
+        }
+        for r in rows
+        if r.get("eval/accuracy") is not None
+    ]
     episode = sorted({k for r in rows for k in r if k.startswith("episode/")})
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     return {
@@ -115,23 +143,26 @@ def plot(results: list[dict], png: Path) -> None:
         c = COLOURS.get(r["name"])
         xs = [e["minutes"] for e in r["evals"]]
         acc_ax.plot(xs, [e["acc"] for e in r["evals"]], "o-", color=c, label=r["name"])
-        acc_ax.fill_between(xs, [e["low"] for e in r["evals"]], [e["high"] for e in r["evals"]],
-                            color=c, alpha=0.15)  # fmt: skip
+        acc_ax.fill_between(
+            xs, [e["low"] for e in r["evals"]], [e["high"] for e in r["evals"]], color=c, alpha=0.15
+        )
         steps, rewards = zip(*r["reward"], strict=True) if r["reward"] else ((), ())
         rew_ax.plot(steps, rewards, "-", color=c, label=r["name"], alpha=0.8)
         if agent:
             ev = [e for e in r["evals"] if e["tools"] is not None]
             xs = [e["minutes"] for e in ev]
             tool_ax[0].plot(xs, [e["tools"] for e in ev], "s--", color=c, label=f"{r['name']} (eval)")
-            tool_ax[0].fill_between(xs, [e["tools_low"] for e in ev], [e["tools_high"] for e in ev],
-                                    color=c, alpha=0.15)  # fmt: skip
+            tool_ax[0].fill_between(
+                xs, [e["tools_low"] for e in ev], [e["tools_high"] for e in ev], color=c, alpha=0.15
+            )
     temps = {r.get("eval_temperature", 0.0) for r in results}
     how = "greedy" if temps == {0.0} else "sampled at T=" + "/".join(f"{t:g}" for t in sorted(temps))
     acc_ax.set(title=f"held-out accuracy ({how}, 95% intervals)", xlabel="wall-clock minutes", ylim=(0, 1))
     rew_ax.set(title="train reward (mean per step)", xlabel="step", ylim=(0, 1))
     if agent:
-        tool_ax[0].set(title="held-out episodes calling a tool (95% intervals)", xlabel="wall-clock minutes",
-                       ylim=(0, 1))  # fmt: skip
+        tool_ax[0].set(
+            title="held-out episodes calling a tool (95% intervals)", xlabel="wall-clock minutes", ylim=(0, 1)
+        )
     for ax in (acc_ax, rew_ax, *tool_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -147,8 +178,11 @@ def main() -> int:
     ap.add_argument("--out", default="runs/bench_learning")
     ap.add_argument("--config", help="a recipe config for every run (default: the CPU default)")
     ap.add_argument("--png", help="where the plot goes (default: OUT/learning.png)")
-    ap.add_argument("--report-only", action="store_true",
-                    help="run nothing: the table and plot of the runs already in --out")  # fmt: skip
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: the table and plot of the runs already in --out",
+    )
     ap.add_argument("overrides", nargs="*", metavar="section.key=value", help="passed to every run")
     args = ap.parse_args()
     names = [n for n in args.only.split(",") if n]
@@ -170,29 +204,37 @@ def main() -> int:
     for r in results:
         a, b = r["evals"][0], r["evals"][-1]
         diff = f"{b['acc'] - frozen['evals'][-1]['acc']:+.2f}" if frozen and r is not frozen else "-"
-        print(f"{r['name']:8} {a['acc']:.2f} [{a['low']:.2f}, {a['high']:.2f}] "
-              f"{b['acc']:.2f} [{b['low']:.2f}, {b['high']:.2f}] {diff:>17} {r['wall_s'] / 60:7.1f}m")  # fmt: skip
+        print(
+            f"{r['name']:8} {a['acc']:.2f} [{a['low']:.2f}, {a['high']:.2f}] "
+            f"{b['acc']:.2f} [{b['low']:.2f}, {b['high']:.2f}] {diff:>17} {r['wall_s'] / 60:7.1f}m"
+        )
     if frozen:
         fb = frozen["evals"][-1]
         for r in results:
             if r is not frozen:
                 b = r["evals"][-1]
                 apart = b["low"] > fb["high"]
-                print(f"{r['name']}: trained - frozen = {b['acc'] - fb['acc']:+.2f}, "
-                      f"{'outside' if apart else 'NOT outside'} both intervals")  # fmt: skip
+                print(
+                    f"{r['name']}: trained - frozen = {b['acc'] - fb['acc']:+.2f}, "
+                    f"{'outside' if apart else 'NOT outside'} both intervals"
+                )
     for r in results:
         ev = [e for e in r["evals"] if e["tools"] is not None]
         if ev:
             a, b = ev[0], ev[-1]
-            print(f"{r['name']}: tool-call rate {a['tools']:.2f} [{a['tools_low']:.2f}, {a['tools_high']:.2f}] "
-                  f"at version {a['version']} -> {b['tools']:.2f} [{b['tools_low']:.2f}, {b['tools_high']:.2f}] "
-                  f"at version {b['version']}; agent errors {r['agent_errors']:.0f}")  # fmt: skip
+            print(
+                f"{r['name']}: tool-call rate {a['tools']:.2f} [{a['tools_low']:.2f}, {a['tools_high']:.2f}] "
+                f"at version {a['version']} -> {b['tools']:.2f} [{b['tools_low']:.2f}, {b['tools_high']:.2f}] "
+                f"at version {b['version']}; agent errors {r['agent_errors']:.0f}"
+            )
         for k, xs in r["episode"].items():
             if xs:
                 vals = [v for _, v in xs]
                 head, tail = vals[: max(1, len(vals) // 4)], vals[-max(1, len(vals) // 4) :]
-                print(f"{r['name']}: train {k} mean {sum(head) / len(head):.2f} in the first quarter of "
-                      f"steps -> {sum(tail) / len(tail):.2f} in the last")  # fmt: skip
+                print(
+                    f"{r['name']}: train {k} mean {sum(head) / len(head):.2f} in the first quarter of "
+                    f"steps -> {sum(tail) / len(tail):.2f} in the last"
+                )
     png = Path(args.png).resolve() if args.png else out / "learning.png"
     plot(results, png)
     (out / "results.json").write_text(json.dumps(results, indent=1))

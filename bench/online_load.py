@@ -49,8 +49,18 @@ from bench.simfarm import Farm  # noqa: E402
 
 KEY = "sk-bench-online"
 NEW_TOKENS = 8
-SERVER_ARGS = ["--backend", "sim", "--sim-vocab-size", "49152", "--sim-eos-prob", "0",
-               "--sim-decode-s-base", "0.002", "--max-running-requests", "8192"]  # fmt: skip
+SERVER_ARGS = [
+    "--backend",
+    "sim",
+    "--sim-vocab-size",
+    "49152",
+    "--sim-eos-prob",
+    "0",
+    "--sim-decode-s-base",
+    "0.002",
+    "--max-running-requests",
+    "8192",
+]
 
 
 # -- the serving process ----------------------------------------------------------------------
@@ -84,8 +94,17 @@ def serve(urls: list[str], slots: int) -> None:
             reader = asyncio.StreamReader()
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
             while await reader.readline():
-                print("stats: " + json.dumps({**wf.counters, "open_sessions": len(api.sessions),
-                                              "connections": len(api.endpoint._server._connections)}), flush=True)  # fmt: skip
+                print(
+                    "stats: "
+                    + json.dumps(
+                        {
+                            **wf.counters,
+                            "open_sessions": len(api.sessions),
+                            "connections": len(api.endpoint._server._connections),
+                        }
+                    ),
+                    flush=True,
+                )
 
         await asyncio.gather(stats(), *(slot(i) for i in range(slots)))
 
@@ -160,9 +179,11 @@ async def sessions_for(
     what was measured after the warm-up."""
     import aiohttp
 
-    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                                 headers={"Authorization": f"Bearer {KEY}"},
-                                 timeout=aiohttp.ClientTimeout(total=120))  # fmt: skip
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=aiohttp.ClientTimeout(total=120),
+    )
     turn_lat: list[float] = []
     call_lat: list[float] = []
     out = {"sessions": 0, "turns": 0, "retries_429": 0, "errors": 0}
@@ -229,8 +250,13 @@ async def sessions_for(
         xs = sorted(xs)
         return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
 
-    out.update(turn_p50_ms=pct(turn_lat, 0.5), turn_p99_ms=pct(turn_lat, 0.99), turn_max_ms=pct(turn_lat, 1.0),
-               call_p99_ms=pct(call_lat, 0.99), sessions_per_s=out["sessions"] / seconds)  # fmt: skip
+    out.update(
+        turn_p50_ms=pct(turn_lat, 0.5),
+        turn_p99_ms=pct(turn_lat, 0.99),
+        turn_max_ms=pct(turn_lat, 1.0),
+        call_p99_ms=pct(call_lat, 0.99),
+        sessions_per_s=out["sessions"] / seconds,
+    )
     return out
 
 
@@ -263,15 +289,19 @@ def run(args: argparse.Namespace) -> None:
     import psutil
     import uvloop
 
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
-          f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}", flush=True)  # fmt: skip
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()},"
+        f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
+        flush=True,
+    )
     farm = Farm(args.servers, 2, SERVER_ARGS)
     procs: list[subprocess.Popen] = []
     try:
         farm.wait_ready()
         cmd = [sys.executable, __file__, "--serve", *farm.urls, "--sessions", str(args.sessions)]
-        server = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                  start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         procs.append(server)
         line = ""
         while not line.startswith("base_url: "):
@@ -303,10 +333,23 @@ def run(args: argparse.Namespace) -> None:
         results = {}
         for phase in ("alone", "attacked"):
             if phase == "attacked":
-                att = subprocess.Popen([sys.executable, __file__, "--attack", host, port, "--tricklers",
-                                        str(args.tricklers), "--abusers", str(args.abusers)], cwd=ROOT,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       start_new_session=True)  # fmt: skip
+                att = subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--attack",
+                        host,
+                        port,
+                        "--tricklers",
+                        str(args.tricklers),
+                        "--abusers",
+                        str(args.abusers),
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
                 procs.append(att)
                 others["attack"] = [psutil.Process(att.pid)]
             m: dict[str, Any] = {"rss": [], "open": []}
@@ -323,8 +366,17 @@ def run(args: argparse.Namespace) -> None:
                 m["cpu1"], m["t1"], m["c1"] = sum(ps.cpu_times()[:2]), time.monotonic(), counters()
                 m["others1"] = {k: cpu_of(v) for k, v in others.items()}
 
-            r = uvloop.run(sessions_for(root, args.sessions, args.turns, args.think_s, args.seconds, args.warmup,
-                                        {"begin": begin, "sample": sample, "end": end}))  # fmt: skip
+            r = uvloop.run(
+                sessions_for(
+                    root,
+                    args.sessions,
+                    args.turns,
+                    args.think_s,
+                    args.seconds,
+                    args.warmup,
+                    {"begin": begin, "sample": sample, "end": end},
+                )
+            )
             cpu = m["cpu1"] - m["cpu0"]
             peak = max(m["rss"])
             mean_open = sum(m["open"]) / len(m["open"])
@@ -341,18 +393,24 @@ def run(args: argparse.Namespace) -> None:
             )
             results[phase] = r
             print(f"{phase}: " + json.dumps(r), flush=True)
-        print("\n| phase | sessions/s | turn p50 ms | turn p99 ms | turn max ms | server CPU (cores) | CPU ms/session"
-              " | RSS idle→peak MiB | KiB/open session | errors |")  # fmt: skip
+        print(
+            "\n| phase | sessions/s | turn p50 ms | turn p99 ms | turn max ms | server CPU (cores) | CPU ms/session"
+            " | RSS idle→peak MiB | KiB/open session | errors |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for phase, r in results.items():
-            print(f"| {phase} | {r['sessions_per_s']:.0f} | {r['turn_p50_ms']:.0f} | {r['turn_p99_ms']:.0f} | "
-                  f"{r['turn_max_ms']:.0f} | {r['server_cpu_share']:.2f} | {r['server_cpu_ms_per_session']:.2f} | "
-                  f"{r['rss_idle_mib']:.0f}→{r['rss_peak_mib']:.0f} | {r['rss_kib_per_open_session']:.1f} | "
-                  f"{r['errors']} |")  # fmt: skip
+            print(
+                f"| {phase} | {r['sessions_per_s']:.0f} | {r['turn_p50_ms']:.0f} | {r['turn_p99_ms']:.0f} | "
+                f"{r['turn_max_ms']:.0f} | {r['server_cpu_share']:.2f} | {r['server_cpu_ms_per_session']:.2f} | "
+                f"{r['rss_idle_mib']:.0f}→{r['rss_peak_mib']:.0f} | {r['rss_kib_per_open_session']:.1f} | "
+                f"{r['errors']} |"
+            )
         print(f"attacked: the server refused {results['attacked']['refused']}")
         for phase, r in results.items():
-            print(f"{phase}: CPU (cores) of the serving process {r['server_cpu_share']:.2f}, "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_share_of"].items()))  # fmt: skip
+            print(
+                f"{phase}: CPU (cores) of the serving process {r['server_cpu_share']:.2f}, "
+                + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_share_of"].items())
+            )
     finally:
         for p in reversed(procs):
             with contextlib.suppress(ProcessLookupError):

@@ -100,20 +100,31 @@ class Sampler:
         wall, farm_cpu = time.monotonic() - self.t, cpu_s(self.farm_pids) - self.farm_cpu
         s = await probe_stats(self.urls)
         gaps = s["gaps"]
-        return {"wall_s": wall, "calls": s["generates"], "calls_per_s": s["generates"] / wall,
-                "farm_us_per_call": 1e6 * farm_cpu / max(1, s["generates"]), "farm_cores": farm_cpu / wall,
-                "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else float("nan"),
-                "gap_ms_max": 1e3 * max(gaps) if gaps else float("nan"), "pauses_seen": len(gaps),
-                "farm_gap_ms_p90_p99": [round(1e3 * gaps[min(len(gaps) - 1, int(q * len(gaps)))], 1)
-                                        for q in (0.9, 0.99)] if gaps else None,
-                "farm_gaps_over_50ms": sum(g > 0.05 for g in gaps),
-                # of those, servers that continued with no re-post queued (the rest had one: the
-                # server's own process was late to run it), and the longest gap of such a server
-                "farm_gaps_over_50ms_nothing_queued": sum(g > 0.05 for g in s["idle_gaps"]),
-                "farm_gap_ms_max_nothing_queued": round(1e3 * max(s["idle_gaps"], default=0.0), 1),
-                "resumed": s["resumed"], "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
-                "requests_inflight_max": max(self.inflight, s["inflight"]),
-                "farm_inflight_peak": s["farm_inflight_peak"], "farm_inflight_hwm_sum": s["farm_inflight_hwm_sum"]}  # fmt: skip
+        return {
+            "wall_s": wall,
+            "calls": s["generates"],
+            "calls_per_s": s["generates"] / wall,
+            "farm_us_per_call": 1e6 * farm_cpu / max(1, s["generates"]),
+            "farm_cores": farm_cpu / wall,
+            "gap_ms_median": 1e3 * statistics.median(gaps) if gaps else float("nan"),
+            "gap_ms_max": 1e3 * max(gaps) if gaps else float("nan"),
+            "pauses_seen": len(gaps),
+            "farm_gap_ms_p90_p99": [
+                round(1e3 * gaps[min(len(gaps) - 1, int(q * len(gaps)))], 1) for q in (0.9, 0.99)
+            ]
+            if gaps
+            else None,
+            "farm_gaps_over_50ms": sum(g > 0.05 for g in gaps),
+            # of those, servers that continued with no re-post queued (the rest had one: the
+            # server's own process was late to run it), and the longest gap of such a server
+            "farm_gaps_over_50ms_nothing_queued": sum(g > 0.05 for g in s["idle_gaps"]),
+            "farm_gap_ms_max_nothing_queued": round(1e3 * max(s["idle_gaps"], default=0.0), 1),
+            "resumed": s["resumed"],
+            "cached_share": s["resumed_cached"] / max(1, s["resumed_prefix"]),
+            "requests_inflight_max": max(self.inflight, s["inflight"]),
+            "farm_inflight_peak": s["farm_inflight_peak"],
+            "farm_inflight_hwm_sum": s["farm_inflight_hwm_sum"],
+        }
 
 
 async def servers_post(
@@ -172,8 +183,23 @@ class Profiler:
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         for name, pid in pids.items():
             f = Path(self.out_dir) / f"{variant}-{name}.txt"
-            argv = [spy, "record", "--pid", str(pid), "--duration", str(max(1, int(self.seconds))), "--rate", "200",
-                    "--nonblocking", "--gil", "--format", "raw", "--output", str(f), *(["--subprocesses"] * subprocesses)]  # fmt: skip
+            argv = [
+                spy,
+                "record",
+                "--pid",
+                str(pid),
+                "--duration",
+                str(max(1, int(self.seconds))),
+                "--rate",
+                "200",
+                "--nonblocking",
+                "--gil",
+                "--format",
+                "raw",
+                "--output",
+                str(f),
+                *(["--subprocesses"] * subprocesses),
+            ]
             self.files[name] = f
             self.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -234,8 +260,20 @@ async def ours(
         rollouts = []
         for i in range(n_actors):
             mine = urls[i::n_actors] if a.shard_servers and len(urls) >= n_actors else urls
-            rollouts.append(await cluster.spawn(RolloutActor, mine, gov, buf, prompts, wf, config=cfg,
-                                                shard=i, num_shards=n_actors, name=f"rollout-{i}"))  # fmt: skip
+            rollouts.append(
+                await cluster.spawn(
+                    RolloutActor,
+                    mine,
+                    gov,
+                    buf,
+                    prompts,
+                    wf,
+                    config=cfg,
+                    shard=i,
+                    num_shards=n_actors,
+                    name=f"rollout-{i}",
+                )
+            )
         actors = {x["name"]: x["pid"] for x in await cluster.actors()}
         plane = [actors["governor"], actors["buffer"], *(actors[f"rollout-{i}"] for i in range(n_actors))]
         sampler = Sampler(urls, farm_pids)
@@ -305,15 +343,26 @@ async def ours(
     variant = f"ours, {n_actors} rollout actor{'s' if n_actors > 1 else ''}" + (
         ", continue first" * continue_first
     )
-    return {**out, "variant": variant, "steps": steps,
-            "cpu_us_per_call": 1e6 * sum(cpu) / calls, "rollout_us_per_call": 1e6 * sum(cpu[2:]) / calls,
-            "buffer_us_per_call": 1e6 * cpu[1] / calls, "governor_us_per_call": 1e6 * cpu[0] / calls,
-            "driver_us_per_call": 1e6 * (drv1 - drv0) / calls, "staleness_max": staleness, "errors": errors,
-            "tree_us_per_call": 1e6 * (sum(cpu) + drv1 - drv0) / calls, **({"profile": profile} if profile else {}),
-            "episodes_inflight_max": in_flight, **({"errors_split": error_split} if errors else {}), "dropped_stale": bstats["dropped_stale"],
-            "failures": [s["failure"] for s in stats if s.get("failure")],
-            "rollout_loop_lag_max_s": [round(s["loop_lag_max_s"], 2) for s in stats],
-            **resume_split(pauses, [s["resume_reposts"] for s in stats])}  # fmt: skip
+    return {
+        **out,
+        "variant": variant,
+        "steps": steps,
+        "cpu_us_per_call": 1e6 * sum(cpu) / calls,
+        "rollout_us_per_call": 1e6 * sum(cpu[2:]) / calls,
+        "buffer_us_per_call": 1e6 * cpu[1] / calls,
+        "governor_us_per_call": 1e6 * cpu[0] / calls,
+        "driver_us_per_call": 1e6 * (drv1 - drv0) / calls,
+        "staleness_max": staleness,
+        "errors": errors,
+        "tree_us_per_call": 1e6 * (sum(cpu) + drv1 - drv0) / calls,
+        **({"profile": profile} if profile else {}),
+        "episodes_inflight_max": in_flight,
+        **({"errors_split": error_split} if errors else {}),
+        "dropped_stale": bstats["dropped_stale"],
+        "failures": [s["failure"] for s in stats if s.get("failure")],
+        "rollout_loop_lag_max_s": [round(s["loop_lag_max_s"], 2) for s in stats],
+        **resume_split(pauses, [s["resume_reposts"] for s in stats]),
+    }
 
 
 def resume_split(pauses: list[dict[str, Any]], reposts: list[list[list[float]]]) -> dict[str, Any]:
@@ -327,13 +376,28 @@ def resume_split(pauses: list[dict[str, Any]], reposts: list[list[list[float]]])
         for p, r in zip(pauses[-len(actor) :] if actor else [], actor, strict=True):
             if p["measured"]:
                 between = p["res0"] - p["cont1"] if p["cont0"] < p["res0"] else p["cont0"] - p["res1"]
-                rows.append((1e3 * (p["cont1"] - p["cont0"]), 1e3 * between, 1e3 * (r[0] - p["res0"]),
-                             r[1], r[4], r[2], r[3]))  # fmt: skip
+                rows.append(
+                    (
+                        1e3 * (p["cont1"] - p["cont0"]),
+                        1e3 * between,
+                        1e3 * (r[0] - p["res0"]),
+                        r[1],
+                        r[4],
+                        r[2],
+                        r[3],
+                    )
+                )
     if not rows:
         return {}
     cols = list(zip(*rows, strict=True))
-    keys = ("continue_fanout", "between_continue_and_resume", "resume_call_to_actor", "resume_to_first_repost",
-            "resume_to_every_server_reposted", "resume_to_last_repost")  # fmt: skip
+    keys = (
+        "continue_fanout",
+        "between_continue_and_resume",
+        "resume_call_to_actor",
+        "resume_to_first_repost",
+        "resume_to_every_server_reposted",
+        "resume_to_last_repost",
+    )
     out = {
         f"{k}_ms": (round(statistics.median(c), 1), round(max(c), 1))
         for k, c in zip(keys, cols, strict=False)
@@ -347,15 +411,27 @@ def prompt_ids(n: int) -> list[dict[str, Any]]:
     wf = RLVRWorkflow(ByteChatTokenizer(), lambda *_: 0.0)
     from nodes.rollout.workflows import chat_ids
 
-    return [{"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "answer": it["answer"].split()[-1]}
-            for it in arithmetic_items(n)]  # fmt: skip
+    return [
+        {"input_ids": chat_ids(wf.tokenizer, wf.prompt_messages(it)), "answer": it["answer"].split()[-1]}
+        for it in arithmetic_items(n)
+    ]
 
 
 def areal_spec(urls: list[str], a: argparse.Namespace) -> str:
     """The same prompts, K, tokens, batch, eta and concurrency, as JSON."""
-    spec = {"urls": urls, "prompts": prompt_ids(a.prompts), "n_samples": a.n_samples, "max_new_tokens": a.max_new_tokens,
-            "batch_size": a.batch, "max_staleness": a.eta, "max_concurrent": a.concurrency,
-            "pause_every": a.pause_every, "push_s": a.push_s, "warmup_steps": a.warmup_steps, "seconds": a.seconds}  # fmt: skip
+    spec = {
+        "urls": urls,
+        "prompts": prompt_ids(a.prompts),
+        "n_samples": a.n_samples,
+        "max_new_tokens": a.max_new_tokens,
+        "batch_size": a.batch,
+        "max_staleness": a.eta,
+        "max_concurrent": a.concurrency,
+        "pause_every": a.pause_every,
+        "push_s": a.push_s,
+        "warmup_steps": a.warmup_steps,
+        "seconds": a.seconds,
+    }
     path = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     json.dump(spec, path)
     path.close()
@@ -367,8 +443,15 @@ async def areal(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) ->
     spec = areal_spec(urls, a)
     run_dir = tempfile.mkdtemp(prefix="areal-run-")  # AReaL must not run where a folder is named 'ray'
     log = open(Path(run_dir) / "stderr.log", "w+")  # noqa: ASYNC230 (one file, before anything runs)
-    proc = await asyncio.create_subprocess_exec(a.areal, str(ROOT / "bench" / "areal_client.py"), "--spec", spec,
-                                                cwd=run_dir, stdout=asyncio.subprocess.PIPE, stderr=log)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        a.areal,
+        str(ROOT / "bench" / "areal_client.py"),
+        "--spec",
+        spec,
+        cwd=run_dir,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+    )
     sampler = Sampler(urls, farm_pids)
     result: dict[str, Any] = {}
     try:
@@ -421,8 +504,10 @@ async def bare(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> 
     import orjson
 
     params = {"max_new_tokens": a.max_new_tokens, "temperature": 1.0}
-    bodies = [orjson.dumps({"input_ids": p["input_ids"], "sampling_params": params, "return_logprob": True})
-              for p in prompt_ids(min(a.prompts, 1024))]  # fmt: skip
+    bodies = [
+        orjson.dumps({"input_ids": p["input_ids"], "sampling_params": params, "return_logprob": True})
+        for p in prompt_ids(min(a.prompts, 1024))
+    ]
     errors = 0
     conn = aiohttp.TCPConnector(limit=0, limit_per_host=a.connections)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -433,8 +518,11 @@ async def bare(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> 
             while True:
                 k += a.concurrency
                 try:
-                    async with session.post(urls[k % len(urls)] + "/generate", data=bodies[k % len(bodies)],
-                                            headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                    async with session.post(
+                        urls[k % len(urls)] + "/generate",
+                        data=bodies[k % len(bodies)],
+                        headers={"Content-Type": "application/json"},
+                    ) as r:
                         body = await r.read()
                     if r.status == 200:
                         orjson.loads(body)  # as a client would: the answer parsed
@@ -458,8 +546,13 @@ async def bare(urls: list[str], a: argparse.Namespace, farm_pids: list[int]) -> 
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return {**out, "cpu_us_per_call": 1e6 * (cpu1 - cpu0) / max(1, out["calls"]), "errors": errors,
-            "staleness_max": "-", "variant": "bare aiohttp loop (the servers' capacity)"}  # fmt: skip
+    return {
+        **out,
+        "cpu_us_per_call": 1e6 * (cpu1 - cpu0) / max(1, out["calls"]),
+        "errors": errors,
+        "staleness_max": "-",
+        "variant": "bare aiohttp loop (the servers' capacity)",
+    }
 
 
 async def _sample_every(sampler: Sampler, period: float) -> None:
@@ -469,20 +562,27 @@ async def _sample_every(sampler: Sampler, period: float) -> None:
 
 
 def row(r: dict[str, Any]) -> str:
-    parts = f"{r['rollout_us_per_call']:.0f} / {r['buffer_us_per_call']:.0f} / {r['governor_us_per_call']:.0f}" \
-        if "rollout_us_per_call" in r else "-"  # fmt: skip
+    parts = (
+        f"{r['rollout_us_per_call']:.0f} / {r['buffer_us_per_call']:.0f} / {r['governor_us_per_call']:.0f}"
+        if "rollout_us_per_call" in r
+        else "-"
+    )
     drv = f"{r['driver_us_per_call']:.0f}" if "driver_us_per_call" in r else "(in the tree)"
     tree = f"{r['tree_us_per_call']:.0f}" if "tree_us_per_call" in r else "-"
-    return (f"| {r['variant']} | {r['calls_per_s']:.0f} | {r['cpu_us_per_call']:.0f} | {parts} | {drv} | "
-            f"{tree} | {r['calls']} | "
-            f"{r['gap_ms_median']:.1f} / {r['gap_ms_max']:.1f} | {100 * r['cached_share']:.1f}% ({r['resumed']}) | "
-            f"{r['requests_inflight_max']} | {r['staleness_max']} | {r['errors']} |")  # fmt: skip
+    return (
+        f"| {r['variant']} | {r['calls_per_s']:.0f} | {r['cpu_us_per_call']:.0f} | {parts} | {drv} | "
+        f"{tree} | {r['calls']} | "
+        f"{r['gap_ms_median']:.1f} / {r['gap_ms_max']:.1f} | {100 * r['cached_share']:.1f}% ({r['resumed']}) | "
+        f"{r['requests_inflight_max']} | {r['staleness_max']} | {r['errors']} |"
+    )
 
 
-HEADER = ("| variant | calls/s | client CPU/call, µs | rollout / buffer / governor µs | driver + runtime µs |"
-          " whole tree µs/call | calls | resume gap ms (median / max) | cached share of resumed prefixes (requests)"
-          " | requests in flight (max) | staleness max | errors |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
+HEADER = (
+    "| variant | calls/s | client CPU/call, µs | rollout / buffer / governor µs | driver + runtime µs |"
+    " whole tree µs/call | calls | resume gap ms (median / max) | cached share of resumed prefixes (requests)"
+    " | requests in flight (max) | staleness max | errors |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
 
 
 def main() -> None:
@@ -509,9 +609,14 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=1024, help="per server, per rollout actor")
     ap.add_argument("--pause-every", type=int, default=1, help="steps per pause (0: version bumps only)")
     ap.add_argument("--push-s", type=float, default=0.0, help="a weight push's time: pause -> continue")
-    ap.add_argument("--orders", nargs="+", default=["resume-first"], choices=["resume-first", "continue-first"],
-                    help="ours: re-post to paused servers, then continue (PolicySync), or continue first "
-                         "(AReaL's order; ours before); several run interleaved")  # fmt: skip
+    ap.add_argument(
+        "--orders",
+        nargs="+",
+        default=["resume-first"],
+        choices=["resume-first", "continue-first"],
+        help="ours: re-post to paused servers, then continue (PolicySync), or continue first "
+        "(AReaL's order; ours before); several run interleaved",
+    )
     ap.add_argument(
         "--pin",
         metavar="CLIENT:FARM",
@@ -529,8 +634,12 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--profile", metavar="DIR", help="py-spy each client process over the measured window (--nonblocking, "
-                    "its own CPU not counted); collapsed stacks in DIR, the top functions per process printed")  # fmt: skip
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="py-spy each client process over the measured window (--nonblocking, "
+        "its own CPU not counted); collapsed stacks in DIR, the top functions per process printed",
+    )
     ap.add_argument("--batch-timeout", type=float, default=120.0)
     ap.add_argument(
         "--write", metavar="TITLE", help="append the table to bench/RESULTS.md under this heading"
@@ -586,12 +695,19 @@ def main() -> None:
     finally:
         farm.close()
     cmd = "python bench/rollout.py " + " ".join(sys.argv[1:])
-    text = "\n".join([
-        f"Command: `{cmd}`. Machine: {platform.machine()}, {os.cpu_count()} cores (shared with the sim servers,"
-        f" {a.farm_procs} processes), Python {platform.python_version()}, 1-min load {os.getloadavg()[0]:.1f} at end,"
-        f" {time.strftime('%Y-%m-%d')}. {a.servers} sim servers ({a.decode_s * 1e3:.0f} ms per decode step), B={a.batch},"
-        f" K={a.n_samples}, eta={a.eta}, {a.concurrency} episodes at once, {a.max_new_tokens} new tokens, pause every"
-        f" {a.pause_every} step(s), {a.push_s} s from pause to continue.", "", HEADER, *map(row, results), ""])  # fmt: skip
+    text = "\n".join(
+        [
+            f"Command: `{cmd}`. Machine: {platform.machine()}, {os.cpu_count()} cores (shared with the sim servers,"
+            f" {a.farm_procs} processes), Python {platform.python_version()}, 1-min load {os.getloadavg()[0]:.1f} at end,"
+            f" {time.strftime('%Y-%m-%d')}. {a.servers} sim servers ({a.decode_s * 1e3:.0f} ms per decode step), B={a.batch},"
+            f" K={a.n_samples}, eta={a.eta}, {a.concurrency} episodes at once, {a.max_new_tokens} new tokens, pause every"
+            f" {a.pause_every} step(s), {a.push_s} s from pause to continue.",
+            "",
+            HEADER,
+            *map(row, results),
+            "",
+        ]
+    )
     print(text)
     print(json.dumps(results, default=str), file=sys.stderr)
     if a.write:

@@ -139,10 +139,16 @@ class _Probe:
         self.resumed_cached += min(prefix, req.cached_tokens or 0)
 
     def stats(self) -> dict[str, Any]:
-        return {"gaps": self.gaps, "idle_gaps": self.idle_gaps, "resumed": self.resumed, "resumed_prefix": self.resumed_prefix,
-                "resumed_cached": self.resumed_cached, "generates": self.generates,
-                "inflight": len(self.sched.by_rid),
-                **({"load": _LOAD.stats()} if self.report_load else {})}  # fmt: skip
+        return {
+            "gaps": self.gaps,
+            "idle_gaps": self.idle_gaps,
+            "resumed": self.resumed,
+            "resumed_prefix": self.resumed_prefix,
+            "resumed_cached": self.resumed_cached,
+            "generates": self.generates,
+            "inflight": len(self.sched.by_rid),
+            **({"load": _LOAD.stats()} if self.report_load else {}),
+        }
 
     def reset(self) -> None:
         self.gaps, self.idle_gaps, self._continued_at, self._aborted = [], [], None, set()
@@ -185,8 +191,7 @@ async def serve(count: int, port_file: str, server_argv: list[str]) -> None:
         app = create_app(engine)
         probe = _Probe(engine.scheduler, report_load=not servers)  # one server reports the process's load
         _routes(app, probe)
-        cfg = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30,
-                             lifespan="on", loop="none")  # fmt: skip
+        cfg = uvicorn.Config(app, log_level="warning", timeout_keep_alive=30, lifespan="on", loop="none")
         servers.append(uvicorn.Server(cfg))
     for s in servers:  # uvicorn installs signal handlers per server: one SIGTERM handler for all
         s.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -217,10 +222,19 @@ class Farm:
         for i in range(procs):
             log = tempfile.NamedTemporaryFile(prefix="simfarm-", suffix=".log", delete=False)
             count = n // procs + (i < n % procs)
-            cmd = [sys.executable, __file__, "--count", str(count), "--port-file", f"{self._dir}/{i}", "--",
-                   *server_argv]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--count",
+                str(count),
+                "--port-file",
+                f"{self._dir}/{i}",
+                "--",
+                *server_argv,
+            ]
+            self.procs.append(
+                subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
             self._logs.append(log)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -295,10 +309,16 @@ async def probe_stats(urls: list[str], reset: bool = False) -> dict[str, Any]:
         return {}
     loads = [x["load"] for x in got if "load" in x]  # one per farm process
     lo, hi = farm_inflight(loads)
-    return {"gaps": sorted(g for x in got for g in x["gaps"]), "idle_gaps": sorted(g for x in got for g in x["idle_gaps"]),
-            "farm_inflight_peak": (lo, hi),
-            "farm_inflight_hwm_sum": sum(x["hwm"] for x in loads),
-            **{k: sum(x[k] for x in got) for k in ("resumed", "resumed_prefix", "resumed_cached", "generates", "inflight")}}  # fmt: skip
+    return {
+        "gaps": sorted(g for x in got for g in x["gaps"]),
+        "idle_gaps": sorted(g for x in got for g in x["idle_gaps"]),
+        "farm_inflight_peak": (lo, hi),
+        "farm_inflight_hwm_sum": sum(x["hwm"] for x in loads),
+        **{
+            k: sum(x[k] for x in got)
+            for k in ("resumed", "resumed_prefix", "resumed_cached", "generates", "inflight")
+        },
+    }
 
 
 def main() -> None:

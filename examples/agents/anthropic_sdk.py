@@ -55,9 +55,12 @@ async def run(client: Any, item: dict[str, Any]) -> dict[str, float]:
         calls += len(uses)
         messages += [
             {"role": "assistant", "content": message.content},
-            {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.id, "content": multiply(b.input)} for b in uses
-            ]},
-        ]  # fmt: skip
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": multiply(b.input)} for b in uses
+                ],
+            },
+        ]
     answer = "".join(b.text for b in message.content if b.type == "text")
     return {"reward": final_number_reward(answer, item), "tool_calls": calls}

@@ -52,8 +52,12 @@ async def episode(model: Model, item: dict[str, Any]) -> dict[str, float]:
     Responses model raises ModelBehaviorError on an ``incomplete`` response) or a run out of turns
     scores 0: the episode is still trained on, as a bad answer."""
     try:
-        result = await Runner.run(calculator(model), item["question"], max_turns=MAX_TURNS,
-                                  run_config=RunConfig(tracing_disabled=True))  # fmt: skip
+        result = await Runner.run(
+            calculator(model),
+            item["question"],
+            max_turns=MAX_TURNS,
+            run_config=RunConfig(tracing_disabled=True),
+        )
     except (MaxTurnsExceeded, ModelBehaviorError):
         return {"reward": 0.0, "tool_calls": 0}
     calls = sum(i.type == "tool_call_item" for i in result.new_items)

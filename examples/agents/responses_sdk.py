@@ -58,7 +58,10 @@ async def run(client: Any, item: dict[str, Any]) -> dict[str, float]:
             break
         calls += len(outputs)
         response = await client.responses.create(
-            model="policy", instructions=INSTRUCTIONS, input=outputs, tools=TOOLS,
+            model="policy",
+            instructions=INSTRUCTIONS,
+            input=outputs,
+            tools=TOOLS,
             previous_response_id=response.id,
-        )  # fmt: skip
+        )
     return {"reward": final_number_reward(response.output_text, item), "tool_calls": calls}
