@@ -92,12 +92,17 @@ def test_pips_sources_become_uvs_flags(tmp_path: Path) -> None:
         ]
     )
     assert install_sources.pip_sources(listing) == [
-        "--find-links", "/opt/wheels",
-        "--index-url", "https://mirror.example/simple",
-        "--extra-index-url", "file:///a/simple",
-        "--extra-index-url", "file:///b/simple",
-        "--constraint", str(constraints),
-    ]  # fmt: skip
+        "--find-links",
+        "/opt/wheels",
+        "--index-url",
+        "https://mirror.example/simple",
+        "--extra-index-url",
+        "file:///a/simple",
+        "--extra-index-url",
+        "file:///b/simple",
+        "--constraint",
+        str(constraints),
+    ]
 
 
 @pytest.mark.parametrize("needle", ["install_sources.py sources", "install_sources.py torch"])

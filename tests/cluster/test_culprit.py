@@ -107,8 +107,10 @@ async def stack_from_outside(run_dir: Path, waits: str, within: float = 60.0) ->
         r = await asyncio.to_thread(
             subprocess.run,
             [sys.executable, "-m", "rlactors.launch.cli", "stack", "--run", str(run_dir)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         if any(line.startswith(waits) for line in r.stdout.splitlines()) or time.monotonic() > deadline:
             return r.stdout

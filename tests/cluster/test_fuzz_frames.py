@@ -22,10 +22,18 @@ MESSAGES = 200  # per target and peer
 
 def _frames(rng: random.Random) -> list[bytes]:
     valid = wire.join_batch(
-        [wire.encode_envelope(wire.Kind.CALL, rng.randrange(1 << 30), rng.choice([None, "head", "agent"]),
-                              rng.choice(["value", "add", "register_node", "kv_put", "shutdown"]),
-                              [rng.randrange(100)], {}, 0)]
-    )  # fmt: skip
+        [
+            wire.encode_envelope(
+                wire.Kind.CALL,
+                rng.randrange(1 << 30),
+                rng.choice([None, "head", "agent"]),
+                rng.choice(["value", "add", "register_node", "kv_put", "shutdown"]),
+                [rng.randrange(100)],
+                {},
+                0,
+            )
+        ]
+    )
     kind = rng.random()
     if kind < 0.3:
         return [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]

@@ -36,9 +36,12 @@ def test_pool_ls_launch_add_rm_on_an_up_cluster(tmp_path: Path, cli_env: dict[st
             try:
                 cluster = await rlactors.connect()
                 pool = await cluster.spawn(
-                    InferencePool, PoolConfig(server=ReferenceServerConfig(backend="sim")), name=POOL_NAME,
-                    detached=True, control=True,
-                )  # fmt: skip
+                    InferencePool,
+                    PoolConfig(server=ReferenceServerConfig(backend="sim")),
+                    name=POOL_NAME,
+                    detached=True,
+                    control=True,
+                )
                 await pool.start(1)
                 # this driver's run ends here: the detached pool and the server it launched live on
                 # (a detached actor's spawns are its own, not the run's that spawned it)

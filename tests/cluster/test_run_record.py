@@ -34,8 +34,11 @@ class Run:
         self.folder = folder
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests/cluster/embedded_driver.py"), str(folder)],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line.startswith("ready"), line

@@ -69,8 +69,22 @@ def test_node_lists_expand_as_slurm_does(nodelist: str, hosts: list[str]) -> Non
 
 def test_the_written_cluster_toml_loads_and_names_both_hosts(tmp_path: Path) -> None:
     out = tmp_path / "cluster.toml"
-    res = write(tmp_path, "gpu[07-08]", "--out", str(out), "--port", "26380", "--gpus-per-node", "8",
-                "--cpus-per-node", "64", "--python", "/opt/venv/bin/python", "--workdir", str(ROOT))  # fmt: skip
+    res = write(
+        tmp_path,
+        "gpu[07-08]",
+        "--out",
+        str(out),
+        "--port",
+        "26380",
+        "--gpus-per-node",
+        "8",
+        "--cpus-per-node",
+        "64",
+        "--python",
+        "/opt/venv/bin/python",
+        "--workdir",
+        str(ROOT),
+    )
     assert res.returncode == 0, res.stderr
     cfg = load_cluster_config(out)
     assert [n.host for n in cfg.nodes] == ["gpu07", "gpu08"]
@@ -141,15 +155,18 @@ def calls(tmp_path: Path) -> list[str]:
 
 def test_the_sbatch_brings_the_cluster_up_runs_the_recipe_on_it_and_takes_it_down(tmp_path: Path) -> None:
     env = sbatch_env(tmp_path, FAKE_RECIPE_RC="3")
-    res = subprocess.run(["bash", str(SBATCH), "run.steps=5"], env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    res = subprocess.run(
+        ["bash", str(SBATCH), "run.steps=5"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 3, res.stdout + res.stderr  # the recipe's exit code is the job's
     run = tmp_path / "run"
     write_, up, recipe, down = calls(tmp_path)
     assert write_.startswith("scripts/slurm/cluster_toml.py gpu[07-08]") and "--port 24242" in write_
     assert up == f"-m rlactors.launch.cli up {run}/cluster.toml"
-    assert recipe == (f"recipes/gsm8k_grpo.py --config recipes/configs/gpu.toml --cluster {run}/cluster.toml "
-                      f"servers.n=8 trainer.n_ranks=8 run.out_dir={run}/out run.steps=5")  # fmt: skip
+    assert recipe == (
+        f"recipes/gsm8k_grpo.py --config recipes/configs/gpu.toml --cluster {run}/cluster.toml "
+        f"servers.n=8 trainer.n_ranks=8 run.out_dir={run}/out run.steps=5"
+    )
     assert down == "-m rlactors.launch.cli down"  # after a failed recipe too
     cfg = load_cluster_config(run / "cluster.toml")
     assert [n.host for n in cfg.nodes] == ["gpu07", "gpu08"] and cfg.head.port == 24242
@@ -157,8 +174,9 @@ def test_the_sbatch_brings_the_cluster_up_runs_the_recipe_on_it_and_takes_it_dow
 
 def test_slurms_sigterm_reaches_the_recipe_and_down_waits_for_it(tmp_path: Path) -> None:
     env = sbatch_env(tmp_path)
-    job = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)  # fmt: skip
+    job = subprocess.Popen(
+        ["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         started = tmp_path / "recipe-started"  # the recipe runs: the shell waits on it
         assert wait_until(lambda: started.exists() or job.poll() is not None, 60) and started.exists(), (
@@ -188,8 +206,18 @@ def test_the_written_cluster_toml_starts_an_agent_with_srun_holding_the_nodes_cp
     job = res.stderr.split("Granted job allocation")[-1].split()[0] if "Granted" in res.stderr else ""
     assert res.returncode == 0 and job.isdigit(), res.stderr
     out = tmp_path / "cluster.toml"
-    res = write(tmp_path, node, "--out", str(out), "--port", str(free_port()), "--cpus-per-node", str(cpus),
-                "--workdir", str(ROOT))  # fmt: skip
+    res = write(
+        tmp_path,
+        node,
+        "--out",
+        str(out),
+        "--port",
+        str(free_port()),
+        "--cpus-per-node",
+        str(cpus),
+        "--workdir",
+        str(ROOT),
+    )
     assert res.returncode == 0, res.stderr
     node_id = f"slurmtpl-{uuid.uuid4().hex[:8]}"  # its own id: the clean-up kills agents by id
     out.write_text(
@@ -217,10 +245,21 @@ def test_the_sbatch_runs_the_smoke_config_under_slurm(tmp_path: Path, slurm_clus
            "RANKS": "1", "RUN": str(run), "PY": sys.executable, "REPO": str(ROOT),
            "RLACTORS_STATE_DIR": str(tmp_path / "elsewhere")}  # fmt: skip
     res = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--output={tmp_path}/job-%j.out",
-         str(SBATCH), "run.steps=1"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            "--gpus-per-node=0",
+            f"--output={tmp_path}/job-%j.out",
+            str(SBATCH),
+            "run.steps=1",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     job = res.stdout.strip().split(";")[0]
     assert res.returncode == 0 and job.isdigit(), res.stderr
     assert wait_until(lambda: job not in slurm_cluster.jobs(), 240, 0.5), f"job {job} still queued or running"

@@ -60,9 +60,20 @@ def server_url(tiny_ckpt: Path) -> Iterator[str]:
             )
         )
     else:
-        yield from serving(start_reference_server(["--backend", "sim", "--model-path", str(tiny_ckpt),
-                                                   "--sim-decode-s-base", "0.002",
-                                                   "--max-running-requests", str(MAX_RUNNING)]))  # fmt: skip
+        yield from serving(
+            start_reference_server(
+                [
+                    "--backend",
+                    "sim",
+                    "--model-path",
+                    str(tiny_ckpt),
+                    "--sim-decode-s-base",
+                    "0.002",
+                    "--max-running-requests",
+                    str(MAX_RUNNING),
+                ]
+            )
+        )
 
 
 @pytest.fixture(scope="module")

@@ -240,8 +240,12 @@ async def test_heavy_logprob_requests_are_bounded_and_health_keeps_answering(hf:
     (64 x 2,048 x 8 = 2**20 entries, ~40 MB) is served while /health answers within 2 s
     throughout: the forward passes and the rendering run off the event loop."""
     sp = {"n": 64, "max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True}
-    body = {"input_ids": [5, 6, 7], "sampling_params": sp, "return_logprob": True,
-            "return_text_in_logprobs": True}  # fmt: skip
+    body = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": sp,
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+    }
     r = await hf.post("/generate", json={**body, "top_logprobs_num": 49_152}, timeout=10)
     assert (
         r.status_code == 400 and "25165824 log-prob entries" in r.text and "--max-logprob-entries" in r.text

@@ -34,8 +34,12 @@ async def c(
 
 
 async def gen(c: httpx.AsyncClient, ids: Any = PROMPT, n: int = 3, status: int = 200, **extra: Any) -> Any:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True, **extra}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        **extra,
+    }
     r = await c.post("/generate", json=body)
     assert r.status_code == status, r.text
     return r.json()
@@ -183,8 +187,12 @@ async def test_the_hf_backend_agrees_with_real_sglang(
             for key in ("input_token_logprobs", "output_token_logprobs"):
                 assert [t for _, t, _ in ma[key]] == [t for _, t, _ in mb[key]]
                 assert [x[0] for x in ma[key]] == pytest.approx([x[0] for x in mb[key]], abs=1e-3)
-            for key in ("input_top_logprobs", "output_top_logprobs", "input_token_ids_logprobs",
-                        "output_token_ids_logprobs"):  # fmt: skip
+            for key in (
+                "input_top_logprobs",
+                "output_top_logprobs",
+                "input_token_ids_logprobs",
+                "output_token_ids_logprobs",
+            ):
                 ra, rb = ma[key], mb[key]
                 assert len(ra) == len(rb) and (ra[0] is None) == (rb[0] is None)
                 for x, y in zip(ra, rb, strict=True):

@@ -38,8 +38,13 @@ async def test_a_tool_use_round_trip_is_the_servers_tokens_token_exact(
     async with claude(url) as client:
         messages: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
         gen.script = [*tokenizer.encode(CALL, add_special_tokens=False), tokenizer.eos_token_id]
-        m1 = await client.messages.create(model="tiny", max_tokens=64, messages=messages, tools=CLAUDE_TOOLS,  # type: ignore[arg-type]
-                                          extra_body={"temperature": 0})  # fmt: skip
+        m1 = await client.messages.create(
+            model="tiny",
+            max_tokens=64,
+            messages=messages,
+            tools=CLAUDE_TOOLS,  # type: ignore[arg-type]
+            extra_body={"temperature": 0},
+        )
         ((req1, res1),) = gen.calls
         assert res1.finish_reason == "stop" and m1.stop_reason == "tool_use"
         (use,) = m1.content
@@ -50,10 +55,17 @@ async def test_a_tool_use_round_trip_is_the_servers_tokens_token_exact(
         assert (m1.usage.input_tokens, m1.usage.output_tokens) == (len(req1.input_ids), len(res1.output_ids))
 
         # the agent runs the tool and sends the history back with its result
-        messages += [{"role": "assistant", "content": m1.content},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]  # fmt: skip
-        m2 = await client.messages.create(model="tiny", max_tokens=MAX_TOKENS, messages=messages, tools=CLAUDE_TOOLS,  # type: ignore[arg-type]
-                                          extra_body={"temperature": 0})  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": m1.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]},
+        ]
+        m2 = await client.messages.create(
+            model="tiny",
+            max_tokens=MAX_TOKENS,
+            messages=messages,
+            tools=CLAUDE_TOOLS,  # type: ignore[arg-type]
+            extra_body={"temperature": 0},
+        )
     (req2, res2) = gen.calls[1]
     tool = [{"role": "tool", "tool_call_id": use.id, "content": "5"}]
     cont = continuation_ids(tokenizer, messages[:1], tool, TOOLS, res1.output_ids, "stop")
@@ -77,8 +89,9 @@ async def test_a_streamed_message_is_the_servers_stream_and_continues_token_exac
     episode, url = ep.open_episode()
     first: list[Any] = [{"role": "user", "content": "Count."}]
     async with claude(url) as client:
-        async with client.messages.stream(model="tiny", max_tokens=12, messages=first, system="Be brief.",
-                                          extra_body={"temperature": 0}) as stream:  # fmt: skip
+        async with client.messages.stream(
+            model="tiny", max_tokens=12, messages=first, system="Be brief.", extra_body={"temperature": 0}
+        ) as stream:
             deltas = [e.delta.text async for e in stream if e.type == "content_block_delta"]  # type: ignore[union-attr]
             m1 = await stream.get_final_message()
         ((req1, res1),) = gen.calls
@@ -93,8 +106,13 @@ async def test_a_streamed_message_is_the_servers_stream_and_continues_token_exac
             {"role": "assistant", "content": m1.content},
             {"role": "user", "content": "And then?"},
         ]
-        await client.messages.create(model="tiny", max_tokens=MAX_TOKENS, messages=second, system="Be brief.",
-                                     extra_body={"temperature": 0})  # fmt: skip
+        await client.messages.create(
+            model="tiny",
+            max_tokens=MAX_TOKENS,
+            messages=second,
+            system="Be brief.",
+            extra_body={"temperature": 0},
+        )
     (req2, res2) = gen.calls[1]
     chat = [{"role": "system", "content": "Be brief."}, *first]
     new = [{"role": "user", "content": "And then?"}]
@@ -123,7 +141,14 @@ async def test_count_tokens_and_refusals(
             await client.messages.create(
                 model="tiny", max_tokens=8, messages=[{"role": "user", "content": [image]}]
             )  # type: ignore[list-item]
-    assert e.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": (
-        "messages[0].content[0] is a block of type 'image': only text and tool_result blocks are served here "
-        "(no images, documents, thinking, search results or server tools' blocks)")}}  # fmt: skip
+    assert e.value.body == {
+        "type": "error",
+        "error": {
+            "type": "invalid_request_error",
+            "message": (
+                "messages[0].content[0] is a block of type 'image': only text and tool_result blocks are served here "
+                "(no images, documents, thinking, search results or server tools' blocks)"
+            ),
+        },
+    }
     assert not gen.calls

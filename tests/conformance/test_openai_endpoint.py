@@ -106,7 +106,7 @@ async def test_chat_with_logprobs_then_a_token_exact_continuation(
     r1 = await client.chat.completions.create(
         model="tiny", messages=first, max_tokens=MAX_TOKENS, temperature=0, logprobs=True
     )
-    (req1, res1), = gen.calls  # fmt: skip
+    ((req1, res1),) = gen.calls
     c1 = r1.choices[0]
     assert req1.input_ids == prompt_ids(tokenizer, first, None)
     assert 0 < len(res1.output_ids) <= MAX_TOKENS and r1.usage.completion_tokens == len(res1.output_ids)
@@ -135,7 +135,7 @@ async def test_tool_call_round_trip(endpoint: tuple[ChatEndpoint, Recorder], tok
     messages: list[Any] = [{"role": "user", "content": "What is 2 + 3?"}]
     gen.script = [*tokenizer.encode(CALL, add_special_tokens=False), tokenizer.eos_token_id]
     r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, temperature=0)
-    (req1, res1), = gen.calls  # fmt: skip
+    ((req1, res1),) = gen.calls
     assert res1.finish_reason == "stop" and r1.choices[0].finish_reason == "tool_calls"
     m1 = r1.choices[0].message
     (call,) = m1.tool_calls
@@ -166,9 +166,14 @@ async def test_a_streamed_answer_is_the_servers_stream_read_as_it_arrives(
     ep, gen = endpoint
     episode, url = ep.open_episode()
     stream = await sdk(url).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Count."}], max_tokens=12, temperature=0,
-        logprobs=True, stream=True, stream_options={"include_usage": True},
-    )  # fmt: skip
+        model="tiny",
+        messages=[{"role": "user", "content": "Count."}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     got = await read_stream(stream)
     ((req, res),) = gen.calls
     assert req.on_tokens is not None and gen.pieces >= min(2, len(res.output_ids))  # in pieces

@@ -39,8 +39,12 @@ async def c(
 
 
 async def gen(c: httpx.AsyncClient, n: int = 6, ids: Any = PROMPT, **sampling: Any) -> Any:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, **sampling},
-            "return_logprob": True, "token_ids_logprob": [FORCED, OTHER, PROMPT[0]]}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, **sampling},
+        "return_logprob": True,
+        "token_ids_logprob": [FORCED, OTHER, PROMPT[0]],
+    }
     r = await c.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()

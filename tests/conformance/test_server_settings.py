@@ -144,9 +144,15 @@ def test_the_endpoint_command_line_is_its_settings_class(monkeypatch: Any) -> No
     from rlactors.base.tomlconf import field_docs
 
     chosen = EndpointArgs(
-        server_url=["http://127.0.0.1:1", "http://127.0.0.1:2"], model_path="/m", model_name="n",
-        tool_parser="pkg.mod:fn", host="0.0.0.0", port=9, api_key="k", admin_api_key="-a",
-    )  # fmt: skip
+        server_url=["http://127.0.0.1:1", "http://127.0.0.1:2"],
+        model_path="/m",
+        model_name="n",
+        tool_parser="pkg.mod:fn",
+        host="0.0.0.0",
+        port=9,
+        api_key="k",
+        admin_api_key="-a",
+    )
     for f in dataclasses.fields(EndpointArgs):
         assert getattr(chosen, f.name) != getattr(EndpointArgs(), f.name), f"{f.name} is not changed"
     assert openai_endpoint.parse_args(to_argv(chosen)) == chosen
@@ -156,8 +162,12 @@ def test_the_endpoint_command_line_is_its_settings_class(monkeypatch: Any) -> No
         openai_endpoint.parse_args(["--model-path", "m"])
     out = subprocess.run(
         [sys.executable, "-m", "nodes.rollout.openai_endpoint", "--help"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     text = " ".join(out.split())
     for name, meaning in field_docs(EndpointArgs).items():
         assert meaning and "--" + name.replace("_", "-") in text and " ".join(meaning.split()[:3]) in text, (

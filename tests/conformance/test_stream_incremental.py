@@ -36,8 +36,11 @@ def incremental_url(tiny_ckpt: Path) -> Iterator[str]:
     if sglang:
         yield from serving(start_sglang_server(sglang, str(tiny_ckpt), [FLAG]))
     else:
-        yield from serving(start_reference_server(["--backend", "sim", "--model-path", str(tiny_ckpt),
-                                                   "--sim-decode-s-base", "0.002", FLAG]))  # fmt: skip
+        yield from serving(
+            start_reference_server(
+                ["--backend", "sim", "--model-path", str(tiny_ckpt), "--sim-decode-s-base", "0.002", FLAG]
+            )
+        )
 
 
 @pytest.fixture

@@ -23,14 +23,19 @@ PAUSED_AFTER = 20  # tokens generated before the pause
 
 
 def body(rid: str, prompt: list[int], n: int) -> dict:
-    return {"input_ids": prompt, "rid": rid, "sampling_params": {"max_new_tokens": n, "temperature": 0.0,
-                                                                 "ignore_eos": True}}  # fmt: skip
+    return {
+        "input_ids": prompt,
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+    }
 
 
 async def set_version(client: httpx.AsyncClient, ckpt: Path, version: str) -> None:
     """Reload the served checkpoint under a new weight_version, keeping the prefix cache."""
-    r = await client.post("/update_weights_from_disk",
-                          json={"model_path": str(ckpt), "weight_version": version, "flush_cache": False})  # fmt: skip
+    r = await client.post(
+        "/update_weights_from_disk",
+        json={"model_path": str(ckpt), "weight_version": version, "flush_cache": False},
+    )
     assert r.status_code == 200 and r.json()["success"] is True, r.text
 
 

@@ -160,12 +160,18 @@ async def test_unknown_route_and_method_get_fastapis_detail_body(client: httpx.A
     await assert_still_serving(client)
 
 
-HIDDEN = ("The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
-          "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag.")  # fmt: skip
-LORA = ("LoRA adapter '{}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora "
-        "flag and preload adapters using --lora-paths or /load_lora_adapter endpoint.")  # fmt: skip
-LOGIT_PROCESSOR = ("The server is not configured to enable custom logit processor. "
-                   "Please set `--enable-custom-logit-processor` to enable this feature.")  # fmt: skip
+HIDDEN = (
+    "The server is not configured to return hidden states. Please set `--return-hidden-states-mode last`, "
+    "`--return-hidden-states-mode full`, or the legacy `--enable-return-hidden-states` flag."
+)
+LORA = (
+    "LoRA adapter '{}' was requested, but LoRA is not enabled. Please launch the server with --enable-lora "
+    "flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+)
+LOGIT_PROCESSOR = (
+    "The server is not configured to enable custom logit processor. "
+    "Please set `--enable-custom-logit-processor` to enable this feature."
+)
 TWO = [[5, 6, 7], [8, 9]]
 
 
@@ -202,9 +208,13 @@ async def test_features_the_server_was_not_launched_with_are_refused_in_sglangs_
 
 
 async def test_the_same_fields_at_their_off_values_are_served(client: httpx.AsyncClient) -> None:
-    for extra in ({"return_hidden_states": False}, {"custom_logit_processor": ""},
-                  {"input_ids": TWO, "custom_logit_processor": [None, None]}, {"data_parallel_rank": 0},
-                  {"image_data": "https://example.invalid/x.png"}):  # fmt: skip
+    for extra in (
+        {"return_hidden_states": False},
+        {"custom_logit_processor": ""},
+        {"input_ids": TWO, "custom_logit_processor": [None, None]},
+        {"data_parallel_rank": 0},
+        {"image_data": "https://example.invalid/x.png"},
+    ):
         r = await client.post("/generate", json=gen({"max_new_tokens": 2}, **extra), timeout=TIMEOUT)
         assert r.status_code == 200, (extra, r.text)
 
@@ -427,8 +437,10 @@ def test_a_dead_scheduler_still_exits_on_sigterm(tmp_path: Path) -> None:
 
 # ---- sampling fields SGLang checks against the model, and grammars (issue 28 item 2) -------
 
-GRAMMAR = ("Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the "
-           "server is launched with --grammar-backend none")  # fmt: skip
+GRAMMAR = (
+    "Grammar-based generation (json_schema, regex, ebnf, structural_tag) is not supported when the "
+    "server is launched with --grammar-backend none"
+)
 
 
 @pytest.mark.parametrize(

@@ -101,9 +101,15 @@ def loss_stats() -> set[str]:
         cfg = LossConfig(fn_args=corr, kl_coef=0.1, c_clip=3.0)
         logp = torch.log(torch.full((2, 3), 0.5))
         sums = decoupled_ppo_loss(
-            logp=logp, prox_logp=logp, behave_logp=logp - 0.1, advantages=torch.ones(2, 3),
-            loss_mask=torch.ones(2, 3), cfg=cfg, entropy=torch.ones(2, 3), ref_logp=logp,
-        )  # fmt: skip
+            logp=logp,
+            prox_logp=logp,
+            behave_logp=logp - 0.1,
+            advantages=torch.ones(2, 3),
+            loss_mask=torch.ones(2, 3),
+            cfg=cfg,
+            entropy=torch.ones(2, 3),
+            ref_logp=logp,
+        )
         out |= set(sums.sums) | set(sums.maxes) | set(sums.mins)
     return out
 
@@ -124,8 +130,12 @@ def workflow_counters() -> set[str]:
     the environments' episodes. Not the rollout actor's, the client's, an endpoint episode's or the
     reward runner's own counters, which reach metrics under other names or not at all."""
     rollout = ROOT / "nodes" / "rollout"
-    files = [rollout / "workflows.py", rollout / "agents.py", rollout / "sessions.py",
-             *(rollout / "environments").rglob("*.py")]  # fmt: skip
+    files = [
+        rollout / "workflows.py",
+        rollout / "agents.py",
+        rollout / "sessions.py",
+        *(rollout / "environments").rglob("*.py"),
+    ]
     out = set()
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -97,8 +97,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str,
     data = tmp / "data"
     data.mkdir()
     for split, first, n in (("train", 0, 16), ("test", 50, 4)):
-        lines = [json.dumps({"question": f"What is {100 + i} * {10 + i}?", "answer": f"#### {(100 + i) * (10 + i)}"})
-                 for i in range(first, first + n)]  # fmt: skip
+        lines = [
+            json.dumps(
+                {"question": f"What is {100 + i} * {10 + i}?", "answer": f"#### {(100 + i) * (10 + i)}"}
+            )
+            for i in range(first, first + n)
+        ]
         (data / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp / "run"
     args = [

@@ -62,8 +62,11 @@ def test_shaping_is_the_identity_unless_a_config_asks_and_the_gsm8k_configs_ask(
     for name in ("cpu", "gpu", "gpu_1x", "smoke", "agent_cpu", "env_cpu"):
         s = load_config(str(CONFIGS / f"{name}.toml"), []).advantage.shaping
         assert (s.bias, s.scale, s.clip) == (-0.5, 10.0, 20.0), name  # AReaL's GSM8K values
-    refused(["advantage.shaping.overlong_penalty=2"], "advantage.shaping.overlong_penalty",
-            "advantage.shaping.overlong_max_len > 0")  # fmt: skip
+    refused(
+        ["advantage.shaping.overlong_penalty=2"],
+        "advantage.shaping.overlong_penalty",
+        "advantage.shaping.overlong_max_len > 0",
+    )
 
 
 def test_online_mode_reads_no_data_sizes() -> None:
@@ -76,29 +79,47 @@ def test_online_mode_reads_no_data_sizes() -> None:
 
 
 def test_the_other_server_kinds_settings_are_refused() -> None:
-    line = refused(["servers.sglang.mem_fraction_static=0.5"], "servers.sglang.mem_fraction_static",
-                   "servers.kind = 'sglang'")  # fmt: skip
+    line = refused(
+        ["servers.sglang.mem_fraction_static=0.5"],
+        "servers.sglang.mem_fraction_static",
+        "servers.kind = 'sglang'",
+    )
     assert "and here servers.kind = 'reference'" in line
-    refused(["servers.kind=sglang", "servers.reference.cache_tokens=1024"], "servers.reference.cache_tokens",
-            "servers.kind = 'reference'")  # fmt: skip
-    refused(["servers.gpus_per_server=1", "servers.threads=4"], "servers.threads",
-            "servers.gpus_per_server = 0 (CPU servers)")  # fmt: skip
-    refused(["servers.replace_dead=false", "servers.max_replacements=9"], "servers.max_replacements",
-            "servers.replace_dead = true")  # fmt: skip
+    refused(
+        ["servers.kind=sglang", "servers.reference.cache_tokens=1024"],
+        "servers.reference.cache_tokens",
+        "servers.kind = 'reference'",
+    )
+    refused(
+        ["servers.gpus_per_server=1", "servers.threads=4"],
+        "servers.threads",
+        "servers.gpus_per_server = 0 (CPU servers)",
+    )
+    refused(
+        ["servers.replace_dead=false", "servers.max_replacements=9"],
+        "servers.max_replacements",
+        "servers.replace_dead = true",
+    )
 
 
 def test_trainer_settings_of_modes_not_chosen_are_refused() -> None:
     refused(["trainer.lora.rank=8"], "trainer.lora.rank", "trainer.lora.enabled = true")
     assert load_config(None, ["trainer.lora.enabled=true", "trainer.lora.rank=8"]).trainer.lora.rank == 8
-    refused(["trainer.lora.enabled=true", "trainer.lora.name=mine"], "trainer.lora.name",
-            "trainer.lora.push = 'adapter'")  # fmt: skip
+    refused(
+        ["trainer.lora.enabled=true", "trainer.lora.name=mine"],
+        "trainer.lora.name",
+        "trainer.lora.push = 'adapter'",
+    )
     refused(
         ["trainer.push.keep_disk_versions=5"],
         "trainer.push.keep_disk_versions",
         "trainer.push.method = 'disk'",
     )
-    refused(["trainer.push.method=tensor", "trainer.push.group_timeout_s=5"], "trainer.push.group_timeout_s",
-            "trainer.push.method = 'distributed'")  # fmt: skip
+    refused(
+        ["trainer.push.method=tensor", "trainer.push.group_timeout_s=5"],
+        "trainer.push.group_timeout_s",
+        "trainer.push.method = 'distributed'",
+    )
     refused(["trainer.ref_model_path=/m"], "trainer.ref_model_path", "trainer.loss.kl_coef > 0")
     refused(
         ["trainer.min_lr_ratio=0.1"], "trainer.min_lr_ratio", "trainer.lr_schedule = 'linear' or 'cosine'"
@@ -106,17 +127,25 @@ def test_trainer_settings_of_modes_not_chosen_are_refused() -> None:
 
 
 def test_a_reward_function_with_a_workflow_that_scores_itself_is_refused() -> None:
-    env = ["rollout.workflow=nodes.rollout.environments:VerifiersWorkflow",
-           "rollout.workflow_args.env=recipes.toy_envs.easy_sums", "data.source=env"]  # fmt: skip
+    env = [
+        "rollout.workflow=nodes.rollout.environments:VerifiersWorkflow",
+        "rollout.workflow_args.env=recipes.toy_envs.easy_sums",
+        "data.source=env",
+    ]
     pytest.importorskip("verifiers")
-    line = refused([*env, "reward.fn=nodes.rollout.reward:gsm8k_reward"], "reward.fn",
-                   "a workflow that scores with [reward]")  # fmt: skip
+    line = refused(
+        [*env, "reward.fn=nodes.rollout.reward:gsm8k_reward"],
+        "reward.fn",
+        "a workflow that scores with [reward]",
+    )
     assert "the environment's rubric does" in line
 
 
 def test_workflow_args_the_workflow_does_not_read_are_refused() -> None:
-    agent = ["rollout.workflow=nodes.rollout.agents:AgentWorkflow",
-             "rollout.workflow_args.agent=recipes.sdk_agents.python_tool:run_guided"]  # fmt: skip
+    agent = [
+        "rollout.workflow=nodes.rollout.agents:AgentWorkflow",
+        "rollout.workflow_args.agent=recipes.sdk_agents.python_tool:run_guided",
+    ]
     with pytest.raises(ConfigError, match=r"unknown key 'rollout\.workflow_args\.system_prompt'"):
         load_config(None, [*agent, "rollout.workflow_args.system_prompt=x"])  # RLVRWorkflow's, not an agent's
 
@@ -161,10 +190,23 @@ def test_your_rows_without_a_source_train_and_a_reward_that_always_raises_stops_
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     small = [a for a in SMALL if not a.startswith("data.source=")]
-    done = recipe([*small, "servers.n=1", "trainer.n_ranks=1", "run.steps=3", "run.eval_every=0",
-                   f"run.out_dir={out}", f"data.path={data}", "data.prompt_field=q", "data.answer_field=a",
-                   "data.eval_from_train=4", "reward.fn=tests.e2e.test_config_modes:missing_column_reward",
-                   "run.batch_timeout_s=600"], timeout=900)  # fmt: skip
+    done = recipe(
+        [
+            *small,
+            "servers.n=1",
+            "trainer.n_ranks=1",
+            "run.steps=3",
+            "run.eval_every=0",
+            f"run.out_dir={out}",
+            f"data.path={data}",
+            "data.prompt_field=q",
+            "data.answer_field=a",
+            "data.eval_from_train=4",
+            "reward.fn=tests.e2e.test_config_modes:missing_column_reward",
+            "run.batch_timeout_s=600",
+        ],
+        timeout=900,
+    )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     first = done.stdout.splitlines()
     assert first[0].startswith(f"data: 20 rows of {data}") and "(data.source = 'local')" in first[0]

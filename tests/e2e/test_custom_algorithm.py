@@ -67,6 +67,13 @@ def test_recipe_runs_against_keyed_servers(run: Path) -> None:
     assert "keys=api_key,admin_api_key" in log  # the server took both keys
     statuses = re.findall(r'"(?:GET|POST) (\S+) HTTP/1.1" (\d+)', log)
     seen = {path for path, _ in statuses}
-    assert {"/generate", "/pause_generation", "/continue_generation", "/init_weights_update_group",
-            "/update_weights_from_distributed", "/health", "/model_info"} <= seen, seen  # fmt: skip
+    assert {
+        "/generate",
+        "/pause_generation",
+        "/continue_generation",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/health",
+        "/model_info",
+    } <= seen, seen
     assert not [s for s in statuses if s[1] == "401"], [s for s in statuses if s[1] == "401"][:5]

@@ -31,8 +31,9 @@ ARGS = [
 
 def mount(folder: Path, size: int, remount: bool = False) -> subprocess.CompletedProcess[str]:
     options = f"size={size}" + (",remount" if remount else "")
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
-                          capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True, text=True
+    )
 
 
 @pytest.fixture

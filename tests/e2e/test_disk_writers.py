@@ -35,8 +35,11 @@ def test_a_metrics_line_that_does_not_fit_is_taken_back(tmp_path: Path) -> None:
     m = MetricsLogger(tmp_path, tensorboard=False)
     m.log(1, {"reward/mean": 0.5})
     m._file = FillsUp(m._file)
-    with pytest.raises(DiskFullError, match=rf"^metrics of step 2: the disk is full at {tmp_path}: it needs about "
-                       rf"[\d,]+ bytes, [\d,]+ are free; {tmp_path / 'metrics.jsonl'} kept as it was$"):  # fmt: skip
+    with pytest.raises(
+        DiskFullError,
+        match=rf"^metrics of step 2: the disk is full at {tmp_path}: it needs about "
+        rf"[\d,]+ bytes, [\d,]+ are free; {tmp_path / 'metrics.jsonl'} kept as it was$",
+    ):
         m.log(2, {"reward/mean": 0.75, "text": "x" * 1000})
     m._file = m._file.f
     m.close()
@@ -62,8 +65,11 @@ def test_append_whole_and_check_room(tmp_path: Path) -> None:
     with (tmp_path / "f").open("ab", buffering=0) as f:
         append_whole(f, "whole\n", "a file")
     assert (tmp_path / "f").read_text() == "whole\n"
-    with pytest.raises(DiskFullError, match=rf"^export x: the disk is full at {tmp_path}: it needs about "
-                       r"[\d,]+ bytes, [\d,]+ are free; nothing was written$"):  # fmt: skip
+    with pytest.raises(
+        DiskFullError,
+        match=rf"^export x: the disk is full at {tmp_path}: it needs about "
+        r"[\d,]+ bytes, [\d,]+ are free; nothing was written$",
+    ):
         check_room("export x", tmp_path, 1 << 62)
 
 

@@ -21,8 +21,14 @@ from tests.helpers.servers import reference_server
 # A reward that depends on every generated token, and greedy decoding: the same weights give the same
 # score, different weights (almost surely) another. One server and one rank, in the run and in the
 # evaluation: a second of each is one more process to start and proves nothing here.
-SCORED = [*SMALL, "servers.n=1", "trainer.n_ranks=1", "reward.fn=tests.e2e.learning_reward:no_space_share",
-          f"rollout.workflow_args.max_new_tokens={TOKENS}", "run.eval_temperature=0"]  # fmt: skip
+SCORED = [
+    *SMALL,
+    "servers.n=1",
+    "trainer.n_ranks=1",
+    "reward.fn=tests.e2e.learning_reward:no_space_share",
+    f"rollout.workflow_args.max_new_tokens={TOKENS}",
+    "run.eval_temperature=0",
+]
 
 
 def evaluate(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -71,17 +77,45 @@ def test_an_exported_folder_on_your_data_through_a_running_server(trained: Path,
     already running (--server-url); the reward reads the row's own columns, samples at 0.7."""
     folder = tmp_path / "hf"
     exported = subprocess.run(
-        [sys.executable, "-m", "nodes.trainer.export", str(trained / "checkpoints" / "step-1"), "--out", str(folder),
-         "--dtype", "fp32"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "nodes.trainer.export",
+            str(trained / "checkpoints" / "step-1"),
+            "--out",
+            str(folder),
+            "--dtype",
+            "fp32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert exported.returncode == 0, exported.stderr[-2000:]
     data = jsonl(tmp_path / "held.jsonl", HELD)
     with reference_server(["--model-path", str(folder), "--backend", "hf"]) as url:
-        res = evaluate([
-            "--model", str(folder), "--data", str(data), "--server-url", url, "--n", "2", "--temperature", "0.7",
-            "--out", str(tmp_path / "ev"), "data.prompt_field=q", "data.answer_field=a", "data.answer_format=gsm8k",
-            "reward.fn=tests.e2e.custom_data:weight_if_fields_arrived", "model.tiny=true",
-        ])  # fmt: skip
+        res = evaluate(
+            [
+                "--model",
+                str(folder),
+                "--data",
+                str(data),
+                "--server-url",
+                url,
+                "--n",
+                "2",
+                "--temperature",
+                "0.7",
+                "--out",
+                str(tmp_path / "ev"),
+                "data.prompt_field=q",
+                "data.answer_field=a",
+                "data.answer_format=gsm8k",
+                "reward.fn=tests.e2e.custom_data:weight_if_fields_arrived",
+                "model.tiny=true",
+            ]
+        )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
     assert (summary["items"], summary["samples_per_item"], summary["temperature"]) == (6, 2, 0.7)

@@ -140,8 +140,14 @@ def test_plot_run_tolerates_missing_keys_and_empty_files(tmp_path: Path) -> None
 
 
 def test_step_line_shows_the_values() -> None:
-    m = {**_step_metrics(3), "reward/mean": 0.4111, "eval/accuracy": 0.375, "staleness/mean": 0.7,
-         "throughput/tokens_per_s": 212.4, "throughput/samples_per_s": None}  # fmt: skip
+    m = {
+        **_step_metrics(3),
+        "reward/mean": 0.4111,
+        "eval/accuracy": 0.375,
+        "staleness/mean": 0.7,
+        "throughput/tokens_per_s": 212.4,
+        "throughput/samples_per_s": None,
+    }
     line = format_step_line(3, 10, m)
     assert (
         line

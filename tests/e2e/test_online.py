@@ -97,7 +97,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         _read_until(proc, "online: sessions at", seen)
         info = json.loads((out / "sessions.json").read_text())
         url, key = info["urls"][0], info["api_key"]
-        with httpx.Client(timeout=300) as anon, httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=300) as http:  # fmt: skip
+        with (
+            httpx.Client(timeout=300) as anon,
+            httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=300) as http,
+        ):
             result.refused += [
                 anon.post(url, json={"task_id": "x"}, headers={"Authorization": "Bearer wrong"}).status_code,
                 anon.post(url, json={"task_id": "x"}).status_code,

@@ -53,17 +53,37 @@ def free_port() -> int:
 
 def cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rlactors.launch.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "rlactors.launch.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
 
 
 def start_reference_server(model: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "nodes.inference.server", "--port", str(port), "--backend", "hf",
-           "--model-path", str(model), "--max-running-requests", "16"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nodes.inference.server",
+        "--port",
+        str(port),
+        "--backend",
+        "hf",
+        "--model-path",
+        str(model),
+        "--max-running-requests",
+        "16",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -105,8 +125,13 @@ def start_run(args: list[str], cfg: Path, env: dict[str, str], err: Path) -> for
     with err.open("w") as stderr:
         return forked.popen(
             [sys.executable, str(RECIPE), *SMALL, *args, "--cluster", str(cfg)],
-            preload=forked.DRIVER, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-        )  # fmt: skip
+            preload=forked.DRIVER,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
 
 
 def stop(*procs: forked.Process | None) -> None:
@@ -181,8 +206,13 @@ def pool_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PoolRun]:
 
     with up_cluster(tmp) as (cfg, env):
         try:
-            args = [f"run.out_dir={run.out}", "run.steps=400", "run.checkpoint_every=400", "run.eval_every=0",
-                    "trainer.n_ranks=1"]  # fmt: skip
+            args = [
+                f"run.out_dir={run.out}",
+                "run.steps=400",
+                "run.checkpoint_every=400",
+                "run.eval_every=0",
+                "trainer.n_ranks=1",
+            ]
             proc = start_run(args, cfg, env, err)
             out = Output(proc, logs=lambda: run_logs(err), stacks=lambda: rlactors_stack([], env))
 

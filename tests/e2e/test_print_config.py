@@ -365,9 +365,21 @@ def test_overrides_go_before_and_after_the_flags() -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout == render_config(load_config(None, ["run.steps=3", "trainer.lr=2e-05"]))
     evaluate = forked.run(
-        [sys.executable, "-m", "recipes.gsm8k_eval", "--model", "m", "run.steps=2", "--limit", "1", "trainer.lrr=1"],
-        preload=forked.DRIVER, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "recipes.gsm8k_eval",
+            "--model",
+            "m",
+            "run.steps=2",
+            "--limit",
+            "1",
+            "trainer.lrr=1",
+        ],
+        preload=forked.DRIVER,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert evaluate.returncode == 2
     assert evaluate.stderr.startswith("error: ") and "unknown key 'trainer.lrr'" in evaluate.stderr, (
         evaluate.stderr

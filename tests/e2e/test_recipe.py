@@ -60,9 +60,25 @@ def check_timeline(out: Path) -> None:
     events = read_trace(out / "trace.json")
     json.loads((out / "trace.json").read_text())  # closed: strict JSON
     names = {e["name"] for e in events if e.get("ph") in ("X", "b")}
-    assert names >= {"step", "wait", "train", "push", "eval", "train step", "proximal log-probs",
-                     "forward/backward", "optimizer", "weight push", "pause servers", "send weights",
-                     "resume servers", "gather", "broadcast", "generate", "episode"}  # fmt: skip
+    assert names >= {
+        "step",
+        "wait",
+        "train",
+        "push",
+        "eval",
+        "train step",
+        "proximal log-probs",
+        "forward/backward",
+        "optimizer",
+        "weight push",
+        "pause servers",
+        "send weights",
+        "resume servers",
+        "gather",
+        "broadcast",
+        "generate",
+        "episode",
+    }
     assert {e["name"] for e in events if e.get("ph") == "C"} == {"governor", "buffer"}
     tracks: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for e in events:

@@ -28,8 +28,10 @@ def test_the_smoke_config_runs_the_whole_pipeline(tmp_path: Path) -> None:
     assert m[-1]["eval/version"] == 2 and math.isfinite(m[-1]["eval/accuracy"])
     lines = run.stdout.splitlines()
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
-    assert any(line.startswith("eval accuracy ") and "at version 0 →" in line and "at version 2:" in line
-               for line in lines), run.stdout  # fmt: skip
+    assert any(
+        line.startswith("eval accuracy ") and "at version 0 →" in line and "at version 2:" in line
+        for line in lines
+    ), run.stdout
 
     ckpt = out / "checkpoints" / "step-2"
     assert ckpt.is_dir() and any(ckpt.iterdir())

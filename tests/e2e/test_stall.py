@@ -73,8 +73,11 @@ def stalls(tmp_path_factory: pytest.TempPathFactory) -> Stalls:
         assert command.startswith("rlactors stack --run ") and Path(command.split()[-1]) == out, workflow_line
         stack = subprocess.run(
             [sys.executable, "-m", "rlactors.launch.cli", *command.split()[1:], "rollout-0"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         alive = run.proc.poll() is None  # it kills nothing and keeps watching
         run.proc.send_signal(signal.SIGTERM)
         run.finish(timeout_s=150)

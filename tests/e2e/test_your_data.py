@@ -12,10 +12,19 @@ import pytest
 from nodes.driver.data import DataConfig, DataError, load_data
 from tests.e2e.test_recipe import SMALL, recipe, rows
 
-ROWS = [{"q": f"How many apples are {i} and one more?", "a": f"{i} + 1 = {i + 1}\n#### {i + 1}",
-         "unit": "apples", "weight": 0.25} for i in range(12)]  # fmt: skip
-HELD = [{"q": f"How many pears are {i} and two more?", "a": f"#### {i + 2}", "unit": "pears", "weight": 0.5}
-        for i in range(6)]  # fmt: skip
+ROWS = [
+    {
+        "q": f"How many apples are {i} and one more?",
+        "a": f"{i} + 1 = {i + 1}\n#### {i + 1}",
+        "unit": "apples",
+        "weight": 0.25,
+    }
+    for i in range(12)
+]
+HELD = [
+    {"q": f"How many pears are {i} and two more?", "a": f"#### {i + 2}", "unit": "pears", "weight": 0.5}
+    for i in range(6)
+]
 FIELDS = {"prompt_field": "q", "answer_field": "a"}
 
 
@@ -92,13 +101,23 @@ def test_messages_field_is_sent_as_written(tmp_path: Path) -> None:
     from nodes.rollout.reward import gsm8k_reward
     from nodes.rollout.workflows import ByteChatTokenizer, RLVRConfig, RLVRWorkflow
 
-    chats = [{"chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"}],
-              "gold": str(i + 1)} for i in range(4)]  # fmt: skip
+    chats = [
+        {
+            "chat": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{i}+1?"}],
+            "gold": str(i + 1),
+        }
+        for i in range(4)
+    ]
     bare = [{"chat": [{"role": "user", "content": f"{i}+2?"}], "gold": str(i + 2)} for i in range(3)]
-    data = load_data(DataConfig(
-        source="local", path=str(jsonl(tmp_path / "train.jsonl", chats)),
-        eval_path=str(jsonl(tmp_path / "test.jsonl", bare)), messages_field="chat", answer_field="gold",
-    ))  # fmt: skip
+    data = load_data(
+        DataConfig(
+            source="local",
+            path=str(jsonl(tmp_path / "train.jsonl", chats)),
+            eval_path=str(jsonl(tmp_path / "test.jsonl", bare)),
+            messages_field="chat",
+            answer_field="gold",
+        )
+    )
     it = data.train[1]
     assert it["messages"] == chats[1]["chat"] and it["question"] == "1+1?" and it["answer"] == "2"
     wf = RLVRWorkflow(
@@ -174,13 +193,23 @@ def test_the_recipe_trains_on_your_jsonl_and_evaluates_on_your_parquet(tmp_path:
     scores ``weight`` when they arrived, so the metrics show the training rows' 0.25 and the
     held-out rows' 0.5."""
     out = tmp_path / "run"
-    res = recipe([
-        *SMALL, "servers.n=1", "trainer.n_ranks=1", "run.steps=1", "run.eval_every=0", f"run.out_dir={out}",
-        "data.source=local",
-        f"data.path={jsonl(tmp_path / 'mine.jsonl', ROWS)}", f"data.eval_path={parquet(tmp_path / 'held.parquet', HELD)}",
-        "data.prompt_field=q", "data.answer_field=a", "data.answer_format=gsm8k",
-        "reward.fn=tests.e2e.custom_data:weight_if_fields_arrived",
-    ])  # fmt: skip
+    res = recipe(
+        [
+            *SMALL,
+            "servers.n=1",
+            "trainer.n_ranks=1",
+            "run.steps=1",
+            "run.eval_every=0",
+            f"run.out_dir={out}",
+            "data.source=local",
+            f"data.path={jsonl(tmp_path / 'mine.jsonl', ROWS)}",
+            f"data.eval_path={parquet(tmp_path / 'held.parquet', HELD)}",
+            "data.prompt_field=q",
+            "data.answer_field=a",
+            "data.answer_format=gsm8k",
+            "reward.fn=tests.e2e.custom_data:weight_if_fields_arrived",
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert (
         "data: 12 rows of" in res.stdout and "eval: 4 of 6 rows of" in res.stdout
@@ -205,8 +234,18 @@ def test_bad_data_stops_the_recipe_with_one_line_and_exit_2(tmp_path: Path, case
         "bad row": (tmp_path / "bad.jsonl", str(good)),
     }[case]
     out = tmp_path / "run"
-    res = recipe([*SMALL, f"run.out_dir={out}", "data.source=local", f"data.path={path}", f"data.eval_path={extra}",
-                  "data.prompt_field=q", "data.answer_field=a"], timeout=120)  # fmt: skip
+    res = recipe(
+        [
+            *SMALL,
+            f"run.out_dir={out}",
+            "data.source=local",
+            f"data.path={path}",
+            f"data.eval_path={extra}",
+            "data.prompt_field=q",
+            "data.answer_field=a",
+        ],
+        timeout=120,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr

@@ -58,19 +58,29 @@ def run(tmp: Path, args: list[str]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def single_turn(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run(tmp_path_factory.mktemp("single"), [
-        VERIFIERS, "rollout.workflow_args.env=tests.envs.sample_env",
-        'rollout.workflow_args.env_args={kind = "flaky"}', "data.source=env",
-    ])  # fmt: skip
+    return run(
+        tmp_path_factory.mktemp("single"),
+        [
+            VERIFIERS,
+            "rollout.workflow_args.env=tests.envs.sample_env",
+            'rollout.workflow_args.env_args={kind = "flaky"}',
+            "data.source=env",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
 def tool_env(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run(tmp_path_factory.mktemp("tool"), [
-        VERIFIERS, "rollout.workflow_args.env=recipes.toy_envs.calculator",
-        "rollout.workflow_args.env_args={max_turns = 2, limit = 16}", "data.source=env",
-        "rollout.workflow_args.tool_parser=tests.envs.always_multiply:parse",
-    ])  # fmt: skip
+    return run(
+        tmp_path_factory.mktemp("tool"),
+        [
+            VERIFIERS,
+            "rollout.workflow_args.env=recipes.toy_envs.calculator",
+            "rollout.workflow_args.env_args={max_turns = 2, limit = 16}",
+            "data.source=env",
+            "rollout.workflow_args.tool_parser=tests.envs.always_multiply:parse",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +89,14 @@ def openenv(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, An
     tmp = tmp_path_factory.mktemp("openenv")
     with pytest.MonkeyPatch.context() as mp:  # the recipe's processes inherit it, the servers too
         mp.setenv("RLACTORS_TEST_DIE_ONCE", str(tmp / "died"))
-        m = run(tmp, [
-            "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
-            "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app", "data.source=easy",
-        ])  # fmt: skip
+        m = run(
+            tmp,
+            [
+                "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
+                "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app",
+                "data.source=easy",
+            ],
+        )
     assert (tmp / "died").exists()  # a server process did die during the run
     return m, servers_noted(tmp / "died")
 
@@ -150,9 +164,18 @@ def test_an_environment_whose_rubric_fails_every_episode_stops_the_run_with_one_
     naming the environment, the rubric function and the exception within the first batch, instead of
     a warning per episode until run.batch_timeout_s (set far beyond the test's own timeout here)."""
     out = tmp_path / "run"
-    done = recipe([*COMMON, VERIFIERS, "rollout.workflow_args.env=tests.envs.sample_env",
-                   'rollout.workflow_args.env_args={kind = "raises_in_rubric"}', "data.source=env",
-                   "run.batch_timeout_s=3600", f"run.out_dir={out}"], timeout=600)  # fmt: skip
+    done = recipe(
+        [
+            *COMMON,
+            VERIFIERS,
+            "rollout.workflow_args.env=tests.envs.sample_env",
+            'rollout.workflow_args.env_args={kind = "raises_in_rubric"}',
+            "data.source=env",
+            "run.batch_timeout_s=3600",
+            f"run.out_dir={out}",
+        ],
+        timeout=600,
+    )
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("error: workflow nodes.rollout.environments:VerifiersWorkflow failed on ")
@@ -175,12 +198,23 @@ def test_evaluate_starts_the_workflows_environment_servers(tmp_path: Path) -> No
     out = tmp_path / "eval"
     with pytest.MonkeyPatch.context() as mp:  # inherited by the evaluation's processes
         mp.setenv("RLACTORS_TEST_DIE_ONCE", str(marker))
-        done = evaluate([
-            "--model", str(ensure_tiny_checkpoint()), "--limit", "2", "--out", str(out),
-            "model.tiny=true", "servers.n=1", "data.source=easy", "rollout.workflow_args.max_new_tokens=8",
-            "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
-            "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app",
-        ], timeout=600)  # fmt: skip
+        done = evaluate(
+            [
+                "--model",
+                str(ensure_tiny_checkpoint()),
+                "--limit",
+                "2",
+                "--out",
+                str(out),
+                "model.tiny=true",
+                "servers.n=1",
+                "data.source=easy",
+                "rollout.workflow_args.max_new_tokens=8",
+                "rollout.workflow=nodes.rollout.environments:OpenEnvWorkflow",
+                "rollout.workflow_args.env_app=tests.envs.openenv_app:dying_app",
+            ],
+            timeout=600,
+        )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["items"] == 2

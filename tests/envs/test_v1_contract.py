@@ -31,13 +31,19 @@ PACKAGE = str(Path(__file__).with_name("v1_sums"))
 @pytest.fixture(scope="module")
 def config() -> VerifiersV1Config:
     """The taskset's config (its environment made, or found made), every other task failing."""
-    return VerifiersV1Config(taskset="rlactors-v1-sums", packages=[PACKAGE], n_samples=2,
-                             env_config={"taskset": {"fail_odd": True}})  # fmt: skip
+    return VerifiersV1Config(
+        taskset="rlactors-v1-sums",
+        packages=[PACKAGE],
+        n_samples=2,
+        env_config={"taskset": {"fail_odd": True}},
+    )
 
 
 def test_the_pinned_verifiers_speaks_the_bridges_wire(config: VerifiersV1Config) -> None:
-    code = f"import json, sys; sys.path.insert(0, {str(Path(BRIDGE).parent)!r}); " \
-           "from v1_bridge import wire_problems; print(json.dumps(wire_problems()))"  # fmt: skip
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(Path(BRIDGE).parent)!r}); "
+        "from v1_bridge import wire_problems; print(json.dumps(wire_problems()))"
+    )
     done = subprocess.run([str(config.python()), "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [], f"verifiers {config.verifiers}'s wire changed: {done.stdout}"
@@ -52,11 +58,19 @@ def bridge(config: VerifiersV1Config) -> Iterator[tuple[str, list[subprocess.Pop
     python, host = str(config.python()), "127.0.0.1"
     address, port = f"tcp://{host}:{free_port(host)}", free_port(host)
     cfg = json.dumps(config.full_env_config())
-    procs = [subprocess.Popen(cmd, env=process_env(config.python()), start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in (
-        [python, BRIDGE, "server", "--config", cfg, "--address", address],
-        [python, BRIDGE, "bridge", "--address", address, "--host", host, "--port", str(port)],
-    )]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env=process_env(config.python()),
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for cmd in (
+            [python, BRIDGE, "server", "--config", cfg, "--address", address],
+            [python, BRIDGE, "bridge", "--address", address, "--host", host, "--port", str(port)],
+        )
+    ]
     url = f"http://{host}:{port}"
     try:
         for _ in range(600):  # polling starting processes: nothing to wait on but the port
@@ -102,8 +116,10 @@ async def test_episodes_train_the_endpoints_tokens_with_the_tasks_reward(
     # each trajectory is the task's prompt and exactly the ids the generator made for one request
     prompt = list(gen.requests[0].input_ids)
     assert all(list(r.input_ids) == prompt for r in gen.requests)  # both episodes: the task's prompt
-    made = sorted([*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
-                  for text in ["The answer is 14", "It is 15"])  # fmt: skip
+    made = sorted(
+        [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+        for text in ["The answer is 14", "It is 15"]
+    )
     assert all(list(t.input_ids)[: len(prompt)] == prompt for t in group.trajectories)
     assert sorted([int(i) for i in t.input_ids[len(prompt) :]] for t in group.trajectories) == made
     for t in group.trajectories:

@@ -51,8 +51,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp / "run"
     with pytest.MonkeyPatch.context() as mp:  # the recipe's processes inherit it, the env servers too
         mp.setenv("RLACTORS_TEST_V1_DIE_ONCE", str(tmp / "died"))
-        done = recipe([*COMMON, *V1, "rollout.workflow_args.env_config={taskset = {fail_odd = true}}",
-                       f"run.out_dir={out}"], timeout=900)  # fmt: skip
+        done = recipe(
+            [
+                *COMMON,
+                *V1,
+                "rollout.workflow_args.env_config={taskset = {fail_odd = true}}",
+                f"run.out_dir={out}",
+            ],
+            timeout=900,
+        )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert (tmp / "died").exists()  # verifiers' env server did die during the run
     return rows(out)
@@ -104,10 +111,22 @@ def test_evaluate_runs_a_v1_taskset_through_its_env_servers(tmp_path: Path) -> N
     from tests.e2e.test_evaluate import evaluate
 
     out = tmp_path / "eval"
-    done = evaluate(["--model", str(ensure_tiny_checkpoint()), "--limit", "2", "--out", str(out),
-                     "model.tiny=true", "servers.n=1", "rollout.workflow_args.max_new_tokens=8", *V1,
-                     "data.eval_from_train=2"],
-                    timeout=600)  # fmt: skip
+    done = evaluate(
+        [
+            "--model",
+            str(ensure_tiny_checkpoint()),
+            "--limit",
+            "2",
+            "--out",
+            str(out),
+            "model.tiny=true",
+            "servers.n=1",
+            "rollout.workflow_args.max_new_tokens=8",
+            *V1,
+            "data.eval_from_train=2",
+        ],
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["items"] == 2
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

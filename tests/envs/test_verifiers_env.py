@@ -126,8 +126,14 @@ def test_an_environment_that_cannot_load_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"'rollout\.workflow_args\.env' = 'no_such_env_module'"):
         load_config(None, [*base, "rollout.workflow_args.env=no_such_env_module"])
     with pytest.raises(ConfigError, match="load_environment failed: RuntimeError: no such dataset here"):
-        load_config(None, [*base, "rollout.workflow_args.env=tests.envs.sample_env",
-                           'rollout.workflow_args.env_args={kind = "load_fails"}'])  # fmt: skip
+        load_config(
+            None,
+            [
+                *base,
+                "rollout.workflow_args.env=tests.envs.sample_env",
+                'rollout.workflow_args.env_args={kind = "load_fails"}',
+            ],
+        )
     cfg = load_config(None, [*base, "rollout.workflow_args.env=recipes.toy_envs.easy_sums"])
     assert isinstance(cfg.rollout.workflow_args, VerifiersConfig)
 

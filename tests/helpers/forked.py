@@ -201,11 +201,18 @@ def _fork(
     try:
         spawned = asyncio.run_coroutine_threadsafe(
             client.spawn(
-                module, argv, env=env, cwd=str(cwd or os.getcwd()), preload=preload, stdout=stdout,
-                stderr=stderr, session=session, script=script,
+                module,
+                argv,
+                env=env,
+                cwd=str(cwd or os.getcwd()),
+                preload=preload,
+                stdout=stdout,
+                stderr=stderr,
+                session=session,
+                script=script,
             ),
             loop,
-        ).result()  # fmt: skip
+        ).result()
     except OSError:  # the server is gone: exec this one, and the later ones (the client says so)
         spawned = None
     finally:

@@ -48,9 +48,11 @@ class RecordingProxy:
             if request.url.path in self.refuse:
                 return Response(b"refused by the test's proxy", self.refuse[request.url.path])
             r = await client.request(
-                request.method, request.url.path, content=await request.body(),
+                request.method,
+                request.url.path,
+                content=await request.body(),
                 headers={"content-type": request.headers.get("content-type", "application/json")},
-            )  # fmt: skip
+            )
             if request.url.path == "/generate" and r.status_code == 200:
                 self.generated.append(r.json()["meta_info"].get("weight_version"))
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))

@@ -17,8 +17,14 @@ from nodes.rollout.http1 import HTTPLimits
 from rlactors.base.aio import wait_for
 
 # short deadlines and a small connection cap, so that each is reached in a test; sizes as shipped
-EDGE_LIMITS = HTTPLimits(head_timeout_s=1.0, body_timeout_s=1.0, body_min_rate=1 << 20, idle_timeout_s=2.0,
-                         max_connections=24, max_pipelined=4)  # fmt: skip
+EDGE_LIMITS = HTTPLimits(
+    head_timeout_s=1.0,
+    body_timeout_s=1.0,
+    body_min_rate=1 << 20,
+    idle_timeout_s=2.0,
+    max_connections=24,
+    max_pipelined=4,
+)
 # the same as config overrides of a run (rollout.workflow_args.http.*)
 EDGE_OVERRIDES = [
     f"rollout.workflow_args.http.{k}={getattr(EDGE_LIMITS, k)}"
@@ -207,14 +213,21 @@ async def check_slow_body(t: Target) -> None:
     """A body that stops arriving is answered 408 and closed at body_timeout_s plus its length at
     body_min_rate; the handler never sees it."""
     reader, writer = await connect(t)
-    writer.write(b"POST /rl/v1/sessions/none/reward HTTP/1.1\r\nHost: x\r\n" + t.auth
-                 + b"Content-Length: 1000\r\n\r\n{\"rew")  # fmt: skip
+    writer.write(
+        b"POST /rl/v1/sessions/none/reward HTTP/1.1\r\nHost: x\r\n"
+        + t.auth
+        + b'Content-Length: 1000\r\n\r\n{"rew'
+    )
     answer = await read_answer(reader)
     assert answer.status == 408 and await closed(reader), answer
     writer.close()
     # the same body sent whole is answered (404: no such session), so the 408 was the deadline's
-    answer, _ = await exchange(t, b"POST /rl/v1/sessions/none/reward HTTP/1.1\r\nHost: x\r\n" + t.auth
-                                  + b"Content-Length: 13\r\n\r\n{\"reward\": 1}")  # fmt: skip
+    answer, _ = await exchange(
+        t,
+        b"POST /rl/v1/sessions/none/reward HTTP/1.1\r\nHost: x\r\n"
+        + t.auth
+        + b'Content-Length: 13\r\n\r\n{"reward": 1}',
+    )
     assert answer.status == 404, answer
 
 
@@ -237,8 +250,11 @@ async def check_key_before_body(t: Target) -> None:
     size = 32 << 20
     for key in (b"", b"Authorization: Bearer wrong\r\n"):
         reader, writer = await connect(t)
-        writer.write(b"POST /rl/v1/sessions HTTP/1.1\r\nHost: x\r\n" + key
-                     + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % size)  # fmt: skip
+        writer.write(
+            b"POST /rl/v1/sessions HTTP/1.1\r\nHost: x\r\n"
+            + key
+            + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % size
+        )
         writer.write(
             b"x" * size
         )  # the whole body, queued at once: whatever the server reads leaves the queue

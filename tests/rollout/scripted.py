@@ -36,8 +36,11 @@ class Answer:
         head = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items()).encode()
         if self.parts is None:
             return b"HTTP/1.1 %d X\r\n%sContent-Length: %d\r\n\r\n%s" % (
-                self.status, head, len(self.body), self.body,
-            )  # fmt: skip
+                self.status,
+                head,
+                len(self.body),
+                self.body,
+            )
         chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in self.parts if p)
         end = b"" if self.cut else b"0\r\n\r\n"
         return b"HTTP/1.1 %d X\r\n%sTransfer-Encoding: chunked\r\n\r\n%s%s" % (self.status, head, chunks, end)

@@ -198,8 +198,15 @@ def test_hand_out_order_and_stale_drops_match_the_rescanning_buffer(seed: int) -
             gid = rng.choice(sorted(flight))
             admit = flight.pop(gid)
             versions = [rng.randrange(admit, admit + 3) for _ in range(rng.randrange(0, 3))]
-            t = Trajectory([1, *[2] * len(versions)], [0] + [1] * len(versions), [0.0] * (len(versions) + 1),
-                           [-1, *versions], 0.0, gid, 1)  # fmt: skip
+            t = Trajectory(
+                [1, *[2] * len(versions)],
+                [0] + [1] * len(versions),
+                [0.0] * (len(versions) + 1),
+                [-1, *versions],
+                0.0,
+                gid,
+                1,
+            )
             assert buf.put("h", TrajectoryGroup(gid, [t]))
             ready.append((admit, seq, gid, min(versions) if versions else admit))
             ready.sort()

@@ -106,7 +106,11 @@ async def test_a_streamed_answer_ends_as_arrays_and_its_callback_gets_lists(serv
     def streamed(body: dict) -> object:
         import orjson
 
-        meta = {"finish_reason": {"type": "stop"}, "completion_tokens": 2, "output_token_logprobs": [[-0.5, 3, None], [-0.75, 4, None]]}  # fmt: skip
+        meta = {
+            "finish_reason": {"type": "stop"},
+            "completion_tokens": 2,
+            "output_token_logprobs": [[-0.5, 3, None], [-0.75, 4, None]],
+        }
         event = orjson.dumps({"output_ids": [3, 4], "text": "de", "meta_info": meta})
         return Answer(200, b"data: " + event + b"\n\ndata: [DONE]\n\n", {"Content-Type": "text/event-stream"})
 
@@ -125,8 +129,9 @@ async def test_a_streamed_answer_ends_as_arrays_and_its_callback_gets_lists(serv
 
 def result(ids: list[int], version: int) -> GenResult:
     n = len(ids)
-    return GenResult("r", np.array(ids, np.int32), np.full(n, -0.5), np.full(n, version, np.int32), "stop", "", 0,
-                     [0], "u")  # fmt: skip
+    return GenResult(
+        "r", np.array(ids, np.int32), np.full(n, -0.5), np.full(n, version, np.int32), "stop", "", 0, [0], "u"
+    )
 
 
 def test_a_sample_started_from_an_array_grows_arrays_that_the_codec_sends_as_they_are() -> None:
@@ -138,8 +143,11 @@ def test_a_sample_started_from_an_array_grows_arrays_that_the_codec_sends_as_the
     twin.add_output(result([1], 4))
     fields = (s.ids, s.mask, s.logprobs, s.versions)
     assert [(type(a), a.dtype) for a in fields] == [
-        (np.ndarray, np.int32), (np.ndarray, np.int8), (np.ndarray, np.float32), (np.ndarray, np.int32)
-    ]  # fmt: skip
+        (np.ndarray, np.int32),
+        (np.ndarray, np.int8),
+        (np.ndarray, np.float32),
+        (np.ndarray, np.int32),
+    ]
     p = len(PROMPT)
     assert s.ids.tolist() == [*PROMPT.tolist(), *range(300), 7, 8, *[9] * 800]
     assert s.mask.tolist() == [0] * p + [1] * 300 + [0, 0] + [1] * 800
@@ -163,8 +171,11 @@ async def two_turns(client: Any, item: Any) -> float:
 
 
 async def test_an_agent_episode_is_arrays_that_the_codec_sends_as_they_are(tokenizer: Any) -> None:  # noqa: F811
-    wf = AgentWorkflow(tokenizer, RewardRunner(lambda c, i: 0.0),
-                       AgentConfig(agent="tests.rollout.test_client_arrays:two_turns", n_samples=2))  # fmt: skip
+    wf = AgentWorkflow(
+        tokenizer,
+        RewardRunner(lambda c, i: 0.0),
+        AgentConfig(agent="tests.rollout.test_client_arrays:two_turns", n_samples=2),
+    )
     gen = Scripted(tokenizer, ["Hello there.", "Hi.", "And more.", "More."])
     try:
         group = await wf.arun_episode(gen, {}, "g")
@@ -174,8 +185,11 @@ async def test_an_agent_episode_is_arrays_that_the_codec_sends_as_they_are(token
     for t in group.trajectories:
         fields = (t.input_ids, t.loss_mask, t.logprobs, t.versions)
         assert [(type(a), a.dtype) for a in fields] == [
-            (np.ndarray, IDS_DTYPE), (np.ndarray, MASK_DTYPE), (np.ndarray, LOGPROBS_DTYPE), (np.ndarray, VERSIONS_DTYPE)
-        ]  # fmt: skip
+            (np.ndarray, IDS_DTYPE),
+            (np.ndarray, MASK_DTYPE),
+            (np.ndarray, LOGPROBS_DTYPE),
+            (np.ndarray, VERSIONS_DTYPE),
+        ]
         assert t.loss_mask[: t.prompt_len].sum() == 0 and t.loss_mask[t.prompt_len] == 1
         model = t.loss_mask == 1  # the model's two answers, as the scripted generator stamped them
         assert (
@@ -192,8 +206,12 @@ def test_a_sample_started_from_a_list_keeps_lists() -> None:
     s = Sample([1, 2], 0.5)  # a user's workflow may start one from a list: it keeps lists
     s.add_output(result([5, 6], 1))
     s.add_context([7])
-    assert (s.ids, s.mask, s.logprobs, s.versions) == ([1, 2, 5, 6, 7], [0, 0, 1, 1, 0], [0.0, 0.0, -0.5, -0.5, 0.0],
-                                                         [-1, -1, 1, 1, -1])  # fmt: skip
+    assert (s.ids, s.mask, s.logprobs, s.versions) == (
+        [1, 2, 5, 6, 7],
+        [0, 0, 1, 1, 0],
+        [0.0, 0.0, -0.5, -0.5, 0.0],
+        [-1, -1, 1, 1, -1],
+    )
     s.trajectory(1.0, "g", 2).validate()
 
 

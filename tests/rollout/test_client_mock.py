@@ -127,11 +127,15 @@ async def test_an_unlabelled_chunk_held_across_an_update_keeps_the_version_it_wa
 
 
 async def test_server_labels_stamp_each_token(serve: Serve) -> None:
-    script = Script(a=[
-        lambda b: reply([5, 6, 7, 8], "length", versions=["2", "2", "3", "3"]),  # held across 2 -> 3
-        lambda b: reply([5, 6], "length", versions=["default", "3"]),  # unparseable: the post-time version
-        lambda b: reply([5, 6], "length", versions=["3"]),  # misaligned: ignored
-    ])  # fmt: skip
+    script = Script(
+        a=[
+            lambda b: reply([5, 6, 7, 8], "length", versions=["2", "2", "3", "3"]),  # held across 2 -> 3
+            lambda b: reply(
+                [5, 6], "length", versions=["default", "3"]
+            ),  # unparseable: the post-time version
+            lambda b: reply([5, 6], "length", versions=["3"]),  # misaligned: ignored
+        ]
+    )
     [A] = (await serve(script)).urls
     client = SGLangClient([A], FAST, version=2)
     res = await client.agenerate(GenRequest([1], {"max_new_tokens": 4}))

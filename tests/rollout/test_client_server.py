@@ -210,8 +210,11 @@ async def test_thousands_of_requests_at_once_on_a_busy_loop_need_no_retry() -> N
         for _ in range(2):
             await asyncio.gather(*(one(i) for i in range(2048)))
         assert {k: client.counters[k] for k in ("posts", "retries", "failovers", "errors")} == {
-            "posts": 4096, "retries": 0, "failovers": 0, "errors": 0,
-        }  # fmt: skip
+            "posts": 4096,
+            "retries": 0,
+            "failovers": 0,
+            "errors": 0,
+        }
     finally:
         await client.aclose()
         await asyncio.to_thread(stop_server, proc)

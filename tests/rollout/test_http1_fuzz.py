@@ -110,7 +110,11 @@ def answers(draw: st.DrawFn) -> tuple[bytes, int, bytes, bool]:
         head += b"Transfer-Encoding: chunked\r\n"
         cuts = split(body, draw(st.lists(st.integers(0, 600), max_size=6))) if body else []
         ext = draw(st.sampled_from([b"", b";ext=1", b";a=b;c"]))
-        trailers = b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in draw(st.lists(st.tuples(TOKEN, VALUE), max_size=2)) if k.lower() not in FRAMED_BY)  # fmt: skip
+        trailers = b"".join(
+            b"%s: %s\r\n" % (k.encode(), v.encode())
+            for k, v in draw(st.lists(st.tuples(TOKEN, VALUE), max_size=2))
+            if k.lower() not in FRAMED_BY
+        )
         payload = (
             b"".join(b"%x%s\r\n%s\r\n" % (len(c), ext, c) for c in cuts if c) + b"0\r\n" + trailers + b"\r\n"
         )

@@ -83,8 +83,10 @@ async def test_keep_alive_and_pipelined_requests_are_answered_in_order(
 ) -> None:
     app, _, port = served
     reader, writer = await asyncio.open_connection(HOST, port)
-    writer.write(b"POST /slow?a=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
-                 b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")  # fmt: skip
+    writer.write(
+        b"POST /slow?a=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+        b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
     first, second = await read_answer(reader), await read_answer(reader)
     assert first[0] == "HTTP/1.1 200 OK" and first[2] == b"POST /slow?a=1 abc" and first[1]["X-Test"] == "yes"
     assert second[2] == b"GET /fast? "  # the fast one waited for the slow one's answer

@@ -110,8 +110,12 @@ async def test_the_endpoint_500_names_its_log_id(target: edge.Target) -> None:
     sessions._body = lambda request: 1 / 0  # type: ignore[assignment,misc]
     try:
         with structlog.testing.capture_logs() as logs:
-            answer, _ = await edge.exchange(target, b"POST /rl/v1/sessions HTTP/1.1\r\nHost: x\r\n" + target.auth
-                                            + b"Content-Length: 2\r\n\r\n{}")  # fmt: skip
+            answer, _ = await edge.exchange(
+                target,
+                b"POST /rl/v1/sessions HTTP/1.1\r\nHost: x\r\n"
+                + target.auth
+                + b"Content-Length: 2\r\n\r\n{}",
+            )
     finally:
         sessions._body = original
     assert answer.status == 500 and b"ZeroDivision" not in answer.body and b"division" not in answer.body

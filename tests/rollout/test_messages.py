@@ -116,8 +116,9 @@ async def test_a_tool_use_round_trip_is_one_token_exact_sequence(
     assert first.input_ids == prompt_ids(tokenizer, chat, CHAT_TOOLS) and m1.usage.input_tokens == len(
         first.input_ids
     )
-    new = continuation_ids(tokenizer, chat, [{"role": "tool", "tool_call_id": use.id, "content": "5"}], CHAT_TOOLS,
-                           out1, "stop")  # fmt: skip
+    new = continuation_ids(
+        tokenizer, chat, [{"role": "tool", "tool_call_id": use.id, "content": "5"}], CHAT_TOOLS, out1, "stop"
+    )
     assert second.input_ids == first.input_ids + out1 + new  # the output never re-tokenised
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(new)
     (sample,) = episode.samples
@@ -146,16 +147,27 @@ async def test_the_stream_is_the_sdks_events_and_its_message_the_whole_answers(
     kinds = [e.type for e in events]
     texts = [e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta"]
     raw = [k for k in kinds if k not in ("text", "input_json")]  # the helper's own events beside the SDK's
-    assert raw == ["message_start", "content_block_start", *["content_block_delta"] * len(texts),
-                   "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
-                   "message_delta", "message_stop"]  # fmt: skip
+    assert raw == [
+        "message_start",
+        "content_block_start",
+        *["content_block_delta"] * len(texts),
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert "".join(texts) == "Let me add." and len(texts) > 1  # as generated, token by token
     assert without_ids(streamed) == without_ids(whole)
     assert streamed.content[1].input == {"a": 2, "b": 3} and streamed.stop_reason == "tool_use"  # type: ignore[union-attr]
     # the streamed message sent back continues its own sample, token-exact
     use = streamed.content[1]
-    followup = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": streamed.content},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}]  # type: ignore[union-attr]  # fmt: skip
+    followup = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": streamed.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]},
+    ]  # type: ignore[union-attr]
     async with client.messages.stream(messages=followup, **ask) as stream:
         assert await stream.get_final_text() == "It is 5."
     _, second, third = gen.requests
@@ -174,8 +186,12 @@ async def test_with_tools_a_text_starting_with_whitespace_streams_as_read(
     _, url = ep.open_episode()
     client = claude(url)
     for want in (["Let me add.", {"a": 2, "b": 3}], ["  no call here"]):
-        async with client.messages.stream(model="tiny", max_tokens=64, tools=TOOLS,  # type: ignore[arg-type]
-                                          messages=[{"role": "user", "content": "2+3?"}]) as stream:  # fmt: skip
+        async with client.messages.stream(
+            model="tiny",
+            max_tokens=64,
+            tools=TOOLS,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": "2+3?"}],
+        ) as stream:
             msg = await stream.get_final_message()
         assert [getattr(b, "text", None) or getattr(b, "input", None) for b in msg.content] == want
 
@@ -190,11 +206,22 @@ async def test_stop_reasons_and_settings_reach_the_generation(
     client = claude(url)
     # the current SDK takes no sampling settings of its own: they go in its extra_body
     # (metadata and an adaptive thinking, which this model never does, are accepted and change nothing)
-    m = await client.messages.create(model="tiny", max_tokens=7, stop_sequences=["END"], metadata={"user_id": "u"},
-                                     thinking={"type": "adaptive"}, extra_body={"temperature": 0.3, "top_p": 0.9, "top_k": 5},
-                                     messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
-    assert gen.requests[0].sampling_params == {"max_new_tokens": 7, "temperature": 0.3, "top_p": 0.9, "top_k": 5,
-                                               "stop": ["END"]}  # fmt: skip
+    m = await client.messages.create(
+        model="tiny",
+        max_tokens=7,
+        stop_sequences=["END"],
+        metadata={"user_id": "u"},
+        thinking={"type": "adaptive"},
+        extra_body={"temperature": 0.3, "top_p": 0.9, "top_k": 5},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
+    assert gen.requests[0].sampling_params == {
+        "max_new_tokens": 7,
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop": ["END"],
+    }
     assert (m.stop_reason, m.stop_sequence, m.content[0].text) == ("stop_sequence", "END", "Hello ")  # type: ignore[union-attr]
     gen.matched_stop = None
 
@@ -224,8 +251,10 @@ async def test_a_call_whose_arguments_are_not_an_object_is_sent_back_as_served(
     m1 = await client.messages.create(model="tiny", max_tokens=64, messages=messages, tools=TOOLS)  # type: ignore[arg-type]
     (use,) = m1.content
     assert use.type == "tool_use" and use.input == {}
-    messages += [{"role": "assistant", "content": m1.content},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "?"}]}]  # fmt: skip
+    messages += [
+        {"role": "assistant", "content": m1.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "?"}]},
+    ]
     await client.messages.create(model="tiny", max_tokens=64, messages=messages, tools=TOOLS)  # type: ignore[arg-type]
     assert episode.counters["continued"] == 1 and len(episode.samples) == 1
 
@@ -323,8 +352,9 @@ async def test_errors_on_the_messages_paths_are_anthropics_shape(
         wrong = await http.get("/v1/messages")
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
     assert gone.status_code == 404 and gone.json() == {
-        "type": "error", "error": {"type": "not_found_error", "message": "no episode 'nope' is open here"}
-    }  # fmt: skip
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "no episode 'nope' is open here"},
+    }
     assert wrong.status_code == 405 and wrong.json()["type"] == "error"
 
 
@@ -340,8 +370,13 @@ async def test_a_named_tool_choice_forces_the_call_streamed_or_not(
     gen.script = [rest, rest]
     episode, url = ep.open_episode()
     client = claude(url)
-    ask: dict[str, Any] = {"model": "tiny", "max_tokens": 64, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "add"},
-                           "messages": [{"role": "user", "content": "2+3?"}]}  # fmt: skip
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": 64,
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "add"},
+        "messages": [{"role": "user", "content": "2+3?"}],
+    }
     whole = await client.messages.create(**ask)
     async with client.messages.stream(**ask) as stream:
         streamed = await stream.get_final_message()
@@ -385,20 +420,41 @@ def test_a_request_reads_as_the_chat_conversation_it_means() -> None:
     assistant turn of text and tool_use blocks (one message with its calls), an empty turn."""
     from protocols.http.anthropic import MessagesRequest
 
-    req = MessagesRequest.from_json({
-        "max_tokens": 8, "system": [{"type": "text", "text": "Use ", "cache_control": {"type": "ephemeral"}},
-                                    {"type": "text", "text": "tools."}],
-        "messages": [
-            {"role": "user", "content": "2+3?"},
-            {"role": "assistant", "content": [{"type": "text", "text": "Adding."},
-                                              {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 2, "b": 3}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "5"}]},
-                                         {"type": "text", "text": "Now "}, {"type": "text", "text": "say it."}]},
-            {"role": "assistant", "content": []},
-            {"role": "user", "content": []},
-        ],
-        "tools": TOOLS, "tool_choice": {"type": "any"},
-    })  # fmt: skip
+    req = MessagesRequest.from_json(
+        {
+            "max_tokens": 8,
+            "system": [
+                {"type": "text", "text": "Use ", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "tools."},
+            ],
+            "messages": [
+                {"role": "user", "content": "2+3?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Adding."},
+                        {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 2, "b": 3}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "text", "text": "5"}],
+                        },
+                        {"type": "text", "text": "Now "},
+                        {"type": "text", "text": "say it."},
+                    ],
+                },
+                {"role": "assistant", "content": []},
+                {"role": "user", "content": []},
+            ],
+            "tools": TOOLS,
+            "tool_choice": {"type": "any"},
+        }
+    )
     call = {"id": "t1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
     assert req.chat_messages() == [
         {"role": "system", "content": "Use tools."},

@@ -65,8 +65,18 @@ class Scripted:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0)
         finish = "stop"
-        res = GenResult(request.rid or "", ids, lps, [7] * len(ids), finish, text, len(request.input_ids), [0],
-                        "scripted", matched_stop=self.matched_stop)  # fmt: skip
+        res = GenResult(
+            request.rid or "",
+            ids,
+            lps,
+            [7] * len(ids),
+            finish,
+            text,
+            len(request.input_ids),
+            [0],
+            "scripted",
+            matched_stop=self.matched_stop,
+        )
         if request.top_logprobs_num:
             res.output_top_logprobs = tops
         return res
@@ -168,8 +178,11 @@ async def test_edited_history_starts_another_sample(endpoint: tuple[ChatEndpoint
     episode, url = ep.open_episode()
     client = sdk(url)
     r1 = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}])
-    edited = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "ONE (edited)"},
-              {"role": "user", "content": "b"}]  # fmt: skip
+    edited = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "ONE (edited)"},
+        {"role": "user", "content": "b"},
+    ]
     await client.chat.completions.create(model="tiny", messages=edited)
     assert r1.choices[0].message.content == "one"
     assert (
@@ -201,9 +214,12 @@ async def test_streaming_with_tool_call_deltas(endpoint: tuple[ChatEndpoint, Scr
     gen.script = [f"Sure. {CALL}"]
     _, url = ep.open_episode()
     stream = await sdk(url).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "2+3"}], tools=TOOLS, stream=True,
+        model="tiny",
+        messages=[{"role": "user", "content": "2+3"}],
+        tools=TOOLS,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     content, calls, finish, usage, chunks = "", {}, None, None, 0
     async for chunk in stream:
         chunks += 1
@@ -441,9 +457,13 @@ async def test_a_stream_from_a_real_server_arrives_while_it_generates_and_surviv
 
         async def agent() -> dict[str, Any]:
             stream = await sdk(url).chat.completions.create(
-                model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=40, stream=True,
-                logprobs=True, stream_options={"include_usage": True},
-            )  # fmt: skip
+                model="sim",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=40,
+                stream=True,
+                logprobs=True,
+                stream_options={"include_usage": True},
+            )
             return await read_stream(stream, episode)
 
         task = asyncio.ensure_future(agent())
@@ -529,8 +549,10 @@ async def test_long_conversations_render_off_the_loop_short_ones_on_it(
         messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": "2+3?"}]
         r1 = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
         m1 = r1.choices[0].message
-        messages += [m1.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m1.tool_calls[0].id,
-                                                        "content": result}]  # fmt: skip
+        messages += [
+            m1.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": m1.tool_calls[0].id, "content": result},
+        ]
         await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
         first, second = gen.requests[-2:]
         out1 = [*tokenizer.encode(m1.content + " " + CALL, add_special_tokens=False), tokenizer.eos_token_id]

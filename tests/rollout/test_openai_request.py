@@ -127,10 +127,13 @@ def test_a_good_body_is_read_into_the_endpoints_terms() -> None:
     assert req.messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "4", "tool_call_id": "c1"},
-    ]  # fmt: skip
+    ]
     assert req.tools == TOOLS and req.tool_choice == "auto"  # the tools as sent, for the chat template
     assert (req.n, req.stream, req.include_usage, req.logprobs, req.top_logprobs) == (2, True, True, True, 3)
     assert req.sampling == {

@@ -53,14 +53,33 @@ def sim() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def base_url(sim: str, model_path: Path) -> Iterator[str]:
     """The standalone endpoint as its own process on a free port; its printed base_url."""
-    cmd = [sys.executable, "-m", "nodes.rollout.openai_endpoint", "--server-url", sim,
-           "--model-path", str(model_path), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "nodes.rollout.openai_endpoint",
+        "--server-url",
+        sim,
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-            env={**os.environ, "RLACTORS_SERVER_API_KEY": KEYS.api_key,
-                 "RLACTORS_SERVER_ADMIN_API_KEY": KEYS.admin_api_key},
-        )  # fmt: skip
+            cmd,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+            env={
+                **os.environ,
+                "RLACTORS_SERVER_API_KEY": KEYS.api_key,
+                "RLACTORS_SERVER_ADMIN_API_KEY": KEYS.admin_api_key,
+            },
+        )
         try:
             # its first line (printed whole, flushed), or EOF if it exits first
             ready, _, _ = select.select([proc.stdout], [], [], 120)
@@ -82,8 +101,10 @@ def base_url(sim: str, model_path: Path) -> Iterator[str]:
 
 async def _generate(server: str, ids: list[int]) -> list[int]:
     async with httpx.AsyncClient(timeout=60, auth=KEYS) as http:
-        r = await http.post(f"{server}/generate", json={"input_ids": ids,
-                            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}})  # fmt: skip
+        r = await http.post(
+            f"{server}/generate",
+            json={"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}},
+        )
     r.raise_for_status()
     return list(r.json()["output_ids"])
 

@@ -40,8 +40,17 @@ def make(url: str, reward: str, n_prompts: int = 64):
     items = [
         {"id": f"row/{i}", "question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(n_prompts)
     ]
-    rollout = Rollout("h0", client, build_workflow(spec), iter((it["id"], it) for it in items), gov, buf,
-                      RolloutConfig(max_inflight=4, acquire_batch=4), name="workflow RLVR", first_batch=B)  # fmt: skip
+    rollout = Rollout(
+        "h0",
+        client,
+        build_workflow(spec),
+        iter((it["id"], it) for it in items),
+        gov,
+        buf,
+        RolloutConfig(max_inflight=4, acquire_batch=4),
+        name="workflow RLVR",
+        first_batch=B,
+    )
     return gov, buf, client, rollout
 
 
@@ -102,8 +111,11 @@ async def test_a_workflow_that_fails_every_episode_ends_the_wait_for_a_batch(sim
 
     rollout.workflow = Broken()
     run = asyncio.create_task(rollout.run())
-    with pytest.raises(RepeatedFailureError, match=r"^workflow RLVR failed on (\d+) of \1 episodes .*"
-                       r"ConnectionError: environment server refused; first failing item: row/"):  # fmt: skip
+    with pytest.raises(
+        RepeatedFailureError,
+        match=r"^workflow RLVR failed on (\d+) of \1 episodes .*"
+        r"ConnectionError: environment server refused; first failing item: row/",
+    ):
         await buf.get_batch(B, 0, timeout=300)
     await wait_for(run, 60)
     await client.aclose()

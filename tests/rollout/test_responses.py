@@ -73,8 +73,9 @@ async def test_a_function_call_round_trip_is_one_token_exact_sequence(
     )
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
     if chained:  # the stored response stands before the new input
-        r2 = await client.responses.create(model="tiny", instructions="Use tools.", input=[result], tools=TOOLS,
-                                           previous_response_id=r1.id)  # fmt: skip
+        r2 = await client.responses.create(
+            model="tiny", instructions="Use tools.", input=[result], tools=TOOLS, previous_response_id=r1.id
+        )
     else:  # the agent sends its history back, the response's items included, as the Agents SDK does
         items: list[Any] = [{"role": "user", "content": "2+3?"}, *(o.model_dump() for o in r1.output), result]
         r2 = await client.responses.create(model="tiny", instructions="Use tools.", input=items, tools=TOOLS)
@@ -86,8 +87,14 @@ async def test_a_function_call_round_trip_is_one_token_exact_sequence(
     messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3?"}]
     assert first.input_ids == prompt_ids(tokenizer, messages, CHAT_TOOLS)
     out1 = out_ids(tokenizer, f"Let me add. {CALL}")
-    new = continuation_ids(tokenizer, messages, [{"role": "tool", "tool_call_id": call.call_id, "content": "5"}],
-                           CHAT_TOOLS, out1, "stop")  # fmt: skip
+    new = continuation_ids(
+        tokenizer,
+        messages,
+        [{"role": "tool", "tool_call_id": call.call_id, "content": "5"}],
+        CHAT_TOOLS,
+        out1,
+        "stop",
+    )
     assert second.input_ids == first.input_ids + out1 + new  # the output never re-tokenised
     assert "<tool_response>\n5\n</tool_response>" in tokenizer.decode(new)
     (sample,) = episode.samples
@@ -125,8 +132,11 @@ async def test_streamed_events_are_the_sdks_and_the_stream_continues_token_exact
         "function_call",
     ]
     call = final.output[1]
-    items = [{"role": "user", "content": "2+3?"}, *(o.model_dump() for o in final.output),
-             {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]  # fmt: skip
+    items = [
+        {"role": "user", "content": "2+3?"},
+        *(o.model_dump() for o in final.output),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+    ]
     stream = await client.responses.create(input=items, model="tiny", tools=TOOLS, stream=True)
     last = [e async for e in stream][-1]
     assert last.response.output_text == "It is 5."

@@ -116,8 +116,13 @@ def test_validate_finds_each_broken_invariant(received: bool) -> None:
 
 def test_arrays_built_and_list_built_trajectories_are_equal_and_read_alike() -> None:
     t = traj(n_gen=5)
-    a = Trajectory(*(np.asarray(x) for x in (t.input_ids, t.loss_mask, t.logprobs, t.versions)), 1.0, "g", 3,
-                   meta={"turns": 1})  # fmt: skip
+    a = Trajectory(
+        *(np.asarray(x) for x in (t.input_ids, t.loss_mask, t.logprobs, t.versions)),
+        1.0,
+        "g",
+        3,
+        meta={"turns": 1},
+    )
     assert a == t and a != traj(n_gen=5, version=5)
     ids, mask, lps, vers = a.arrays()
     assert (ids.dtype, mask.dtype, lps.dtype, vers.dtype) == (np.int32, np.int8, np.float32, np.int32)

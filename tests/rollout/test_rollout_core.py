@@ -23,13 +23,27 @@ def make(url: str, n_prompts: int, B: int, eta: int, **cfg):
     gov = StalenessGovernor(GovernorConfig(B, eta, max_concurrent=64))
     buf = TrajectoryBuffer(BufferConfig(max_staleness=eta), governor=gov)
     client = SGLangClient([url])
-    rollout = Rollout("h0", client, build_workflow(WORKFLOW), prompt_source({"kind": "arithmetic", "n": n_prompts}),
-                      gov, buf, RolloutConfig(**cfg))  # fmt: skip
+    rollout = Rollout(
+        "h0",
+        client,
+        build_workflow(WORKFLOW),
+        prompt_source({"kind": "arithmetic", "n": n_prompts}),
+        gov,
+        buf,
+        RolloutConfig(**cfg),
+    )
     return gov, buf, client, rollout
 
 
-async def train(buf: TrajectoryBuffer, gov: StalenessGovernor, rollout: Rollout, steps: int, B: int, eta: int,
-                on_step=None) -> list[str]:  # fmt: skip
+async def train(
+    buf: TrajectoryBuffer,
+    gov: StalenessGovernor,
+    rollout: Rollout,
+    steps: int,
+    B: int,
+    eta: int,
+    on_step=None,
+) -> list[str]:
     seen: list[str] = []
     for v in range(steps):
         batch = await buf.get_batch(B, v, timeout=60)

@@ -23,9 +23,15 @@ PROMPTS = {"kind": "arithmetic", "n": N}
 
 async def spawn_rollout(cluster, url: str, name: str):
     return await cluster.spawn(
-        RolloutActor, [url], "gov", "buf", PROMPTS, WORKFLOW,
-        RolloutConfig(max_inflight=4, acquire_batch=2, acquire_timeout_s=1.0), name=name,
-    )  # fmt: skip
+        RolloutActor,
+        [url],
+        "gov",
+        "buf",
+        PROMPTS,
+        WORKFLOW,
+        RolloutConfig(max_inflight=4, acquire_batch=2, acquire_timeout_s=1.0),
+        name=name,
+    )
 
 
 async def test_kill_9_of_a_rollout_actor_mid_episode(cluster, sim_server: str) -> None:
@@ -83,9 +89,15 @@ async def test_the_rollout_configs_client_section_reaches_the_actors_client(clus
     fast = ClientConfig(max_retries=1, backoff_base_s=0.001, backoff_max_s=0.001, down_cooldown_s=0.01)
     dead = "http://127.0.0.1:9"  # discard port: refused at once
     r = await cluster.spawn(
-        RolloutActor, [dead], "gov", "buf", PROMPTS, WORKFLOW,
-        RolloutConfig(max_inflight=1, acquire_batch=1, acquire_timeout_s=1.0, client=fast), name="r",
-    )  # fmt: skip
+        RolloutActor,
+        [dead],
+        "gov",
+        "buf",
+        PROMPTS,
+        WORKFLOW,
+        RolloutConfig(max_inflight=1, acquire_batch=1, acquire_timeout_s=1.0, client=fast),
+        name="r",
+    )
 
     async def failed_once() -> bool:
         return (await r.stats())["episodes_failed"] >= 1

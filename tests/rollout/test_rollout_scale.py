@@ -33,10 +33,19 @@ async def test_requests_in_flight_reach_the_configured_concurrency(cluster, sim_
         try:
             rollouts = []
             for i in range(actors):
-                rollouts.append(await cluster.spawn(
-                    RolloutActor, [sim_server], gov, buf, {"kind": "arithmetic", "n": 4 * C, "epochs": None},
-                    WORKFLOW, RolloutConfig(max_inflight=C // actors, acquire_batch=16), shard=i, num_shards=actors,
-                ))  # fmt: skip
+                rollouts.append(
+                    await cluster.spawn(
+                        RolloutActor,
+                        [sim_server],
+                        gov,
+                        buf,
+                        {"kind": "arithmetic", "n": 4 * C, "epochs": None},
+                        WORKFLOW,
+                        RolloutConfig(max_inflight=C // actors, acquire_batch=16),
+                        shard=i,
+                        num_shards=actors,
+                    )
+                )
             await wait_load(admin, running=0, waiting=C * K)
             assert (await gov.stats())["running"] == C
             assert (await buf.stats())["in_flight"] == C
@@ -58,9 +67,14 @@ async def test_a_grants_begins_overlap_through_the_actors(cluster, sim_server: s
     gov = await cluster.spawn(GovernorActor, GovernorConfig(batch_size=C, max_staleness=1, max_concurrent=C))
     buf = await cluster.spawn(SlowBeginBuffer, gov)
     rollout = await cluster.spawn(
-        RolloutActor, [sim_server], gov, buf, {"kind": "arithmetic", "n": 4 * C, "epochs": None}, WORKFLOW,
+        RolloutActor,
+        [sim_server],
+        gov,
+        buf,
+        {"kind": "arithmetic", "n": 4 * C, "epochs": None},
+        WORKFLOW,
         RolloutConfig(max_inflight=C, acquire_batch=C),
-    )  # fmt: skip
+    )
     batch = await buf.get_batch(C, 0, timeout=60)
     assert len(batch.groups) == C
     assert await buf.peak_begins() == C  # the first grant (all C) was begun at once

@@ -48,8 +48,17 @@ class Backend:
         self.calls += 1
         await asyncio.sleep(0)  # other sessions' requests interleave
         ids = [*self.tok.encode(f"ok {self.calls}", add_special_tokens=False), self.tok.eos_token_id]
-        return GenResult(request.rid or "", ids, [-0.5] * len(ids), [3] * len(ids), "stop", "", len(request.input_ids),
-                         [0], "fake")  # fmt: skip
+        return GenResult(
+            request.rid or "",
+            ids,
+            [-0.5] * len(ids),
+            [3] * len(ids),
+            "stop",
+            "",
+            len(request.input_ids),
+            [0],
+            "fake",
+        )
 
 
 @pytest.fixture
@@ -70,8 +79,10 @@ def authed(key: str = KEY) -> httpx.AsyncClient:
 
 
 async def turn(http: httpx.AsyncClient, base_url: str, text: str) -> dict[str, Any]:
-    r = await http.post(f"{base_url}/chat/completions",
-                        json={"model": "policy", "messages": [{"role": "user", "content": text}]})  # fmt: skip
+    r = await http.post(
+        f"{base_url}/chat/completions",
+        json={"model": "policy", "messages": [{"role": "user", "content": text}]},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -91,7 +102,10 @@ async def test_sessions_of_a_task_form_one_group(online: tuple[OnlineWorkflow, B
             assert r.status_code == 200 and r.json()["trajectories"] == 1, r.text
         # the session has ended: its base_url and reward are gone
         assert (await http.post(f"{url}/{first['id']}/reward", json={"reward": 1})).status_code == 404
-        r = await http.post(f"{first['base_url']}/chat/completions", json={"model": "p", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+        r = await http.post(
+            f"{first['base_url']}/chat/completions",
+            json={"model": "p", "messages": [{"role": "user", "content": "x"}]},
+        )
         assert r.status_code == 404
     group = await wait_for(episode, 30)
     assert group.group_id == "online/e0/0"
@@ -114,7 +128,10 @@ async def test_a_wrong_or_missing_key_gets_401_and_creates_nothing(
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
                 assert (await http.get(url.replace("/rl/v1/sessions", "/v1/models"))).status_code == 401
             async with authed() as http:  # the bare /v1 is no episode of online mode's
-                r = await http.post(url.replace("/rl/v1/sessions", "/v1/chat/completions"), json={"model": "m", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
+                r = await http.post(
+                    url.replace("/rl/v1/sessions", "/v1/chat/completions"),
+                    json={"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                )
                 assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
         assert wf.api is not None and len(wf.api.slots) == 1 and not wf.api.sessions and not wf.api.open
         assert wf.counters["sessions_opened"] == 0 and not wf.api.endpoint.episodes
@@ -260,8 +277,9 @@ async def test_the_curl_client_of_the_docs(online: tuple[OnlineWorkflow, Backend
     await asyncio.sleep(0)
     env = {**os.environ, "RL_URL": url, "RL_KEY": KEY, "TASK_ID": "curl-task"}
     for _ in range(2):
-        proc = await asyncio.create_subprocess_exec("bash", str(CURL_CLIENT), env=env, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.PIPE)  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            "bash", str(CURL_CLIENT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         out, err = await wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, err.decode()
         assert '"reward":0.0' in out.decode() and '"trajectories":1' in out.decode()  # "ok <n>" is never 17

@@ -349,8 +349,9 @@ class ArrivalOrderFilteredDrops(StalenessMachine):
     order, filtered, late_puts, drops = "arrival", True, True, True
 
 
-_settings = settings(max_examples=100, stateful_step_count=20, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+_settings = settings(
+    max_examples=100, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestAdmissionOrderNoFilter = AdmissionOrderNoFilter.TestCase
 TestAdmissionOrderNoFilter.settings = _settings
 TestAdmissionOrderFiltered = AdmissionOrderFiltered.TestCase

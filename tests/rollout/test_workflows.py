@@ -37,8 +37,18 @@ class ScriptedClient:
     async def agenerate(self, request: GenRequest) -> GenResult:
         self.requests.append(request)
         ids = [*self.tok.encode(self.answers.pop(0), add_special_tokens=False), self.tok.eos_token_id]
-        return GenResult(request.rid or "", ids, [-0.5] * len(ids), [3] * len(ids), "stop", "", len(request.input_ids),
-                         [7], "http://x", aborts=1)  # fmt: skip
+        return GenResult(
+            request.rid or "",
+            ids,
+            [-0.5] * len(ids),
+            [3] * len(ids),
+            "stop",
+            "",
+            len(request.input_ids),
+            [7],
+            "http://x",
+            aborts=1,
+        )
 
 
 async def test_rlvr_group_of_n_samples(tok) -> None:
@@ -53,8 +63,11 @@ async def test_rlvr_group_of_n_samples(tok) -> None:
     for t in group.trajectories:
         # the workflow's own trajectories hold arrays of the wire dtypes: the codec sends them as they are
         assert [(type(a), a.dtype) for a in (t.input_ids, t.loss_mask, t.logprobs, t.versions)] == [
-            (np.ndarray, np.int32), (np.ndarray, np.int8), (np.ndarray, np.float32), (np.ndarray, np.int32)
-        ]  # fmt: skip
+            (np.ndarray, np.int32),
+            (np.ndarray, np.int8),
+            (np.ndarray, np.float32),
+            (np.ndarray, np.int32),
+        ]
         assert t.input_ids[: len(prompt)].tolist() == prompt and t.prompt_len == len(prompt)
         assert t.loss_mask.tolist() == [0] * len(prompt) + [1] * (t.num_tokens - len(prompt))
         assert t.logprobs.tolist() == [0.0] * len(prompt) + [-0.5] * (t.num_tokens - len(prompt))
@@ -76,8 +89,12 @@ async def test_multi_turn_retry_until_correct(tok) -> None:
     assert first.rid == second.rid  # sticky: the second turn returns to the server holding the prefix
     assert list(second.input_ids[: len(first.input_ids)]) == list(first.input_ids)
     # the sequence decodes to exactly what the chat template renders for the whole conversation
-    convo = [{"role": "user", "content": ITEM["question"]}, {"role": "assistant", "content": "\\boxed{70}"},
-             {"role": "user", "content": cfg.feedback}, {"role": "assistant", "content": "\\boxed{72}"}]  # fmt: skip
+    convo = [
+        {"role": "user", "content": ITEM["question"]},
+        {"role": "assistant", "content": "\\boxed{70}"},
+        {"role": "user", "content": cfg.feedback},
+        {"role": "assistant", "content": "\\boxed{72}"},
+    ]
     rendered = tok.apply_chat_template(convo, tokenize=False)
     assert tok.decode(t.input_ids.tolist(), skip_special_tokens=False) == rendered.rstrip("\n")
     # loss only on the two answers; the feedback turn is context

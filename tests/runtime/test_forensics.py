@@ -302,16 +302,21 @@ GROUP = {
 
 def _rank0() -> ActorStacks:
     return ActorStacks(
-        "trainer-0", "t0", "ALIVE", collective=dict(GROUP, rank=0),
+        "trainer-0",
+        "t0",
+        "ALIVE",
+        collective=dict(GROUP, rank=0),
         incoming=[IncomingCall("train_step", 30.0, "running", ALL_REDUCE, 0, thread=True)],
-    )  # fmt: skip
+    )
 
 
 def _rollout_held_back() -> list[ActorStacks]:
     governor = ActorStacks(
-        "governor", "g", "ALIVE",
+        "governor",
+        "g",
+        "ALIVE",
         incoming=[IncomingCall("acquire", 40.0, "running", [], 3, backpressure="under the staleness bound")],
-    )  # fmt: skip
+    )
     rollout = ActorStacks(
         "rollout-0", "r", "ALIVE", outgoing=[OutgoingCall("governor", "g", "acquire", 40.0, "run", 3)]
     )
@@ -362,9 +367,20 @@ def test_back_pressure_alone_names_no_culprit() -> None:
 def _push_in_progress() -> list[ActorStacks]:
     """The driver pushes weights through trainer-0 while rollout-0 holds its requests."""
     rollout = ActorStacks(
-        "rollout-0", "r", "ALIVE",
-        waits=[NotedWait("dispatch paused", "the weight push", 12.0, 3, None, "requests held while the trainer pushes weights")],
-    )  # fmt: skip
+        "rollout-0",
+        "r",
+        "ALIVE",
+        waits=[
+            NotedWait(
+                "dispatch paused",
+                "the weight push",
+                12.0,
+                3,
+                None,
+                "requests held while the trainer pushes weights",
+            )
+        ],
+    )
     trainer = ActorStacks(
         "trainer-0", "t0", "ALIVE", incoming=[IncomingCall("push_weights", 12.0, "running", [], 0)]
     )

@@ -205,8 +205,13 @@ def test_the_tests_fork_server_runs_what_subprocess_would(
         assert "rlactors.node.forkserver" in cmdline(mine["ppid"])  # forked, not exec'd
         same = ("argv", "main", "path0", "spec", "cwd", "var", "cmdline")
         assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
-    proc = forked.popen([sys.executable, script], env=probe_env(RLACTORS_PROBE_SLEEP="600"),
-                        stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    proc = forked.popen(
+        [sys.executable, script],
+        env=probe_env(RLACTORS_PROBE_SLEEP="600"),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert isinstance(proc, forked.ForkedPopen) and proc.stdout is not None
     assert json.loads(proc.stdout.readline())["sid"] == proc.pid
     with pytest.raises(subprocess.TimeoutExpired):

@@ -31,8 +31,14 @@ STOPS_IT = "stops_shared_sglang"  # the mark of a test that ends the shared serv
 # at most 4 requests running, so a test can make one wait; no grammar backend, as the reference
 # server has none; a KV pool bounded well above what its tests hold at once (4 requests of ~5,000
 # tokens) instead of SGLang's share of the machine's memory, which costs seconds to allocate
-CONFORMANCE_FLAGS = ["--max-running-requests", "4", "--grammar-backend", "none",
-                     "--max-total-tokens", "65536"]  # fmt: skip
+CONFORMANCE_FLAGS = [
+    "--max-running-requests",
+    "4",
+    "--grammar-backend",
+    "none",
+    "--max-total-tokens",
+    "65536",
+]
 
 
 def pytest_configure(config: pytest.Config) -> None:

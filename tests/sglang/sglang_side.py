@@ -99,16 +99,25 @@ class Server:
         self.log.append({"path": path, "body": body})
         if path == "/init_weights_update_group":
             ok, msg = WeightUpdater.init_weights_update_group(
-                self.runner, req.master_address, req.master_port, req.rank_offset, req.world_size,
-                req.group_name, req.backend,
-            )  # fmt: skip
+                self.runner,
+                req.master_address,
+                req.master_port,
+                req.rank_offset,
+                req.world_size,
+                req.group_name,
+                req.backend,
+            )
             return 200, {"success": ok, "message": msg}
         if path == "/update_weights_from_distributed":
             with self.lock:  # one receive at a time, as SGLang's scheduler runs them
                 named = WeightUpdater.receive_weights_from_distributed(
-                    self.runner, names=req.names, dtypes=req.dtypes, shapes=req.shapes,
-                    group_name=req.group_name, load_format=req.load_format,
-                )  # fmt: skip
+                    self.runner,
+                    names=req.names,
+                    dtypes=req.dtypes,
+                    shapes=req.shapes,
+                    group_name=req.group_name,
+                    load_format=req.load_format,
+                )
                 for name, t in named:
                     self.received[name] = t.clone()
             return 200, {"success": True, "message": f"received {len(named)} tensors"}
@@ -170,16 +179,30 @@ def push(url: str, port: int, tensors_path: str) -> None:
     group = "sglang-trainer-side"
     init = threading.Thread(
         target=post,
-        args=(url + "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-              "rank_offset": 1, "world_size": 2, "group_name": group, "backend": "gloo"}),
-    )  # fmt: skip
+        args=(
+            url + "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": group,
+                "backend": "gloo",
+            },
+        ),
+    )
     init.start()
     pg = init_custom_process_group(
         backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0, group_name=group
     )
     init.join()
-    meta = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-            "shapes": [list(t.shape) for _, t in named], "group_name": group, "flush_cache": False}  # fmt: skip
+    meta = {
+        "names": [n for n, _ in named],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+        "shapes": [list(t.shape) for _, t in named],
+        "group_name": group,
+        "flush_cache": False,
+    }
     for flat in (True, False):
         post(url + "/begin_weight_update", {"selector": "all"})
         body = {**meta, "weight_version": "flat" if flat else "per-tensor"}
@@ -205,8 +228,10 @@ def push_tensor(url: str, tensors_path: str) -> None:
     named = list(load_file(tensors_path).items())  # alive until the server has answered
     post(url + "/begin_weight_update", {"selector": "all"})
     payload = MultiprocessingSerializer.serialize(named, output_str=True)
-    post(url + "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "flush_cache": False,
-                                               "weight_version": "by-reference"})  # fmt: skip
+    post(
+        url + "/update_weights_from_tensor",
+        {"serialized_named_tensors": [payload], "flush_cache": False, "weight_version": "by-reference"},
+    )
     post(url + "/end_weight_update", {})
     print("pushed", flush=True)
 

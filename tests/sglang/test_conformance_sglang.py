@@ -59,8 +59,12 @@ def test_the_conformance_suite_passes_against_real_sglang(exported_sglang: Expor
     asked = served.log.read_text(errors="replace").count("POST /generate")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:] + served.log.read_text()[-2000:]
     assert re.search(r"\d+ passed", run.stdout), run.stdout[-3000:]
     # it asked this server (SGLang's log shows each request), not a reference server of its own

@@ -42,8 +42,16 @@ pytestmark = [
 LORA = LoraConfig(enabled=True, rank=4, alpha=16.0, target_modules=["q_proj", "v_proj"])
 # the recipe's flags (recipes/gsm8k_plane.py with_lora); torch_native: SGLang's LoRA kernels are
 # triton's otherwise, which its CPU engine cannot run
-FLAGS = ["--enable-lora", "--max-lora-rank", "4", "--lora-target-modules", "q_proj", "v_proj",
-         "--lora-backend", "torch_native"]  # fmt: skip
+FLAGS = [
+    "--enable-lora",
+    "--max-lora-rank",
+    "4",
+    "--lora-target-modules",
+    "q_proj",
+    "v_proj",
+    "--lora-backend",
+    "torch_native",
+]
 
 
 def greedy_with(url: str, prompt: list[int], n: int, lora: str) -> list[int]:

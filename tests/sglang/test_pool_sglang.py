@@ -40,8 +40,16 @@ def test_a_real_sglang_server_joins_a_run_through_the_pool(
 ) -> None:
     served = exported_sglang
     out, err = tmp_path / "run", tmp_path / "run.err"
-    args = [f"model.path={served.model}", "servers.kind=reference", "servers.n=1", "trainer.n_ranks=1",
-            "run.steps=500", "run.checkpoint_every=0", "run.eval_every=0", f"run.out_dir={out}"]  # fmt: skip
+    args = [
+        f"model.path={served.model}",
+        "servers.kind=reference",
+        "servers.n=1",
+        "trainer.n_ranks=1",
+        "run.steps=500",
+        "run.checkpoint_every=0",
+        "run.eval_every=0",
+        f"run.out_dir={out}",
+    ]
     # a version no publish has: the joiner reports the run's only once the push has reached it
     r = httpx.post(served.url + "/update_weight_version", json={"new_version": "not-joined"}, timeout=120)
     assert r.status_code == 200, r.text

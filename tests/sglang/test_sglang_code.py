@@ -142,9 +142,12 @@ def test_sglang_trainer_side_pushes_into_reference_server(tmp_path: Path) -> Non
             # this server keeps the mapping open
             pusher = subprocess.Popen(
                 [SGLANG_PYTHON, str(HERE / "sglang_side.py"), "pushes", url, str(free_port())],
-                env=sglang_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                env=sglang_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
                 text=True,
-            )  # fmt: skip
+            )
             output: list[str] = []
             try:
                 assert pushes(pusher, "push", tmp_path / "push.safetensors", output), "".join(output)[-3000:]

@@ -34,8 +34,11 @@ def main() -> None:
     cfg = PushConfig(bucket_bytes=64 << 10, pause_mode=None)
     pusher = WeightPusher(trainer.model, cfg, model_config_dir=model)
     pusher.connect([url])
-    for kind, method, flat in (("flat", "distributed", True), ("per-tensor", "distributed", False),
-                               ("tensor", "tensor", True)):  # fmt: skip
+    for kind, method, flat in (
+        ("flat", "distributed", True),
+        ("per-tensor", "distributed", False),
+        ("tensor", "tensor", True),
+    ):
         cfg.method, cfg.flattened_bucket = method, flat
         pusher.push(trainer.version)
         sd = trainer.full_state_dict()  # collective

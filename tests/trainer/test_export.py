@@ -96,8 +96,15 @@ def test_a_full_fine_tune_exports_to_a_folder_with_the_trainers_logits(fp32_expo
     assert tok.chat_template and tok.chat_template == base_tok.chat_template
     assert tok.apply_chat_template(messages) == base_tok.apply_chat_template(messages)
     readme = (out / "README.md").read_text()
-    for fact in (str(trained / "full"), "| step | 1 |", "| policy version | 1 |", str(models["full"]),
-                 '"scenario": "full"', "full fine-tune", "fp32"):  # fmt: skip
+    for fact in (
+        str(trained / "full"),
+        "| step | 1 |",
+        "| policy version | 1 |",
+        str(models["full"]),
+        '"scenario": "full"',
+        "full fine-tune",
+        "fp32",
+    ):
         assert fact in readme, fact
 
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -318,14 +325,20 @@ def test_an_export_that_fails_while_writing_leaves_no_folder(monkeypatch, tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", no_space)
-    with pytest.raises(ExportError, match=rf"^export {out}: the disk is full at {tmp_path}: it needs about [\d,]+ "
-                       r"bytes, [\d,]+ are free; the partial hf.tmp was removed$"):  # fmt: skip
+    with pytest.raises(
+        ExportError,
+        match=rf"^export {out}: the disk is full at {tmp_path}: it needs about [\d,]+ "
+        r"bytes, [\d,]+ are free; the partial hf.tmp was removed$",
+    ):
         export_checkpoint(ckpt, out, dtype="fp32")
     assert not out.exists() and not (tmp_path / "hf.tmp").exists()
     monkeypatch.undo()
     monkeypatch.setattr("nodes.common.disk.free_bytes", lambda folder: 1000)  # smaller than the weights
-    with pytest.raises(ExportError, match=rf"^export {out}: the disk is full at {tmp_path}: it needs about "
-                       r"[\d,]+ bytes, 1,000 are free; nothing was written$"):  # fmt: skip
+    with pytest.raises(
+        ExportError,
+        match=rf"^export {out}: the disk is full at {tmp_path}: it needs about "
+        r"[\d,]+ bytes, 1,000 are free; nothing was written$",
+    ):
         export_checkpoint(ckpt, out, dtype="fp32")
     assert not out.exists() and not (tmp_path / "hf.tmp").exists()
     monkeypatch.undo()

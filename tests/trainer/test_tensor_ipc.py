@@ -41,9 +41,13 @@ def test_another_process_sees_the_senders_memory() -> None:
     named = [("a", buf[:6].view(2, 3)), ("b", buf[6:].to(torch.bfloat16))]
     payload = serialize_named_tensors(named)
     reader = subprocess.Popen(
-        [sys.executable, "-c", READ], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        [sys.executable, "-c", READ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
     try:
         reader.stdin.write(payload + "\n")
         reader.stdin.flush()
@@ -92,11 +96,22 @@ def test_a_payload_may_only_build_tensors() -> None:
 
 def test_the_server_takes_tensors_by_reference_inside_a_session() -> None:
     path = ensure_tiny_checkpoint(seed=0, tied=False)
-    args = ["--backend", "hf", "--model-path", str(path), "--dtype", "float32", "--num-threads", "1",
-            "--strict-weight-update-session"]  # fmt: skip
+    args = [
+        "--backend",
+        "hf",
+        "--model-path",
+        str(path),
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--strict-weight-update-session",
+    ]
     ones = torch.full((64,), 0.25)
-    body = {"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", ones)])],
-            "weight_version": "7"}  # fmt: skip
+    body = {
+        "serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", ones)])],
+        "weight_version": "7",
+    }
     with reference_server(args) as url, httpx.Client(base_url=url, timeout=60) as c:
         r = c.post("/update_weights_from_tensor", json=body)
         assert r.status_code == 400
