@@ -132,8 +132,9 @@ def attack(host: str, port: int, tricklers: int, abusers: int) -> None:
                     await asyncio.wait([answered], timeout=2.0)
             except OSError:
                 pass
+            # a reset, once the server closed it unread: expected
             with contextlib.suppress(Exception):
-                answered.exception()  # a reset, once the server closed it unread: expected
+                answered.exception()
             counts["trickler_closed"] += 1
             with contextlib.suppress(Exception):  # closing a connection the server reset
                 writer.close()

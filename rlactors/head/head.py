@@ -308,7 +308,7 @@ class Head:
             self.names[name] = rec.actor_id
         try:
             await self._start(rec)
-        except BaseException:
+        except BaseException:  # any exit forgets the half-started record, then re-raises
             self._forget(rec)
             raise
         log.debug("actor started", actor=rec.actor_id, name=name, cls=rec.class_name, node=nid)

@@ -178,7 +178,7 @@ async def start_local(
     try:
         await agent.start(head_address)
         await client.start()
-    except BaseException:
+    except BaseException:  # any exit stops what was started, then re-raises
         await local.shutdown(client)
         raise
     set_current(client)

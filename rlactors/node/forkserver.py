@@ -573,7 +573,7 @@ class ForkServer:
                     sent = socket.send_fds(self._sock, [frame], theirs)
                 await asyncio.get_running_loop().sock_sendall(self._sock, frame[sent:])
                 reply = await self._replies.get()
-        except BaseException:
+        except BaseException:  # any exit closes our copies of the fds, then re-raises
             for fd in mine:
                 os.close(fd)
             raise

@@ -83,7 +83,7 @@ class HeadBeats:
     def _run(self) -> None:
         try:
             asyncio.run(self._beat())
-        except BaseException as e:
+        except BaseException as e:  # whatever ended the thread before start() returned is start()'s to raise
             if self._started.is_set():
                 raise
             self._failed = e  # start() raises it in the client's thread

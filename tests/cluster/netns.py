@@ -92,7 +92,7 @@ def make_hosts(n: int) -> Hosts:
             sh("ip", "netns", "exec", name, "ip", "link", "set", f"e{tag}{i}", "name", "eth0")
             sh("ip", "netns", "exec", name, "ip", "addr", "add", f"{hosts.ip(i)}/24", "dev", "eth0")
             sh("ip", "netns", "exec", name, "ip", "link", "set", "eth0", "up")
-    except BaseException:
+    except BaseException:  # any exit tears the namespaces down, then re-raises
         hosts.teardown()
         raise
     return hosts

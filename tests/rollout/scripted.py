@@ -227,5 +227,5 @@ async def serve() -> AsyncIterator[Serve]:
         yield start
     finally:
         for servers in started:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # teardown: a server that failed already
                 await servers.aclose()
