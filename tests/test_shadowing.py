@@ -30,10 +30,10 @@ STAND_INS = {"nodes/inference/sglang_cpu": {"sgl_kernel"}, "nodes/inference/hold
 
 
 def names_in(folder: Path) -> set[str]:
-    """The top-level import names a folder on sys.path provides: its modules, and its folders
-    holding Python files (packages, or namespace packages)."""
+    """The top-level import names a folder on sys.path provides: its modules and packages. A folder
+    without ``__init__.py`` is left out: a namespace package never hides a module found later."""
     modules = {p.stem for p in folder.glob("*.py")}
-    packages = {p.name for p in folder.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    packages = {p.name for p in folder.iterdir() if (p / "__init__.py").is_file()}
     return (modules | packages) - {"__init__", "__main__", "conftest"}
 
 
