@@ -13,6 +13,7 @@ named by a literal to ``importlib.import_module`` (the fork server's preload of 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,7 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+@functools.cache  # every test reads the same tree: parse it once
 def import_graph(packages: tuple[str, ...] = TOP) -> dict[str, set[str]]:
     files = {module_name(p): p for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))}
     modules = set(files)
