@@ -39,20 +39,23 @@ heartbeat timer, or a ZMTP PING from the peer, finds a connection that was closi
 sent and then hung up; so no socket here sets ``ZMQ_HEARTBEAT_*``. Instead both ends of a
 connection send a ping (a one-envelope ``PING`` message, call id 0, never passed on) every
 :data:`HEARTBEAT_IVL_MS`: a DEALER to its peer once connected, a ROUTER to each peer that pings it.
-Nothing answers a ping; everything received counts as hearing the peer, and so do bytes arriving
-on its TCP connection (a long message is heard before it is whole, as each frame reset a ZMTP
-heartbeat's timeout). A connection whose peer is silent for more than :data:`HEARTBEAT_TIMEOUT_MS`
-is cut, by either end: ``shutdown()`` of its socket, after which libzmq disconnects and, on the
-DEALER's side, reconnects, as it did after a ZMTP heartbeat timed out. The DEALER's ``on_link``
+Nothing answers a ping; everything received counts as hearing the peer, and so do two signs from
+the kernel: bytes arriving on its TCP connection (a long message is heard before it is whole, as
+each frame reset a ZMTP heartbeat's timeout), and, for a peer in this host, its having read all we
+sent (its ZeroMQ I/O thread at work, which needs no GIL, as ZMTP's PONG did not). A connection
+whose peer is silent for more than :data:`HEARTBEAT_TIMEOUT_MS` is cut, by either end:
+``shutdown()`` of its socket, after which libzmq disconnects and, on the DEALER's side,
+reconnects, as it did after a ZMTP heartbeat timed out. The DEALER's ``on_link``
 callback hears of it, which is how callers notice a partition or a stopped process; the ROUTER's
 messages to the peer then fail as undeliverable, and senders waiting in :meth:`AsyncSocket.room`
 go on. Silence is measured in the loop's awake time (:mod:`rlactors.base.awake`).
 
 A blocked loop still pings: one thread per process (``rlactors-pings``) watches every socket and,
 for one whose loop has not run its liveness timer for :data:`STALL_S` (an async method that
-blocks, a long GC), sends its pings. Every use of a ZeroMQ socket holds that socket's lock. So only
-a stopped process (SIGSTOP), or one whose threads cannot run (a C call that holds the GIL past the
-timeout), goes silent, as with ZMTP (whose I/O thread did not need the GIL).
+blocks, a long GC), sends its pings. Every use of a ZeroMQ socket holds that socket's lock. So a
+stopped process (SIGSTOP) goes silent, as with ZMTP, and a busy or blocked one does not. What ZMTP
+did and this does not: a process on another host whose Python is held past the timeout by a C call
+that keeps the GIL (a slow import of a large extension) looks silent there.
 """
 
 from __future__ import annotations
