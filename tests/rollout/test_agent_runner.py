@@ -80,7 +80,10 @@ def test_the_runner_is_a_setting() -> None:
     from recipes.gsm8k_config import ConfigError, load_config
 
     assert AgentConfig(agent="a.b:run").agent_runner == "thread"  # the measured default (bench/RESULTS.md)
-    base = ["rollout.workflow=nodes.rollout.agents:AgentWorkflow", "rollout.workflow_args.agent=a.b:run"]
+    base = [
+        "rollout.workflow=nodes.rollout.agents:AgentWorkflow",
+        "rollout.workflow_args.agent=recipes.sdk_agents.python_tool:run",
+    ]
     cfg = load_config(None, [*base, "rollout.workflow_args.agent_runner=process"])
     assert cfg.rollout.workflow_args.agent_runner == "process"
     with pytest.raises(ConfigError, match="agent_runner"):

@@ -116,9 +116,13 @@ def test_an_agent_workflow_needs_an_agent() -> None:
     with pytest.raises(ConfigError, match=r"'rollout\.workflow_args\.agent' must be an import path"):
         load_config(None, ["rollout.workflow=nodes.rollout.agents:AgentWorkflow"])
     cfg = load_config(
-        None, ["rollout.workflow=nodes.rollout.agents:AgentWorkflow", "rollout.workflow_args.agent=a.b:run"]
+        None,
+        [
+            "rollout.workflow=nodes.rollout.agents:AgentWorkflow",
+            "rollout.workflow_args.agent=recipes.sdk_agents.python_tool:run",
+        ],
     )
-    assert cfg.rollout.workflow_args == AgentConfig(agent="a.b:run")
+    assert cfg.rollout.workflow_args == AgentConfig(agent="recipes.sdk_agents.python_tool:run")
 
 
 async def test_sandbox_runs_code_and_enforces_its_limits() -> None:
