@@ -301,11 +301,16 @@ class _Peer:
         if self.fd < 0:
             return None
         try:
-            if os.fstat(self.fd).st_ino != self.inode:  # closed since, and the number reused
-                return None
-            return socket.socket(fileno=os.dup(self.fd))
+            fd = os.dup(self.fd)  # checked after the dup: what is checked is what is used
         except OSError:
             return None
+        try:
+            if os.fstat(fd).st_ino == self.inode:  # else closed since, and the number reused
+                return socket.socket(fileno=fd)
+        except OSError:
+            pass
+        os.close(fd)
+        return None
 
     def received(self) -> int | None:
         """Bytes received on the connection (TCP's tcpi_bytes_received), None if not TCP."""
