@@ -49,3 +49,41 @@ def test_no_text_points_outside_the_repository() -> None:
         if pattern.search(text) and rel != "tests/docs/test_readme.py":
             found.add(rel)
     assert not found, f"text pointing outside the repository: {sorted(found)}"
+
+
+def table_under(text: str, heading: str) -> list[str]:
+    """The rows of the first table under ``heading`` (a ``## `` line), header and rule included."""
+    rows: list[str] = []
+    for line in text.split(f"\n{heading}\n", 1)[1].splitlines():
+        if line.startswith("|"):
+            rows.append(line.strip())
+        elif rows or line.startswith("#"):
+            break
+    return rows
+
+
+def test_the_first_screen_says_what_why_and_how_to_start() -> None:
+    """What rlactors is and the two commands first; then why (and why not) beside the others, where
+    it is verified, the models and engines; the runtime's own pitch after them."""
+    commands = README.index("bash scripts/run.sh     #")
+    order = [
+        README.index("## Why this one"),
+        README.index("## What is verified where"),
+        README.index("## Models and inference engines"),
+        README.index("## The runtime"),
+    ]
+    assert commands < order[0] and order == sorted(order)
+    assert README[:commands].count("\n") < 25  # the commands on the first screen
+    why = README[order[0] : order[1]]
+    assert all(name in why for name in ("AReaL", "verl", "prime-rl")) and "What they have" in why
+    assert "vLLM is not supported" in README[order[2] : order[3]]
+
+
+def test_the_verified_where_table_is_verified_mds() -> None:
+    readme = table_under(README, "## What is verified where")
+    verified = table_under((ROOT / "docs" / "verified.md").read_text(), "## What is verified where")
+    places = [row.split("|")[1].strip() for row in readme[2:]]
+    assert places == ["CPU", "real SGLang on CPU", "one GPU", "many GPUs", "Slurm"]
+    assert readme == verified, "README.md's table of what is verified where differs from docs/verified.md's"
+    section = README.split("## What is verified where", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/verified.md)" in section
