@@ -154,7 +154,7 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
     (
         "Teachers and judges",
         "Written by the recipe when another model takes part (`[models.<name>]`): a teacher "
-        "(`[distill] teacher`) or an LLM judge (`[reward] fn = \"nodes.rollout.judge:judge\"`).",
+        '(`[distill] teacher`) or an LLM judge (`[reward] fn = "nodes.rollout.judge:judge"`).',
         [
             (
                 "distill/reverse_kl",
