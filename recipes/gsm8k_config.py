@@ -298,7 +298,7 @@ def resolve_modes(cfg: RecipeConfig, given: set[str]) -> RecipeConfig:
     data, wa = cfg.data, cfg.rollout.workflow_args
     if data.path and "data.source" not in given:
         data = dataclasses.replace(data, source="local")
-    if your_data(data) and dataclasses.is_dataclass(wa):
+    if your_data(data) and dataclasses.is_dataclass(wa) and not isinstance(wa, type):
         own = {f.name: f for f in dataclasses.fields(wa)}
         unset = {
             name: own[name].default

@@ -141,8 +141,10 @@ def _local_bytes(tree: Any) -> int:
 def _agree(error: BaseException | None, tmp: Path, world: int) -> None:
     """Collective: when any rank's write failed, remove the partial folder (on every rank: once
     each has stopped writing) and raise on every rank, :class:`DiskFullError` when a disk was full."""
-    mine = ("", False, -1) if error is None else (*_reason(error), is_disk_full(error, tmp))
-    mine = (mine[1], mine[2], mine[0]) if error is not None else mine
+    mine: tuple[str, bool, int] = ("", False, -1)  # (what failed, a full disk, the failing rank)
+    if error is not None:
+        at, text = _reason(error)
+        mine = (text, is_disk_full(error, tmp), at)
     seen: list[Any] = [None] * world
     dist.all_gather_object(seen, mine)
     failed = [(r if at < 0 else at, text, full) for r, (text, full, at) in enumerate(seen) if text]

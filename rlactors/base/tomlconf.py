@@ -73,7 +73,7 @@ def within(lo: float, hi: float, *, open_: bool = False) -> dict[str, Check]:
     return {"check": (lambda v: lo <= v <= hi, f"in [{lo}, {hi}]")}
 
 
-def import_path() -> dict[str, Check]:
+def import_path() -> dict[str, Any]:
     """Field metadata: the value must look like ``module:name`` (resolved where it is used; a
     config loader can find every such field by its ``import_path`` flag)."""
     return {"check": (lambda v: ":" in v, "an import path 'module:name'"), "import_path": True}

@@ -47,11 +47,18 @@ DEAD_AFTER = 3  # failed probes in a row before a started server counts as dead
 class ServerSettings(Protocol):
     """What this module reads of an ``OpenEnvConfig`` (nodes/rollout/environments/openenv_env.py)."""
 
-    env_urls: list[str]
-    env_app: str
-    n_envs: int
-    max_replacements: int
-    start_timeout_s: float
+    # properties: a settings class may compute them (VerifiersV1Config does) or hold them as fields
+
+    @property
+    def env_urls(self) -> list[str]: ...
+    @property
+    def env_app(self) -> str: ...
+    @property
+    def n_envs(self) -> int: ...
+    @property
+    def max_replacements(self) -> int: ...
+    @property
+    def start_timeout_s(self) -> float: ...
 
 
 async def health(url: str, client: httpx.AsyncClient | None = None) -> str | None:
