@@ -68,10 +68,10 @@ def _dict_keys(node: ast.AST) -> set[str]:
 
 def engine_stats() -> set[str]:
     """The FSDP2 engine's step statistics: ``stats[...] =``, ``stats.update({...})`` in its train
-    step, and its staleness dict."""
+    step and the phase that sums the step up, and its staleness dict."""
     out = set()
     for node in ast.walk(_tree("nodes/trainer/fsdp.py")):
-        if isinstance(node, ast.FunctionDef) and node.name in ("train_step", "_staleness"):
+        if isinstance(node, ast.FunctionDef) and node.name in ("train_step", "_step_stats", "_staleness"):
             for sub in ast.walk(node):
                 if (
                     isinstance(sub, ast.Subscript)
