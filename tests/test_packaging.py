@@ -102,6 +102,8 @@ def test_every_import_is_declared_by_its_extra() -> None:
     for path in sorted(p for pkg in FIRST_PARTY for p in (ROOT / pkg).rglob("*.py")):
         if "sglang_cpu" in path.parts:  # runs inside SGLang's venv, not ours
             continue
+        if path.name == "v1_bridge.py":  # runs inside a verifiers v1 taskset's own venv, not ours
+            continue
         rel = path.relative_to(ROOT).as_posix()
         for name in sorted(imports(path)):
             provided = dists.get(name)

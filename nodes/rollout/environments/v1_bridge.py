@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import sys
+import uuid
 from typing import Any
 
 SUPPORTED = ("0.4.",)  # verifiers releases whose wire this bridge speaks (tests/envs/test_v1_contract.py)
@@ -94,7 +95,9 @@ async def _prepare_programs(cfg: Any) -> None:
         runtime_cfg = getattr(getattr(cfg, name), "runtime", None)
         if not isinstance(runtime_cfg, vf.SubprocessConfig):
             continue
-        runtime = SubprocessRuntime(runtime_cfg, name=f"rlactors-prepare-{name}")
+        # a name of its own: verifiers makes the runtime's folder with mkdir (no exist_ok), and two
+        # runs may describe at once, or a killed one may have left its folder behind
+        runtime = SubprocessRuntime(runtime_cfg, name=f"rlactors-prepare-{name}-{uuid.uuid4().hex[:12]}")
         await runtime.start()
         try:
             await vf.load_harness(h).setup(runtime)
