@@ -132,6 +132,10 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
                 "rollout/http_unauthorized",
                 "online mode's API server: requests refused 401 from their headers (a missing or wrong key), their bodies unread",
             ),
+            (
+                "rollout/http_stalled_readers",
+                "online mode's API server: connections reset because their client took nothing of an answer (a stream or a whole one) for `http.send_timeout_s`",
+            ),
             ("servers/live", "inference servers in routing after this step's publish"),
             ("servers/joined", "servers that joined routing since the previous step"),
             ("servers/left", "servers that left routing since the previous step (removed or dead)"),

@@ -322,6 +322,7 @@ class OnlineWorkflow:
                 "http_refused_connections",
                 "http_bad_requests",
                 "http_unauthorized",
+                "http_stalled_readers",
             ),
             0,
         )

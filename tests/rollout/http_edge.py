@@ -1,7 +1,9 @@
 """The protocol-edge checks of an HTTP server that faces the outside (nodes/rollout/http1/server.py's
 HTTPLimits), on raw sockets: each bound at its edge (the largest request allowed is served, one byte
 or one header more is refused and the connection closed), the deadlines, the connection cap, the
-key checked before the body, the pipelining bound and the request smuggling shapes.
+key checked before the body, the pipelining bound and the request smuggling shapes; and the clients
+that stop reading an answer (:func:`non_reader`, :func:`slow_reader`), whose checks need the server's
+own state (tests/rollout/test_http_edge.py).
 
 Shared by tests/rollout/test_http_edge.py (the session API in this process) and
 tests/e2e/test_online_edge.py (the session API of a real online-mode run), which run them against
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nodes.rollout.http1 import HTTPLimits
@@ -24,6 +28,7 @@ EDGE_LIMITS = HTTPLimits(
     idle_timeout_s=2.0,
     max_connections=24,
     max_pipelined=4,
+    send_timeout_s=2.0,
 )
 # the same as config overrides of a run (rollout.workflow_args.http.*)
 EDGE_OVERRIDES = [
@@ -35,6 +40,7 @@ EDGE_OVERRIDES = [
         "idle_timeout_s",
         "max_connections",
         "max_pipelined",
+        "send_timeout_s",
     )
 ]
 WAIT_S = 60.0  # a guard against a hang, never a measure: every wait below ends on an event
@@ -319,3 +325,60 @@ async def check_smuggling(t: Target, raw: bytes, status: int) -> None:
     assert answer.status == status and was_closed, answer
     assert b"Traceback" not in answer.body and b"Error:" not in answer.body  # no exception text
     await legit(t)
+
+
+# -- clients that stop reading ----------------------------------------------------------------
+
+
+async def non_reader(t: Target, raw: bytes) -> socket.socket:
+    """A client that sends ``raw`` and never reads: its receive buffer as small as the kernel allows
+    (set before connecting: the window it offers), so the server's kernel buffer fills, then its
+    transport's."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    try:
+        await wait_for(loop.sock_connect(sock, (t.host, t.port)), WAIT_S)
+        await wait_for(loop.sock_sendall(sock, raw), WAIT_S)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def read_to_close(sock: socket.socket, at_most: int) -> int:
+    """Read what ``sock`` holds until the server's close (EOF or a reset); the bytes read. Past
+    ``at_most`` bytes the server has not closed it: AssertionError."""
+    loop = asyncio.get_running_loop()
+    n = 0
+    try:
+        while data := await wait_for(loop.sock_recv(sock, 65536), WAIT_S):
+            n += len(data)
+            assert n <= at_most, f"read {n} bytes and the server has not closed the connection"
+    except ConnectionError:
+        pass
+    return n
+
+
+async def slow_reader(t: Target, raw: bytes, step: int, pace_s: float, more: Callable[[int], bool]) -> int:
+    """A client that sends ``raw`` and reads its answer ``step`` bytes at a time, one read every
+    ``pace_s`` (its pace, not a synchronisation), while ``more(bytes read so far)``; the bytes read.
+    ConnectionError if the server closes the connection."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * step)
+    sock.setblocking(False)
+    n = 0
+    try:
+        await wait_for(loop.sock_connect(sock, (t.host, t.port)), WAIT_S)
+        await wait_for(loop.sock_sendall(sock, raw), WAIT_S)
+        while more(n):
+            await asyncio.sleep(pace_s)
+            data = await wait_for(loop.sock_recv(sock, step), WAIT_S)
+            if not data:
+                raise ConnectionResetError(f"the server closed the connection after {n} bytes")
+            n += len(data)
+    finally:
+        sock.close()
+    return n

@@ -62,6 +62,12 @@ class _Transport(asyncio.Transport):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("127.0.0.1", 1) if name == "peername" else default
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # what is written is taken at once
+
 
 async def _serve(
     pieces: list[bytes], limits: HTTPLimits

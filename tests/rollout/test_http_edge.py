@@ -14,6 +14,7 @@ import pytest
 import structlog
 
 from nodes.rollout.http1 import HTTPServer, Request, Response
+from nodes.rollout.http1.server import SEND_BUFFER
 from nodes.rollout.sessions import OnlineConfig, OnlineWorkflow
 from rlactors.base.aio import wait_for
 from tests.rollout import http_edge as edge
@@ -198,5 +199,119 @@ async def test_a_chunked_body_arriving_above_the_min_rate_outlives_body_timeout(
                 (200, b"15000") if stop_after is None else (408, answer.body)
             )
             writer.close()
+    finally:
+        await server.aclose()
+
+
+# -- clients that stop reading --------------------------------------------------------------------
+
+CHUNK = b"x" * 1024
+FRAMED = len(b"%x\r\n%b\r\n" % (len(CHUNK), CHUNK))  # one chunk as written: its size line, its CRLFs
+
+
+class Streams:
+    """A server whose /stream answers an endless stream of CHUNKs (until the client is gone) and
+    anything else 200; each stream's end (the ConnectionError its write raised) resolves a future."""
+
+    def __init__(self, limits: edge.HTTPLimits) -> None:
+        self.server = HTTPServer(self.app, error_body, limits)
+        self.ended: list[asyncio.Future[str]] = []
+
+    async def app(self, req: Request) -> Response | None:
+        if req.path != "/stream":
+            return Response(200, b"ok", "text/plain")
+        ended = asyncio.get_running_loop().create_future()
+        self.ended.append(ended)
+        out = await req.stream(200, {"Content-Type": "text/plain"})
+        try:
+            while True:
+                await out.write(CHUNK)
+        except ConnectionError as e:
+            ended.set_result(str(e))
+        return None
+
+    def streaming(self) -> list[Any]:
+        return [c for c in self.server._connections if c._streaming is not None]
+
+
+def waiting(conn: Any) -> bool:
+    """The connection's writer waits: its transport's buffer is past the high-water mark."""
+    return conn._drained is not None and not conn._drained.done()
+
+
+async def test_a_client_that_stops_reading_a_stream_is_reset_counted_and_delays_no_one() -> None:
+    """A client that asks for a stream and never reads: the stream's writer waits once the transport
+    holds SEND_BUFFER (the buffer never exceeds it by more than one chunk), others are served, and
+    after send_timeout_s without a byte taken its connection is reset, counted, logged once, and the
+    handler's write raises ConnectionError (it ends as when a client goes away)."""
+    streams = Streams(edge.HTTPLimits(send_timeout_s=1.0))
+    port = await streams.server.start("127.0.0.1", 0)
+    t = edge.Target("127.0.0.1", port, "", streams.server.limits, streams.server.counters)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            sock = await edge.non_reader(t, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            await wait_for(_until(lambda: any(waiting(c) for c in streams.streaming())), edge.WAIT_S)
+            [conn] = streams.streaming()
+            assert conn.transport.get_write_buffer_size() <= SEND_BUFFER + FRAMED
+            answer, _ = await edge.exchange(t, b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert answer.status == 200  # served while the stream waits
+            assert conn.transport.get_write_buffer_size() <= SEND_BUFFER + FRAMED
+            [ended] = streams.ended
+            await wait_for(ended, edge.WAIT_S)  # the handler's write raised: the connection was reset
+            assert conn.gone and t.counters is not None and t.counters["http_stalled_readers"] == 1
+            assert await edge.read_to_close(sock, SEND_BUFFER) < SEND_BUFFER  # what its buffer held
+            sock.close()
+    finally:
+        await streams.server.aclose()
+    [line] = [e for e in logs if e["event"] == "http1.refused"]
+    assert line["counter"] == "http_stalled_readers" and "took nothing" in line["why"]
+
+
+async def test_a_slow_but_steady_reader_is_not_closed() -> None:
+    """A client that reads its stream slowly, a little at a time, keeps it however long the writer
+    waits on it: the transport's buffer stays full past send_timeout_s (twice over here) while the
+    client takes bytes (the kernel's buffer of megabytes drains slowly: the bytes it acknowledges
+    count, not only the transport's), and the connection is not closed."""
+    limits = edge.HTTPLimits(send_timeout_s=1.0)
+    pace_s = 0.05
+    streams = Streams(limits)
+    port = await streams.server.start("127.0.0.1", 0)
+    t = edge.Target("127.0.0.1", port, "", limits, streams.server.counters)
+    full = 0  # consecutive reads during which the writer had bytes waiting in the transport
+
+    def more(_: int) -> bool:
+        nonlocal full
+        conns = streams.streaming()
+        full = full + 1 if conns and conns[0].transport.get_write_buffer_size() else 0
+        return full < 2 * limits.send_timeout_s / pace_s
+
+    try:
+        n = await edge.slow_reader(t, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n", 8192, pace_s, more)
+        [ended] = streams.ended
+        assert await wait_for(ended, edge.WAIT_S)  # the client closed: the handler's write raised
+        assert n > 0 and streams.server.counters["http_stalled_readers"] == 0
+    finally:
+        await streams.server.aclose()
+
+
+async def test_a_whole_answer_not_read_is_reset_not_held() -> None:
+    """A large answer (not streamed) to a client that never reads, on a connection to close after
+    it: closing waits for the answer to be sent, so without the send bound it would be held for ever;
+    it is reset after send_timeout_s and counted."""
+    big = b"y" * (8 << 20)
+
+    async def app(req: Request) -> Response:
+        return Response(200, big, "text/plain")
+
+    server = HTTPServer(app, error_body, edge.HTTPLimits(send_timeout_s=1.0))
+    port = await server.start("127.0.0.1", 0)
+    t = edge.Target("127.0.0.1", port, "", server.limits, server.counters)
+    try:
+        sock = await edge.non_reader(t, b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await wait_for(_until(lambda: server.counters["http_stalled_readers"] == 1), edge.WAIT_S)
+        assert not server._connections
+        assert await edge.read_to_close(sock, len(big)) < len(big)
+        sock.close()
+        await edge.legit(edge.Target("127.0.0.1", port, "", server.limits))
     finally:
         await server.aclose()

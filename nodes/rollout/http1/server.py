@@ -14,7 +14,10 @@ It faces clients outside the cluster, so every resource a client can make it spe
 a request's head and its number of headers (414/431), the time its head and its body may take
 (408, the connection closed, the peer counted and logged once a minute), the body's size (413), the
 open connections (past the cap a new one is answered 503 and closed), the requests parsed ahead of
-the one being answered. ``gate`` sees each request's head before any of its body is read (the API
+the one being answered, and what an answer may hold while its client does not read it: a stream's
+writer waits once the transport's buffer is past its high-water mark, and a connection whose client
+takes nothing of its answer for ``send_timeout_s`` is reset (its streaming handler's next write
+raises ConnectionError, as when a client goes away). ``gate`` sees each request's head before any of its body is read (the API
 key's check: a refused request costs its head, never its body). Malformed HTTP and every request
 smuggling shape (llhttp refuses them: Content-Length with Transfer-Encoding, two Content-Lengths,
 obsolete line folding, bare LF or CR, invalid chunk sizes; this layer, a transfer coding other than
@@ -27,8 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import resource
 import secrets
+import socket
+import struct
+import termios
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -50,9 +57,21 @@ LOG_EVERY_S = 60.0  # a peer's refusals are logged at most once in this long (ea
 _LINGERING = 256  # refused connections kept open for their answer to be read; past it they are closed at once
 _LINGER_S = 1.0  # how long a refused connection stays open (not read) for its answer to be read
 _FD_SPARE = 256  # file descriptors kept for what the process opens besides connections
+# the transport's write-buffer high-water mark: past it a stream's writer waits (Stream.write), so an
+# answer its client does not read holds at most this, one chunk more, and the kernel's socket buffer
+SEND_BUFFER = 64 * 1024
+_SEND_CHECKS = 8  # progress checks per send_timeout_s while an answer waits in the transport's buffer
+# Linux's SIOCOUTQ: the bytes a TCP socket holds that its peer has not acknowledged (None elsewhere)
+_OUTQ = getattr(termios, "TIOCOUTQ", None)
 
 # the counters an HTTPServer keeps (HTTPServer.counters): what it refused, by reason
-COUNTERS = ("http_slow_clients", "http_refused_connections", "http_bad_requests", "http_unauthorized")
+COUNTERS = (
+    "http_slow_clients",
+    "http_refused_connections",
+    "http_bad_requests",
+    "http_unauthorized",
+    "http_stalled_readers",
+)
 
 
 @register
@@ -82,6 +101,10 @@ class HTTPLimits:
     # closed after their answers); nothing more is read while they are answered
     max_pipelined: int = field(default=8, metadata=at_least(1))
     retry_after_s: int = field(default=1, metadata=at_least(0))  # a 503's Retry-After (past max_connections)
+    # an answer of which the client takes nothing (no byte acknowledged while some waits to be sent)
+    # for this long has its connection reset, counted (http_stalled_readers) and logged at most
+    # once a minute; a handler streaming to it gets ConnectionError, as when a client goes away
+    send_timeout_s: float = field(default=60.0, metadata=above(0))
     # connections the kernel holds while they wait to be accepted (listen's backlog, capped by
     # net.core.somaxconn): past it new ones are dropped or reset before the server sees them, so it
     # must hold a burst of (re)connecting clients
@@ -131,8 +154,9 @@ class Stream:
         self.ended = False
 
     async def write(self, data: bytes) -> None:
-        """Send ``data``; waits while the client reads slower than this writes. ConnectionError
-        once the client has gone."""
+        """Send ``data``; waits while the client reads slower than this writes (the transport's
+        buffer past :data:`SEND_BUFFER`). ConnectionError once the client has gone, or once it has
+        taken nothing for ``send_timeout_s`` (its connection reset)."""
         if not data:
             return
         self._conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
@@ -195,6 +219,11 @@ class _Connection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None  # the request being answered
         self._paused_reading = False
         self._drained: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._socket: Any = None  # the transport's socket: what the kernel holds of the answers
+        self._written = 0  # bytes given to the transport
+        self._sent_timer: asyncio.TimerHandle | None = None  # runs while the transport holds bytes
+        self._delivered = 0  # bytes the client had taken at the last check that saw it take more
+        self._delivered_at = 0.0  # ... and when
         self._streaming: Stream | None = None
         # one timer per connection: it fires at or before _deadline and acts on _waiting then
         self._timer: asyncio.TimerHandle | None = None
@@ -229,6 +258,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=SEND_BUFFER)  # type: ignore[attr-defined]
+        self._socket = transport.get_extra_info("socket")
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "")
         server = self.server
@@ -290,6 +321,9 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._sent_timer is not None:
+            self._sent_timer.cancel()
+            self._sent_timer = None
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)  # drain() raises on waking, as the connection is gone
 
@@ -453,6 +487,46 @@ class _Connection(asyncio.Protocol):
         if self.gone or self.transport is None or self.transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         self.transport.write(data)
+        self._written += len(data)
+        if self._sent_timer is None and self.transport.get_write_buffer_size():
+            # the kernel's buffer is full: from now on the client must keep taking bytes
+            self._delivered, self._delivered_at = self._taken(), self.loop.time()
+            self._sent_timer = self.loop.call_later(
+                self.limits.send_timeout_s / _SEND_CHECKS, self._check_sent
+            )
+
+    def _taken(self) -> int:
+        """The bytes of the answers the client has taken: written, less what the transport holds and
+        what the kernel holds unacknowledged (with a kernel buffer of megabytes, a client reading
+        slowly but steadily takes bytes long before the transport's buffer shrinks)."""
+        assert self.transport is not None
+        held = self.transport.get_write_buffer_size()
+        fd = self._socket.fileno() if self._socket is not None else -1
+        if _OUTQ is not None and fd >= 0:
+            with contextlib.suppress(OSError):
+                held += struct.unpack("i", fcntl.ioctl(fd, _OUTQ, b"\0\0\0\0"))[0]
+        return self._written - held
+
+    def _check_sent(self) -> None:
+        """While the transport holds bytes: the client took some since the last check, or it has
+        taken none for send_timeout_s and its connection is reset (closing it would wait for ever
+        for the buffer to be sent)."""
+        self._sent_timer = None
+        t = self.transport
+        if self.gone or t is None or not t.get_write_buffer_size():
+            return  # gone, or all handed to the kernel: the next write that cannot be starts again
+        now, taken = self.loop.time(), self._taken()
+        if taken != self._delivered:
+            self._delivered, self._delivered_at = taken, now
+        elif now - self._delivered_at >= self.limits.send_timeout_s:
+            timeout = self.limits.send_timeout_s
+            self.server.note("http_stalled_readers", self.peer, f"took nothing of its answer for {timeout} s")
+            if self._socket is not None:  # a reset: the kernel drops what it holds, rather than
+                with contextlib.suppress(OSError):  # keep trying to send it once the socket is closed
+                    self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            t.abort()
+            return
+        self._sent_timer = self.loop.call_later(self.limits.send_timeout_s / _SEND_CHECKS, self._check_sent)
 
     async def drain(self) -> None:
         if self._drained is not None and not self._drained.done():
