@@ -145,14 +145,14 @@ def ensure_tiny_checkpoint(
             num_key_value_heads=max(1, heads // 2) if heads % 2 == 0 else heads,
             max_position_embeddings=8192,
             rms_norm_eps=1e-5,
-            rope_theta=100000.0,  # type: ignore[call-arg]  # transformers 5 types rope_parameters; rope_theta works on 4.x and 5.x
+            rope_theta=100000.0,
             tie_word_embeddings=tied,
             bos_token_id=1,
             eos_token_id=2,
             pad_token_id=2,
         )
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers types the wrapped .to() as taking the model
+        model = LlamaForCausalLM(config).to(torch.float32)
         model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
         model.save_pretrained(str(dst))
         for f in ensure_smollm2_tokenizer(root).iterdir():

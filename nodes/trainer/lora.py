@@ -63,7 +63,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
-        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates an int; a float scales as well (alpha / r)
+        lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         bias="none",

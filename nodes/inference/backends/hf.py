@@ -11,12 +11,18 @@ Sampling: SGLang's penalties and ``logit_bias`` (:meth:`HFBackend._adjust`), the
 top_k, top_p, min_p. The reported log-probability is
 ``log_softmax(logits / T)`` of the sampled token (``T = 1`` when greedy), SGLang's default since
 its PR #2664, so a trainer recomputing log-probs at the same temperature gets the same numbers.
+
+A folder whose config.json names a ``*ForSequenceClassification`` architecture (a reward model)
+is loaded as that classifier instead: it generates nothing and scores prompts for ``/classify``
+(:meth:`HFBackend.classify`), as SGLang serves such a checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import structlog
@@ -54,6 +60,16 @@ class _Slot:
     kv: KV | None  # own KV while not in the batch cache
 
 
+def classifier_architecture(model_path: str) -> str | None:
+    """The ``*ForSequenceClassification`` architecture the folder's config.json names, if any
+    (SGLang tells a reward model from a generator by the same field)."""
+    try:
+        archs = json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None  # no readable config here: transformers says what is wrong as it loads
+    return next((a for a in archs if str(a).endswith("ForSequenceClassification")), None)
+
+
 def _pick_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,19 +103,31 @@ class HFBackend:
         num_threads: int = 0,
         enable_lora: bool = False,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         torch.manual_seed(seed)
         self._device = _pick_device(device)
         self.dtype = _pick_dtype(dtype, self._device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self._device)  # type: ignore[arg-type]  # transformers types the wrapped .to() as taking the model
+        # a sequence classifier (a reward model) scores on /classify and never generates, as in SGLang
+        self.architecture = classifier_architecture(model_path)
+        self.is_generation = self.architecture is None
+        auto = AutoModelForCausalLM if self.is_generation else AutoModelForSequenceClassification
+        self.model = auto.from_pretrained(model_path, dtype=self.dtype).to(self._device)
         self.model.eval()
+        if not self.is_generation and not isinstance(getattr(self.model, "score", None), torch.nn.Module):
+            raise ValueError(
+                f"{model_path}: {self.architecture} has no `score` head; the hf backend serves decoder "
+                "classifiers (Llama, Qwen2, Qwen3, Mistral, Gemma2 ...ForSequenceClassification), which score "
+                "the last token as SGLang does"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         self.vocab_size = int(self.model.config.vocab_size)
         eos: set[int] = set()
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        gen_eos = getattr(
+            getattr(self.model, "generation_config", None), "eos_token_id", None
+        )  # none: a classifier
         for e in gen_eos if isinstance(gen_eos, list) else [gen_eos, self.tokenizer.eos_token_id]:
             if e is not None:
                 eos.add(int(e))
@@ -244,6 +272,28 @@ class HFBackend:
         kv = self._row_kv(row, slot.length)
         self._rows[row] = _Released()  # type: ignore[call-overload]
         return kv
+
+    # ---- a sequence classifier's scores (/classify) -----------------------------------
+
+    async def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        """A classifier's outputs (``num_labels`` numbers) for each prompt, in one forward pass."""
+        return await asyncio.to_thread(self._classify, prompts)
+
+    @torch.inference_mode()
+    def _classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        # SGLang pools the last token of each prompt (Pooler LAST) whatever it is; transformers'
+        # own pooling would skip trailing pad tokens, so the head is applied here to the hidden
+        # state at each prompt's last position (right-padded: causal attention keeps pads unseen)
+        lengths = torch.tensor([len(p) for p in prompts], device=self._device)
+        ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=self._device)
+        for row, p in enumerate(prompts):
+            ids[row, : len(p)] = torch.tensor(p, device=self._device)
+        mask = (torch.arange(ids.shape[1], device=self._device) < lengths.unsqueeze(1)).long()
+        base = getattr(self.model, self.model.base_model_prefix)
+        hidden = base(input_ids=ids, attention_mask=mask).last_hidden_state
+        last = hidden[torch.arange(len(prompts), device=self._device), lengths - 1]
+        scores = self.model.score(last).float()
+        return cast(list[list[float]], scores.tolist())
 
     # ---- sampling ----------------------------------------------------------------------
 
