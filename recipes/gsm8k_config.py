@@ -132,6 +132,8 @@ class ModelServersConfig(ServersConfig):
     # servers already running (SGLang or ours), e.g. ["http://10.0.0.5:30000"]: none is launched
     urls: list[str] = field(default_factory=list)
     n: int = field(default=1, metadata=at_least(1))  # servers launched for the model with the run
+    # a launched server that dies is launched again on its node, from path (never pushed weights)
+    replace_dead: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
