@@ -1,4 +1,4 @@
-"""What a ``/generate`` body asks of this server, checked against it: the sequences it expands to
+"""What a ``/generate`` (or ``/classify``) body asks of this server, checked against it: the sequences it expands to
 (prompts x ``n``, each with its rid and seed) within the server's limits (``--max-n``,
 ``--max-batch-size``, ``--max-logprob-entries``), its context length and vocabulary, and the
 features the server was launched with. The body itself is parsed and checked by
@@ -15,9 +15,9 @@ from typing import Any, cast
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import Engine
 from nodes.inference.settings import ServerArgs
-from protocols.http.sglang import GenerateRequest, ProtocolError, SamplingParams
+from protocols.http.sglang import ClassifyRequest, GenerateRequest, ProtocolError, SamplingParams
 
-__all__ = ["ask_logprobs", "build_seqs", "per_prompt", "refuse_unlaunched_features"]
+__all__ = ["ask_logprobs", "build_seqs", "classify_prompts", "per_prompt", "refuse_unlaunched_features"]
 
 
 def per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
@@ -79,6 +79,40 @@ async def build_seqs(engine: Engine, req: GenerateRequest) -> list[tuple[int, Se
             seed = sp.sampling_seed if sp.sampling_seed is not None else engine.rng.getrandbits(63)
             seqs.append((i, Seq(rid=this_rid, input_ids=list(ids), params=sp, seed=seed + j)))
     return seqs
+
+
+async def classify_prompts(engine: Engine, req: ClassifyRequest) -> tuple[list[list[int]], list[str]]:
+    """A ``/classify`` body's prompts (token ids) and their rids, within the server's limits
+    (``--max-batch-size``, the context length, the vocabulary)."""
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        count = len(texts)
+    else:
+        count = len(req.input_ids) if req.is_batch else 1  # type: ignore[arg-type]
+    if count == 0:
+        raise ProtocolError(f"{'text' if req.text is not None else 'input_ids'}: the batch is empty")
+    if count > engine.args.max_batch_size:
+        raise ProtocolError(
+            f"the request has {count} prompts, over this server's limit of {engine.args.max_batch_size} "
+            "(--max-batch-size); split it into smaller requests"
+        )
+    if req.is_batch and isinstance(req.rid, str):  # SGLang asserts the same
+        raise ProtocolError("rid: The rid should be a list (one per prompt of the batch).")
+    rids = [r or uuid.uuid4().hex for r in per_prompt(req.rid, count, "rid", None)]
+    if len(set(rids)) != len(rids):
+        raise ProtocolError(f"Duplicate request IDs detected within the request: {sorted(rids)}")
+    if req.text is not None:
+        prompts = await engine.tokenize([engine.fit_text(t) for t in texts])
+    else:
+        prompts = [list(p) for p in cast(list[list[int]], req.input_ids if req.is_batch else [req.input_ids])]
+    field = "text" if req.text is not None else "input_ids"
+    for i, ids in enumerate(prompts):
+        where = f"{field}[{i}]" if req.is_batch else field
+        if not ids:
+            raise ProtocolError(f"{where}: the prompt is empty")
+        engine.check_length(ids, SamplingParams(max_new_tokens=0))  # cut in place if auto-truncating
+        _check_vocab(ids, engine.backend.vocab_size, where)
+    return prompts, rids
 
 
 MAX_STOP_COUNT = 32  # SGLang's limits on stop strings and stop_regex patterns per request

@@ -9,6 +9,11 @@ ill-typed fields -> 400 naming the field), checks what needs this server's state
 answers in SGLang's shapes and status codes (:mod:`nodes.inference.render`, where every error body
 is made).
 
+A checkpoint whose architecture is a ``*ForSequenceClassification`` (a reward model) is served as
+SGLang serves it: ``/classify`` answers each prompt's scores (``{"embedding": [score],
+"meta_info": ...}``, a list for a batch), ``/generate`` is refused with 400, and so is
+``/classify`` on a model that generates.
+
 Limits SGLang does not have keep one request from stalling the rest: bodies past
 ``--max-request-bytes`` get 413, ``n`` past ``--max-n`` and more than ``--max-batch-size``
 sequences per ``/generate`` get 400, text prompts are tokenized off the event loop. A request that
@@ -39,7 +44,13 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nodes.inference import render
-from nodes.inference.admission import ask_logprobs, build_seqs, per_prompt, refuse_unlaunched_features
+from nodes.inference.admission import (
+    ask_logprobs,
+    build_seqs,
+    classify_prompts,
+    per_prompt,
+    refuse_unlaunched_features,
+)
 from nodes.inference.backends.base import Seq
 from nodes.inference.engine import VERSION, Engine
 from nodes.inference.scheduler import SchedulerStopped
@@ -47,6 +58,7 @@ from protocols.http.auth import ServerKeys, decide
 from protocols.http.sglang import (
     AbortRequest,
     BeginWeightUpdateRequest,
+    ClassifyRequest,
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
     EndWeightUpdateRequest,
@@ -62,6 +74,7 @@ from protocols.http.sglang import (
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
+    classify_result,
     lora_update_body,
 )
 from rlactors.base.aio import wait_for
@@ -175,6 +188,7 @@ class Routes:
 
     async def generate(self, request: Request) -> Response:
         req = GenerateRequest.from_json(await self.body(request))
+        self.engine.refuse_generation()
         refuse_unlaunched_features(req, lora=self.engine.args.enable_lora)
         flags = per_prompt(req.return_logprob, req.prompt_count, "return_logprob", False)
         loras = [
@@ -228,6 +242,21 @@ class Routes:
         content = await asyncio.to_thread(render.generate_body, results, many)
         return Response(content, media_type="application/json")
 
+    async def classify(self, request: Request) -> Response:
+        # SGLang: a reward model's scores, in the shape of an embedding model's answer
+        start = time.perf_counter()
+        req = ClassifyRequest.from_json(await self.body(request))
+        self.engine.refuse_classification()
+        prompts, rids = await classify_prompts(self.engine, req)
+        scores = await self.engine.classify(prompts)
+        took = time.perf_counter() - start
+        version = self.engine.weight_version
+        out = [
+            classify_result(rid, s, len(p), version, took)
+            for rid, s, p in zip(rids, scores, prompts, strict=True)
+        ]
+        return render.OrjsonResponse(out if req.is_batch else out[0])
+
     async def abort_request(self, request: Request) -> Response:
         req = AbortRequest.from_json(await self.body(request, allow_empty=True))
         self.sched.abort(rid=req.rid, abort_all=req.abort_all, message=req.abort_message)
@@ -254,6 +283,12 @@ class Routes:
     async def health_generate(self, request: Request) -> Response:
         if not self.sched.alive:
             return Response(status_code=503)
+        if self.engine.classifier is not None:  # SGLang probes a reward model with one prompt too
+            try:
+                await wait_for(self.engine.classify([[0]]), HEALTH_CHECK_TIMEOUT_S)
+            except Exception:  # any failure of the probe means unhealthy
+                return Response(status_code=503)
+            return Response(status_code=200)
         if self.sched.paused or self.sched.running or self.sched.stepping:
             # the loop is alive and busy: no probe, which would wait behind the step in progress
             return Response(status_code=200)
@@ -275,7 +310,7 @@ class Routes:
             {
                 "model_path": self.engine.args.model_path,
                 "tokenizer_path": self.engine.args.tokenizer_path or self.engine.args.model_path,
-                "is_generation": True,
+                "is_generation": self.engine.is_generation,
                 "preferred_sampling_params": None,
                 "weight_version": self.engine.weight_version,
             }
@@ -414,6 +449,7 @@ def create_app(engine: Engine, keys: ServerKeys | None = None) -> Starlette:
     r = Routes(engine)
     routes = [
         Route("/generate", r.generate, methods=["POST", "PUT"]),
+        Route("/classify", r.classify, methods=["POST", "PUT"]),  # a reward model's scores
         Route("/abort_request", r.abort_request, methods=["POST"]),
         Route("/pause_generation", r.pause_generation, methods=["POST"]),
         Route("/continue_generation", r.continue_generation, methods=["POST"]),

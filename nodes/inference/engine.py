@@ -14,14 +14,14 @@ import json
 import random
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
 from nodes.common import tensor_ipc
 from nodes.common.weight_group import gpu_uuid
 from nodes.inference import weight_sync
-from nodes.inference.backends.base import Backend
+from nodes.inference.backends.base import Backend, Classifier
 from nodes.inference.radix import RadixCache
 from nodes.inference.scheduler import Scheduler
 from nodes.inference.settings import ServerArgs
@@ -91,6 +91,10 @@ class Engine:
         device = str(getattr(self.backend, "device", "cpu"))
         self.gpu_uuid = gpu_uuid(device) if device.startswith("cuda") else None
         self.context_len = args.context_length or _model_context_length(args.model_path)
+        # a sequence classifier (a reward model) serves /classify and generates nothing, as in SGLang
+        self.classifier = (
+            cast(Classifier, self.backend) if not getattr(self.backend, "is_generation", True) else None
+        )
         # one thread: tokenizers are not safe to share between threads, and a long text must not
         # stall the event loop
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -101,6 +105,37 @@ class Engine:
         return await loop.run_in_executor(
             self._tokenizer_thread, lambda: [self.backend.tokenize(t) for t in texts]
         )
+
+    @property
+    def is_generation(self) -> bool:
+        """Whether the model generates (``/generate``) rather than classifies (``/classify``)."""
+        return self.classifier is None
+
+    def refuse_generation(self) -> None:
+        """400 for ``/generate`` on a classifier (SGLang's scheduler would fail the request later
+        and less clearly)."""
+        if self.classifier is not None:
+            raise ProtocolError(
+                f"This model ({self.classifier.architecture} at {self.args.model_path}) is a sequence "
+                "classifier (a reward model): it does not generate. Post its prompts to /classify instead."
+            )
+
+    def refuse_classification(self) -> None:
+        """400 for ``/classify`` on a model that generates (SGLang's check, TokenizerManager, told
+        the way this server tells a classifier)."""
+        if self.classifier is None:
+            raise ProtocolError(
+                f"This model ({self.args.model_path}) is not a sequence classifier: it generates "
+                "(/generate). /classify needs a reward model, a checkpoint whose config.json names a "
+                "*ForSequenceClassification architecture."
+            )
+
+    async def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The classifier's outputs for each prompt (token ids), between weight updates."""
+        self.refuse_classification()
+        assert self.classifier is not None
+        async with self.scheduler.step_lock:
+            return await self.classifier.classify(prompts)
 
     def fit_text(self, text: str) -> str:
         """Refuse a text prompt that cannot fit in the context whatever it tokenizes to, before

@@ -468,6 +468,39 @@ class UpdateWeightsFromTensorRequest(_Body):
         return self
 
 
+class ClassifyRequest(_Body):
+    """``/classify``: a reward model's (a sequence classifier's) scores of one text or a batch,
+    SGLang 0.5.23's ``EmbeddingReqInput`` (which its ``/classify`` and ``/encode`` share). Lax, as
+    FastAPI's parse of that dataclass is. ``sampling_params`` is accepted and ignored, as SGLang
+    does ("dummy ... for compatibility"); its multimodal, cross-encoder and pooling fields are not
+    served here, so naming one is an unknown field (400)."""
+
+    _wire: ClassVar[str] = "EmbeddingReqInput"
+
+    text: str | list[str] | None = None
+    input_ids: TokenIdsOrBatch | None = None
+    rid: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    log_metrics: bool = True
+    priority: int | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt_kind(self) -> Self:
+        # SGLang's EmbeddingReqInput.normalize_batch_and_arguments, its wording
+        if self.text is None and self.input_ids is None:
+            raise _invalid("At least one of text, input_ids, image, video, or audio should be provided")
+        if self.text is not None and self.input_ids is not None:
+            raise _invalid("text and input_ids cannot be provided at the same time")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        """True when the body carries a list of prompts (the response is then a list)."""
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return _is_batch_ids(self.input_ids)
+
+
 class DestroyWeightsUpdateGroupRequest(_Body):
     """``/destroy_weights_update_group``."""
 
@@ -651,6 +684,23 @@ def weight_version_spans(token_versions: list[str], current: str) -> list[dict[s
     return spans or [{"version": current, "start": 0, "end": 0}]
 
 
+def classify_result(
+    rid: str, scores: list[float], prompt_tokens: int, version: str, latency_s: float
+) -> dict[str, Any]:
+    """One prompt's ``/classify`` answer as SGLang 0.5.23 sends it: ``embedding`` is the
+    classifier's output (one number per label: ``[score]`` for a reward model), the finish reason
+    that of a request of no new tokens."""
+    meta = {
+        "id": rid,
+        "finish_reason": finish_length(0),
+        "prompt_tokens": prompt_tokens,
+        "weight_version": version,
+        "num_retractions": 0,
+        "e2e_latency": latency_s,
+    }
+    return {"embedding": scores, "meta_info": meta}
+
+
 def success_body(success: bool, message: str, **extra: Any) -> dict[str, Any]:
     """``{"success", "message", ...}``, the body of SGLang's weight endpoints."""
     return {"success": success, "message": message, **extra}
@@ -702,6 +752,7 @@ __all__ = [
     "WEIGHT_VERSIONS",
     "AbortRequest",
     "BeginWeightUpdateRequest",
+    "ClassifyRequest",
     "ContinueGenerationRequest",
     "DestroyWeightsUpdateGroupRequest",
     "EndWeightUpdateRequest",
@@ -720,6 +771,7 @@ __all__ = [
     "UpdateWeightsFromDiskRequest",
     "UpdateWeightsFromDistributedRequest",
     "UpdateWeightsFromTensorRequest",
+    "classify_result",
     "error_body",
     "finish_abort",
     "finish_length",

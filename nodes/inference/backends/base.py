@@ -134,3 +134,14 @@ class Backend(Protocol):
     @property
     def device(self) -> str:
         """Where tensors for ``apply_tensors`` should live ("cpu", "cuda:0")."""
+
+
+class Classifier(Protocol):
+    """A backend serving a sequence classifier (a reward model): ``is_generation`` false, and
+    scores for ``/classify`` instead of tokens (nodes/inference/backends/hf.py)."""
+
+    is_generation: bool
+    architecture: str | None  # the config's *ForSequenceClassification architecture
+
+    async def classify(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The classifier's outputs (one number per label) for each prompt."""
