@@ -158,7 +158,8 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
     (
         "Teachers and judges",
         "Written by the recipe when another model takes part (`[models.<name>]`): a teacher "
-        '(`[distill] teacher`) or an LLM judge (`[reward] fn = "nodes.rollout.judge:judge"`).',
+        '(`[distill] teacher`), an LLM judge (`[reward] fn = "nodes.rollout.judge:judge"`) or a reward model '
+        '(`[reward] fn = "nodes.rollout.judge:reward_model"`).',
         [
             (
                 "distill/reverse_kl",
@@ -171,10 +172,13 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
             ),
             (
                 "reward/judge_errors",
-                "judgements that failed or could not be parsed, since the start (scored as "
-                "`reward.fn_args.on_error` says)",
+                "judgements (a judge's or a reward model's) that failed or could not be read, since "
+                "the start (scored as `reward.fn_args.on_error` says)",
             ),
-            ("reward/judge_calls", "batched calls to the judge's servers, since the start"),
+            (
+                "reward/judge_calls",
+                "batched calls to the judge's (or reward model's) servers, since the start",
+            ),
         ],
     ),
     (
