@@ -396,7 +396,10 @@ class RewardModel(Scorer):
         if self.cfg.template:
             return fill_template(self.cfg.template, completion, item)
         tok = await self.tokenizer()
-        text = tok.apply_chat_template(conversation(completion, item), tokenize=False)
+        try:
+            text = tok.apply_chat_template(conversation(completion, item), tokenize=False)
+        except Exception as e:  # a template's own error (jinja raises its kinds): a failure of this sample
+            raise ValueError(f"reward model '{self.cfg.judge}': its chat template failed: {e}") from None
         # the template writes the special tokens it wants (a BOS, turn markers): none added again
         return list(tok(text, add_special_tokens=False)["input_ids"])
 

@@ -203,6 +203,19 @@ def test_no_tokenizer_to_ask_for_is_a_counted_failure(counters: dict[str, float]
     assert counters["judge_errors"] == 1 and counters["judge_calls"] == 0
 
 
+def test_a_chat_template_that_fails_is_a_counted_failure(counters: dict[str, float]) -> None:
+    class Refusing:  # a tokenizer whose template raises (as a jinja template's raise_exception does)
+        chat_template = "..."
+
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> str:
+            raise RuntimeError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    rm = RewardModel(RewardModelConfig(judge="rm", default=0.5), client=None)
+    rm._tokenizer = Refusing()
+    assert asyncio.run(rm.score("x", ITEM)) == 0.5
+    assert counters["judge_errors"] == 1 and counters["judge_calls"] == 0
+
+
 @pytest.mark.parametrize(
     ("cfg", "answer", "want"),
     [
