@@ -456,9 +456,14 @@ def describe_run(cfg: RecipeConfig) -> list[str]:
     else:
         lines.append(f"prompt: the workflow's own ({r.workflow})")
     scorer = own_scorer(r.workflow)
-    lines.append(
+    reward = (
         f"reward: {scorer}" if scorer else f"reward: {cfg.reward.fn} (timeout {cfg.reward.timeout_s:g} s)"
     )
+    if getattr(cfg.reward.fn_args, "judge", ""):
+        reward += f", scored by models.{cfg.reward.fn_args.judge}"
+    if cfg.distill.teacher and cfg.distill.reward_coef == 0:
+        reward += "; logged, not trained on (distill.reward_coef = 0)"
+    lines.append(reward)
     lines.append(
         f"shaping: {describe_shaping(cfg.advantage.shaping)} ([advantage.shaping]); advantage: {cfg.advantage.fn}"
     )
@@ -466,6 +471,15 @@ def describe_run(cfg: RecipeConfig) -> list[str]:
     where = f"{s.gpus_per_server} GPU(s) each" if s.gpus_per_server else f"CPU, {s.threads} thread(s) each"
     backend = f", {server.backend} backend" if hasattr(server, "backend") else ""
     lines.append(f"servers: {s.n} {s.kind}{backend}, {where}")
+    for name, m in cfg.models.items():
+        at = f"at {', '.join(m.urls)}" if m.urls else f"{m.n} {m.kind} from {m.path}"
+        lines.append(f"models.{name}: {at} (never pushed weights)")
+    d = cfg.distill
+    if d.teacher:
+        lines.append(
+            f"distill: teacher models.{d.teacher}, advantage = {d.reward_coef:g} x reward's + {d.coef:g} x "
+            "(teacher - policy log-prob per token)" + (": pure distillation" if d.reward_coef == 0 else "")
+        )
     lines.append(
         f"trainer: {t.n_ranks} rank(s) on {t.device}, lr {t.lr:g}, loss {t.loss.fn}"
         + (f", LoRA rank {t.lora.rank}" if t.lora.enabled else "")

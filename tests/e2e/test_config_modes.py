@@ -59,7 +59,7 @@ def test_your_data_gets_no_math_prompt_unless_set_and_the_built_in_problems_keep
 def test_shaping_is_the_identity_unless_a_config_asks_and_the_gsm8k_configs_ask() -> None:
     s = load_config(None, MINE).advantage.shaping
     assert (s.bias, s.scale, s.clip, s.overlong_max_len) == (0.0, 1.0, 0.0, 0)
-    for name in ("cpu", "gpu", "gpu_1x", "smoke", "agent_cpu", "env_cpu"):
+    for name in ("cpu", "gpu", "gpu_1x", "smoke", "agent_cpu", "env_cpu", "v1_cpu"):
         s = load_config(str(CONFIGS / f"{name}.toml"), []).advantage.shaping
         assert (s.bias, s.scale, s.clip) == (-0.5, 10.0, 20.0), name  # AReaL's GSM8K values
     refused(
@@ -175,6 +175,34 @@ def test_the_first_lines_name_workflow_prompt_reward_shaping_servers() -> None:
     assert "shaping: (reward -0.5) x 10, clipped to +-20" in cpu
     gpu = "\n".join(describe_run(load_config(str(CONFIGS / "gpu.toml"), [])))
     assert "servers: 4 sglang, 1 GPU(s) each" in gpu
+    assert "models." not in mine and "distill:" not in mine
+
+
+def test_the_first_lines_name_the_other_models_the_teacher_and_the_judge() -> None:
+    distill = describe_run(
+        load_config(str(CONFIGS / "distill_cpu.toml"), ["models.teacher.path=/ckpt/teacher"])
+    )
+    assert "models.teacher: 1 reference from /ckpt/teacher (never pushed weights)" in distill
+    assert (
+        "distill: teacher models.teacher, advantage = 0 x reward's + 1 x (teacher - policy log-prob per token): "
+        "pure distillation"
+    ) in distill
+    reward = next(line for line in distill if line.startswith("reward: "))
+    assert reward.endswith("; logged, not trained on (distill.reward_coef = 0)")
+    judged = describe_run(
+        load_config(
+            None,
+            [
+                *MINE,
+                'models.judge.urls=["http://10.0.0.5:30000"]',
+                "reward.fn=nodes.rollout.judge:judge",
+                "reward.fn_args.judge=judge",
+            ],
+        )
+    )
+    assert "models.judge: at http://10.0.0.5:30000 (never pushed weights)" in judged
+    assert "reward: nodes.rollout.judge:judge (timeout 10 s), scored by models.judge" in judged
+    assert not any(line.startswith("distill:") for line in judged)
 
 
 @pytest.mark.slow
