@@ -2,17 +2,26 @@
 OpenAI-compatible endpoint served in this process, as a rollout actor serves them; then what only a
 server in this process shows: a 500 names the id its log line carries and no exception text, a
 peer's refusals are logged once a minute and all counted, no request is parsed while another is
-answered. tests/e2e/test_online_edge.py runs the same checks against a real online-mode run."""
+answered; and the clients that stop reading an answer (the send bound, send_timeout_s): a stream of
+each API or a whole answer not read is reset and counted, its handler released, the buffer it holds
+bounded, while a slow but steady reader keeps its stream. tests/e2e/test_online_edge.py runs the
+edge checks against a real online-mode run (not the readers': they need this server's state)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import math
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import structlog
 
+from nodes.rollout.client import GenRequest, GenResult
 from nodes.rollout.http1 import HTTPServer, Request, Response
 from nodes.rollout.http1.server import SEND_BUFFER
 from nodes.rollout.sessions import OnlineConfig, OnlineWorkflow
@@ -308,10 +317,107 @@ async def test_a_whole_answer_not_read_is_reset_not_held() -> None:
     t = edge.Target("127.0.0.1", port, "", server.limits, server.counters)
     try:
         sock = await edge.non_reader(t, b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        await wait_for(_until(lambda: server.counters["http_stalled_readers"] == 1), edge.WAIT_S)
-        assert not server._connections
+        reset = lambda: server.counters["http_stalled_readers"] == 1 and not server._connections  # noqa: E731
+        await wait_for(_until(reset), edge.WAIT_S)  # counted, then its connection lost a turn later
         assert await edge.read_to_close(sock, len(big)) < len(big)
         sock.close()
         await edge.legit(edge.Target("127.0.0.1", port, "", server.limits))
     finally:
         await server.aclose()
+
+
+class LongBackend(Backend):
+    """Answers ``n`` tokens of 80 characters each: a stream of megabytes, more than the kernel's
+    buffers hold."""
+
+    def __init__(self, tok: Any, n: int) -> None:
+        super().__init__(tok)
+        [token] = tok.encode("#" * 80, add_special_tokens=False)
+        self.ids = [token] * n
+
+    async def agenerate(self, request: GenRequest) -> GenResult:
+        self.calls += 1
+        n = len(self.ids)
+        return GenResult(
+            request.rid or "",
+            self.ids,
+            [-0.5] * n,
+            [3] * n,
+            "length",
+            "",
+            len(request.input_ids),
+            [0],
+            "fake",
+        )
+
+
+STREAMS = {  # a streamed answer of each API the endpoint serves: its path under base_url, its body
+    "chat completions": ("/chat/completions", {"model": "p", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+    "responses": ("/responses", {"model": "p", "input": "hi", "stream": True}),
+    "messages": ("/messages", {"model": "p", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+}  # fmt: skip
+EVENT = 1024  # one event of one token's text (a few hundred bytes) is shorter
+
+
+def _max_send_buffer() -> int:
+    """What a TCP socket's send buffer may grow to (Linux's net.ipv4.tcp_wmem; else its default):
+    at 4 MiB the kernel holds about 1.8 MB of a stream before the transport's buffer fills, and
+    15,000 tokens are about 3 MB of the smallest events (Messages')."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    return 4 << 20
+
+
+def post(t: edge.Target, path: str, body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n".encode()
+    return head + t.auth + b"\r\n" + data
+
+
+@pytest.fixture
+async def session(tokenizer: Any) -> AsyncIterator[tuple[edge.Target, OnlineWorkflow, dict[str, Any]]]:  # noqa: F811
+    """A session of the session API in this process, whose completions are streams of megabytes."""
+    backend = LongBackend(tokenizer, 15_000 * math.ceil(_max_send_buffer() / (4 << 20)))
+    wf = OnlineWorkflow(tokenizer, None, OnlineConfig(n_samples=1, http=edge.EDGE_LIMITS))  # type: ignore[arg-type]
+    api = await wf.start(backend)
+    host, port = api.endpoint.url.removeprefix("http://").rsplit(":", 1)
+    t = edge.Target(host, int(port), KEY, edge.EDGE_LIMITS, wf.counters)
+    episode = asyncio.ensure_future(wf.arun_episode(backend, {}, "online/e0/0"))
+    try:
+        await asyncio.sleep(0)  # the slot is offered
+        answer, _ = await edge.exchange(t, post(t, "/rl/v1/sessions", {}))
+        assert answer.status == 200, answer
+        yield t, wf, json.loads(answer.body)
+    finally:
+        episode.cancel()
+        await asyncio.gather(episode, return_exceptions=True)
+        await wf.aclose()
+
+
+@pytest.mark.parametrize("api", list(STREAMS))
+async def test_a_stream_its_client_stops_reading_is_reset_and_its_turn_kept(
+    session: tuple[edge.Target, OnlineWorkflow, dict[str, Any]], api: str
+) -> None:
+    """Each streamed API of the endpoint, to a client that never reads: the stream's handler waits
+    with the transport's buffer at its mark (one event over at most), others are served, and after
+    send_timeout_s the connection is reset and counted; the handler then ends as for a client that
+    went away (the generation goes on for the episode, its writes dropped): the session's turn is
+    kept whole, its reward taken."""
+    t, wf, s = session
+    assert wf.api is not None
+    server = wf.api.endpoint._server
+    path, body = STREAMS[api]
+    sock = await edge.non_reader(t, post(t, urlsplit(s["base_url"]).path + path, body))
+    try:
+        await wait_for(_until(lambda: any(waiting(c) for c in server._connections)), edge.WAIT_S)
+        [conn] = [c for c in server._connections if waiting(c)]
+        handler = conn._task
+        assert handler is not None and conn.transport.get_write_buffer_size() <= SEND_BUFFER + EVENT
+        await edge.legit(t)  # served while the stream waits
+        await wait_for(handler, edge.WAIT_S)  # reset: its write raised, the handler went on and ended
+        assert conn.gone and wf.counters["http_stalled_readers"] == 1
+        assert await edge.read_to_close(sock, SEND_BUFFER) < SEND_BUFFER
+    finally:
+        sock.close()
+    answer, _ = await edge.exchange(t, post(t, f"/rl/v1/sessions/{s['id']}/reward", {"reward": 1}))
+    assert answer.status == 200 and json.loads(answer.body)["trajectories"] == 1, answer
