@@ -303,6 +303,23 @@ async def test_a_slow_but_steady_reader_is_not_closed() -> None:
         await streams.server.aclose()
 
 
+async def test_closing_the_server_drops_a_connection_its_client_does_not_read() -> None:
+    """The server's aclose drops a connection whose answer waits on its client at once, not after
+    send_timeout_s (closing it would wait for the answer to be sent)."""
+    streams = Streams(edge.HTTPLimits())  # send_timeout_s as shipped: far past this test's guard
+    port = await streams.server.start("127.0.0.1", 0)
+    t = edge.Target("127.0.0.1", port, "", streams.server.limits)
+    sock = await edge.non_reader(t, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        await wait_for(_until(lambda: any(waiting(c) for c in streams.streaming())), edge.WAIT_S)
+        [conn] = streams.streaming()
+        await streams.server.aclose()
+        await wait_for(_until(lambda: conn.gone), streams.server.limits.send_timeout_s / 2)
+    finally:
+        sock.close()
+        await streams.server.aclose()
+
+
 async def test_a_whole_answer_not_read_is_reset_not_held() -> None:
     """A large answer (not streamed) to a client that never reads, on a connection to close after
     it: closing waits for the answer to be sent, so without the send bound it would be held for ever;

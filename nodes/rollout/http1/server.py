@@ -642,6 +642,8 @@ class HTTPServer:
         tasks: list[Any] = [c._task for c in self._connections if c._task is not None]
         for c in [*self._connections, *self._lingering]:
             c.close()
+            if c.transport is not None and c.transport.get_write_buffer_size():
+                c.transport.abort()  # its client is not reading: closing would wait for it
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
