@@ -17,12 +17,12 @@ open connections (past the cap a new one is answered 503 and closed), the reques
 the one being answered, and what an answer may hold while its client does not read it: a stream's
 writer waits once the transport's buffer is past its high-water mark, and a connection whose client
 takes nothing of its answer for ``send_timeout_s`` is reset (its streaming handler's next write
-raises ConnectionError, as when a client goes away). ``gate`` sees each request's head before any of its body is read (the API
-key's check: a refused request costs its head, never its body). Malformed HTTP and every request
-smuggling shape (llhttp refuses them: Content-Length with Transfer-Encoding, two Content-Lengths,
-obsolete line folding, bare LF or CR, invalid chunk sizes; this layer, a transfer coding other than
-``chunked`` and versions other than HTTP/1.0 and 1.1) is answered 400 (501, 505) and the connection
-closed. No error body carries exception text: a handler that raised gets a 500 naming an id that
+raises ConnectionError, as when a client goes away). ``gate`` sees each request's head before any
+of its body is read (the API key's check: a refused request costs its head, never its body).
+Malformed HTTP and every request smuggling shape (llhttp refuses them: Content-Length with
+Transfer-Encoding, two Content-Lengths, obsolete line folding, bare LF or CR, invalid chunk sizes;
+this layer, a transfer coding other than ``chunked`` and versions other than HTTP/1.0 and 1.1) is
+answered 400 (501, 505) and the connection closed. No error body carries exception text: a handler that raised gets a 500 naming an id that
 the server's log line carries. Nothing a client sends stops the server or delays another client.
 """
 
@@ -61,7 +61,8 @@ _FD_SPARE = 256  # file descriptors kept for what the process opens besides conn
 # answer its client does not read holds at most this, one chunk more, and the kernel's socket buffer
 SEND_BUFFER = 64 * 1024
 _SEND_CHECKS = 8  # progress checks per send_timeout_s while an answer waits in the transport's buffer
-# Linux's SIOCOUTQ: the bytes a TCP socket holds that its peer has not acknowledged (None elsewhere)
+# Linux's SIOCOUTQ: the bytes a TCP socket holds that its peer has not acknowledged (where the ioctl
+# is missing or fails, only the transport's buffer tells what the client took)
 _OUTQ = getattr(termios, "TIOCOUTQ", None)
 
 # the counters an HTTPServer keeps (HTTPServer.counters): what it refused, by reason
@@ -514,7 +515,7 @@ class _Connection(asyncio.Protocol):
         self._sent_timer = None
         t = self.transport
         if self.gone or t is None or not t.get_write_buffer_size():
-            return  # gone, or all handed to the kernel: the next write that cannot be starts again
+            return  # gone, or all handed to the kernel: the next write the kernel cannot take re-arms it
         now, taken = self.loop.time(), self._taken()
         if taken != self._delivered:
             self._delivered, self._delivered_at = taken, now
