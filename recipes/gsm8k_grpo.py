@@ -139,9 +139,13 @@ async def loop(
         stats = (await plane.ranks.train_step(batch))[0]  # [trainer.loss] fn on every rank
         # the new policy version is the trainer's; prompts dropped for no signal count as seen
         state.record(batch, stats, seen=await plane.buffer.take_dropped())
+        t_trained = time.monotonic()
+        times = {"wait": t_train - t_wait, "train": t_trained - t_train}
+        if held := await evaluator.baseline():  # the start's accuracy is measured on the start's weights
+            times["eval"] = held
         t_push = time.monotonic()
         push = await plane.sync.publish(state.version)  # pause -> push weights -> new version -> continue
-        times = {"wait": t_train - t_wait, "train": t_push - t_train, "push": time.monotonic() - t_push}
+        times["push"] = time.monotonic() - t_push
         stall.end()
 
         m = await plane.step_metrics(batch, stats, push, times, cfg.async_.max_staleness)

@@ -47,7 +47,7 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
             ("staleness/bound", "the bound the governor keeps, `async.max_staleness` (η)"),
             (
                 "throughput/samples_per_s",
-                "trajectories trained per second of this step's wall time (wait + train + push)",
+                "trajectories trained per second of this step's wall time (its phases' seconds, summed)",
             ),
             (
                 "throughput/tokens_per_s",
@@ -56,6 +56,11 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
             ("time/<phase>_s", "seconds this step spent in each phase of the loop"),
             ("time/wait_s", "waiting for the buffer to hand over a batch (0 when generation keeps ahead)"),
             ("time/train_s", "rewards shaped, advantages computed, and the trainer ranks' update"),
+            (
+                "time/eval_s",
+                "the first step only, when the first evaluation is still running: the wait for it to end, so "
+                "that it measures the weights the run started with before the first push moves them",
+            ),
             (
                 "time/push_s",
                 "the publish: rollout paused, weights pushed to the servers, new version handed out, resumed",

@@ -150,6 +150,17 @@ class Evaluator:
             evaluate(self.workflow, urls, self.items, version, self.keys, lora=self.lora), name="eval"
         )
 
+    async def baseline(self) -> float:
+        """Wait for the run's first evaluation if it is still running; the seconds waited. It
+        measures the weights the run started with, the "before" of every comparison: the first
+        publish must not move them under it (a later evaluation is labelled with the version it
+        started at, and may finish on newer weights)."""
+        if self.results or self._task is None:
+            return 0.0
+        started = time.monotonic()
+        await asyncio.wait([self._task])
+        return time.monotonic() - started
+
     def poll(self) -> dict[str, float] | None:
         """The result of an evaluation that finished since the last call, else None."""
         if self._task is None or not self._task.done():

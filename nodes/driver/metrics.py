@@ -8,7 +8,8 @@ PNG; :func:`format_step_line` is the one-line summary printed per step.
 
 Keys the recipe produces: ``reward/mean``, ``eval/accuracy``, ``staleness/mean``,
 ``staleness/max``, ``throughput/samples_per_s``, ``throughput/tokens_per_s``,
-``time/wait_s``, ``time/train_s``, ``time/push_s``; any other numeric key (trainer stats)
+``time/wait_s``, ``time/train_s``, ``time/push_s`` (``time/eval_s`` where the first evaluation held
+the first push); any other numeric key (trainer stats)
 is written through unchanged.
 """
 
@@ -311,7 +312,7 @@ def format_step_line(step: int, total: int | None, metrics: Mapping[str, Any]) -
         parts.append(" ".join(rates))
     times = [
         f"{name} {v:.1f}s"
-        for name in ("wait", "train", "push")
+        for name in ("wait", "train", "eval", "push")
         if (v := _num(metrics, f"time/{name}_s")) is not None
     ]
     if times:

@@ -148,11 +148,14 @@ def workflow_counters() -> set[str]:
 
 
 def loop_phases() -> set[str]:
-    """The loop's ``times`` dict (``time/<phase>_s``)."""
+    """The loop's ``times`` dict (``time/<phase>_s``): its literal keys, and those it is given."""
     out = set()
     for node in ast.walk(_tree("recipes/gsm8k_grpo.py")):
-        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "times":
+        target = node.targets[0] if isinstance(node, ast.Assign) else None
+        if target is not None and ast.unparse(target) == "times":
             out |= _dict_keys(node.value)
+        elif isinstance(target, ast.Subscript) and ast.unparse(target.value) == "times":
+            out.add(ast.literal_eval(target.slice))
     return out
 
 
@@ -185,5 +188,5 @@ def test_the_sources_are_found() -> None:
     assert {"clip_frac", "tis_truncated_frac", "seq_ratio_max", "geo_ratio_min", "ref_kl"} <= loss_stats()
     assert {"push_time_s", "gather_s"} <= push_stats()
     assert {"agent_errors", "env_errors"} <= workflow_counters()
-    assert loop_phases() == {"wait", "train", "push"}
+    assert loop_phases() == {"wait", "train", "eval", "push"}
     assert {"reward/mean", "eval/accuracy", "train/{}", "episode/{}"} <= emitted_names()

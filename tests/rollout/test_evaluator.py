@@ -1,8 +1,15 @@
 """The evaluator with nothing held out (online mode) evaluates nothing and reports nothing, instead of
-an accuracy of 0 over 0 items."""
+an accuracy of 0 over 0 items; the run's first evaluation holds the first push until it ends (it
+measures the weights the run started with), and no later one does."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import pytest
+
+from nodes.driver import evaluator as evaluator_module
 from nodes.driver.evaluator import Evaluator
 
 
@@ -12,3 +19,34 @@ async def test_no_items_no_evaluation() -> None:
     assert evaluator.poll() is None
     assert await evaluator.finish(["http://127.0.0.1:9"], 3) == {}
     assert evaluator.summary() is None and evaluator.workflow is None
+
+
+async def test_the_first_evaluation_holds_the_first_push_and_no_later_one_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release: dict[int, asyncio.Event] = {0: asyncio.Event(), 3: asyncio.Event()}
+    began: dict[int, asyncio.Event] = {0: asyncio.Event(), 3: asyncio.Event()}
+
+    async def evaluate(
+        workflow: Any, urls: list[str], items: list[Any], version: int, *a: Any, **k: Any
+    ) -> dict:
+        began[version].set()
+        await release[version].wait()  # the servers answer when the test says
+        return {"eval/accuracy": 0.5, "eval/version": version}
+
+    monkeypatch.setattr(evaluator_module, "evaluate", evaluate)
+    ev = Evaluator(spec=None, items=[{"question": "q"}])  # type: ignore[arg-type]  # evaluate is replaced
+    ev.workflow = object()  # type: ignore[assignment]  # built: nothing to load
+    await ev.start(["http://127.0.0.1:9"], 0)
+    held = asyncio.create_task(ev.baseline())
+    await began[0].wait()
+    for _ in range(20):  # the push waits for as long as the first evaluation runs
+        await asyncio.sleep(0)
+    assert not held.done()
+    release[0].set()
+    assert await held >= 0.0
+    assert ev.poll() == {"eval/accuracy": 0.5, "eval/version": 0}  # handed over at the same step
+    await ev.start(["http://127.0.0.1:9"], 3)  # a later evaluation, still running: nothing waits for it
+    assert await ev.baseline() == 0.0 and ev.poll() is None
+    release[3].set()
+    assert (await ev.finish(["http://127.0.0.1:9"], 3))["eval/version"] == 3
