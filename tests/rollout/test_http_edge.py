@@ -248,31 +248,38 @@ def waiting(conn: Any) -> bool:
     return conn._drained is not None and not conn._drained.done()
 
 
-async def test_a_client_that_stops_reading_a_stream_is_reset_counted_and_delays_no_one() -> None:
-    """A client that asks for a stream and never reads: the stream's writer waits once the transport
-    holds SEND_BUFFER (the buffer never exceeds it by more than one chunk), others are served, and
-    after send_timeout_s without a byte taken its connection is reset, counted, logged once, and the
-    handler's write raises ConnectionError (it ends as when a client goes away)."""
+async def test_clients_that_stop_reading_a_stream_are_reset_counted_and_delay_no_one() -> None:
+    """Two clients that ask for a stream and never read: each stream's writer waits once the
+    transport holds SEND_BUFFER (the buffer never exceeds it by more than one chunk), others are
+    served, and after send_timeout_s without a byte taken each connection is reset and counted, the
+    peer logged once, and each handler's write raises ConnectionError (it ends as when a client goes
+    away)."""
     streams = Streams(edge.HTTPLimits(send_timeout_s=1.0))
     port = await streams.server.start("127.0.0.1", 0)
     t = edge.Target("127.0.0.1", port, "", streams.server.limits, streams.server.counters)
+    socks: list[Any] = []
     try:
         with structlog.testing.capture_logs() as logs:
-            sock = await edge.non_reader(t, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
-            await wait_for(_until(lambda: any(waiting(c) for c in streams.streaming())), edge.WAIT_S)
-            [conn] = streams.streaming()
-            assert conn.transport.get_write_buffer_size() <= SEND_BUFFER + FRAMED
+            for _ in range(2):
+                socks.append(await edge.non_reader(t, b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n"))
+            both = lambda: sum(waiting(c) for c in streams.streaming()) == 2  # noqa: E731
+            await wait_for(_until(both), edge.WAIT_S)
+            conns = streams.streaming()
+            assert all(c.transport.get_write_buffer_size() <= SEND_BUFFER + FRAMED for c in conns)
             answer, _ = await edge.exchange(t, b"GET /other HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert answer.status == 200  # served while the stream waits
-            assert conn.transport.get_write_buffer_size() <= SEND_BUFFER + FRAMED
-            [ended] = streams.ended
-            await wait_for(ended, edge.WAIT_S)  # the handler's write raised: the connection was reset
-            assert conn.gone and t.counters is not None and t.counters["http_stalled_readers"] == 1
-            assert await edge.read_to_close(sock, SEND_BUFFER) < SEND_BUFFER  # what its buffer held
-            sock.close()
+            assert answer.status == 200  # served while the streams wait
+            assert all(c.transport.get_write_buffer_size() <= SEND_BUFFER + FRAMED for c in conns)
+            # the handlers' writes raised: the connections were reset
+            await wait_for(asyncio.gather(*streams.ended), edge.WAIT_S)
+            assert all(c.gone for c in conns) and t.counters is not None
+            assert t.counters["http_stalled_readers"] == 2
+            for sock in socks:  # what their buffers held, then the reset
+                assert await edge.read_to_close(sock, SEND_BUFFER) < SEND_BUFFER
     finally:
+        for sock in socks:
+            sock.close()
         await streams.server.aclose()
-    [line] = [e for e in logs if e["event"] == "http1.refused"]
+    [line] = [e for e in logs if e["event"] == "http1.refused"]  # one peer: logged once
     assert line["counter"] == "http_stalled_readers" and "took nothing" in line["why"]
 
 
