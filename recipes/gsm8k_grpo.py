@@ -66,7 +66,7 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
     Bad data (:class:`~nodes.driver.data.DataError`) is found first, before anything is written."""
     data = load_data(cfg.data, cfg.rollout.workflow_args)  # source = "env": the environment's datasets
     model = resolve_model(cfg.model)
-    check_teacher_tokenizer(cfg, model)  # distillation compares token ids: one tokenizer for both
+    unchecked = check_teacher_tokenizer(cfg, model)  # distillation compares token ids: one tokenizer for both
     state = RunState(out, resume)  # the folder is this run's alone from here (out/.lock)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     (out / "config.toml").write_text(render_config(cfg))  # the same, readable: every key with its meaning
@@ -74,7 +74,7 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
     print(
         f"data: {data.train_about} (data.source = {cfg.data.source!r})\neval: {data.eval_about}\nmodel: {model}"
     )
-    print("\n".join(describe_run(cfg)), flush=True)
+    print("\n".join([*describe_run(cfg), *([unchecked] if unchecked else [])]), flush=True)
     return state, model, data.train, data.eval
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "eval_spec",
     "pool_config",
     "resolve_model",
+    "served_tokenizer",
     "start_model_pools",
     "start_plane",
     "start_pool",
@@ -67,22 +68,33 @@ def resolve_model(cfg: ModelConfig) -> Path:
     return ensure_smollm2_checkpoint()
 
 
-def check_teacher_tokenizer(cfg: RecipeConfig, model: Path) -> None:
+def check_teacher_tokenizer(cfg: RecipeConfig, model: Path) -> str | None:
     """``[distill] teacher``'s tokenizer is the policy's, or a ConfigError (one line): the teacher
     scores the policy's token ids, which mean the same text only under the same tokenizer. A
-    teacher at ``urls`` (servers already running) is not checked: its folder is not at hand."""
+    teacher at ``urls`` (servers already running) is asked for its tokenizer's folder
+    (``/model_info``, as SGLang and the reference server answer it) and checked the same way when
+    that folder is on this machine; when it is not, the line returned says it was not checked."""
     teacher = cfg.models.get(cfg.distill.teacher) if cfg.distill.teacher else None
-    if teacher is None or not teacher.path:
-        return
+    if teacher is None:
+        return None
+    where = f"models.{cfg.distill.teacher}.path"
+    if teacher.urls:
+        where = f"models.{cfg.distill.teacher}.urls"
+        reported = served_tokenizer(teacher.urls, where)
+        if not (Path(reported) / "tokenizer_config.json").exists():
+            return (
+                f"distill: the teacher's tokenizer ({reported}, as its /model_info says) is not on this "
+                "machine: not checked against the policy's; the two must be the same"
+            )
+        path = Path(reported)
+    else:
+        path = Path(teacher.path).expanduser()
     from transformers import AutoTokenizer
 
-    path = Path(teacher.path).expanduser()
     try:
         ours, theirs = AutoTokenizer.from_pretrained(str(model)), AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"models.{cfg.distill.teacher}.path = {str(path)!r}: no tokenizer to load ({e})"
-        ) from None
+        raise ConfigError(f"{where}: {str(path)!r}: no tokenizer to load ({e})") from None
     a, b = ours.get_vocab(), theirs.get_vocab()
     if a != b or ours.eos_token_id != theirs.eos_token_id:
         differ = len(set(a.items()) ^ set(b.items())) // 2 or "none"
@@ -91,6 +103,25 @@ def check_teacher_tokenizer(cfg: RecipeConfig, model: Path) -> None:
             f"{len(b)} tokens against {len(a)}, {differ} ids mapped differently, eos {theirs.eos_token_id} against "
             f"{ours.eos_token_id}; the teacher scores the policy's token ids, so it needs the same tokenizer"
         )
+    return None
+
+
+def served_tokenizer(urls: list[str], where: str) -> str:
+    """The tokenizer folder the first of ``urls`` to answer ``GET /model_info`` reports, or a
+    ConfigError (one line) when none answers: servers named by ``urls`` run before the run does."""
+    import httpx
+
+    last = ""
+    for url in urls:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/model_info", timeout=10.0)
+            info = r.json() if r.status_code == 200 else {}
+            if path := info.get("tokenizer_path") or info.get("model_path"):
+                return str(path)
+            last = f"{url}/model_info answered {r.status_code}: {r.text[:120]!r}"
+        except (httpx.HTTPError, ValueError) as e:
+            last = f"{url}/model_info: {type(e).__name__}: {e}"
+    raise ConfigError(f"{where}: no server told its tokenizer ({last}); are they running?")
 
 
 def train_config(cfg: RecipeConfig, model: Path, out: Path) -> TrainConfig:
