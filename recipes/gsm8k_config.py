@@ -409,6 +409,7 @@ def check_unused(cfg: RecipeConfig, source: str) -> None:
 OWN_SCORERS = {
     "nodes.rollout.agents:AgentWorkflow": "the agent's return value",
     "nodes.rollout.environments:VerifiersWorkflow": "the environment's rubric",
+    "nodes.rollout.environments:VerifiersV1Workflow": "the taskset's @vf.reward functions",
     "nodes.rollout.environments:OpenEnvWorkflow": "the environment's step rewards",
     "nodes.rollout.sessions:OnlineWorkflow": "the reward each session's client posts",
 }

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nodes.driver.data import PROMPT_SUFFIX, SYSTEM_PROMPT
-from recipes.gsm8k_config import ConfigError, describe_run, load_config, render_config
+from recipes.gsm8k_config import ConfigError, describe_run, load_config, own_scorer, render_config
 from tests.e2e.test_recipe import SMALL, recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
@@ -139,6 +139,10 @@ def test_a_reward_function_with_a_workflow_that_scores_itself_is_refused() -> No
         "a workflow that scores with [reward]",
     )
     assert "the environment's rubric does" in line
+    # a verifiers v1 taskset scores itself too (its config is not loaded here: that makes its environment)
+    assert (
+        own_scorer("nodes.rollout.environments:VerifiersV1Workflow") == "the taskset's @vf.reward functions"
+    )
 
 
 def test_workflow_args_the_workflow_does_not_read_are_refused() -> None:
