@@ -68,7 +68,19 @@ def bridge(config: VerifiersV1Config) -> Iterator[tuple[str, list[subprocess.Pop
         )
         for cmd in (
             [python, BRIDGE, "server", "--config", cfg, "--address", address],
-            [python, BRIDGE, "bridge", "--address", address, "--host", host, "--port", str(port)],
+            [
+                python,
+                BRIDGE,
+                "bridge",
+                "--address",
+                address,
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--silent-s",
+                "2",
+            ],
         )
     ]
     url = f"http://{host}:{port}"
@@ -149,8 +161,13 @@ async def test_a_server_that_dies_or_hangs_drops_the_group(
     assert wf.counters["env_timeouts"] == 1
     os.killpg(procs[0].pid, signal.SIGKILL)  # verifiers' env server
     procs[0].wait()
-    # what V1ServerActor watches (it then ends, and the runtime replaces it): health fails end to end
+    # what V1ServerActor watches beside the processes (it then ends, and the runtime replaces it):
+    # health fails end to end once the env server has been silent for the bridge's --silent-s (2 s here, 30 s in a run)
     async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(240):
+            if (await http.get(f"{url}/health")).status_code == 503:
+                break
+            await asyncio.sleep(0.25)
         assert (await http.get(f"{url}/health")).status_code == 503
     with pytest.raises(EnvError):  # until then an episode on it does not finish: dropped, counted
         await wf.arun_episode(Scripted(tokenizer, []), item(config, 0), "g-dead")

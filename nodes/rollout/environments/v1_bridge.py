@@ -7,8 +7,8 @@ verifiers speaks the wire this file was written for, install what the harness's 
 (``Harness.setup`` on a local subprocess runtime: a PEP 723 script's packages, once, now rather than
 at an episode), and print the taskset's tasks as JSON. ``server``: verifiers' own env server
 (``serve_env``, as prime-rl runs it) on a ZeroMQ address. ``bridge``: an HTTP front for the rollout
-actors, driving episodes with verifiers' own client (``EnvClient``): ``GET /health`` (the env
-server's health, end to end), ``POST /run`` (one episode; its traces' rewards, metrics, agents and
+actors, driving episodes with verifiers' own client (``EnvClient``): ``GET /health`` (whether the env
+server was heard from within ``SILENT_S``: a health answer or an episode's reply), ``POST /run`` (one episode; its traces' rewards, metrics, agents and
 ids as JSON). nodes/rollout/environments/verifiers_v1.py is the trainer's side.
 """
 
@@ -18,11 +18,14 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 import uuid
 from typing import Any
 
 SUPPORTED = ("0.4.",)  # verifiers releases whose wire this bridge speaks (tests/envs/test_v1_contract.py)
 API_KEY_VAR = "RLACTORS_EPISODE_API_KEY"  # the episodes' endpoint key, by name (not Prime's)
+SILENT_S = 30.0  # the env server heard from nothing this long is unhealthy (its actor replaces it)
+clock = time.monotonic  # the bridge's clock (tests move it)
 
 
 def wire_problems() -> list[str]:
@@ -113,16 +116,30 @@ def serve(config: dict[str, Any], address: str) -> None:
     serve_env(max_workers=1, address=address, config=vf.resolve_env_config(config))
 
 
-async def bridge(address: str, host: str, port: int) -> None:
+async def bridge(address: str, host: str, port: int, silent_s: float = SILENT_S) -> None:
     """The HTTP front of the env server at ``address`` (``bridge``); prints ``ready`` when serving."""
     from aiohttp import web
     from verifiers.v1.serve import EnvClient
 
     client = EnvClient(address)
+    # The env server answers health on the loop that starts every episode's program: with many
+    # episodes in flight on a loaded machine its answer can take longer than one probe of ours. So
+    # /health answers at once from the last time the server was heard (a health answer, or an
+    # episode's reply), and a probe of its own runs in the background: a server silent for
+    # silent_s is unhealthy. A server whose process ends is found by its actor at once.
+    heard = {"at": clock()}
+    probing: list[asyncio.Task[None]] = []
+
+    async def probe() -> None:
+        if await client.health(timeout=silent_s):
+            heard["at"] = clock()
 
     async def health(_: web.Request) -> web.Response:
-        ok = await client.health(timeout=5.0)
-        return web.json_response({"ok": ok}, status=200 if ok else 503)
+        if not probing or probing[0].done():
+            probing[:] = [asyncio.create_task(probe())]
+        silent = clock() - heard["at"]
+        ok = silent < silent_s
+        return web.json_response({"ok": ok, "silent_s": round(silent, 1)}, status=200 if ok else 503)
 
     async def run(request: web.Request) -> web.Response:
         body = await request.json()
@@ -135,6 +152,7 @@ async def bridge(address: str, host: str, port: int) -> None:
             )
         except Exception as e:  # the env server's failure, as data: the trainer drops the group
             return web.json_response({"error": f"{type(e).__name__}: {_line(e)}"})
+        heard["at"] = clock()
         return web.json_response(_summary(episode))
 
     app = web.Application(client_max_size=64 * 2**20)
@@ -198,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--address", required=True, help="the env server's tcp://host:port")
     b.add_argument("--host", required=True)
     b.add_argument("--port", type=int, required=True)
+    b.add_argument(
+        "--silent-s", type=float, default=SILENT_S, help="the env server unheard this long: unhealthy"
+    )
     args = ap.parse_args(argv)
     if args.cmd == "describe":
         json.dump(describe(json.loads(args.config)), sys.stdout)
@@ -205,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(json.loads(args.config), args.address)
     else:
         try:
-            asyncio.run(bridge(args.address, args.host, args.port))
+            asyncio.run(bridge(args.address, args.host, args.port, args.silent_s))
         except KeyboardInterrupt:
             pass
 
