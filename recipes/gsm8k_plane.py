@@ -472,7 +472,8 @@ def _workflow_counters(roll: list[dict[str, Any]]) -> dict[str, float]:
 def _model_metrics(trajs: list[Any], train: dict[str, Any], roll: list[dict[str, Any]]) -> dict[str, float]:
     """Other models' metrics, when they are used: ``distill/reverse_kl`` (the trainer's, per loss
     token) and ``distill/teacher_time_s`` (mean seconds of a trajectory's teacher call, this batch);
-    ``reward/judge_errors`` and ``reward/judge_calls`` (an LLM judge's, since the start)."""
+    ``reward/judge_errors``, ``reward/judge_calls``, ``reward/judge_cache_hits`` (a judge's or a
+    reward model's, since the start) and ``reward/judge_time_s`` (the mean seconds of a judgement)."""
     out: dict[str, float] = {}
     if "distill_reverse_kl" in train:
         times = [t.meta["teacher_time_s"] for t in trajs if "teacher_time_s" in t.meta]
@@ -484,7 +485,11 @@ def _model_metrics(trajs: list[Any], train: dict[str, Any], roll: list[dict[str,
         out |= {
             "reward/judge_errors": float(sum(r.get("reward_judge_errors", 0) for r in roll)),
             "reward/judge_calls": float(sum(r.get("reward_judge_calls", 0) for r in roll)),
+            "reward/judge_cache_hits": float(sum(r.get("reward_judge_cache_hits", 0) for r in roll)),
         }
+        judged = sum(r.get("reward_judged", 0) for r in roll)
+        if judged:
+            out |= {"reward/judge_time_s": sum(r.get("reward_judge_time_s", 0.0) for r in roll) / judged}
     return out
 
 

@@ -184,6 +184,15 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
                 "reward/judge_calls",
                 "batched calls to the judge's (or reward model's) servers, since the start",
             ),
+            (
+                "reward/judge_cache_hits",
+                "judgements answered from the judge's cache (the same completion of the same item), since the start",
+            ),
+            (
+                "reward/judge_time_s",
+                "mean seconds of one judgement asked of the judge (or reward model), from its queueing for a "
+                "batch to its answer, since the start: what a judge adds to a sample's reward",
+            ),
         ],
     ),
     (

@@ -79,7 +79,13 @@ DEFAULT_TEMPLATE = (
 
 # every judge and reward model of this process, summed (a rollout actor reports them in its stats
 # as reward_judge_*)
-COUNTERS = {"judge_calls": 0, "judge_errors": 0, "judge_cache_hits": 0, "judge_time_s": 0.0}
+COUNTERS = {
+    "judge_calls": 0,  # batched calls to the model's servers
+    "judge_errors": 0,  # judgements that failed or could not be read
+    "judge_cache_hits": 0,  # judgements answered from the cache
+    "judged": 0,  # judgements asked of the model (not from the cache)
+    "judge_time_s": 0.0,  # their seconds, each from its queueing to its answer
+}
 
 
 @dataclass
@@ -296,6 +302,7 @@ class Scorer:
         except (TimeoutError, ModelCallError, JudgeParseError, KeyError, ValueError) as e:
             return self._failed(e)
         finally:
+            COUNTERS["judged"] += 1
             COUNTERS["judge_time_s"] += time.monotonic() - t0
         if self.cfg.cache_size:
             self._cache[key] = value

@@ -30,6 +30,7 @@ def test_a_judged_run_counts_what_its_judge_could_not_score(tmp_path) -> None:
     last = rows(out)[-1]
     trained = sum(r["train/n_seqs"] for r in rows(out))
     assert last["reward/judge_calls"] >= 1
+    assert last["reward/judge_time_s"] > 0.0  # what a judgement costs, its failures' included
     assert last["reward/judge_errors"] >= trained  # every judgement the rollout made failed, counted
     assert last["reward/mean"] == 0.0  # scored the default
     logged = [line for line in done.stderr.splitlines() if "judge.error" in line]
