@@ -155,7 +155,7 @@ class Evaluator:
         measures the weights the run started with, the "before" of every comparison: the first
         publish must not move them under it (a later evaluation is labelled with the version it
         started at, and may finish on newer weights)."""
-        if self.results or self._task is None:
+        if self.results or self._task is None or self._task.done():
             return 0.0
         started = time.monotonic()
         await asyncio.wait([self._task])
