@@ -99,3 +99,24 @@ async def test_an_env_server_that_says_it_is_unhealthy_is_not_heard(bridge: tupl
     await status(url)  # starts the probe, which hears "not healthy"
     clock.now += v1_bridge.SILENT_S + 5
     assert (await status(url))[0] == 503
+
+
+def test_the_env_server_runs_at_most_max_concurrent_episodes_at_once() -> None:
+    """The gate reaches verifiers' server: V1ServerActor's command line carries it, and the bridge's
+    ``server`` passes it to ``serve_env`` (whose EnvServer takes it: test_v1_contract checks that)."""
+    from nodes.rollout.environments.verifiers_v1 import V1ServerActor
+
+    actor = V1ServerActor("app", 10.0, sys.executable, "{}", 5)
+    (server, _bridge), _ = actor.commands("127.0.0.1", 1)
+    assert server[server.index("--max-concurrent") + 1] == "5"
+    seen: dict[str, object] = {}
+    serve = types.ModuleType("verifiers.v1.serve")
+    serve.serve_env = lambda **kw: seen.update(kw)  # type: ignore[attr-defined]
+    v1 = types.ModuleType("verifiers.v1")
+    v1.resolve_env_config = lambda config: config  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        for name, module in (("verifiers", types.ModuleType("verifiers")), ("verifiers.v1", v1)):
+            mp.setitem(sys.modules, name, module)
+        mp.setitem(sys.modules, "verifiers.v1.serve", serve)
+        v1_bridge.main(server[2:])
+    assert seen["max_concurrent"] == 5 and seen["max_workers"] == 1

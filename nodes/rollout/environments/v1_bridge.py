@@ -53,6 +53,12 @@ def wire_problems() -> list[str]:
     for name in ("run", "health", "wait_for_server_startup", "close"):
         if not callable(getattr(EnvClient, name, None)):
             problems.append(f"EnvClient has no {name}()")
+    import inspect
+
+    from verifiers.v1.serve.server import EnvServer
+
+    if "max_concurrent" not in inspect.signature(EnvServer.__init__).parameters:
+        problems.append("EnvServer takes no max_concurrent (the gate on episodes in flight)")
     from verifiers.v1.clients.client import SESSION_ID_HEADER
 
     if SESSION_ID_HEADER != "X-Session-ID":
@@ -108,12 +114,15 @@ async def _prepare_programs(cfg: Any) -> None:
             await runtime.teardown()
 
 
-def serve(config: dict[str, Any], address: str) -> None:
-    """verifiers' env server on ``address`` until SIGTERM (``server``)."""
+def serve(config: dict[str, Any], address: str, max_concurrent: int | None = None) -> None:
+    """verifiers' env server on ``address`` until SIGTERM (``server``), running at most
+    ``max_concurrent`` episodes at once (verifiers' gate; None: no bound)."""
     import verifiers.v1 as vf
     from verifiers.v1.serve import serve_env
 
-    serve_env(max_workers=1, address=address, config=vf.resolve_env_config(config))
+    serve_env(
+        max_workers=1, address=address, config=vf.resolve_env_config(config), max_concurrent=max_concurrent
+    )
 
 
 async def bridge(address: str, host: str, port: int, silent_s: float = SILENT_S) -> None:
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     s = sub.add_parser("server")
     s.add_argument("--config", required=True, help="the env config, JSON")
     s.add_argument("--address", required=True, help="tcp://host:port")
+    s.add_argument("--max-concurrent", type=int, default=None, help="episodes run at once (more wait)")
     b = sub.add_parser("bridge")
     b.add_argument("--address", required=True, help="the env server's tcp://host:port")
     b.add_argument("--host", required=True)
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "describe":
         json.dump(describe(json.loads(args.config)), sys.stdout)
     elif args.cmd == "server":
-        serve(json.loads(args.config), args.address)
+        serve(json.loads(args.config), args.address, args.max_concurrent)
     else:
         try:
             asyncio.run(bridge(args.address, args.host, args.port, args.silent_s))

@@ -70,6 +70,9 @@ class VerifiersV1Config(EpisodeSettings):
     # added to every episode's sampling (over temperature and max_new_tokens), e.g. top_p
     sampling_args: dict[str, Any] = field(default_factory=dict)
     n_envs: int = field(default=1, metadata=at_least(1))  # env servers the run starts: env-<i>
+    # episodes one env server runs at once (verifiers' own gate; more wait their turn): each starts
+    # its harness's program, and too many at once stall the server's loop past its health checks
+    max_concurrent: int = field(default=16, metadata=at_least(1))
     max_replacements: int = field(default=3, metadata=at_least(0))  # a server's, when it dies
     start_timeout_s: float = field(default=120.0, metadata=above(0))  # a server's first health
     install_timeout_s: float = field(default=900.0, metadata=above(0))  # making its Python environment
@@ -201,17 +204,20 @@ class V1ServerActor(EnvServerActor):
 
     label = "verifiers v1 env server"
 
-    def __init__(self, app: str, start_timeout_s: float, python: str, env_config: str) -> None:
+    def __init__(
+        self, app: str, start_timeout_s: float, python: str, env_config: str, max_concurrent: int = 16
+    ) -> None:
         super().__init__(app, start_timeout_s)
-        self.python, self.env_config = python, env_config
+        self.python, self.env_config, self.max_concurrent = python, env_config, max_concurrent
 
     def commands(self, host: str, port: int) -> tuple[list[list[str]], dict[str, str]]:
         from nodes.common.procs import free_port
 
         address = f"tcp://{host}:{free_port(host)}"
         env = process_env(Path(self.python))
+        gate = ["--max-concurrent", str(self.max_concurrent)]
         return [
-            [self.python, BRIDGE, "server", "--config", self.env_config, "--address", address],
+            [self.python, BRIDGE, "server", "--config", self.env_config, "--address", address, *gate],
             [self.python, BRIDGE, "bridge", "--address", address, "--host", host, "--port", str(port)],
         ], env
 
@@ -226,7 +232,9 @@ class VerifiersV1Workflow:
     async def start_actors(cluster: rlactors.Cluster, config: VerifiersV1Config) -> None:
         """Before the rollout actors: the run's env servers (``env-<i>``)."""
         env_config = json.dumps(config.full_env_config(), sort_keys=True)
-        await start_env_servers(cluster, config, V1ServerActor, str(config.python()), env_config)
+        await start_env_servers(
+            cluster, config, V1ServerActor, str(config.python()), env_config, config.max_concurrent
+        )
 
     def __init__(self, tokenizer: Any, reward: RewardRunner, config: VerifiersV1Config | None = None) -> None:
         if config is None:
