@@ -14,8 +14,9 @@ Without ``--server-url`` the config's servers are started on an embedded cluster
 them, and stopped at the end.
 
 Writes ``<out>/results.jsonl`` (per item: id, question, answer, mean reward, each sample's reward and
-completion) and ``<out>/summary.json``; prints one line with the accuracy and its interval. A bad
-input is one line and exit 2; an evaluation that fails, exit 1.
+completion; an item whose episode failed: its error instead, and it is left out of the accuracy) and
+``<out>/summary.json``; prints one line with the accuracy and its interval. A bad input is one line
+and exit 2; an evaluation whose every item fails, exit 1.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ async def run_evaluation(args: argparse.Namespace, cfg: RecipeConfig, out: Path)
         "items": len(items),
         "samples_per_item": args.n,
         "temperature": spec.config.temperature if hasattr(spec.config, "temperature") else None,
+        "failed": result["eval/failed"],  # items whose episode failed: left out of the accuracy
         "accuracy": result["eval/accuracy"],
         "ci_low": result["eval/ci_low"],
         "ci_high": result["eval/ci_high"],
@@ -183,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     half = (s["ci_high"] - s["ci_low"]) / 2
     print(
         f"accuracy {s['accuracy']:.3f} (95% interval {s['ci_low']:.3f}-{s['ci_high']:.3f}, ±{half:.3f}) over "
-        f"{s['items']} items x {s['samples_per_item']} sample(s) at temperature {s['temperature']}; "
-        f"per-item results: {out / 'results.jsonl'}"
+        f"{s['items'] - s['failed']} items x {s['samples_per_item']} sample(s) at temperature {s['temperature']}; "
+        + (f"{s['failed']} item(s) failed, left out (their errors in results.jsonl); " if s["failed"] else "")
+        + f"per-item results: {out / 'results.jsonl'}"
     )
     return 0
 

@@ -279,7 +279,12 @@ GLOSSARY: list[tuple[str, str, list[tuple[str, str]]]] = [
             ("eval/accuracy", "share of held-out items answered right (NaN when the evaluation failed)"),
             ("eval/ci_low", "lower end of its 95% interval"),
             ("eval/ci_high", "upper end of its 95% interval"),
-            ("eval/n", "held-out items evaluated"),
+            ("eval/n", "held-out items evaluated (those whose episode failed are left out)"),
+            (
+                "eval/failed",
+                "held-out items whose episode failed (an environment's error, a server lost): counted, logged, "
+                "left out of the accuracy",
+            ),
             ("eval/version", "the policy version evaluated"),
             ("eval/tool_call_rate", "agents: share of held-out episodes that called a tool"),
             ("eval/tool_call_ci_low", "lower end of its 95% interval"),

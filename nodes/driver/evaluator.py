@@ -59,18 +59,34 @@ async def evaluate(
         return group
 
     try:
-        groups = await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
-    except Exception as e:  # evaluation must never stop training
-        log.warning("eval_failed", version=version, error=f"{type(e).__name__}: {e}")
-        return {"eval/accuracy": float("nan"), "eval/version": version}
+        results = await asyncio.gather(*(one(i, it) for i, it in enumerate(items)), return_exceptions=True)
     finally:
         await client.aclose()
         TRACE.span("eval", started, time.time(), thread="eval", version=version)
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, Exception):
+            raise r  # cancelled, interrupted: not an item's failure
+    failed = [(item, r) for item, r in zip(items, results, strict=True) if isinstance(r, Exception)]
+    done = [(item, r) for item, r in zip(items, results, strict=True) if isinstance(r, TrajectoryGroup)]
+    if failed:  # evaluation must never stop training: an item that failed is counted, not scored
+        e = failed[0][1]
+        log.warning(
+            "eval_items_failed",
+            version=version,
+            failed=len(failed),
+            of=len(items),
+            first=f"{type(e).__name__}: {e}",
+            note="left out of the accuracy; counted in eval/failed",
+        )
+    if not done:
+        return {"eval/accuracy": float("nan"), "eval/failed": len(failed), "eval/version": version}
+    groups = [g for _, g in done]
     scores = [sum(t.reward for t in g.trajectories) / len(g.trajectories) for g in groups]
     if records is not None:
         records.extend(
-            _record(workflow, item, g, score) for item, g, score in zip(items, groups, scores, strict=True)
+            _record(workflow, item, g, score) for (item, g), score in zip(done, scores, strict=True)
         )
+        records.extend({**_item_fields(item), "error": f"{type(e).__name__}: {e}"} for item, e in failed)
     correct = sum(scores)
     low, high = accuracy_interval(correct, len(groups))
     out = {
@@ -78,6 +94,7 @@ async def evaluate(
         "eval/ci_low": low,
         "eval/ci_high": high,
         "eval/n": len(groups),
+        "eval/failed": len(failed),
         "eval/version": version,
     }
     if any("tool_calls" in g.trajectories[0].meta for g in groups):  # an agent's episodes
@@ -101,13 +118,11 @@ def _record(workflow: Workflow, item: dict[str, Any], group: TrajectoryGroup, sc
         generated = [i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m]
         text = decode(generated, skip_special_tokens=True) if decode is not None else None
         samples.append({"reward": t.reward, "completion": text, "tokens": len(generated)})
-    return {
-        "id": item.get("id"),
-        "question": item.get("question"),
-        "answer": item.get("answer"),
-        "reward": score,
-        "samples": samples,
-    }
+    return {**_item_fields(item), "reward": score, "samples": samples}
+
+
+def _item_fields(item: dict[str, Any]) -> dict[str, Any]:
+    return {"id": item.get("id"), "question": item.get("question"), "answer": item.get("answer")}
 
 
 def eval_summary(first: dict[str, float], last: dict[str, float]) -> str:

@@ -64,3 +64,28 @@ async def test_a_first_evaluation_already_done_holds_nothing(monkeypatch: pytest
     await asyncio.wait([ev._task])  # it ended before the push, its result not yet handed over
     assert await ev.baseline() == 0.0  # nothing to wait for: no phase of its own in the step line
     assert ev.poll() == {"eval/accuracy": 0.5, "eval/version": 0}
+
+
+async def test_an_item_that_fails_is_counted_and_left_out_not_the_whole_evaluation() -> None:
+    from nodes.driver.evaluator import evaluate
+    from protocols.rl import Trajectory, TrajectoryGroup
+
+    class Workflow:
+        async def arun_episode(self, client: Any, item: dict, gid: str) -> TrajectoryGroup:
+            if item["id"] == "b":
+                raise RuntimeError("the environment's server went away")
+            reward = 1.0 if item["id"] == "a" else 0.0
+            t = Trajectory([1, 2], [0, 1], [0.0, 0.0], [0, 0], reward=reward, group_id=gid, prompt_len=1)
+            return TrajectoryGroup(gid, [t])
+
+    items = [{"id": i, "question": i, "answer": "1"} for i in ("a", "b", "c")]
+    records: list[dict] = []
+    out = await evaluate(Workflow(), ["http://127.0.0.1:9"], items, 2, records=records)  # type: ignore[arg-type]
+    assert out["eval/n"] == 2 and out["eval/failed"] == 1 and out["eval/accuracy"] == 0.5
+    assert [r["id"] for r in records] == ["a", "c", "b"]
+    assert records[-1]["error"] == "RuntimeError: the environment's server went away"
+    with pytest.raises(asyncio.CancelledError):  # a cancelled evaluation is not an item's failure
+        task = asyncio.create_task(evaluate(Workflow(), ["http://127.0.0.1:9"], items[:1], 2))
+        await asyncio.sleep(0)
+        task.cancel()
+        await task
