@@ -57,6 +57,11 @@ _one_or_list = Annotated[
 ]
 
 
+def _carries_batch(text: Any, input_ids: Any) -> bool:
+    """A body's prompts are a batch: a list of texts, else a list of token-id lists."""
+    return isinstance(text, list) if text is not None else _is_batch_ids(input_ids)
+
+
 def _is_batch_ids(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and isinstance(v[0], list)
 
@@ -326,9 +331,7 @@ class GenerateRequest(_Body):
     @property
     def is_batch(self) -> bool:
         """True when the body carries a list of prompts (the response is then a list)."""
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return _is_batch_ids(self.input_ids)
+        return _carries_batch(self.text, self.input_ids)
 
     @property
     def prompt_count(self) -> int:
@@ -496,9 +499,7 @@ class ClassifyRequest(_Body):
     @property
     def is_batch(self) -> bool:
         """True when the body carries a list of prompts (the response is then a list)."""
-        if self.text is not None:
-            return isinstance(self.text, list)
-        return _is_batch_ids(self.input_ids)
+        return _carries_batch(self.text, self.input_ids)
 
 
 class DestroyWeightsUpdateGroupRequest(_Body):
