@@ -350,6 +350,44 @@ async def test_a_whole_answer_not_read_is_reset_not_held() -> None:
         await server.aclose()
 
 
+async def test_pipelined_requests_its_client_does_not_read_are_not_parsed() -> None:
+    """A client that pipelines requests and never reads their answers: once the transport's buffer is
+    past its high-water mark the next request is not parsed (the server holds at most SEND_BUFFER and
+    one answer, not an answer per request the client sends), and after send_timeout_s the
+    connection is reset and counted."""
+    answer = b"z" * 8192
+    served = 0
+
+    async def app(req: Request) -> Response:
+        nonlocal served
+        served += 1
+        return Response(200, answer, "text/plain")
+
+    # max_pipelined out of the way: its bound closes a connection that sends too many at once, not
+    # one that sends them a few at a time
+    server = HTTPServer(app, error_body, edge.HTTPLimits(send_timeout_s=1.0, max_pipelined=1 << 20))
+    port = await server.start("127.0.0.1", 0)
+    t = edge.Target("127.0.0.1", port, "", server.limits, server.counters)
+    n = 4096  # 32 MiB of answers; the requests (120 KiB) fit the kernel's buffers
+    peak = 0
+
+    def reset() -> bool:
+        nonlocal peak
+        for c in server._connections:
+            if c.transport is not None:
+                peak = max(peak, c.transport.get_write_buffer_size())
+        return server.counters["http_stalled_readers"] == 1 and not server._connections
+
+    sock = await edge.non_reader(t, b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n" * n)
+    try:
+        await wait_for(_until(reset), edge.WAIT_S)
+        assert 0 < peak <= SEND_BUFFER + len(answer) + 256, peak
+        assert served < n // 4, served  # what the kernel's buffers took, and one more
+    finally:
+        sock.close()
+        await server.aclose()
+
+
 class LongBackend(Backend):
     """Answers ``n`` tokens of 80 characters each: a stream of megabytes, more than the kernel's
     buffers hold."""

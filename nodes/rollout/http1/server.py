@@ -15,8 +15,9 @@ a request's head and its number of headers (414/431), the time its head and its 
 (408, the connection closed, the peer counted and logged once a minute), the body's size (413), the
 open connections (past the cap a new one is answered 503 and closed), the requests parsed ahead of
 the one being answered, and what an answer may hold while its client does not read it: a stream's
-writer waits once the transport's buffer is past its high-water mark, and a connection whose client
-takes nothing of its answer for ``send_timeout_s`` is reset (its streaming handler's next write
+writer waits once the transport's buffer is past its high-water mark (so does the next pipelined
+request, unparsed, after a whole answer), and a connection whose client takes nothing of its
+answer for ``send_timeout_s`` is reset (its streaming handler's next write
 raises ConnectionError, as when a client goes away). ``gate`` sees each request's head before any
 of its body is read (the API key's check: a refused request costs its head, never its body).
 Malformed HTTP and every request smuggling shape (llhttp refuses them: Content-Length with
@@ -444,6 +445,10 @@ class _Connection(asyncio.Protocol):
         elif resp is not None:
             with contextlib.suppress(ConnectionError):
                 self._send(resp, keep_alive)
+                if keep_alive and self._drained is not None and not self._drained.done():
+                    # past the high-water mark: the next request waits, unparsed, until the client
+                    # takes this answer (or send_timeout_s resets it), as a stream's writer waits
+                    await self.drain()
         self._task = None
         if not keep_alive:
             self.close()
