@@ -61,20 +61,22 @@ def innermost(stack: list[str]) -> str:
     return f"{f.group(3)} ({f.group(1).rsplit('/', 1)[-1]}:{f.group(2)})"
 
 
-_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+# a thread's block in a dump; "Stack": faulthandler's dump of the one thread the signal landed on
+_THREAD = re.compile(r"^(?:(?:Current thread|Thread) (0x[0-9a-fA-F]+)|Stack) ")
 
 
 def dump_loop_thread(dump: str, loop_thread: int | None) -> list[str]:
-    """The loop thread's frames from a faulthandler dump, outermost first. The dump lists every
-    thread, most recent call first; the loop's is found by its ident (the signal may have landed
-    on any thread, so "Current thread" need not be the loop's). Without the ident: the current
-    thread's block."""
-    blocks = [b for b in dump.strip().split("\n\n") if _THREAD.match(b)]
+    """The loop thread's frames from a stacks dump (faulthandler's format), outermost first. The
+    dump lists every thread, most recent call first; the loop's is found by its ident (the signal
+    may have landed on any thread, so "Current thread" need not be the loop's). Without the ident,
+    or in a dump of one thread (see ``rlactors.base.forensics.register_dump``): the thread the
+    signal landed on."""
+    blocks = [(m.group(1), b) for b in dump.strip().split("\n\n") for m in [_THREAD.match(b)] if m]
     block = ""
     if loop_thread is not None:
-        block = next((b for b in blocks if int(_THREAD.match(b).group(1), 16) == loop_thread), "")  # type: ignore[union-attr]
+        block = next((b for ident, b in blocks if ident and int(ident, 16) == loop_thread), "")
     if not block:
-        block = next((b for b in blocks if b.startswith("Current thread")), blocks[0] if blocks else "")
+        block = next((b for _, b in blocks if not b.startswith("Thread")), blocks[0][1] if blocks else "")
     return list(reversed([line for line in block.splitlines()[1:] if line.strip()]))
 
 

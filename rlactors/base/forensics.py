@@ -3,10 +3,11 @@
 A worker answers ``stacks()`` from its event loop (see :meth:`rlactors.wire.service.Service.stacks`)
 with the await chain of each call it runs, the stack of the thread running its sync method and
 of every other thread, and how late its loop has been. A loop that cannot answer (a CPU-bound
-coroutine, a blocking call) still dumps its Python stacks: every worker registers
-:mod:`faulthandler` on :data:`DUMP_SIGNAL`, writing to a file its node agent reads after sending
-the signal (:func:`collect_dump`). The loop's probe also stamps a tick file, so the agent can
-say for how long the loop has been stuck.
+coroutine, a blocking call) still dumps its Python stacks on :data:`DUMP_SIGNAL`, into a file its
+node agent reads after sending the signal (:func:`collect_dump`); one stuck in C code that never
+returns to Python dumps by :mod:`faulthandler` on :data:`FALLBACK_DUMP_SIGNAL`, sent only when the
+first brought nothing (:func:`register_dump` says why faulthandler is not the first). The loop's
+probe also stamps a tick file, so the agent can say for how long the loop has been stuck.
 
 A wait that is no actor call (a rollout client holding its requests while the trainer pushes
 weights) is noted by the code that waits, with :func:`waiting`; ``stacks()`` lists it
@@ -37,6 +38,7 @@ from typing import Any, BinaryIO
 __all__ = [
     "CURRENT_CALL",
     "DUMP_SIGNAL",
+    "FALLBACK_DUMP_SIGNAL",
     "LoopProbe",
     "collect_dump",
     "coroutine_stack",
@@ -44,16 +46,26 @@ __all__ = [
     "read_tick",
     "register_dump",
     "thread_stacks",
+    "unregister_dump",
     "waiting",
 ]
 
-DUMP_SIGNAL = signal.SIGUSR2
+DUMP_SIGNAL = signal.SIGUSR2  # a dump written by the main thread, holding the GIL (register_dump)
+# faulthandler's dump of the thread it lands on, for a main thread that never returns to Python
+# (register_dump). Ignored by default: a process that registered nothing is not killed by it.
+FALLBACK_DUMP_SIGNAL = signal.SIGURG
+MAX_DUMP_FRAMES = 100  # a thread's innermost frames a dump writes, as faulthandler
 PROBE_EVERY_S = 0.25  # how often the loop probe wakes: its lag resolution, and the tick's
 MAX_FRAMES = 64
 
 # The incoming method the current task (or sync call) serves: outgoing calls made there are
 # attributed to it, so a wait-for edge reads "a.f waits on b.g".
 CURRENT_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("rlactors_call", default=None)
+
+# sys._current_frames() holds the runtime's lock on its thread list while it allocates, and a
+# collection there may run code, a dump signal's handler included: that handler calling it again
+# would wait on that lock forever (https://github.com/python/cpython/issues/106883).
+_reading_frames = False
 
 # The waits this process's code noted (waiting()): token -> (what, on, backpressure, origin, since)
 _WAITS: dict[int, tuple[str, str, str, str | None, float]] = {}
@@ -144,13 +156,25 @@ def _awaited(obj: Any) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _current_frames() -> dict[int, FrameType] | None:
+    """``sys._current_frames()``; None when a call of it is already under way (see _dump_stacks)."""
+    global _reading_frames
+    if _reading_frames:
+        return None
+    _reading_frames = True
+    try:
+        return sys._current_frames()
+    finally:
+        _reading_frames = False
+
+
 def thread_stacks() -> list[dict[str, Any]]:
     """Every Python thread of this process but the calling one (the loop's, answering this; its
     calls' await chains say more): its name, id and stack (outermost first)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     me = threading.get_ident()
     out = []
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in (_current_frames() or {}).items():
         if ident == me:
             continue
         frames: list[FrameType] = []
@@ -225,39 +249,98 @@ def read_tick(tick_file: Path) -> tuple[float | None, int | None]:
 
 
 def register_dump(dump_file: Path) -> BinaryIO:
-    """Dump every thread's Python stack to ``dump_file`` (appended) on :data:`DUMP_SIGNAL`.
+    """Dump every thread's Python stack to ``dump_file`` (appended) on :data:`DUMP_SIGNAL`, and by
+    :mod:`faulthandler` on :data:`FALLBACK_DUMP_SIGNAL`. Call it from the main thread; the returned
+    file must stay open (:func:`unregister_dump` closes it).
 
-    faulthandler writes from its C signal handler, so the dump comes even while the loop is stuck
-    in a CPU-bound coroutine or a blocking call. The returned file must stay open.
+    The first is a Python handler: the main thread (the loop's) runs it between two bytecodes, so
+    also inside a CPU-bound coroutine or a blocking call the signal interrupts (a sleep, a lock, a
+    socket), and it reads the other threads' frames holding the GIL, while they stand still.
+    faulthandler's all-thread dump reads them from a C signal handler, without the GIL, while
+    another thread runs and pops them: on CPython 3.11 that crashes the process it dumps (SIGSEGV;
+    https://github.com/python/cpython/issues/116008). So faulthandler is left for a main thread
+    stuck in C code, which no Python handler reaches, and dumps only the thread the signal lands on
+    (the main one, which Linux prefers), reading no other. Both write faulthandler's format, read
+    by ``rlactors.api.stacks.dump_loop_thread``.
     """
     f = open(dump_file, "ab", buffering=0)  # held open for the process's life
-    faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+    fd = f.fileno()
+    signal.signal(DUMP_SIGNAL, lambda signum, frame: _dump_stacks(fd, frame))
+    faulthandler.register(FALLBACK_DUMP_SIGNAL, file=f, all_threads=False, chain=False)
     return f
+
+
+def unregister_dump(f: BinaryIO) -> None:
+    """Undo :func:`register_dump`, closing its file ``f``."""
+    signal.signal(DUMP_SIGNAL, signal.SIG_DFL)
+    faulthandler.unregister(FALLBACK_DUMP_SIGNAL)
+    f.close()
+
+
+def _dump_stacks(fd: int, interrupted: FrameType | None) -> None:
+    """Write every thread's stack to ``fd`` in faulthandler's format; "Current thread" is this one,
+    from the frame the signal interrupted. A signal handler, run between any two bytecodes of the
+    main thread: it takes no lock (the code it interrupted may hold threading's) and raises nothing
+    into that code."""
+    try:
+        me = threading.get_ident()
+        blocks = []
+        read = _current_frames()
+        frames: dict[int, FrameType | None] = {me: interrupted} if read is None else dict(read)
+        if read is None:  # the signal came inside a read of them: this thread's stack only
+            blocks.append("(the other threads not read: the signal came while they were being read)\n")
+        for ident, frame in frames.items():
+            f = interrupted if ident == me else frame
+            head = "Current thread" if ident == me else "Thread"
+            lines = [f"{head} 0x{ident:016x} (most recent call first):"]
+            while f is not None and len(lines) <= MAX_DUMP_FRAMES:
+                line = "???" if f.f_lineno is None else f.f_lineno
+                lines.append(f'  File "{f.f_code.co_filename}", line {line} in {f.f_code.co_name}')
+                f = f.f_back
+            if f is not None:
+                lines.append("  ...")
+            blocks.append("\n".join(lines) + "\n")
+        data = "\n".join(blocks).encode(errors="backslashreplace") + b"\n"
+    except Exception as e:  # a failed dump must not break the code it interrupted
+        data = f"stack dump failed: {e!r}\n".encode(errors="backslashreplace")
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(fd, data) :]
 
 
 async def collect_dump(pid: int, dump_file: Path, timeout_s: float) -> str | None:
     """Signal ``pid`` to dump its stacks into ``dump_file`` and return the new dump (None: none came
-    within ``timeout_s``, e.g. a stopped process)."""
+    within ``timeout_s``, e.g. a stopped process): :data:`DUMP_SIGNAL`, then, when half the time
+    brought nothing, :data:`FALLBACK_DUMP_SIGNAL` (see :func:`register_dump`)."""
     try:
         start = os.stat(dump_file).st_size
     except OSError:
         return None
-    try:
-        os.kill(pid, DUMP_SIGNAL)
-    except ProcessLookupError:
+    for sig in (DUMP_SIGNAL, FALLBACK_DUMP_SIGNAL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return None
+        if await _grown(dump_file, start, timeout_s / 2):
+            break
+    else:
         return None
+    with open(dump_file, "rb") as f:  # noqa: ASYNC230 (a small local file)
+        f.seek(start)
+        return f.read().decode(errors="replace")
+
+
+async def _grown(dump_file: Path, start: int, timeout_s: float) -> bool:
+    """Whether ``dump_file`` grows past ``start`` within ``timeout_s``; once it has, waits for it
+    to stop growing."""
     deadline = time.monotonic() + timeout_s
     size = start
-    # No event tells a file has grown: poll it. The dump is written at once, in one go.
+    # No event tells a file has grown: poll it. A dump is written at once, in one go.
     while time.monotonic() < deadline:
         await asyncio.sleep(0.02)
         with contextlib.suppress(OSError):
             now = os.stat(dump_file).st_size
             if now > start and now == size:  # grown, and done growing
-                break
+                return True
             size = now
-    if size <= start:
-        return None
-    with open(dump_file, "rb") as f:  # noqa: ASYNC230 (a small local file)
-        f.seek(start)
-        return f.read().decode(errors="replace")
+    return size > start

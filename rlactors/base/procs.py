@@ -14,7 +14,8 @@ import sys
 __all__ = ["STOP_SIGNAL", "die_with_parent", "exit_reason"]
 
 # How an agent asks its worker to stop (its on_stop hook runs); SIGTERM and SIGINT are left to the
-# driver (see rlactors.node.worker), and SIGUSR2 dumps a worker's stacks (rlactors.base.forensics).
+# driver (see rlactors.node.worker), and SIGUSR2 (SIGURG as a fallback) dumps a worker's stacks
+# (rlactors.base.forensics).
 STOP_SIGNAL = signal.SIGUSR1
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import faulthandler
 import os
 import signal
 import sys
@@ -32,7 +31,7 @@ from rlactors.base import logging as rlog
 from rlactors.base.aio import wait_for
 from rlactors.base.classpath import load_class
 from rlactors.base.errors import exception_payload
-from rlactors.base.forensics import DUMP_SIGNAL, LoopProbe, register_dump
+from rlactors.base.forensics import LoopProbe, register_dump, unregister_dump
 from rlactors.base.procs import STOP_SIGNAL, die_with_parent
 from rlactors.wire.client import Connection
 from rlactors.wire.runtime import RuntimeClient, set_current
@@ -166,8 +165,7 @@ async def main(security: Security | None) -> int:
     agent.close()
     probe.stop()
     if dump is not None:
-        faulthandler.unregister(DUMP_SIGNAL)
-        dump.close()
+        unregister_dump(dump)
     return 0
 
 

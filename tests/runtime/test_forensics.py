@@ -1,11 +1,13 @@
 """cluster.stacks(): who waits on whom, from every worker's loop; a wait cycle named; a sync method's
-frame; a stuck loop reported unresponsive with its dumped stacks; a dead actor reported dead."""
+frame; a stuck loop reported unresponsive with its dumped stacks; a dead actor reported dead; a
+dump that leaves the dumped process alive while its other threads run."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -269,6 +271,8 @@ Thread 0x{LOOP:016x} (most recent call first):
 
 def test_a_dumped_loop_is_read_from_the_loop_thread_whichever_thread_took_the_signal() -> None:
     assert dump_loop_thread(DUMP, LOOP)[-1].endswith("in spin_on_the_loop")
+    one_thread = DUMP.split("\n\n")[1].replace(f"Thread 0x{LOOP:016x}", "Stack")  # the fallback's
+    assert dump_loop_thread(one_thread, LOOP)[-1].endswith("in spin_on_the_loop")
     a = ActorStacks(
         "spinner", "id", "ALIVE", responsive=False, unresponsive_s=2.0, dump=DUMP, loop_thread=LOOP
     )
@@ -452,3 +456,84 @@ async def test_a_noted_wait_is_in_the_workers_stacks_labelled(cluster: rlactors.
     await holder.release()
     await wait_for(asyncio.gather(*calls), 30)
     assert not (await cluster.stacks())["holder"].waits
+
+
+# A process like a worker: stacks dumps registered, and a thread running Python while its main
+# thread waits. That thread recurses deeper than one of the interpreter's frame-stack chunks holds,
+# so each pass maps a chunk and unmaps it. faulthandler's all-thread dump (the worker's, once) read
+# those frames from its signal handler without the GIL and crashed the process with SIGSEGV within
+# a few dozen dumps (https://github.com/python/cpython/issues/116008).
+_CHILD = """
+import signal, sys, threading
+from pathlib import Path
+from rlactors.base import forensics
+
+forensics.register_dump(Path(sys.argv[1]))
+
+def recurse(n):
+    return 0 if n == 0 else recurse(n - 1) + 1
+
+def deep():
+    while True:
+        recurse(300)
+
+if sys.argv[2] == "deep":
+    threading.Thread(target=deep, name="deep", daemon=True).start()
+else:  # a main thread no Python handler reaches: the first signal stays pending
+    signal.pthread_sigmask(signal.SIG_BLOCK, {forensics.DUMP_SIGNAL})
+print("ready", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+@pytest.fixture
+async def child(tmp_path: Any, request: pytest.FixtureRequest) -> AsyncIterator[tuple[int, Any]]:
+    dump = tmp_path / "child.stacks"
+    dump.touch()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _CHILD, str(dump), request.param, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert await wait_for(proc.stdout.readline(), 60) == b"ready\n"  # type: ignore[union-attr]
+        yield proc.pid, dump
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+@pytest.mark.parametrize("child", ["deep"], indirect=True)
+async def test_dumps_leave_alive_a_process_whose_other_thread_runs(child: tuple[int, Any]) -> None:
+    pid, dump = child
+    for i in range(150):
+        text = await forensics.collect_dump(pid, dump, timeout_s=30.0)
+        assert text is not None, f"dump {i} never came: the process died"
+        assert "in recurse" in text or "in deep" in text, text  # the running thread's frames
+        assert dump_loop_thread(text, None)[-1].endswith("in <module>"), text
+
+
+@pytest.mark.parametrize("child", ["stuck"], indirect=True)
+async def test_a_main_thread_no_python_handler_reaches_is_dumped_by_faulthandler(
+    child: tuple[int, Any],
+) -> None:
+    pid, dump = child
+    text = await forensics.collect_dump(pid, dump, timeout_s=10.0)
+    assert text is not None and text.startswith("Stack (most recent call first):"), text
+    assert dump_loop_thread(text, None)[-1].endswith("in <module>"), text
+
+
+def test_a_dump_that_comes_inside_a_read_of_the_threads_reads_only_its_own(tmp_path: Any) -> None:
+    # A dump signal's handler can run inside sys._current_frames() (a collection there runs code);
+    # calling it again there would wait forever on the lock it holds (cpython#106883).
+    with open(tmp_path / "x.stacks", "wb+", buffering=0) as f:
+        forensics._reading_frames = True  # as inside thread_stacks()
+        try:
+            forensics._dump_stacks(f.fileno(), sys._getframe())
+        finally:
+            forensics._reading_frames = False
+        f.seek(0)
+        text = f.read().decode()
+    assert "the other threads not read" in text and text.count(" (most recent call first):") == 1, text
+    assert dump_loop_thread(text, None)[-1].endswith(
+        "in test_a_dump_that_comes_inside_a_read_of_the_threads_reads_only_its_own"
+    )
