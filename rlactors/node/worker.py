@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -137,6 +138,11 @@ async def main(security: Security | None) -> int:
         service.collective = lambda: system.joined
         for hook in ("on_start", "on_stop"):
             methods.pop(hook, None)
+        # What the start built (imports, a tokenizer, a model's Python objects) lives as long as the
+        # actor: frozen, a full collection never walks it again, and the pauses of an actor that
+        # holds thousands of sessions are those of their state alone (bench/RESULTS.md, "Load held")
+        gc.collect()
+        gc.freeze()
     except BaseException as e:  # whatever stopped the start, the agent hears of it before this process ends
         log.error("actor failed to start", error=repr(e))
         with contextlib.suppress(Exception):  # best effort: the agent also sees the process exit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 import time
@@ -12,6 +13,23 @@ import numpy as np
 import rlactors
 from protocols.runtime import codec
 from rlactors.base.aio import wait_for
+
+
+class Heap(rlactors.Actor):
+    """Holds what its start built, and what a call built after."""
+
+    def __init__(self) -> None:
+        self.built: list[object] = [{}]
+        self.later: list[object] = []
+
+    async def on_start(self) -> None:
+        self.started: list[object] = [{}]
+
+    async def walked(self) -> dict[str, bool]:
+        """Which of its objects a full collection walks (a frozen object is in no generation)."""
+        self.later = [{}]
+        seen = {id(o) for o in gc.get_objects()}
+        return {k: id(getattr(self, k)) in seen for k in ("built", "started", "later")}
 
 
 class Counter(rlactors.Actor):

@@ -15,7 +15,17 @@ import pytest
 
 import rlactors
 from rlactors.base.aio import wait_for
-from tests.runtime.actors import Boom, Cancellable, Compute, Counter, Logger, LoopLedger, Printer, Tricky
+from tests.runtime.actors import (
+    Boom,
+    Cancellable,
+    Compute,
+    Counter,
+    Heap,
+    Logger,
+    LoopLedger,
+    Printer,
+    Tricky,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +40,13 @@ async def test_call_submit_tell(cluster) -> None:
     assert await asyncio.ensure_future(c.add.submit(0)) == 10
     c.add.tell(1)
     assert await c.value() == 11  # the tell arrived before this call
+
+
+async def test_what_an_actor_built_to_start_is_frozen_out_of_collections(cluster) -> None:
+    """The worker freezes the heap once the actor has started (its constructor and on_start): a
+    full collection never walks those objects again; what a call builds later is collected as ever."""
+    heap = await cluster.spawn(Heap)
+    assert await heap.walked() == {"built": False, "started": False, "later": True}
 
 
 async def test_calls_from_one_caller_arrive_in_order(cluster) -> None:
