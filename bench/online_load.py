@@ -6,10 +6,15 @@ Three kinds of process, all on loopback:
 - the serving process (``--serve``): an :class:`OnlineWorkflow` as a rollout actor runs it, behind a
   key, with its default HTTP limits (``[rollout.workflow_args.http]``), ``--sessions`` slots offered
   again as each group (one session) ends, generating through an :class:`SGLangClient` in front of
-  sim reference servers (bench/simfarm.py, ``--servers`` of them);
+  sim reference servers (bench/simfarm.py, ``--servers`` of them in ``--farm-procs`` processes); its
+  heap frozen once started, as an actor's worker freezes it;
 - the legitimate clients (this process): ``--sessions`` loops, each opening a session, making
   ``--turns`` chat turns at its base_url (each turn continues the conversation), then posting its
-  reward, again and again; a 429 (no slot free this instant) is retried after its Retry-After;
+  reward, again and again; between a turn's answer and the next call each waits ``--think-s`` on
+  average (drawn from half to one and a half of it; each loop starts at a random instant of the
+  first ``--think-s``: agents that do not march in step). A 429 (no slot free this instant) is
+  retried after its Retry-After. They speak HTTP/1.1 through the rollout client's own keep-alive
+  pool, cheaper per call than aiohttp, to leave the cores to the processes measured;
 - the attackers (``--attack``, a process of their own): ``--tricklers`` clients that send a request
   head one byte every 2 s (reconnecting when closed), and ``--abusers`` clients that each send, in
   turn, a 32 MiB body without the key, a 64 KiB header, 100,000 headers and an 8 MiB URL, as fast as
@@ -17,13 +22,17 @@ Three kinds of process, all on loopback:
 
 Two phases of ``--seconds`` each, after ``--warmup``: ``alone``, then ``attacked`` (the attackers
 started ``--warmup`` before it). Per phase: sessions/s completed, p50/p99/max latency of a chat turn
-and of any call, the serving process's CPU (psutil, user + system) per session and its share of one
-core, its memory (RSS) and the growth per open session over the idle process, errors, the attack's
-refusals as the server counted them (its ``http_*`` counters).
+and of any call, and the slowest call started in each second; the serving process's CPU (psutil,
+user + system) per session and its share of one core, its memory (RSS) and the growth per open
+session over the idle process, errors, the attack's refusals as the server counted them (its
+``http_*`` counters); and where a turn's time goes: the generations' p50/p99/max as the serving
+process saw them (the sim servers' share), its loop's largest lag and its longest gen-2 garbage
+collection, this process's own largest loop lag (a stall of the measuring side), and the CPU of
+every process (what the machine's cores were spent on).
 
 Full size (the issue's)::
 
-    python bench/online_load.py --sessions 2000 --turns 3 --servers 4 --tricklers 200 --abusers 50 --seconds 60
+    python bench/online_load.py --sessions 2000 --turns 3 --think-s 5 --servers 4 --tricklers 200 --abusers 50 --seconds 30 --warmup 15
 """
 
 from __future__ import annotations
@@ -31,16 +40,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
 import platform
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,8 +94,21 @@ def serve(urls: list[str], slots: int) -> None:
 
     async def main() -> None:
         client = SGLangClient(urls)
+        gen_s: list[float] = []  # each generation's time as this process saw it (the upstream's share)
+        agenerate = client.agenerate
+
+        async def timed(request: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return await agenerate(request)
+            finally:
+                gen_s.append(time.monotonic() - t0)
+
+        client.agenerate = timed  # type: ignore[method-assign]
         wf = OnlineWorkflow(tok, None, OnlineConfig(n_samples=1, max_new_tokens=NEW_TOKENS, temperature=0))  # type: ignore[arg-type]
         api = await wf.start(client, api_key=KEY)
+        gc.collect()
+        gc.freeze()  # as a rollout actor's worker does once the actor has started
         print(f"base_url: {api.base}", flush=True)
 
         async def slot(i: int) -> None:
@@ -89,11 +116,36 @@ def serve(urls: list[str], slots: int) -> None:
                 with contextlib.suppress(OnlineError):
                     await wf.arun_episode(client, {}, f"slot{i}/{n}")
 
+        lag = {"max_s": 0.0}
+
+        gc_t: dict[str, Any] = {"t": 0.0, "max_s": 0.0, "n": 0}
+
+        def on_gc(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                gc_t["t"] = time.perf_counter()
+            elif info["generation"] == 2:
+                gc_t["max_s"] = max(gc_t["max_s"], time.perf_counter() - gc_t["t"])
+                gc_t["n"] += 1
+
+        gc.callbacks.append(on_gc)
+
+        async def probe() -> None:  # how late this process's loop wakes: a stall of the server itself
+            while True:
+                t = time.monotonic()
+                await asyncio.sleep(0.05)
+                lag["max_s"] = max(lag["max_s"], time.monotonic() - t - 0.05)
+
         async def stats() -> None:
             loop = asyncio.get_running_loop()
             reader = asyncio.StreamReader()
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-            while await reader.readline():
+            while line := await reader.readline():
+                if line.strip() == b"reset":
+                    gen_s.clear()
+                    lag["max_s"] = gc_t["max_s"] = 0.0
+                    gc_t["n"] = 0
+                    continue
+                gens = sorted(gen_s)
                 print(
                     "stats: "
                     + json.dumps(
@@ -101,12 +153,18 @@ def serve(urls: list[str], slots: int) -> None:
                             **wf.counters,
                             "open_sessions": len(api.sessions),
                             "connections": len(api.endpoint._server._connections),
+                            "loop_max_lag_ms": 1000 * lag["max_s"],
+                            "gc2_max_ms": 1000 * gc_t["max_s"],
+                            "gc2_n": gc_t["n"],
+                            "generate_p50_ms": 1000 * gens[len(gens) // 2] if gens else None,
+                            "generate_p99_ms": 1000 * gens[int(0.99 * len(gens))] if gens else None,
+                            "generate_max_ms": 1000 * gens[-1] if gens else None,
                         }
                     ),
                     flush=True,
                 )
 
-        await asyncio.gather(stats(), *(slot(i) for i in range(slots)))
+        await asyncio.gather(stats(), probe(), *(slot(i) for i in range(slots)))
 
     uvloop.run(main())
 
@@ -176,48 +234,55 @@ def attack(host: str, port: int, tricklers: int, abusers: int) -> None:
 async def sessions_for(
     root: str, n: int, turns: int, think_s: float, seconds: float, warmup: float, mark: dict[str, Any]
 ) -> dict[str, Any]:
-    """``n`` session loops for ``warmup + seconds`` (``think_s`` between a turn and the next call);
-    what was measured after the warm-up."""
-    import aiohttp
+    """``n`` session loops for ``warmup + seconds`` (``think_s`` between a turn and the next call, on
+    average: each pause is drawn uniformly from half to one and a half of it, and each loop starts
+    at a random instant of the first ``think_s``, as agents that do not march in step); what was
+    measured after the warm-up. They speak HTTP/1.1 through the rollout client's own
+    keep-alive pool (nodes/rollout/http1/client.py), a connection per loop: a client that costs the
+    machine a fraction of aiohttp's CPU per call, left to the server it loads."""
+    from nodes.rollout.http1.client import ClientPool
 
-    http = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, force_close=False),
-        headers={"Authorization": f"Bearer {KEY}"},
-        timeout=aiohttp.ClientTimeout(total=120),
-    )
+    host, port = root.removeprefix("http://").rsplit(":", 1)
+    pool = ClientPool(host, int(port), max_connections=n, keepalive_s=3600.0, connect_timeout_s=60.0)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     turn_lat: list[float] = []
     call_lat: list[float] = []
+    worst: dict[int, float] = {}  # per second of the phase (by a call's start), its slowest call
     out = {"sessions": 0, "turns": 0, "retries_429": 0, "errors": 0}
     start = time.monotonic()
     measuring_from, until = start + warmup, start + warmup + seconds
 
-    async def call(url: str, body: dict[str, Any], is_turn: bool = False) -> tuple[int, Any]:
+    async def call(path: str, body: dict[str, Any], is_turn: bool = False) -> tuple[int, Any]:
         t0 = time.monotonic()
-        async with http.post(url, json=body) as r:
-            data = await r.json(content_type=None)
-            status, retry = r.status, r.headers.get("Retry-After")
+        status, raw = await pool.request("POST", path, orjson.dumps(body), headers, 120.0)
+        data = orjson.loads(raw) if raw else None
         t1 = time.monotonic()
         if t0 >= measuring_from and t1 <= until:
             call_lat.append(t1 - t0)
+            k = int(t0 - measuring_from)
+            worst[k] = max(worst.get(k, 0.0), t1 - t0)
             if is_turn:
                 turn_lat.append(t1 - t0)
-        if status == 429:
+        if status == 429:  # no slot free this instant: the server's Retry-After is 1 s
             out["retries_429"] += 1
-            await asyncio.sleep(float(retry or 1))
+            await asyncio.sleep(1.0)
         return status, data
 
     async def loop(i: int) -> None:
+        rng = random.Random(i)
+        await asyncio.sleep(rng.uniform(0, think_s))
         for k in itertools.count():
             if time.monotonic() >= until:
                 return
             try:
-                status, opened = await call(root + "/rl/v1/sessions", {"group": 1})
+                status, opened = await call("/rl/v1/sessions", {"group": 1})
                 if status != 200:
                     continue
+                base = urlsplit(opened["base_url"]).path
                 history = [{"role": "user", "content": f"What is {i} + {k}?"}]
                 for _ in range(turns):
                     body = {"model": "m", "messages": history, "max_tokens": NEW_TOKENS, "temperature": 0}
-                    status, answer = await call(opened["base_url"] + "/chat/completions", body, is_turn=True)
+                    status, answer = await call(base + "/chat/completions", body, is_turn=True)
                     assert status == 200, answer
                     history = [
                         *history,
@@ -226,8 +291,9 @@ async def sessions_for(
                     ]
                     if time.monotonic() >= measuring_from:
                         out["turns"] += 1
-                    await asyncio.sleep(think_s)  # the agent's own work between turns (a tool, a thought)
-                status, _ = await call(f"{root}/rl/v1/sessions/{opened['id']}/reward", {"reward": 1.0})
+                    # the agent's own work between turns (a tool, a thought)
+                    await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s))
+                status, _ = await call(f"/rl/v1/sessions/{opened['id']}/reward", {"reward": 1.0})
                 assert status == 200
                 if measuring_from <= time.monotonic() <= until:
                     out["sessions"] += 1
@@ -244,8 +310,19 @@ async def sessions_for(
             await asyncio.sleep(1.0)
         await asyncio.to_thread(mark["end"])
 
-    await asyncio.gather(sample(), *(loop(i) for i in range(n)))
-    await http.close()
+    client_lag = {"max_s": 0.0}
+
+    async def probe() -> None:  # how late this process's loop wakes: a stall of the measuring side
+        await asyncio.sleep(max(0.0, measuring_from - time.monotonic()))
+        while time.monotonic() < until:
+            t = time.monotonic()
+            await asyncio.sleep(0.05)
+            client_lag["max_s"] = max(client_lag["max_s"], time.monotonic() - t - 0.05)
+
+    gc.collect()
+    gc.freeze()  # what this process imported: a full collection need not walk it again
+    await asyncio.gather(sample(), probe(), *(loop(i) for i in range(n)))
+    pool.close()
 
     def pct(xs: list[float], q: float) -> float:
         xs = sorted(xs)
@@ -257,6 +334,8 @@ async def sessions_for(
         turn_max_ms=pct(turn_lat, 1.0),
         call_p99_ms=pct(call_lat, 0.99),
         sessions_per_s=out["sessions"] / seconds,
+        client_loop_max_lag_ms=1000 * client_lag["max_s"],
+        slowest_call_ms_by_second=[round(1000 * worst.get(k, 0.0)) for k in range(int(seconds))],
     )
     return out
 
@@ -271,7 +350,8 @@ def main() -> None:
         default=2.0,
         help="the client's time between a turn's answer and its next call",
     )
-    ap.add_argument("--servers", type=int, default=4, help="sim servers (in 2 simfarm processes)")
+    ap.add_argument("--servers", type=int, default=4, help="sim servers")
+    ap.add_argument("--farm-procs", type=int, default=2, help="simfarm processes the sim servers share")
     ap.add_argument("--tricklers", type=int, default=200)
     ap.add_argument("--abusers", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=60.0, help="each phase's measured time")
@@ -295,7 +375,7 @@ def run(args: argparse.Namespace) -> None:
         f" {time.strftime('%Y-%m-%d %H:%M')}; {' '.join(sys.argv)}",
         flush=True,
     )
-    farm = Farm(args.servers, 2, SERVER_ARGS)
+    farm = Farm(args.servers, args.farm_procs, SERVER_ARGS)
     procs: list[subprocess.Popen] = []
     try:
         farm.wait_ready()
@@ -356,6 +436,7 @@ def run(args: argparse.Namespace) -> None:
             m: dict[str, Any] = {"rss": [], "open": []}
 
             def begin(m: dict[str, Any] = m) -> None:
+                server.stdin.write("reset\n")  # type: ignore[union-attr]
                 m["cpu0"], m["t0"], m["c0"] = sum(ps.cpu_times()[:2]), time.monotonic(), counters()
                 m["others0"] = {k: cpu_of(v) for k, v in others.items()}
 
@@ -390,19 +471,27 @@ def run(args: argparse.Namespace) -> None:
                 open_sessions_mean=mean_open,
                 rss_kib_per_open_session=(peak - idle_rss) / 1024 / max(1.0, mean_open),
                 refused={k: m["c1"][k] - m["c0"][k] for k in m["c1"] if k.startswith("http_")},
+                loop_max_lag_ms=m["c1"]["loop_max_lag_ms"],
+                gc2_max_ms=m["c1"]["gc2_max_ms"],
+                gc2_n=m["c1"]["gc2_n"],
+                generate_p50_ms=m["c1"]["generate_p50_ms"],
+                generate_p99_ms=m["c1"]["generate_p99_ms"],
+                generate_max_ms=m["c1"]["generate_max_ms"],
                 cpu_share_of={k: (m["others1"][k] - m["others0"][k]) / (m["t1"] - m["t0"]) for k in others},
             )
             results[phase] = r
             print(f"{phase}: " + json.dumps(r), flush=True)
         print(
-            "\n| phase | sessions/s | turn p50 ms | turn p99 ms | turn max ms | server CPU (cores) | CPU ms/session"
-            " | RSS idle→peak MiB | KiB/open session | errors |"
+            "\n| phase | sessions/s | turn p50 ms | turn p99 ms | turn max ms | generate p99 ms | server loop"
+            " max lag ms | gen-2 GC max ms | server CPU (cores) | CPU ms/session | RSS idle→peak MiB"
+            " | KiB/open session | errors |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for phase, r in results.items():
             print(
                 f"| {phase} | {r['sessions_per_s']:.0f} | {r['turn_p50_ms']:.0f} | {r['turn_p99_ms']:.0f} | "
-                f"{r['turn_max_ms']:.0f} | {r['server_cpu_share']:.2f} | {r['server_cpu_ms_per_session']:.2f} | "
+                f"{r['turn_max_ms']:.0f} | {r['generate_p99_ms']:.0f} | {r['loop_max_lag_ms']:.0f} | "
+                f"{r['gc2_max_ms']:.0f} | {r['server_cpu_share']:.2f} | {r['server_cpu_ms_per_session']:.2f} | "
                 f"{r['rss_idle_mib']:.0f}→{r['rss_peak_mib']:.0f} | {r['rss_kib_per_open_session']:.1f} | "
                 f"{r['errors']} |"
             )
