@@ -5,6 +5,8 @@ streamed answers with back-pressure and clients that leave, HTTP/1.0, shutdown."
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -209,3 +211,53 @@ async def test_aclose_cancels_answers_in_progress_and_closes_connections(
     assert app.cancelled.is_set() and await reader.read() == b""
     with pytest.raises(OSError):
         await asyncio.open_connection(HOST, port)
+
+
+def test_a_burst_of_new_connections_is_accepted_in_one_turn_of_the_loop() -> None:
+    """Connections that waited in the listen queue while the loop was busy are all taken in the
+    loop's next turns, not one per turn (uvloop's own accept, on the loop a rollout actor runs): a
+    busy loop's turn can take hundreds of milliseconds, and the fiftieth client would wait fifty of
+    them."""
+    import uvloop
+
+    uvloop.run(_burst())
+
+
+async def _burst() -> None:
+
+    async def app(req: Request) -> Response:
+        return Response(200, b"ok", "text/plain")
+
+    server = HTTPServer(app, lambda status, message: Response(status, message.encode(), "text/plain"))
+    port = await server.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+
+    def connect() -> None:  # the kernel completes each handshake; the loop is held meanwhile
+        for _ in range(50):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+
+    try:
+        clients = threading.Thread(target=connect)
+        clients.start()
+        clients.join()  # holds the loop: all 50 wait in the listen queue
+        turns = 0
+
+        def turn() -> None:  # once per turn of the loop, until all are accepted
+            nonlocal turns
+            turns += 1
+            if len(server._connections) < 50:
+                loop.call_soon(turn)
+
+        loop.call_soon(turn)
+        await wait_for(_accepted(server, 50), 30)
+        assert turns <= 5, f"{turns} turns of the loop to accept 50 waiting connections"
+    finally:
+        for sock in socks:
+            sock.close()
+        await server.aclose()
+
+
+async def _accepted(server: HTTPServer, n: int) -> None:
+    while len(server._connections) < n:  # noqa: ASYNC110 (counting the loop's turns: no event)
+        await asyncio.sleep(0)

@@ -55,6 +55,10 @@ log = structlog.get_logger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 LOG_EVERY_S = 60.0  # a peer's refusals are logged at most once in this long (each is counted)
+# connections accepted each time the listening socket is ready (asyncio's own servers accept up to
+# their backlog); the rest wait for the loop's next turn
+ACCEPT_BATCH = 256
+ACCEPT_RETRY_S = 1.0  # after accept failed for want of descriptors or memory, as asyncio's servers
 _LINGERING = 256  # refused connections kept open for their answer to be read; past it they are closed at once
 _LINGER_S = 1.0  # how long a refused connection stays open (not read) for its answer to be read
 _FD_SPARE = 256  # file descriptors kept for what the process opens besides connections
@@ -607,20 +611,59 @@ class HTTPServer:
         self.counters = counters if counters is not None else {}
         for key in COUNTERS:
             self.counters.setdefault(key, 0)
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._adopting: set[asyncio.Task[None]] = set()
         self._connections: set[_Connection] = set()
         self._lingering: set[_Connection] = set()
         self._noted: dict[str, float] = {}  # peer -> when its last refusal was logged
         self._loop: asyncio.AbstractEventLoop
 
     async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: a free port); returns the port."""
+        """Listen on ``host:port`` (0: a free port); returns the port.
+
+        The server accepts by itself, up to :data:`ACCEPT_BATCH` connections each time the
+        listening socket is ready: uvloop (libuv) accepts one per turn of the loop, so a busy loop
+        (a turn of hundreds of milliseconds) left a burst of new clients in the listen queue for
+        seconds, one turn each (bench/RESULTS.md, "Load held")."""
         self._loop = asyncio.get_running_loop()
         _room_for(self.limits.max_connections + _LINGERING + _FD_SPARE)
-        self._server = await self._loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True, backlog=self.limits.backlog
-        )
-        return int(self._server.sockets[0].getsockname()[1])
+        family = (await self._loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=self.limits.backlog)
+        sock.setblocking(False)
+        self._listener = sock
+        self._loop.add_reader(sock.fileno(), self._accept)
+        return int(sock.getsockname()[1])
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(ACCEPT_BATCH):
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:  # the client gave up while it waited in the queue
+                continue
+            except OSError as e:  # out of descriptors or memory: wait, as asyncio's servers do
+                log.warning("http1.accept_failed", error=repr(e), retry_in_s=ACCEPT_RETRY_S)
+                self._loop.remove_reader(self._listener.fileno())
+                self._loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
+                return
+            task = self._loop.create_task(self._adopt(conn))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
+
+    def _resume_accepting(self) -> None:
+        if self._listener is not None:
+            self._loop.add_reader(self._listener.fileno(), self._accept)
+
+    async def _adopt(self, conn: socket.socket) -> None:
+        try:
+            await self._loop.connect_accepted_socket(lambda: _Connection(self), conn)
+        except OSError:  # gone before its transport was made
+            conn.close()
+        except BaseException:  # the server closing: the socket is not the transport's yet
+            conn.close()
+            raise
 
     def note(self, counter: str, peer: str, why: str) -> None:
         """Count a refusal; log it unless this peer's last was logged under LOG_EVERY_S ago."""
@@ -642,9 +685,13 @@ class HTTPServer:
 
     async def aclose(self) -> None:
         """Stop listening, drop every connection, cancel the answers in progress."""
-        if self._server is None:
+        if self._listener is None:
             return
-        self._server.close()
+        self._loop.remove_reader(self._listener.fileno())
+        self._listener.close()
+        self._listener = None
+        for task in list(self._adopting):
+            task.cancel()
         tasks: list[Any] = [c._task for c in self._connections if c._task is not None]
         for c in [*self._connections, *self._lingering]:
             c.close()
@@ -652,8 +699,7 @@ class HTTPServer:
                 c.transport.abort()  # its client is not reading: closing would wait for it
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._server = None
+        await asyncio.gather(*tasks, *self._adopting, return_exceptions=True)
 
 
 def _room_for(files: int) -> None:
