@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.simfarm import Farm  # noqa: E402
+from rlactors.base.forensics import LoopProbe  # noqa: E402
 
 KEY = "sk-bench-online"
 NEW_TOKENS = 8
@@ -116,6 +117,8 @@ def serve(urls: list[str], slots: int) -> None:
                 with contextlib.suppress(OnlineError):
                     await wf.arun_episode(client, {}, f"slot{i}/{n}")
 
+        probe = LoopProbe()  # how late this process's loop wakes: a stall of the server itself
+        probe.start()
         lag = {"max_s": 0.0}
 
         gc_t: dict[str, Any] = {"t": 0.0, "max_s": 0.0, "n": 0}
@@ -129,17 +132,12 @@ def serve(urls: list[str], slots: int) -> None:
 
         gc.callbacks.append(on_gc)
 
-        async def probe() -> None:  # how late this process's loop wakes: a stall of the server itself
-            while True:
-                t = time.monotonic()
-                await asyncio.sleep(0.05)
-                lag["max_s"] = max(lag["max_s"], time.monotonic() - t - 0.05)
-
         async def stats() -> None:
             loop = asyncio.get_running_loop()
             reader = asyncio.StreamReader()
             await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
             while line := await reader.readline():
+                lag["max_s"] = max(lag["max_s"], probe.report()["max_lag_s"])
                 if line.strip() == b"reset":
                     gen_s.clear()
                     lag["max_s"] = gc_t["max_s"] = 0.0
@@ -164,7 +162,7 @@ def serve(urls: list[str], slots: int) -> None:
                     flush=True,
                 )
 
-        await asyncio.gather(stats(), probe(), *(slot(i) for i in range(slots)))
+        await asyncio.gather(stats(), *(slot(i) for i in range(slots)))
 
     uvloop.run(main())
 
@@ -310,18 +308,20 @@ async def sessions_for(
             await asyncio.sleep(1.0)
         await asyncio.to_thread(mark["end"])
 
+    probe = LoopProbe()  # how late this process's loop wakes: a stall of the measuring side
+    probe.start()
     client_lag = {"max_s": 0.0}
 
-    async def probe() -> None:  # how late this process's loop wakes: a stall of the measuring side
+    async def lagged() -> None:
         await asyncio.sleep(max(0.0, measuring_from - time.monotonic()))
-        while time.monotonic() < until:
-            t = time.monotonic()
-            await asyncio.sleep(0.05)
-            client_lag["max_s"] = max(client_lag["max_s"], time.monotonic() - t - 0.05)
+        probe.report()  # the warm-up's lag is not the measurement's
+        await asyncio.sleep(max(0.0, until - time.monotonic()))
+        client_lag["max_s"] = probe.report()["max_lag_s"]
+        probe.stop()
 
     gc.collect()
     gc.freeze()  # what this process imported: a full collection need not walk it again
-    await asyncio.gather(sample(), probe(), *(loop(i) for i in range(n)))
+    await asyncio.gather(sample(), lagged(), *(loop(i) for i in range(n)))
     pool.close()
 
     def pct(xs: list[float], q: float) -> float:
