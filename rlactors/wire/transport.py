@@ -63,13 +63,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import fcntl
 import functools
 import operator
 import os
-import socket
-import struct
-import termios
 import threading
 import time
 import weakref
@@ -86,6 +82,7 @@ from protocols.runtime import wire
 from rlactors.base.awake import AwakeClock, awake_clock
 from rlactors.base.errors import MessageTooLargeError
 from rlactors.base.logging import Throttle
+from rlactors.wire.peers import Peer, inode
 from rlactors.wire.security import Security
 
 log = structlog.get_logger("rlactors.wire.transport")
@@ -285,108 +282,6 @@ def _matches(frames: list[Any], k: int, message: list[bytes]) -> bool:
     )
 
 
-class _Peer:
-    """One connection, for liveness: its socket (fd and inode, so that a later look finds the same
-    one: -1 unknown), when its peer was last heard (awake time), whether the peer pings (a ROUTER
-    pings those back), and the bytes received on it at the last look (TCP)."""
-
-    __slots__ = ("fd", "heard", "inode", "pings", "rx")
-
-    def __init__(self, fd: int | tuple[int, int], heard: float) -> None:
-        self.fd, self.inode = fd if isinstance(fd, tuple) else (fd, _inode(fd))
-        self.heard, self.pings, self.rx = heard, False, -1
-
-    def _socket(self) -> socket.socket | None:
-        """A duplicate of the connection's socket, if it is still the one noted."""
-        if self.fd < 0:
-            return None
-        try:
-            fd = os.dup(self.fd)  # checked after the dup: what is checked is what is used
-        except OSError:
-            return None
-        try:
-            if os.fstat(fd).st_ino == self.inode:  # else closed since, and the number reused
-                return socket.socket(fileno=fd)
-        except OSError:
-            pass
-        os.close(fd)
-        return None
-
-    def received(self) -> int | None:
-        """Bytes received on the connection (TCP's tcpi_bytes_received), None if not TCP."""
-        sock = self._socket()
-        if sock is None:
-            return None
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return None
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            return int(struct.unpack_from("Q", info, _TCPI_BYTES_RECEIVED)[0]) if len(info) >= 136 else None
-        except OSError:
-            return None
-        finally:
-            sock.close()
-
-    def read_all(self) -> bool:
-        """Whether the peer, in this host, has read every byte sent to it: over ipc, nothing is
-        left in our socket's send queue (SIOCOUTQ counts what the peer has not read); over TCP on
-        this host, the peer's socket (found in /proc/net/tcp) has nothing left to read. False
-        when unknown (a peer on another host: its kernel's acknowledgements say nothing of it)."""
-        sock = self._socket()
-        if sock is None:
-            return False
-        try:
-            if sock.family == socket.AF_UNIX:
-                return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0] == 0
-            if sock.family == socket.AF_INET:
-                return _peer_rx_queue(sock.getpeername(), sock.getsockname()) == 0
-            return False
-        except OSError:
-            return False
-        finally:
-            sock.close()
-
-    def hang_up(self) -> bool:
-        """Shut the connection down: libzmq reads the end of it and disconnects (a DEALER then
-        reconnects), as after a ZMTP heartbeat timed out. False if it was already gone."""
-        sock = self._socket()
-        if sock is None:
-            return False
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return False
-        finally:
-            sock.close()
-        return True
-
-
-_TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received in Linux's struct tcp_info (since 4.1)
-
-
-def _peer_rx_queue(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
-    """Bytes waiting to be read in the socket at ``local`` connected from ``remote``, if it is in
-    this host's network namespace (/proc/net/tcp); None if it is not."""
-
-    def hexed(addr: tuple[str, int]) -> str:
-        return f"{struct.unpack('<I', socket.inet_aton(addr[0]))[0]:08X}:{addr[1]:04X}"
-
-    want = f"{hexed(local)} {hexed(remote)}"
-    with open("/proc/net/tcp") as f:
-        for line in f:
-            fields = line.split(None, 5)
-            if len(fields) > 4 and f"{fields[1]} {fields[2]}" == want:
-                return int(fields[4].split(":")[1], 16)
-    return None
-
-
-def _inode(fd: int) -> int:
-    try:
-        return os.fstat(fd).st_ino if fd >= 0 else -1
-    except OSError:
-        return -1
-
-
 class _Backlog:
     """One peer's messages waiting past ZeroMQ's high-water mark, in order."""
 
@@ -455,9 +350,9 @@ class AsyncSocket:
         self.seen = time.monotonic()  # when this loop last ran the liveness timer
         self._clock: AwakeClock | None = None
         self._tick_handle: asyncio.TimerHandle | None = None
-        self._peers: dict[bytes, _Peer] = {}  # ROUTER: its connections, by peer identity
+        self._peers: dict[bytes, Peer] = {}  # ROUTER: its connections, by peer identity
         self._connecting: tuple[int, int] = (-1, -1)  # DEALER: (fd, inode) of the connection made last
-        self._link: _Peer | None = None  # DEALER: its connection, while it is up
+        self._link: Peer | None = None  # DEALER: its connection, while it is up
         self._pinged = 0.0  # monotonic time of the last pings
         self._wake_pending = False  # the ping thread has asked this loop to drain
         if liveness:
@@ -525,7 +420,7 @@ class AsyncSocket:
         peer = self._peers.get(ident)
         if peer is None:
             fd = frames[0].get(zmq.SRCFD)
-            peer = self._peers[ident] = _Peer(fd if isinstance(fd, int) else -1, now)
+            peer = self._peers[ident] = Peer(fd if isinstance(fd, int) else -1, now)
         else:
             peer.heard = now
         if not _matches(frames, 1, _PING):
@@ -553,11 +448,11 @@ class AsyncSocket:
         """DEALER: its connection came up (handshake done) or went down."""
         self._link = None
         if up and self._clock is not None:
-            self._link = _Peer(self._connecting, self._clock.now())
+            self._link = Peer(self._connecting, self._clock.now())
             with self._lock:  # a new identity at the ROUTER: it learns at once that this one pings
                 self._ping()
 
-    def _silent(self, peer: _Peer, now: float, pinged: bool) -> bool:
+    def _silent(self, peer: Peer, now: float, pinged: bool) -> bool:
         """Whether ``peer`` has been silent past the timeout. Two signs from the kernel count as
         hearing it too, as they did for ZMTP heartbeats: bytes arriving on its TCP connection (a
         long message, heard only when whole; each frame reset ZMTP's timeout), and, for a peer in
@@ -574,7 +469,7 @@ class AsyncSocket:
                 return False
         return silent > HEARTBEAT_TIMEOUT_MS / 1000
 
-    def _cut(self, peer: _Peer, now: float) -> None:
+    def _cut(self, peer: Peer, now: float) -> None:
         if peer.hang_up():
             log.info(
                 "cut a connection whose peer was silent",
@@ -958,7 +853,7 @@ def connect_dealer(
         kind = event["event"]
         if kind == zmq.EVENT_CONNECTED:  # its value is the connection's fd
             fd = int(event["value"])
-            asock._connecting = (fd, _inode(fd))
+            asock._connecting = (fd, inode(fd))
             return
         up = kind == zmq.EVENT_HANDSHAKE_SUCCEEDED
         asock._linked(up)

@@ -29,7 +29,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from rlactors.base.aio import wait_for
-from rlactors.wire import transport
+from rlactors.wire import peers, transport
 from rlactors.wire.client import Connection
 from rlactors.wire.service import Service
 
@@ -297,7 +297,7 @@ def test_bytes_received_on_a_tcp_connection_are_counted_and_a_hang_up_ends_it() 
     client = socket.create_connection(listener.getsockname())
     server, _ = listener.accept()
     try:
-        peer = transport._Peer(server.fileno(), 0.0)
+        peer = peers.Peer(server.fileno(), 0.0)
         before = peer.received()
         assert before is not None
         client.sendall(b"y" * 1000)
@@ -312,13 +312,13 @@ def test_bytes_received_on_a_tcp_connection_are_counted_and_a_hang_up_ends_it() 
         assert client.recv(1) == b""  # the other end reads the end of the stream
         a, b = socket.socketpair()
         with a, b:
-            unix = transport._Peer(a.fileno(), 0.0)
+            unix = peers.Peer(a.fileno(), 0.0)
             assert unix.received() is None  # not TCP
             a.sendall(b"w" * 10)
             assert not unix.read_all()
             assert b.recv(10, socket.MSG_WAITALL) == b"w" * 10
             assert unix.read_all()
-        stale = transport._Peer(server.fileno(), 0.0)
+        stale = peers.Peer(server.fileno(), 0.0)
         stale.inode += 1  # as if the fd number now belonged to another socket
         assert stale.received() is None and not stale.hang_up()
     finally:
