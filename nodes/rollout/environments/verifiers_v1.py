@@ -44,7 +44,7 @@ import httpx  # the bridges' client, as the OpenEnv servers' (env_servers.py)
 import rlactors
 from nodes.rollout.environments.env_servers import EnvServerActor, EnvServers, start_env_servers
 from nodes.rollout.environments.episodes import EnvEpisodes, EnvError, EpisodeSettings, finite_reward
-from nodes.rollout.environments.pyenvs import ensure_pyenv, pip_source_flags, uv_source_env
+from nodes.rollout.environments.pyenvs import ensure_pyenv, hold_pyenv, pip_source_flags, uv_source_env
 from nodes.rollout.reward import RewardRunner
 from nodes.rollout.workflows import all_or_none
 from protocols.rl import TrajectoryGroup
@@ -209,6 +209,7 @@ class V1ServerActor(EnvServerActor):
     ) -> None:
         super().__init__(app, start_timeout_s)
         self.python, self.env_config, self.max_concurrent = python, env_config, max_concurrent
+        hold_pyenv(Path(python).parent.parent)  # in use while this actor lives: never pruned
 
     def commands(self, host: str, port: int) -> tuple[list[list[str]], dict[str, str]]:
         from nodes.common.procs import free_port
