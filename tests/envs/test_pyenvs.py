@@ -56,15 +56,21 @@ def holders() -> Iterator[list[subprocess.Popen[str]]]:
         p.wait()
 
 
-def _hold(holders: list[subprocess.Popen[str]], where: Path) -> subprocess.Popen[str]:
-    """Another process that takes ``where`` (as an env server's actor does) and lives on."""
-    p = subprocess.Popen(
+def _taker(where: Path) -> subprocess.Popen[str]:
+    """Another process that takes ``where`` (as an env server's actor does), prints "held" once it
+    holds it, and lives on until killed."""
+    return subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(where)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parents[2],
     )
+
+
+def _hold(holders: list[subprocess.Popen[str]], where: Path) -> subprocess.Popen[str]:
+    """A :func:`_taker` that holds ``where`` now."""
+    p = _taker(where)
     holders.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "held"
     return p
@@ -113,13 +119,7 @@ def test_taking_an_environment_waits_for_a_prune_that_is_removing_it(tmp_path: P
     where = _env(tmp_path, "env", 1)
     with open(tmp_path / "env.use", "a") as pruning:  # as prune_pyenvs holds it while removing
         fcntl.flock(pruning, fcntl.LOCK_EX)
-        taker = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(where)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).parents[2],
-        )
+        taker = _taker(where)
         try:
             assert taker.stdout is not None
             ready, _, _ = select.select([taker.stdout], [], [], 2.0)
@@ -132,7 +132,7 @@ def test_taking_an_environment_waits_for_a_prune_that_is_removing_it(tmp_path: P
         finally:
             taker.kill()
             taker.wait()
-    assert not where.exists()  # it saw the removal: ensure_pyenv would make it again
+    assert not where.exists()  # taking it did not bring back a part of it: ensure_pyenv remakes it
 
 
 def test_keep_days_reads_its_variable_and_refuses_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
