@@ -8,7 +8,8 @@
 # GPU (through a weight-update group, and by reference), and the recipe with the one-GPU config's
 # geometry (recipes/configs/gpu_1x.toml: trainer and server sharing the GPU, tensor push) and the
 # tiny model for 3 steps. One JSON report (--report, default gpu-check-report.json) holds each
-# step's result and timing; the exit code is the number of failed steps.
+# step's result and timing; the exit code is the number of failed steps. Its scratch folder is
+# removed at exit, but for the steps' logs when one failed.
 # --device cpu runs the same steps on CPU (gloo; bf16 where the CPU has it); CI runs it so, with a
 # wheelhouse for its own Python (--python-version of gpu-wheelhouse.sh).
 #   bash scripts/gpu-check.sh [--device cuda|cpu] [--wheelhouse DIR] [--python PY] [--steps N] [--report FILE]
@@ -32,6 +33,9 @@ done
 [ -d "$WH/wheels" ] || { echo "no wheelhouse at $WH: run scripts/gpu-wheelhouse.sh first (with network)" >&2; exit 2; }
 PY=$(realpath -s "$(command -v "$PY")")  # absolute, the venv kept (no symlink resolved)
 WORK=$(mktemp -d -t rlactors-gpu-check-XXXXXX)
+# the installed packages and the model cache go at exit (~240 MiB); the steps' logs stay if a step failed
+failed=1
+trap 'rm -rf "$WORK/site" "$WORK/cache"; [ "$failed" != 0 ] || rm -rf "$WORK"' EXIT
 mkdir -p "$(dirname "$REPORT")"
 t0=$(date +%s)
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/site" "$WH"/wheels/*.whl
@@ -46,5 +50,9 @@ set +e
   --work "$WORK/work" --report "$REPORT"
 failed=$?
 set -e
-echo "[gpu-check] report: $REPORT ($failed failed); logs: $WORK/work"
+if [ "$failed" = 0 ]; then
+  echo "[gpu-check] report: $REPORT (0 failed)"
+else
+  echo "[gpu-check] report: $REPORT ($failed failed); logs: $WORK/work"
+fi
 exit $failed
