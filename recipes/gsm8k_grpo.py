@@ -81,15 +81,24 @@ def prepare(cfg: RecipeConfig, out: Path, resume: bool) -> tuple[RunState, Path,
 async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | None, resume: bool) -> None:
     """The run: bring the plane up, then step until ``run.steps`` (0: until stopped)."""
     state, model, train_items, eval_items = await asyncio.to_thread(prepare, cfg, out, resume)
-    term = Termination(cfg.run.term_grace_s)
-    c = await (rlactors.init() if cluster is None else rlactors.connect(cluster[0], secret_file=cluster[1]))
-    reach = c.record_run(out)  # `rlactors status|stack|pool` reach this run while it runs
+    # before the cluster: TensorBoard's import and wandb.init hold this loop for seconds, which an
+    # embedded head on it would take for a stall of its own
     metrics = MetricsLogger(
         out,
         tensorboard=cfg.metrics.tensorboard,
         wandb=cfg.metrics.wandb or None,
         resume_step=state.resume_from,
     )
+    term = Termination(cfg.run.term_grace_s)
+    try:
+        c = await (
+            rlactors.init() if cluster is None else rlactors.connect(cluster[0], secret_file=cluster[1])
+        )
+    except BaseException:
+        term.close()
+        metrics.close()
+        raise
+    reach = c.record_run(out)  # `rlactors status|stack|pool` reach this run while it runs
     try:
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
         if cfg.data.source == "online":  # episodes come from the session API's clients
