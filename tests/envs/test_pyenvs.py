@@ -5,6 +5,7 @@ hold, not by where a local package lies; kept while any process holds one; remov
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import select
 import shutil
@@ -31,8 +32,9 @@ HOLDER = (
 
 
 def _env(root: Path, name: str, used_days_ago: float | None, ready: bool = True) -> Path:
-    """A made environment (or a half-made one: ``ready`` False) last used that many days ago."""
-    where = root / name
+    """A made environment (or a half-made one: ``ready`` False) last used that many days ago,
+    under a hash-like name as ensure_pyenv gives them (:func:`_named` reads ``name`` back)."""
+    where = root / _hashed(name)
     (where / "bin").mkdir(parents=True)
     (where / "bin" / "python").write_bytes(b"\0" * 4096)
     if ready:
@@ -44,6 +46,15 @@ def _env(root: Path, name: str, used_days_ago: float | None, ready: bool = True)
             if (where / marker).exists():
                 os.utime(where / marker, (at, at))
     return where
+
+
+def _hashed(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
+
+
+def _named(paths: list[Path], *names: str) -> bool:
+    """Whether ``paths`` are the environments ``_env`` made under ``names``."""
+    return sorted(p.name for p in paths) == sorted(_hashed(n) for n in names)
 
 
 @pytest.fixture
@@ -98,10 +109,10 @@ def test_unused_environments_and_leftovers_go_and_held_or_recent_ones_stay(
     leftover = _env(tmp_path, "leftover", None, ready=False)
     being_made = _env(tmp_path, "being-made", None, ready=False)
     holder = _hold(holders, held)
-    with open(tmp_path / "being-made.lock", "a") as making:  # as ensure_pyenv holds it while making
+    with open(tmp_path / f"{being_made.name}.lock", "a") as making:  # as ensure_pyenv holds it while making
         fcntl.flock(making, fcntl.LOCK_EX)
         removed = prune_pyenvs(tmp_path, 14)
-    assert sorted(p.name for p in removed) == ["leftover", "made-before-marks", "old"]
+    assert _named(removed, "leftover", "made-before-marks", "old")
     assert not old.exists() and not leftover.exists() and not never_marked.exists()
     assert recent.exists() and held.exists() and being_made.exists()
     assert (held / READY).exists()
@@ -109,7 +120,7 @@ def test_unused_environments_and_leftovers_go_and_held_or_recent_ones_stay(
     holder.kill()  # the run that took it 30 days ago ends
     holder.wait()
     os.utime(held / USED, (time.time() - 30 * DAY,) * 2)
-    assert sorted(p.name for p in prune_pyenvs(tmp_path, 14)) == ["being-made", "held"]
+    assert _named(prune_pyenvs(tmp_path, 14), "being-made", "held")
     assert recent.exists() and (recent / READY).exists()
     assert prune_pyenvs(tmp_path, 0) == [] and recent.exists()  # 0 keeps all
     assert prune_pyenvs(tmp_path, 1) == [recent]
@@ -117,7 +128,7 @@ def test_unused_environments_and_leftovers_go_and_held_or_recent_ones_stay(
 
 def test_taking_an_environment_waits_for_a_prune_that_is_removing_it(tmp_path: Path) -> None:
     where = _env(tmp_path, "env", 1)
-    with open(tmp_path / "env.use", "a") as pruning:  # as prune_pyenvs holds it while removing
+    with open(tmp_path / f"{where.name}.use", "a") as pruning:  # as prune_pyenvs holds it while removing
         fcntl.flock(pruning, fcntl.LOCK_EX)
         taker = _taker(where)
         try:
@@ -133,6 +144,22 @@ def test_taking_an_environment_waits_for_a_prune_that_is_removing_it(tmp_path: P
             taker.kill()
             taker.wait()
     assert not where.exists()  # taking it did not bring back a part of it: ensure_pyenv remakes it
+
+
+def test_an_interpreter_not_made_here_is_left_alone(tmp_path: Path) -> None:
+    """An env server's actor holds its interpreter's environment only if ensure_pyenv made it: a
+    test's or a user's own virtual environment gets no lock file beside it."""
+    from nodes.rollout.environments.pyenvs import hold_pyenv
+
+    venv = tmp_path / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    hold_pyenv(venv, made=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".venv"]
+    made = _env(tmp_path, "made", 30)
+    hold_pyenv(made, made=True)
+    assert (tmp_path / f"{made.name}.use").exists() and (made / USED).stat().st_mtime > time.time() - 60
+    assert prune_pyenvs(tmp_path, 1) == []  # this process holds one; the other is not an environment
+    assert venv.is_dir() and made.is_dir()
 
 
 def test_keep_days_reads_its_variable_and_refuses_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -175,10 +176,12 @@ def keep_days() -> float:
     return days
 
 
-def hold_pyenv(where: Path) -> None:
+def hold_pyenv(where: Path, made: bool = False) -> None:
     """Mark the environment at ``where`` in use by this process until it exits (a shared lock on
-    ``<where>.use``: :func:`prune_pyenvs` leaves it) and used now. Once per process."""
-    if where in _held:
+    ``<where>.use``: :func:`prune_pyenvs` leaves it) and used now. Once per process. ``made``:
+    only if ``where`` is an environment :func:`ensure_pyenv` made (any other folder, such as the
+    trainer's own virtual environment, is left alone)."""
+    if where in _held or (made and not (where / READY).exists()):
         return
     fd = os.open(where.parent / f"{where.name}.use", os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)  # waits for a prune that is removing it
@@ -195,7 +198,8 @@ def prune_pyenvs(root: Path, days: float) -> list[Path]:
         return []
     removed, freed = [], 0
     cutoff = time.time() - days * 86400
-    for where in sorted(p for p in root.iterdir() if p.is_dir()):
+    ours = re.compile(r"[0-9a-f]{16}")  # :func:`_identity`'s names: nothing else there is touched
+    for where in sorted(p for p in root.iterdir() if p.is_dir() and ours.fullmatch(p.name)):
         ready = (where / READY).exists()
         if ready and _last_used(where) > cutoff:
             continue

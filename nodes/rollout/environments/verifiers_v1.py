@@ -209,7 +209,7 @@ class V1ServerActor(EnvServerActor):
     ) -> None:
         super().__init__(app, start_timeout_s)
         self.python, self.env_config, self.max_concurrent = python, env_config, max_concurrent
-        hold_pyenv(Path(python).parent.parent)  # in use while this actor lives: never pruned
+        hold_pyenv(Path(python).parent.parent, made=True)  # in use while this actor lives: never pruned
 
     def commands(self, host: str, port: int) -> tuple[list[list[str]], dict[str, str]]:
         from nodes.common.procs import free_port
