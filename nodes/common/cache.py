@@ -4,10 +4,13 @@ recipe (nodes/inference/models.py), environments' Python environments (nodes/rol
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["cache_root"]
+__all__ = ["building", "cache_root"]
 
 
 def cache_root(cache_dir: Path | None = None) -> Path:
@@ -18,3 +21,15 @@ def cache_root(cache_dir: Path | None = None) -> Path:
         root = Path(os.environ.get("RLACTORS_CACHE") or Path.home() / ".cache" / "rlactors")
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@contextlib.contextmanager
+def building(lock: Path) -> Iterator[None]:
+    """Hold the exclusive lock on the file ``lock`` (made if missing): of two processes building
+    the same thing into the cache, the second waits for the first and finds it built."""
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -9,19 +9,17 @@ a half-written checkpoint.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
 import structlog
 
-from nodes.common.cache import cache_root
+from nodes.common.cache import building, cache_root
 
 log = structlog.get_logger(__name__)
 
@@ -43,24 +41,12 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _locked(root: Path, name: str) -> Iterator[None]:
-    """Hold an exclusive inter-process lock for building ``root/name``."""
-    lock_path = root / f".{name}.lock"
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _build_once(root: Path, name: str, build: Callable[[Path], None]) -> Path:
     """Return ``root/name``, building it with ``build(tmp_dir)`` and an atomic rename if absent."""
     final = root / name
     if (final / ".complete").exists():
         return final
-    with _locked(root, name):
+    with building(root / f".{name}.lock"):
         if (final / ".complete").exists():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))

@@ -102,22 +102,11 @@ def _built(rel: Path) -> bool:
     return any(part in ("build", "__pycache__", ".git") or part.endswith(".egg-info") for part in rel.parts)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """Hold ``path``'s lock: two runs making the same environment make it once."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def ensure_pyenv(requirements: list[str], timeout_s: float = 900.0, cache: Path | None = None) -> Path:
     """The interpreter of the environment holding ``requirements`` (pip requirement specs or local
     paths), made now unless it was made before. ``ValueError`` (one line: what failed to install)
     when uv cannot make it."""
-    from nodes.common.cache import cache_root
+    from nodes.common.cache import building, cache_root
 
     days = keep_days()  # a bad setting stops before the making
     reqs = [str(Path(r).resolve()) if _is_path(r) else r for r in requirements]
@@ -128,7 +117,7 @@ def ensure_pyenv(requirements: list[str], timeout_s: float = 900.0, cache: Path 
     hold_pyenv(where)  # before looking: a prune that holds it finishes first
     if (where / READY).exists():
         return python
-    with _locked(root / f"{where.name}.lock"):
+    with building(root / f"{where.name}.lock"):  # two runs making it make it once
         if (where / READY).exists():
             return python
         shutil.rmtree(where, ignore_errors=True)  # an earlier attempt's leftovers
