@@ -90,16 +90,12 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
         resume_step=state.resume_from,
     )
     term = Termination(cfg.run.term_grace_s)
+    c: rlactors.Cluster | None = None
     try:
         c = await (
             rlactors.init() if cluster is None else rlactors.connect(cluster[0], secret_file=cluster[1])
         )
-    except BaseException:
-        term.close()
-        metrics.close()
-        raise
-    reach = c.record_run(out)  # `rlactors status|stack|pool` reach this run while it runs
-    try:
+        reach = c.record_run(out)  # `rlactors status|stack|pool` reach this run while it runs
         plane = await term.wait(start_plane(c, cfg, model, state, train_items))
         if cfg.data.source == "online":  # episodes come from the session API's clients
             await term.wait(announce_sessions(c, cfg, plane, out))
@@ -120,7 +116,8 @@ async def train(cfg: RecipeConfig, out: Path, cluster: tuple[str, str | None] | 
     finally:
         term.close()
         metrics.close()
-        await c.close()
+        if c is not None:
+            await c.close()
 
 
 async def loop(
