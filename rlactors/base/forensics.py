@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import contextvars
 import faulthandler
+import functools
 import itertools
 import os
 import signal
@@ -265,7 +266,7 @@ def register_dump(dump_file: Path) -> BinaryIO:
     """
     f = open(dump_file, "ab", buffering=0)  # held open for the process's life
     fd = f.fileno()
-    signal.signal(DUMP_SIGNAL, lambda signum, frame: _dump_stacks(fd, frame))
+    signal.signal(DUMP_SIGNAL, functools.partial(_on_dump_signal, fd))
     faulthandler.register(FALLBACK_DUMP_SIGNAL, file=f, all_threads=False, chain=False)
     return f
 
@@ -277,12 +278,25 @@ def unregister_dump(f: BinaryIO) -> None:
     f.close()
 
 
+def _on_dump_signal(fd: int, signum: int, frame: FrameType | None) -> None:
+    _dump_stacks(fd, frame)
+
+
+def _own(frame: FrameType | None) -> FrameType | None:
+    """``frame`` less the dump handler's own frames on top: a second signal that lands while the
+    first one's dump is still being written interrupts the handler, not the program."""
+    while frame is not None and frame.f_code in (_on_dump_signal.__code__, _dump_stacks.__code__):
+        frame = frame.f_back
+    return frame
+
+
 def _dump_stacks(fd: int, interrupted: FrameType | None) -> None:
     """Write every thread's stack to ``fd`` in faulthandler's format; "Current thread" is this one,
     from the frame the signal interrupted. A signal handler, run between any two bytecodes of the
     main thread: it takes no lock (the code it interrupted may hold threading's) and raises nothing
     into that code."""
     try:
+        interrupted = _own(interrupted)
         me = threading.get_ident()
         blocks = []
         read = _current_frames()

@@ -537,3 +537,28 @@ def test_a_dump_that_comes_inside_a_read_of_the_threads_reads_only_its_own(tmp_p
     assert dump_loop_thread(text, None)[-1].endswith(
         "in test_a_dump_that_comes_inside_a_read_of_the_threads_reads_only_its_own"
     )
+
+
+def test_a_dump_signal_that_lands_inside_a_dump_shows_the_program_not_the_handler(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two dumps close together (two `rlactors stack` calls, or a collector's next round): the
+    # second signal's handler runs between two bytecodes of the first one's, still writing.
+    write, nested = os.write, []
+
+    def write_then_signalled(fd: int, data: bytes) -> int:
+        if not nested:
+            nested.append(True)
+            forensics._on_dump_signal(fd, signal.SIGUSR2, sys._getframe(1))  # inside _dump_stacks
+        return write(fd, data)
+
+    monkeypatch.setattr(forensics.os, "write", write_then_signalled)
+    with open(tmp_path / "x.stacks", "wb+", buffering=0) as f:
+        forensics._on_dump_signal(f.fileno(), signal.SIGUSR2, sys._getframe())
+        f.seek(0)
+        text = f.read().decode()
+    assert nested and text.count("Current thread") == 2, text
+    assert "_dump_stacks" not in text and "_on_dump_signal" not in text, text
+    assert dump_loop_thread(text, None)[-1].endswith(
+        "in test_a_dump_signal_that_lands_inside_a_dump_shows_the_program_not_the_handler"
+    ), text
